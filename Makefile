@@ -1,0 +1,38 @@
+# Each target bootstraps .venv from nothing. torch is pinned to the CPU build (2.13.0): a looser
+# requirement pulls the CUDA build and gigabytes of CUDA packages (see README, "Installing").
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+TORCH  ?= torch==2.13.0
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: demo test test-all lint bench clean
+
+$(STAMP): pyproject.toml setup.py client/_dlpack.c
+	$(PYTHON) -c 'import sys; sys.exit("tensorbroker needs Python 3.11+, found " + sys.version.split()[0]) if sys.version_info < (3, 11) else None'
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet --no-build-isolation -e ".[torch,jax,test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -P demo/pipeline.py
+
+test: $(STAMP)
+	$(PY) -P -m pytest -q -m "not slow"
+
+test-all: $(STAMP)
+	$(PY) -P -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+bench: $(STAMP)
+	$(PY) -P bench/run.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info client/*.so .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""The client side: `Client`, `Tensor` (a DLPack producer over shared memory), mapping caches."""

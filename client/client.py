@@ -1,0 +1,314 @@
+"""`Client`: put, get, create, delete and friends, over a broker's shared memory.
+
+Threads may share a Client: each call borrows a socket (a `Channel`) from a small pool, so a
+`get` parked in the broker never blocks another thread's call. Lease releases are queued by
+finalisers and sent in batches: on the next request, or by a background flusher thread
+when the client is idle (that thread also sends heartbeats to a broker that cannot watch
+this process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import queue
+import secrets
+import threading
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import zmq
+
+from ..common import host
+from ..common.config import check_address, default_address
+from ..common.descriptors import ObjectDesc, TensorDesc
+from ..common.dtypes import dtype as lookup_dtype
+from ..common.errors import BrokerError, BrokerUnavailable, InvalidRequest
+from ..common.protocol import PROTOCOL_VERSION, Op
+from .shm import SegmentCache
+from .sources import entries
+from .tensor import Lease, Tensor
+from .transport import Channel, ChannelPool, open_pidfd
+
+log = logging.getLogger(__name__)
+
+REQUEST_TIMEOUT = 30.0  # for requests the broker answers at once
+WAIT_GRACE = 5.0  # extra time for the answer to a get that waits in the broker
+_STOP = -1
+
+
+class Client:
+    """A connection to one broker. Use `tb.connect()` to make one; close it, or use `with`."""
+
+    _closed = True  # class-level defaults: a half-built Client can still be closed
+    _pid = -1
+    _broker_pidfd: int | None = None
+
+    def __init__(self, address: str | None = None, timeout: float = 5.0) -> None:
+        self.address = check_address(address or default_address())
+        self._pid = os.getpid()
+        self._session = secrets.token_hex(16)
+        self._ids = itertools.count(1)
+        self._releases: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._segments = SegmentCache()
+        self._broken: str | None = None
+        self._heartbeat: float | None = None
+        self._pool = ChannelPool(self.address)
+        self._closed = False
+        try:
+            self._pool.give_back(self._new_channel(timeout))
+            flusher_channel = self._new_channel(timeout)
+        except BaseException:
+            self.close()
+            raise
+        # The thread holds the queue and its socket, not the Client, so an unclosed
+        # Client can still be collected (and warn).
+        self._flusher = threading.Thread(
+            target=_flush_releases,
+            args=(self._releases, self._heartbeat, flusher_channel, self._pool),
+            daemon=True,
+            name=f"tensorbroker-release-{self._session[:6]}",
+        )
+        self._flusher.start()
+
+    def _new_channel(self, timeout: float) -> Channel:
+        channel = self._pool.new()
+        hello = {
+            "op": Op.HELLO,
+            "id": next(self._ids),
+            "version": PROTOCOL_VERSION,
+            "session": self._session,
+            "pid": self._pid,
+            "boot_id": host.boot_id(),
+            "start_time": host.start_time(self._pid),
+        }
+        try:
+            reply = channel.call(hello, timeout)
+        except BrokerUnavailable:
+            self._pool.discard(channel)
+            raise BrokerUnavailable(
+                f"no broker answers at {self.address} (waited {timeout:.1f}s): start one with "
+                f"`tensorbroker serve --address {self.address}`, or set $TENSORBROKER_ADDRESS"
+            ) from None
+        except BaseException:
+            self._pool.discard(channel)
+            raise
+        self._heartbeat = float(reply.get("heartbeat") or 0.0) or None
+        if self._broker_pidfd is None and reply.get("boot_id") == host.boot_id():
+            pid = reply["pid"]
+            fd = open_pidfd(pid)
+            if fd is not None and host.start_time(pid) != reply.get("start_time"):
+                os.close(fd)
+                fd = None
+            self._broker_pidfd = fd
+        if self._broker_pidfd is not None:
+            channel.watch_broker(self._broker_pidfd)
+        return channel
+
+    # -- the public API --------------------------------------------------------------------
+
+    def put(self, key: str, value: Any) -> int:
+        """Store a tensor, or a bundle (a dict of name -> tensor), under `key`; return its
+        version. One copy into shared memory; readers of an older version keep theirs."""
+        items, bundle = entries(key, value)
+        specs = [[name, dt.name, list(array.shape)] for name, array, dt in items]
+        reply = self._call(Op.PUT, key=key, tensors=specs, bundle=bundle)
+        put_id = reply["put"]
+        try:
+            for (_, src, dt), wire in zip(items, reply["tensors"], strict=True):
+                dst = self._view(TensorDesc.from_wire(wire), dt.typestr)
+                np.copyto(dst, src, casting="no")
+        except BaseException:
+            with contextlib.suppress(BrokerError):
+                self._call(Op.ABORT, put=put_id)
+            raise
+        version: int = self._call(Op.SEAL, put=put_id)["version"]
+        return version
+
+    def get(self, key: str, timeout: float | None = 0.0) -> Tensor | dict[str, Tensor]:
+        """The current version of `key`: a Tensor, or a dict of them for a bundle.
+
+        timeout=0 (the default) raises NotFound at once if the key does not exist; a number
+        waits that many seconds for it to be put (then Timeout); None waits as long as it
+        takes. No copy: the result reads the broker's shared memory.
+        """
+        wait = None if timeout is None else timeout + WAIT_GRACE
+        reply = self._call(Op.GET, key=key, timeout=timeout, wait=wait)
+        obj = ObjectDesc.from_wire(reply)
+        lease = Lease(obj.lease, self._segments.get(obj.tensors[0].segment), self._releases)
+        tensors = {t.name: Tensor(obj.key, obj.version, t, lease) for t in obj.tensors}
+        return tensors if obj.bundle else tensors[""]
+
+    @contextlib.contextmanager
+    def create(
+        self, key: str, shape: Sequence[int], dtype: Any, device: str = "cpu"
+    ) -> Iterator[Tensor]:
+        """Write an object in place: yields a writable Tensor over its shared memory.
+
+        Sealed (published) when the block exits; aborted if it raises.
+        """
+        if device != "cpu":
+            raise InvalidRequest(
+                f"create {key!r}: device {device!r} is not served by this broker; use 'cpu'"
+            )
+        dt = lookup_dtype(dtype)
+        reply = self._call(Op.PUT, key=key, tensors=[["", dt.name, [int(d) for d in shape]]])
+        desc = TensorDesc.from_wire(reply["tensors"][0])
+        lease = Lease(reply["put"], self._segments.get(desc.segment), self._releases)
+        buffer = Tensor(key, 0, desc, lease, writable=True)
+        try:
+            yield buffer
+        except BaseException:
+            if not self._closed:
+                with contextlib.suppress(BrokerError):
+                    self._call(Op.ABORT, put=lease.id, keep=True)
+            raise
+        buffer.version = self._call(Op.SEAL, put=lease.id, keep=True)["version"]
+
+    def delete(self, key: str) -> None:
+        """Remove `key`; NotFound if absent. Readers keep their bytes until they let go."""
+        self._call(Op.DELETE, key=key)
+
+    def exists(self, key: str) -> bool:
+        return bool(self._call(Op.EXISTS, key=key)["exists"])
+
+    def keys(self) -> list[str]:
+        return list(self._call(Op.KEYS)["keys"])
+
+    def stats(self) -> dict[str, Any]:
+        """Broker counters: capacity_bytes, used_bytes, objects, clients, leases, ..."""
+        reply = self._call(Op.STATS)
+        return {k: v for k, v in reply.items() if k not in ("id", "ok")}
+
+    def ping(self) -> dict[str, Any]:
+        reply = self._call(Op.PING)
+        return {k: v for k, v in reply.items() if k not in ("id", "ok")}
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    def _view(self, desc: TensorDesc, typestr: str) -> np.ndarray[Any, Any]:
+        """A writable NumPy view of a tensor being put (the mapping is held by the cache)."""
+        mapping = self._segments.get(desc.segment)
+        count = int(np.prod(desc.shape))
+        flat = np.frombuffer(mapping.mmap, np.dtype(typestr), count, desc.offset)
+        return flat.reshape(desc.shape)
+
+    def _call(self, op: str, wait: float | None = REQUEST_TIMEOUT, **fields: Any) -> dict[str, Any]:
+        self._check_usable()
+        message = {"op": op, "id": next(self._ids), **fields}
+        releases = _drain(self._releases)
+        if releases:
+            message["rel"] = releases
+        channel = self._pool.borrow() or self._new_channel(REQUEST_TIMEOUT)
+        try:
+            return channel.call(message, wait)
+        except BrokerUnavailable as exc:
+            if "exited" in str(exc):
+                self._broken = str(exc)
+            raise
+        finally:
+            self._pool.give_back(channel)
+
+    def _check_usable(self) -> None:
+        if os.getpid() != self._pid:
+            raise BrokerError(
+                f"this Client was made in process {self._pid} and cannot be used in a forked "
+                "child: call tb.connect() in the child (or use the spawn start method)"
+            )
+        if self._closed:
+            raise BrokerError(f"this Client of {self.address} is closed")
+        if self._broken:
+            raise BrokerUnavailable(self._broken)
+
+    # -- closing ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Send what releases are due and disconnect. Idempotent.
+
+        Arrays still alive from this client keep their memory (and their leases) until the
+        process exits.
+        """
+        if self._closed or os.getpid() != self._pid:
+            return
+        self._closed = True
+        flusher = getattr(self, "_flusher", None)
+        if flusher is not None:
+            self._releases.put(_STOP)
+            flusher.join(timeout=5.0)
+        idle = self._pool.close()
+        if idle and not self._broken:
+            bye = {"op": Op.BYE, "id": 0, "keep_leases": True, "rel": _drain(self._releases)}
+            with contextlib.suppress(zmq.ZMQError):
+                idle[0].send(bye)
+        for channel in idle:
+            self._pool.discard(channel)
+        self._segments.clear()
+        fd, self._broker_pidfd = self._broker_pidfd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not self._closed and os.getpid() == getattr(self, "_pid", None):
+            warnings.warn(
+                f"unclosed tensorbroker Client of {self.address}", ResourceWarning, stacklevel=1
+            )
+            self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<tb.Client {self.address} {state}>"
+
+
+def _drain(releases: queue.SimpleQueue[int]) -> list[int]:
+    """The lease ids queued now (a _STOP mark is put back for the flusher)."""
+    out = []
+    while True:
+        try:
+            lease_id = releases.get_nowait()
+        except queue.Empty:
+            return out
+        if lease_id == _STOP:
+            releases.put(_STOP)
+            return out
+        out.append(lease_id)
+
+
+def _flush_releases(
+    releases: queue.SimpleQueue[int], heartbeat: float | None, channel: Channel, pool: ChannelPool
+) -> None:
+    """The flusher thread: send queued releases as they come, batched; heartbeats if asked."""
+    try:
+        while True:
+            try:
+                first = releases.get(timeout=heartbeat)
+            except queue.Empty:
+                channel.send({"op": Op.HEARTBEAT, "id": 0})
+                continue
+            stop = first == _STOP
+            ids = _drain(releases) if stop else [first, *_drain(releases)]
+            if ids:
+                channel.send({"op": Op.RELEASE, "id": 0, "rel": ids})
+            if stop:
+                return
+    except zmq.ZMQError as exc:
+        log.warning("the release thread stopped: %s", exc)
+    finally:
+        pool.discard(channel)
+
+
+def connect(address: str | None = None, timeout: float = 5.0) -> Client:
+    """Connect to a broker: `address`, else $TENSORBROKER_ADDRESS, else the default socket.
+
+    Raises BrokerUnavailable (naming the address) if no broker answers within `timeout`.
+    """
+    return Client(address, timeout)

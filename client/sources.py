@@ -1,0 +1,103 @@
+"""What `put` accepts, seen as NumPy arrays over the caller's memory (no copy yet).
+
+Anything with `__dlpack__` (torch, JAX, CuPy on the host, NumPy), the buffer protocol
+(bytes, memoryview, array.array) or `__array_interface__`. The one copy happens later,
+from these views into shared memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..common.dtypes import DType, dtype, from_dlpack
+from ..common.errors import InvalidRequest
+from . import _dlpack
+
+KDL_CPU, KDL_CUDA_HOST = 1, 3
+
+
+class _Held:
+    """Keeps a producer's capsule alive as the base of the NumPy view over its memory."""
+
+    __slots__ = ("__array_interface__", "capsule", "source")
+
+    def __init__(self, interface: dict[str, Any], capsule: Any, source: Any) -> None:
+        self.__array_interface__ = interface
+        self.capsule = capsule
+        self.source = source
+
+
+def host_array(key: str, obj: Any) -> tuple[np.ndarray[Any, Any], DType]:
+    """A NumPy view of `obj`'s elements (bfloat16 as uint16) and its dtype."""
+    if isinstance(obj, np.ndarray):
+        return _from_numpy(key, obj)
+    if hasattr(obj, "__dlpack__"):
+        return _from_dlpack(key, obj)
+    if hasattr(obj, "__array_interface__"):
+        return _from_numpy(key, np.asarray(obj))
+    try:
+        view = memoryview(obj)
+    except TypeError:
+        raise InvalidRequest(
+            f"put {key!r}: cannot store a {type(obj).__name__}; pass an array or tensor "
+            "(anything with __dlpack__, the buffer protocol or __array_interface__), or a dict "
+            "of them; for a list use numpy.asarray first"
+        ) from None
+    return _from_numpy(key, np.asarray(view))
+
+
+def _from_numpy(key: str, array: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], DType]:
+    try:
+        dt = dtype(array.dtype.name)
+    except ValueError as exc:
+        raise InvalidRequest(f"put {key!r}: {exc}") from None
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    if dt.name == "bfloat16":  # an ml_dtypes array
+        array = array.view(np.uint16)
+    return array, dt
+
+
+def _from_dlpack(key: str, obj: Any) -> tuple[np.ndarray[Any, Any], DType]:
+    if getattr(obj, "requires_grad", False):  # a torch parameter: store its data
+        obj = obj.detach()
+    device_type, device_id = obj.__dlpack_device__()
+    if device_type not in (KDL_CPU, KDL_CUDA_HOST):
+        raise InvalidRequest(
+            f"put {key!r}: the tensor lives on device {(device_type, device_id)}; this broker "
+            "stores host tensors: move it to the host first (tensor.cpu(), jax.device_get)"
+        )
+    try:
+        capsule = obj.__dlpack__(max_version=(1, 0))
+    except TypeError:  # a producer older than DLPack 1.0
+        capsule = obj.__dlpack__()
+    ptr, shape, strides, code, bits, lanes, *_ = _dlpack.capsule_info(capsule)
+    try:
+        dt = from_dlpack(code, bits, lanes)
+    except ValueError as exc:
+        raise InvalidRequest(f"put {key!r}: {exc}") from None
+    interface = {
+        "version": 3,
+        "shape": shape,
+        "typestr": dt.typestr,
+        "data": (ptr, True),
+        "strides": None if strides is None else tuple(s * dt.itemsize for s in strides),
+    }
+    return np.asarray(_Held(interface, capsule, obj)), dt
+
+
+def entries(key: str, value: Any) -> tuple[list[tuple[str, np.ndarray[Any, Any], DType]], bool]:
+    """[(name, view, dtype)] of a tensor ("" as the name) or of a bundle, and whether a bundle."""
+    if isinstance(value, Mapping):
+        if not value:
+            raise InvalidRequest(f"put {key!r}: a bundle needs at least one tensor")
+        out = []
+        for name, item in value.items():
+            if not isinstance(name, str):
+                raise InvalidRequest(f"put {key!r}: bundle names must be strings, got {name!r}")
+            out.append((name, *host_array(f"{key}[{name!r}]", item)))
+        return out, True
+    return [("", *host_array(key, value))], False

@@ -1,0 +1,123 @@
+"""Sockets to the broker. One `Channel` is one DEALER socket that has said hello; a Client
+keeps a small pool of them so that threads never share a socket."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from ..common.errors import BrokerUnavailable, error_from_wire
+from ..common.protocol import decode, encode
+
+MAX_REPLY_BYTES = 256 << 20  # replies can list many keys; requests stay small
+
+
+class Channel:
+    def __init__(self, ctx: zmq.Context[Any], address: str) -> None:
+        self.address = address
+        self.socket = ctx.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(address)
+        self._poller = zmq.Poller()
+        self._poller.register(self.socket, zmq.POLLIN)
+
+    def watch_broker(self, pidfd: int) -> None:
+        """Wake a waiting call when the broker process exits."""
+        self._poller.register(pidfd, zmq.POLLIN)
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.socket.send(encode(message), copy=True)
+
+    def call(self, message: dict[str, Any], timeout: float | None) -> dict[str, Any]:
+        """Send a request and wait for the reply with its id; raise the error it carries.
+
+        timeout None waits as long as the broker lives.
+        """
+        self.send(message)
+        request_id = message["id"]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait_ms = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            ready = dict(self._poller.poll(wait_ms))
+            if self.socket not in ready:
+                if ready:  # only the broker's pidfd
+                    raise BrokerUnavailable(f"the broker at {self.address} exited")
+                raise BrokerUnavailable(
+                    f"no reply from the broker at {self.address} within {timeout:.1f}s "
+                    f"(op {message['op']!r}); is it running? Try `tensorbroker ping --address "
+                    f"{self.address}`"
+                )
+            reply = decode(self.socket.recv(), MAX_REPLY_BYTES)
+            if reply.get("id") == request_id:
+                break
+            # A reply to an earlier request that timed out: drop it and keep waiting.
+        if not reply.get("ok"):
+            raise error_from_wire(str(reply.get("code")), str(reply.get("error")))
+        return reply
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+def open_pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return None
+
+
+class ChannelPool:
+    """The sockets of one Client: borrowed one per call, so threads never share one.
+
+    It outlives the Client's last channel: the ZeroMQ context ends with the last socket.
+    """
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._ctx: zmq.Context[Any] | None = zmq.Context()
+        self._lock = threading.Lock()
+        self._idle: list[Channel] = []
+        self._open = 0
+        self.closed = False
+
+    def new(self) -> Channel:
+        with self._lock:
+            if self._ctx is None:
+                raise BrokerUnavailable(f"the client of {self.address} is closed")
+            channel = Channel(self._ctx, self.address)
+            self._open += 1
+        return channel
+
+    def borrow(self) -> Channel | None:
+        with self._lock:
+            return self._idle.pop() if self._idle else None
+
+    def give_back(self, channel: Channel) -> None:
+        with self._lock:
+            if not self.closed:
+                self._idle.append(channel)
+                return
+        self.discard(channel)
+
+    def discard(self, channel: Channel) -> None:
+        channel.close()
+        with self._lock:
+            self._open -= 1
+            self._term_if_done()
+
+    def close(self) -> list[Channel]:
+        """Stop lending; returns the idle channels (the caller says bye, then discards them)."""
+        with self._lock:
+            self.closed = True
+            idle, self._idle = self._idle, []
+            self._term_if_done()
+        return idle
+
+    def _term_if_done(self) -> None:
+        if self.closed and self._open == 0 and self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None

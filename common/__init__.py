@@ -1,0 +1,1 @@
+"""Shared by the broker and the client: wire protocol, descriptors, dtypes, errors, config."""

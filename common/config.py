@@ -1,0 +1,114 @@
+"""Configuration: addresses, size strings, defaults. Read when called, never at import time."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+
+ADDRESS_ENV = "TENSORBROKER_ADDRESS"
+SHM_DIR = "/dev/shm"
+SOCKET_NAME = "broker.sock"
+IPC_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """'4GiB' -> 4294967296, '512MB' -> 512000000, 1024 -> 1024. ValueError says what it accepts."""
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"size must not be negative, got {text}")
+        return text
+    match = _SIZE.match(text)
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _UNITS:
+        raise ValueError(
+            f"cannot read size {text!r}: use a number with an optional unit, "
+            "such as 1073741824, 512MiB, 4GiB or 2GB"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_size(n: int | float) -> str:
+    """1536 -> '1.5 KiB'; exact small sizes stay in bytes."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def runtime_dir() -> str:
+    """A per-user directory for the default socket: $XDG_RUNTIME_DIR/tensorbroker, else
+    /tmp/tensorbroker-UID. Created with mode 0700; refuses one owned by someone else."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    path = (
+        os.path.join(base, "tensorbroker")
+        if base and os.path.isdir(base)
+        else os.path.join(tempfile.gettempdir(), f"tensorbroker-{os.getuid()}")
+    )
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    info = os.stat(path)
+    if info.st_uid != os.getuid():
+        raise PermissionError(
+            f"{path} belongs to uid {info.st_uid}, not to you; set ${ADDRESS_ENV} or pass --address"
+        )
+    if info.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def default_address() -> str:
+    """$TENSORBROKER_ADDRESS, else the per-user ipc socket."""
+    return os.environ.get(ADDRESS_ENV) or f"ipc://{os.path.join(runtime_dir(), SOCKET_NAME)}"
+
+
+def check_address(address: str) -> str:
+    """Accept ipc://PATH and tcp://HOST:PORT; ValueError says what is wrong."""
+    if address.startswith("ipc://"):
+        path = address[len("ipc://") :]
+        if not path:
+            raise ValueError(f"address {address!r} has no socket path")
+        if len(path.encode()) > IPC_PATH_MAX:
+            raise ValueError(
+                f"ipc socket path is {len(path.encode())} bytes, over the limit of {IPC_PATH_MAX}: "
+                f"{path!r}; choose a shorter path"
+            )
+        return address
+    if address.startswith("tcp://") and ":" in address[len("tcp://") :]:
+        return address
+    raise ValueError(
+        f"unsupported address {address!r}: use ipc:///path/to/socket or tcp://127.0.0.1:PORT"
+    )
+
+
+def shm_bytes_available(shm_dir: str = SHM_DIR) -> int:
+    st = os.statvfs(shm_dir)
+    return st.f_bavail * st.f_frsize
+
+
+def total_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_capacity(shm_dir: str = SHM_DIR) -> int:
+    """30% of RAM, capped at 90% of what the shared-memory filesystem can still hold."""
+    return min(int(total_memory() * 0.3), int(shm_bytes_available(shm_dir) * 0.9))

@@ -1,0 +1,78 @@
+"""Descriptors: what the broker tells a client about an object's bytes. Frozen, and sent as
+short msgpack lists (see `to_wire` / `from_wire`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .dtypes import DTYPES
+
+
+def compact_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides, in elements."""
+    strides = []
+    step = 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= max(dim, 1)
+    return tuple(reversed(strides))
+
+
+@dataclass(frozen=True, slots=True)
+class TensorDesc:
+    """One tensor: where its bytes are and how to read them."""
+
+    name: str  # "" for a plain object; the entry's name inside a bundle
+    dtype: str  # a name from the dtype table
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in elements, as DLPack counts them
+    segment: str  # shared-memory file name
+    offset: int  # byte offset of element 0 in the segment
+    device: str = "cpu"
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+    def to_wire(self) -> list[Any]:
+        return [
+            self.name,
+            self.dtype,
+            list(self.shape),
+            list(self.strides),
+            self.segment,
+            self.offset,
+            self.device,
+        ]
+
+    @classmethod
+    def from_wire(cls, w: list[Any]) -> TensorDesc:
+        name, dtype, shape, strides, segment, offset, device = w
+        return cls(name, dtype, tuple(shape), tuple(strides), segment, offset, device)
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectDesc:
+    """A sealed object as one `get` sees it: a version of a key, held by one lease."""
+
+    key: str
+    version: int
+    bundle: bool  # a bundle is several named tensors published as one object
+    tensors: tuple[TensorDesc, ...]
+    lease: int  # the lease this reader holds; released when its arrays are gone
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "version": self.version,
+            "bundle": self.bundle,
+            "tensors": [t.to_wire() for t in self.tensors],
+            "lease": self.lease,
+        }
+
+    @classmethod
+    def from_wire(cls, w: dict[str, Any]) -> ObjectDesc:
+        tensors = tuple(TensorDesc.from_wire(t) for t in w["tensors"])
+        return cls(w["key"], w["version"], w["bundle"], tensors, w["lease"])

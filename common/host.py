@@ -1,0 +1,34 @@
+"""Facts that tell whether two processes share a host and which process a pid names."""
+
+from __future__ import annotations
+
+import functools
+
+
+@functools.cache
+def boot_id() -> str:
+    """This boot's random id: equal for every process of one running kernel."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def start_time(pid: int) -> int | None:
+    """The start time of `pid` in clock ticks since boot (field 22 of /proc/PID/stat), or None.
+
+    Together with the pid it names one process: a pid reused later, or the same number in
+    another pid namespace, gives a different start time.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None

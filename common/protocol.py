@@ -1,0 +1,216 @@
+"""The wire protocol: op codes, request ids, field validation, msgpack encode/decode.
+
+No sockets here. A client's DEALER sends one frame per request, a msgpack map
+``{"op": str, "id": int, ...fields}``; the broker's ROUTER answers with
+``{"id": int, "ok": True, ...fields}`` or ``{"id": int, "ok": False, "code": str, "error": str}``.
+Every request may carry ``"rel": [lease, ...]``: leases the client lets go of (batched).
+Unpacking is bounded and never builds anything but plain data; nothing is ever unpickled.
+Tensor bytes never travel here: only descriptors of shared memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from .dtypes import DTYPES
+from .errors import BrokerError, InvalidRequest, ProtocolError
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 1 << 20
+MAX_KEY_BYTES = 1024
+MAX_NDIM = 32
+MAX_TENSORS = 4096  # tensors in one bundle
+MAX_NAME_BYTES = 1024
+MAX_RELEASES = 65536  # lease ids in one message
+
+
+class Op:
+    HELLO = "hello"  # pid, session, boot_id, start_time, version -> broker facts
+    PUT = "put"  # key, tensors [[name, dtype, shape], ...], bundle -> put id, descriptors
+    SEAL = "seal"  # put, keep -> version (and the put's lease ends unless keep)
+    ABORT = "abort"  # put
+    GET = "get"  # key, timeout (None: wait forever) -> object descriptor with a lease
+    DELETE = "delete"  # key
+    EXISTS = "exists"  # key -> exists
+    KEYS = "keys"  # -> keys
+    STATS = "stats"  # -> counters
+    RELEASE = "release"  # rel; no reply
+    PING = "ping"  # -> pid, version
+    HEARTBEAT = "hb"  # no reply
+    BYE = "bye"  # the client is closing; no reply
+
+
+NO_REPLY = frozenset({Op.RELEASE, Op.HEARTBEAT, Op.BYE})
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def decode(frame: bytes, limit: int = MAX_MESSAGE_BYTES) -> dict[str, Any]:
+    """Unpack one message; ProtocolError for anything but a bounded msgpack map."""
+    if len(frame) > limit:
+        raise ProtocolError(f"message of {len(frame)} bytes exceeds {limit}")
+    try:
+        # unpackb bounds every string, array and map by the frame's own length.
+        message = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types on bad input
+        raise ProtocolError(f"undecodable message ({type(exc).__name__}: {exc})") from None
+    if not isinstance(message, dict):
+        raise ProtocolError(f"a message must be a msgpack map, got {type(message).__name__}")
+    return message
+
+
+def reply_ok(request_id: int, **fields: Any) -> bytes:
+    return encode({"id": request_id, "ok": True, **fields})
+
+
+def reply_error(request_id: int, error: BrokerError) -> bytes:
+    return encode({"id": request_id, "ok": False, "code": error.code, "error": str(error)})
+
+
+# -- field validation ---------------------------------------------------------------------
+
+
+def check_key(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest(f"a key must be a non-empty string, got {value!r:.80}")
+    size = len(value.encode("utf-8", "surrogatepass"))
+    if size > MAX_KEY_BYTES:
+        raise InvalidRequest(
+            f"key {value[:40]!r}... is {size} bytes of UTF-8, over the limit of {MAX_KEY_BYTES}"
+        )
+    return value
+
+
+def check_timeout(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise InvalidRequest(f"timeout must be None or a number >= 0, got {value!r:.80}")
+    return float(value)
+
+
+def check_shape(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list | tuple) or len(value) > MAX_NDIM:
+        raise InvalidRequest(f"shape must be a list of at most {MAX_NDIM} sizes, got {value!r:.80}")
+    if not all(type(d) is int and 0 <= d < 1 << 48 for d in value):
+        raise InvalidRequest(f"shape must hold sizes in [0, 2**48), got {value!r:.80}")
+    return tuple(value)
+
+
+def check_tensor_specs(value: Any) -> list[tuple[str, str, tuple[int, ...]]]:
+    """[[name, dtype, shape], ...] -> validated tuples; names unique."""
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_TENSORS:
+        raise InvalidRequest(f"tensors must be a list of 1 to {MAX_TENSORS} [name, dtype, shape]")
+    specs = []
+    for item in value:
+        if not (isinstance(item, list) and len(item) == 3):
+            raise InvalidRequest(f"each tensor must be [name, dtype, shape], got {item!r:.80}")
+        name, dtype, shape = item
+        if not isinstance(name, str) or len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+            raise InvalidRequest(
+                f"a tensor name must be a string of at most {MAX_NAME_BYTES} bytes"
+            )
+        if dtype not in DTYPES:
+            raise InvalidRequest(f"unsupported dtype {dtype!r:.40}; supported: {', '.join(DTYPES)}")
+        specs.append((name, dtype, check_shape(shape)))
+    if len({s[0] for s in specs}) != len(specs):
+        raise InvalidRequest("tensor names in a bundle must be unique")
+    return specs
+
+
+def nbytes_of(dtype: str, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * DTYPES[dtype].itemsize
+
+
+def _int(value: Any) -> int:
+    if type(value) is not int or value < 0:
+        raise InvalidRequest(f"expected a non-negative integer, got {value!r:.80}")
+    return value
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"expected true or false, got {value!r:.80}")
+    return value
+
+
+def _opt_int(value: Any) -> int | None:
+    return None if value is None else _int(value)
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str) or len(value) > 256:
+        raise InvalidRequest(f"expected a short string, got {value!r:.80}")
+    return value
+
+
+# op -> {field: (validator, required)}
+_Check = Callable[[Any], Any]
+_FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
+    Op.HELLO: {
+        "version": (_int, True),
+        "session": (_str, True),
+        "pid": (_opt_int, False),
+        "boot_id": (_str, False),
+        "start_time": (_opt_int, False),
+    },
+    Op.PUT: {
+        "key": (check_key, True),
+        "tensors": (check_tensor_specs, True),
+        "bundle": (_bool, False),
+    },
+    Op.SEAL: {"put": (_int, True), "keep": (_bool, False)},
+    Op.ABORT: {"put": (_int, True)},
+    Op.GET: {"key": (check_key, True), "timeout": (check_timeout, False)},
+    Op.DELETE: {"key": (check_key, True)},
+    Op.EXISTS: {"key": (check_key, True)},
+    Op.KEYS: {},
+    Op.STATS: {},
+    Op.RELEASE: {},
+    Op.PING: {},
+    Op.HEARTBEAT: {},
+    Op.BYE: {"keep_leases": (_bool, False)},
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    op: str
+    id: int
+    fields: dict[str, Any]
+    releases: list[int]
+
+
+def parse_request(message: dict[str, Any]) -> Request:
+    """Validate a decoded request. ProtocolError when it cannot be answered by id at all is
+    impossible to avoid; otherwise the error carries the request id for the reply."""
+    op, request_id = message.get("op"), message.get("id", 0)
+    if type(request_id) is not int or not 0 <= request_id < 1 << 63:
+        raise ProtocolError(f"request id must be a non-negative integer, got {request_id!r:.40}")
+    spec = _FIELDS.get(op) if isinstance(op, str) else None
+    if spec is None:
+        raise ProtocolError(f"unknown op {op!r:.40}; this broker speaks {', '.join(_FIELDS)}")
+    fields: dict[str, Any] = {}
+    for name, (check, required) in spec.items():
+        if name in message:
+            try:
+                fields[name] = check(message[name])
+            except InvalidRequest as exc:
+                raise InvalidRequest(f"{op}: field {name!r}: {exc}") from None
+        elif required:
+            raise InvalidRequest(f"{op}: missing field {name!r}")
+    releases = message.get("rel", [])
+    if (
+        not isinstance(releases, list)
+        or len(releases) > MAX_RELEASES
+        or not all(type(r) is int and r >= 0 for r in releases)
+    ):
+        raise InvalidRequest(f"{op}: 'rel' must be a list of lease ids")
+    return Request(op, request_id, fields, releases)

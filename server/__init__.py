@@ -1,0 +1,1 @@
+"""The broker: its loop, object registry, shared-memory arena and client sessions."""

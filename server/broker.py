@@ -1,0 +1,438 @@
+"""The broker: one ROUTER socket, one thread, one loop.
+
+Requests are answered in the order they arrive; nothing in the loop blocks. A `get` of a key
+that does not exist yet parks in `waiters` and is answered when the key is sealed or its
+deadline passes. Client processes are watched through pidfds (readable when the process
+exits, even by SIGKILL); a client the broker cannot watch (another pid namespace, another
+host over tcp) must send heartbeats instead.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import zmq
+
+from ..common import host
+from ..common.config import SHM_DIR, check_address, format_size
+from ..common.errors import BrokerError, InvalidRequest, NotFound, ProtocolError, Timeout
+from ..common.protocol import (
+    MAX_MESSAGE_BYTES,
+    NO_REPLY,
+    PROTOCOL_VERSION,
+    Op,
+    Request,
+    decode,
+    encode,
+    parse_request,
+    reply_error,
+    reply_ok,
+)
+from .arena import Arena
+from .registry import Registry, Session, StoredObject
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL = 0.25  # asked of clients the broker cannot watch
+HEARTBEAT_TIMEOUT = 1.0  # silence after which such a client counts as dead
+DRAIN_BATCH = 512  # requests handled before the loop looks at timers and pidfds again
+
+
+@dataclass(eq=False)
+class Waiter:
+    """A parked `get`."""
+
+    session: Session
+    route: bytes
+    request_id: int
+    key: str
+    deadline: float | None
+    done: bool = False
+
+
+class AddressInUse(BrokerError):
+    code = "unavailable"
+
+
+class Broker:
+    def __init__(self, address: str, capacity: int, *, shm_dir: str = SHM_DIR) -> None:
+        self.address = check_address(address)
+        self.arena = Arena(capacity, shm_dir=shm_dir)
+        self.registry = Registry(self.arena)
+        self.sessions: dict[str, Session] = {}
+        self.routes: dict[bytes, Session] = {}
+        self.pidfds: dict[int, Session] = {}
+        self.waiters: dict[str, list[Waiter]] = {}
+        self._deadlines: list[tuple[float, int, Waiter]] = []
+        self._seq = itertools.count()
+        self._stopping = False
+        self._started = time.monotonic()
+        self._ctx = zmq.Context()
+        self._router: zmq.Socket[bytes] | None = None
+        self._poller = zmq.Poller()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_w.setblocking(False)
+        self._handlers: dict[str, Callable[[Session | None, bytes, Request], dict[str, Any] | None]]
+        self._handlers = {
+            Op.HELLO: self._on_hello,
+            Op.PING: self._on_ping,
+            Op.PUT: self._on_put,
+            Op.SEAL: self._on_seal,
+            Op.ABORT: self._on_abort,
+            Op.GET: self._on_get,
+            Op.DELETE: self._on_delete,
+            Op.EXISTS: self._on_exists,
+            Op.KEYS: self._on_keys,
+            Op.STATS: self._on_stats,
+            Op.RELEASE: self._on_nothing,
+            Op.HEARTBEAT: self._on_nothing,
+            Op.BYE: self._on_bye,
+        }
+
+    # -- life cycle ------------------------------------------------------------------------
+
+    def bind(self) -> None:
+        """Bind the address; AddressInUse if another broker answers there."""
+        self._refuse_if_served()
+        router = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        router.setsockopt(zmq.SNDHWM, 100_000)
+        router.setsockopt(zmq.RCVHWM, 100_000)
+        try:
+            router.bind(self.address)
+        except zmq.ZMQError as exc:
+            router.close()
+            raise AddressInUse(
+                f"cannot serve on {self.address}: {exc}. Is another broker running there? "
+                "Stop it or choose another --address."
+            ) from None
+        self._router = router
+        self._poller.register(router, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        log.info("serving on %s, capacity %s", self.address, format_size(self.arena.capacity))
+
+    def _refuse_if_served(self) -> None:
+        if self.address.startswith("ipc://") and not os.path.exists(self.address[6:]):
+            return
+        probe = self._ctx.socket(zmq.DEALER)
+        probe.setsockopt(zmq.LINGER, 0)
+        try:
+            probe.connect(self.address)
+            probe.send(encode({"op": Op.PING, "id": 1}))
+            if probe.poll(500):
+                pid = decode(probe.recv()).get("pid")
+                raise AddressInUse(
+                    f"a broker (pid {pid}) already serves {self.address}; stop it "
+                    "(kill it, or systemctl stop) or choose another --address"
+                )
+        finally:
+            probe.close()
+
+    def serve(self, ready: Callable[[], None] | None = None) -> None:
+        """Run until stop() or SIGINT/SIGTERM; then release everything."""
+        if self._router is None:
+            self.bind()
+        restore = self._install_signals()
+        try:
+            if ready is not None:
+                ready()
+            self._loop()
+        finally:
+            restore()
+            self.close()
+
+    def stop(self) -> None:
+        """Ask the loop to end; safe from any thread and from signal handlers."""
+        self._stopping = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        """Close sockets and pidfds and unlink every segment. Idempotent."""
+        for fd in list(self.pidfds):
+            os.close(fd)
+        self.pidfds.clear()
+        if self._router is not None:
+            self._router.close(linger=0)
+            self._router = None
+        self._ctx.term()
+        self._wake_r.close()
+        self._wake_w.close()
+        self.arena.close()
+
+    def _install_signals(self) -> Callable[[], None]:
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            log.info("signal %s: stopping", signal.Signals(signum).name)
+            self.stop()
+
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        old_fd = signal.set_wakeup_fd(self._wake_w.fileno())
+
+        def restore() -> None:
+            signal.set_wakeup_fd(old_fd)
+            for s, handler in old.items():
+                signal.signal(s, handler)
+
+        return restore
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        router = self._router
+        assert router is not None  # bound by serve()
+        while not self._stopping:
+            for item, _ in self._poller.poll(self._poll_timeout_ms()):
+                if item is router:
+                    self._drain(router)
+                elif item is self._wake_r:
+                    self._wake_r.recv(4096)
+                elif isinstance(item, int) and item in self.pidfds:
+                    session = self.pidfds[item]
+                    log.info("client pid %s exited: dropping %s", session.pid, session)
+                    self._drop_session(session)
+            self._expire(time.monotonic())
+
+    def _poll_timeout_ms(self) -> int:
+        timeout = None
+        if self._deadlines:
+            timeout = max(0.0, self._deadlines[0][0] - time.monotonic())
+        if any(s.pidfd is None for s in self.sessions.values()):
+            timeout = min(timeout or HEARTBEAT_INTERVAL, HEARTBEAT_INTERVAL)
+        return -1 if timeout is None else int(timeout * 1000) + 1
+
+    def _drain(self, router: zmq.Socket[bytes]) -> None:
+        for _ in range(DRAIN_BATCH):
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                log.warning("dropped a message of %d frames (expected 2)", len(frames))
+                continue
+            self._handle(frames[0], frames[1])
+
+    def _handle(self, route: bytes, payload: bytes) -> None:
+        request_id = 0
+        try:
+            message = decode(payload)
+            raw_id = message.get("id")
+            request_id = raw_id if type(raw_id) is int and 0 <= raw_id < 1 << 63 else 0
+            request = parse_request(message)
+            session = self.routes.get(route)
+            if session is None and request.op not in (Op.HELLO, Op.PING):
+                raise ProtocolError(f"{request.op}: say hello first")
+            if session is not None:
+                session.last_seen = time.monotonic()
+                for lease_id in request.releases:
+                    if not self.registry.release(session, lease_id):
+                        log.warning("%s released lease %s it does not hold", session, lease_id)
+            result = self._handlers[request.op](session, route, request)
+        except BrokerError as exc:
+            log.debug("request %s failed: %s", request_id, exc)
+            self._send(route, reply_error(request_id, exc))
+            return
+        except Exception as exc:  # a bug must not take the broker down; say so loudly
+            log.exception("internal error handling request %s", request_id)
+            self._send(route, reply_error(request_id, BrokerError(f"internal error: {exc!r}")))
+            return
+        if result is not None and request.op not in NO_REPLY:
+            self._send(route, reply_ok(request.id, **result))
+
+    def _send(self, route: bytes, payload: bytes) -> None:
+        router = self._router
+        if router is None:
+            return
+        try:
+            router.send_multipart([route, payload], zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("dropped a reply: the client's queue is full")
+
+    # -- sessions --------------------------------------------------------------------------
+
+    def _on_hello(self, session: Session | None, route: bytes, req: Request) -> dict[str, Any]:
+        f = req.fields
+        if f["version"] != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"client speaks protocol {f['version']}, this broker {PROTOCOL_VERSION}: "
+                "install the same tensorbroker version on both sides"
+            )
+        token = f["session"]
+        session = self.sessions.get(token)
+        if session is None:
+            session = Session(token, f.get("pid"), last_seen=time.monotonic())
+            session.pidfd = self._watch(f.get("pid"), f.get("boot_id"), f.get("start_time"))
+            if session.pidfd is not None:
+                self.pidfds[session.pidfd] = session
+                self._poller.register(session.pidfd, zmq.POLLIN)
+            self.sessions[token] = session
+            log.debug(
+                "hello from pid %s (%s)", session.pid, "watched" if session.pidfd else "heartbeat"
+            )
+        old = self.routes.get(route)
+        if old is not None and old is not session:
+            old.routes.discard(route)
+        session.routes.add(route)
+        self.routes[route] = session
+        return {
+            "protocol": PROTOCOL_VERSION,
+            "pid": os.getpid(),
+            "boot_id": host.boot_id(),
+            "start_time": host.start_time(os.getpid()),
+            "heartbeat": 0.0 if session.pidfd is not None else HEARTBEAT_INTERVAL,
+            "capacity": self.arena.capacity,
+        }
+
+    @staticmethod
+    def _watch(pid: int | None, boot: str | None, started: int | None) -> int | None:
+        """A pidfd for the client process, if it is provably that process on this host."""
+        if pid is None or boot != host.boot_id() or started is None:
+            return None
+        try:
+            fd = os.pidfd_open(pid)
+        except (OSError, AttributeError):
+            return None
+        if host.start_time(pid) != started:  # another namespace's pid, or reused
+            os.close(fd)
+            return None
+        return fd
+
+    def _on_bye(self, session: Session | None, route: bytes, req: Request) -> None:
+        assert session is not None
+        keep = req.fields.get("keep_leases", False) and session.pidfd is not None
+        self._drop_session(session, keep_leases=keep)
+
+    def _drop_session(self, session: Session, keep_leases: bool = False) -> None:
+        for route in session.routes:
+            self.routes.pop(route, None)
+            for waiters in self.waiters.values():
+                for w in waiters:
+                    if w.route == route and not w.done:
+                        w.done = True
+                        self._send(route, reply_error(w.request_id, BrokerError("client closed")))
+        session.routes.clear()
+        keep = keep_leases and bool(session.leases)
+        self.registry.drop_session(session, keep_leases=keep)
+        session.closed = True
+        if keep:
+            return  # the pidfd drops the leases when the process exits
+        if session.pidfd is not None:
+            self._poller.unregister(session.pidfd)
+            self.pidfds.pop(session.pidfd, None)
+            os.close(session.pidfd)
+            session.pidfd = None
+        self.sessions.pop(session.token, None)
+
+    def _expire(self, now: float) -> None:
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, w = heapq.heappop(self._deadlines)
+            if not w.done:
+                w.done = True
+                self.waiters[w.key].remove(w)
+                if not self.waiters[w.key]:
+                    del self.waiters[w.key]
+                self._send(
+                    w.route,
+                    reply_error(
+                        w.request_id, Timeout(f"no object {w.key!r} appeared within the timeout")
+                    ),
+                )
+        for session in list(self.sessions.values()):
+            if session.pidfd is None and now - session.last_seen > HEARTBEAT_TIMEOUT:
+                log.info("%s sent no heartbeat for %.1fs: dropping it", session, HEARTBEAT_TIMEOUT)
+                self._drop_session(session)
+
+    # -- objects ---------------------------------------------------------------------------
+
+    def _on_put(self, session: Session | None, route: bytes, req: Request) -> dict[str, Any]:
+        assert session is not None
+        f = req.fields
+        put_id, obj = self.registry.begin_put(
+            session, f["key"], f["tensors"], f.get("bundle", False)
+        )
+        return {"put": put_id, "tensors": [t.to_wire() for t in obj.tensors]}
+
+    def _on_seal(self, session: Session | None, route: bytes, req: Request) -> dict[str, Any]:
+        assert session is not None
+        obj = self.registry.seal(session, req.fields["put"], req.fields.get("keep", False))
+        for w in self.waiters.pop(obj.key, ()):
+            if not w.done:
+                w.done = True
+                self._send(w.route, reply_ok(w.request_id, **self._describe(w.session, obj)))
+        return {"version": obj.version}
+
+    def _on_abort(self, session: Session | None, route: bytes, req: Request) -> dict[str, Any]:
+        assert session is not None
+        self.registry.abort(session, req.fields["put"], req.fields.get("keep", False))
+        return {}
+
+    def _describe(self, session: Session, obj: StoredObject) -> dict[str, Any]:
+        lease = self.registry.lease(session, obj)
+        return {
+            "key": obj.key,
+            "version": obj.version,
+            "bundle": obj.bundle,
+            "tensors": obj.wire,
+            "lease": lease,
+        }
+
+    def _on_get(self, session: Session | None, route: bytes, req: Request) -> dict[str, Any] | None:
+        assert session is not None
+        key, timeout = req.fields["key"], req.fields.get("timeout", 0.0)
+        obj = self.registry.objects.get(key)
+        if obj is not None:
+            return self._describe(session, obj)
+        if timeout == 0.0:
+            raise NotFound(f"no object {key!r}; put it first, or pass timeout= to wait for it")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        waiter = Waiter(session, route, req.id, key, deadline)
+        self.waiters.setdefault(key, []).append(waiter)
+        if deadline is not None:
+            heapq.heappush(self._deadlines, (deadline, next(self._seq), waiter))
+        return None
+
+    def _on_delete(self, session: Session | None, route: bytes, req: Request) -> dict[str, Any]:
+        self.registry.delete(req.fields["key"])
+        return {}
+
+    def _on_exists(self, session: Session | None, route: bytes, req: Request) -> dict[str, Any]:
+        return {"exists": req.fields["key"] in self.registry.objects}
+
+    def _on_keys(self, session: Session | None, route: bytes, req: Request) -> dict[str, Any]:
+        return {"keys": sorted(self.registry.objects)}
+
+    def _on_stats(self, session: Session | None, route: bytes, req: Request) -> dict[str, Any]:
+        return {
+            **self.registry.stats(),
+            "clients": sum(1 for s in self.sessions.values() if not s.closed),
+            "waiters": sum(len(ws) for ws in self.waiters.values()),
+            "pid": os.getpid(),
+            "address": self.address,
+            "uptime_s": time.monotonic() - self._started,
+        }
+
+    def _on_ping(self, session: Session | None, route: bytes, req: Request) -> dict[str, Any]:
+        return {"pid": os.getpid(), "protocol": PROTOCOL_VERSION, "address": self.address}
+
+    def _on_nothing(self, session: Session | None, route: bytes, req: Request) -> None:
+        return None
+
+
+def invalid(message: str) -> InvalidRequest:
+    return InvalidRequest(message)

@@ -1,0 +1,226 @@
+"""The object registry: keys, versions, bundles, leases, and when memory goes back.
+
+An object lives in one arena block (a bundle's tensors packed inside it, each aligned). It is
+*pending* from `put` to `seal`, then *live* as the current version of its key until deleted or
+replaced, then *retired*. Its memory returns to the arena when it is no longer live and no
+lease holds it. A lease is one holder: each `get`, and the putter until it lets go. Leases
+belong to a session, so a client that dies gives all of its leases back at once.
+
+    put ──> pending ──seal──> live ──delete / newer version sealed──> retired
+               │                                                      │
+               └──abort / putter died──> retired ──last lease gone──> freed
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..common.config import format_size
+from ..common.descriptors import TensorDesc, compact_strides
+from ..common.errors import CapacityError, InvalidRequest, NotFound
+from ..common.protocol import nbytes_of
+from .arena import Arena, Block, ShmExhausted
+
+log = logging.getLogger(__name__)
+
+MIN_ALIGN = 64  # JAX copies silently below 64-byte alignment
+PAGE = 4096
+PAGE_ALIGN_FROM = 64 * 1024  # tensors of this size and up start on a page
+
+
+@dataclass(eq=False)
+class StoredObject:
+    key: str
+    bundle: bool
+    tensors: tuple[TensorDesc, ...]
+    block: Block
+    version: int = 0  # set at seal
+    leases: int = 0
+    live: bool = False
+    retired: bool = False
+    freed: bool = False
+    wire: list[Any] = field(default_factory=list)  # tensors as sent to readers, built once
+
+    @property
+    def nbytes(self) -> int:
+        return self.block.size
+
+
+@dataclass(eq=False)
+class Session:
+    """One client (all the sockets of one `Client`), known from its hello."""
+
+    token: str
+    pid: int | None
+    leases: dict[int, StoredObject] = field(default_factory=dict)
+    pending: set[int] = field(default_factory=set)  # lease ids of its unsealed puts
+    routes: set[bytes] = field(default_factory=set)  # its sockets' ZeroMQ routing ids
+    pidfd: int | None = None  # readable when the client process exits
+    last_seen: float = 0.0  # for sessions without a pidfd: heartbeats keep them alive
+    closed: bool = False  # said bye, kept only for the leases its process still holds
+
+    def __repr__(self) -> str:
+        return f"<session {self.token[:8]} pid={self.pid}>"
+
+
+def layout(specs: list[tuple[str, str, tuple[int, ...]]]) -> tuple[list[int], int, int]:
+    """Byte offsets of each tensor inside one block, the block size and its alignment."""
+    offsets, end, block_align = [], 0, MIN_ALIGN
+    for _, dtype, shape in specs:
+        size = nbytes_of(dtype, shape)
+        align = PAGE if size >= PAGE_ALIGN_FROM else MIN_ALIGN
+        block_align = max(block_align, align)
+        start = -(-end // align) * align
+        offsets.append(start)
+        end = start + size
+    return offsets, max(end, 1), block_align
+
+
+class Registry:
+    def __init__(self, arena: Arena) -> None:
+        self.arena = arena
+        self.objects: dict[str, StoredObject] = {}  # key -> live version
+        self.pending: dict[int, StoredObject] = {}  # put lease id -> object
+        self._versions: dict[str, int] = {}  # key -> last version sealed
+        self._ids = itertools.count(1)
+        self.lease_count = 0
+
+    # -- writing -------------------------------------------------------------------------
+
+    def begin_put(
+        self,
+        session: Session,
+        key: str,
+        specs: list[tuple[str, str, tuple[int, ...]]],
+        bundle: bool,
+    ) -> tuple[int, StoredObject]:
+        if not bundle and (len(specs) != 1 or specs[0][0] != ""):
+            raise InvalidRequest(f"put {key!r}: a plain object holds one unnamed tensor")
+        offsets, size, align = layout(specs)
+        block = self._allocate(key, size, align)
+        tensors = tuple(
+            TensorDesc(
+                name, dtype, shape, compact_strides(shape), block.segment, block.offset + off
+            )
+            for (name, dtype, shape), off in zip(specs, offsets, strict=True)
+        )
+        obj = StoredObject(key, bundle, tensors, block)
+        put_id = self._lease(session, obj)
+        self.pending[put_id] = obj
+        session.pending.add(put_id)
+        return put_id, obj
+
+    def _allocate(self, key: str, size: int, align: int) -> Block:
+        arena = self.arena
+        try:
+            block = arena.allocate(size, align)
+        except ShmExhausted as exc:
+            raise CapacityError(f"cannot store {key!r} ({format_size(size)}): {exc}") from None
+        if block is None:
+            raise CapacityError(
+                f"cannot store {key!r}: it needs {format_size(size)}, and the broker has "
+                f"{format_size(arena.free_bytes)} free of {format_size(arena.capacity)} "
+                f"(largest free block {format_size(arena.largest_free)}). Delete objects or drop "
+                "arrays you no longer need, or restart the broker with a larger --memory."
+            )
+        return block
+
+    def seal(self, session: Session, put_id: int, keep: bool) -> StoredObject:
+        obj = self._own_pending(session, put_id, "seal")
+        del self.pending[put_id]
+        session.pending.discard(put_id)
+        version = self._versions.get(obj.key, 0) + 1
+        self._versions[obj.key] = version
+        obj.version = version
+        obj.wire = [t.to_wire() for t in obj.tensors]
+        old = self.objects.get(obj.key)
+        self.objects[obj.key] = obj
+        obj.live = True
+        if old is not None:
+            self._retire(old)
+        if not keep:
+            self.release(session, put_id)
+        return obj
+
+    def abort(self, session: Session, put_id: int, keep: bool) -> None:
+        obj = self._own_pending(session, put_id, "abort")
+        del self.pending[put_id]
+        session.pending.discard(put_id)
+        self._retire(obj)
+        if not keep:
+            self.release(session, put_id)
+
+    def _own_pending(self, session: Session, put_id: int, what: str) -> StoredObject:
+        obj = self.pending.get(put_id)
+        if obj is None or put_id not in session.pending:
+            raise InvalidRequest(f"{what}: no unsealed put {put_id} from this client")
+        return obj
+
+    def delete(self, key: str) -> None:
+        obj = self.objects.pop(key, None)
+        if obj is None:
+            raise NotFound(f"no object {key!r} to delete")
+        self._retire(obj)
+
+    # -- reading -------------------------------------------------------------------------
+
+    def lease(self, session: Session, obj: StoredObject) -> int:
+        return self._lease(session, obj)
+
+    def _lease(self, session: Session, obj: StoredObject) -> int:
+        lease_id = next(self._ids)
+        session.leases[lease_id] = obj
+        obj.leases += 1
+        self.lease_count += 1
+        return lease_id
+
+    def release(self, session: Session, lease_id: int) -> bool:
+        """End one lease; False (and nothing changes) if the session does not hold it."""
+        obj = session.leases.pop(lease_id, None)
+        if obj is None:
+            return False
+        if lease_id in session.pending:  # the putter let go before sealing: abort
+            session.pending.discard(lease_id)
+            del self.pending[lease_id]
+            self._retire(obj)
+        obj.leases -= 1
+        self.lease_count -= 1
+        self._maybe_free(obj)
+        return True
+
+    def drop_session(self, session: Session, keep_leases: bool = False) -> None:
+        """Abort the session's unsealed puts and, unless kept, end all of its leases."""
+        for put_id in list(session.pending):
+            self.abort(session, put_id, keep=True)
+        if not keep_leases:
+            for lease_id in list(session.leases):
+                self.release(session, lease_id)
+
+    # -- memory --------------------------------------------------------------------------
+
+    def _retire(self, obj: StoredObject) -> None:
+        obj.live = False
+        obj.retired = True
+        self._maybe_free(obj)
+
+    def _maybe_free(self, obj: StoredObject) -> None:
+        if obj.retired and obj.leases == 0 and not obj.freed:
+            self.arena.free(obj.block)
+            obj.freed = True
+
+    def stats(self) -> dict[str, int]:
+        a = self.arena
+        return {
+            "capacity_bytes": a.capacity,
+            "used_bytes": a.used_bytes,
+            "reserved_bytes": a.reserved_bytes,
+            "free_bytes": a.free_bytes,
+            "largest_free_bytes": a.largest_free,
+            "segments": len(a.segments),
+            "objects": len(self.objects),
+            "pending": len(self.pending),
+            "leases": self.lease_count,
+        }

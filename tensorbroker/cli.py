@@ -1,0 +1,154 @@
+"""The `tensorbroker` command: `serve`, and admin commands against a running broker."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from .common.config import (
+    SHM_DIR,
+    check_address,
+    default_address,
+    default_capacity,
+    format_size,
+    parse_size,
+    shm_bytes_available,
+)
+from .common.errors import BrokerError
+
+log = logging.getLogger("tensorbroker")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .server.arena import Arena
+    from .server.broker import Broker
+
+    address = check_address(args.address or default_address())
+    removed = Arena.remove_stale(SHM_DIR)
+    if removed:
+        log.warning("removed %d segment(s) left by brokers that died: %s", len(removed), removed)
+    available = shm_bytes_available(SHM_DIR)
+    capacity = parse_size(args.memory) if args.memory else default_capacity(SHM_DIR)
+    if capacity > available:
+        print(
+            f"tensorbroker: --memory {format_size(capacity)} does not fit in {SHM_DIR}, which has "
+            f"{format_size(available)} free. Lower --memory, or enlarge {SHM_DIR}: "
+            "`docker run --shm-size=16g`, in Kubernetes mount an emptyDir "
+            "{medium: Memory, sizeLimit: 16Gi} at /dev/shm, on a host "
+            "`mount -o remount,size=16G /dev/shm`.",
+            file=sys.stderr,
+        )
+        return 2
+    broker = Broker(address, capacity)
+    try:
+        broker.bind()
+    except BrokerError as exc:
+        broker.close()
+        print(f"tensorbroker: {exc}", file=sys.stderr)
+        return 1
+
+    def ready() -> None:
+        if args.ready_fd is not None:
+            os.write(args.ready_fd, b"ready\n")
+            os.close(args.ready_fd)
+
+    broker.serve(ready)
+    log.info("stopped; shared memory released")
+    return 0
+
+
+def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from .client.client import connect
+
+    return connect(args.address, timeout=args.timeout)
+
+
+def _ping(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        info = c.ping()
+    print(f"broker pid {info['pid']} serves {info['address']} (protocol {info['protocol']})")
+    return 0
+
+
+def _stat(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        stats = c.stats()
+    if args.json:
+        print(json.dumps(stats, indent=2))
+        return 0
+    for name, value in stats.items():
+        shown = format_size(value) if name.endswith("_bytes") else value
+        print(f"{name:20} {shown}")
+    return 0
+
+
+def _ls(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        for key in c.keys():
+            print(key)
+    return 0
+
+
+def _rm(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        for key in args.keys:
+            c.delete(key)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tensorbroker", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help)
+        sp.add_argument(
+            "--address",
+            help="ipc:///path or tcp://127.0.0.1:PORT "
+            "(default: $TENSORBROKER_ADDRESS, else a per-user socket)",
+        )
+        return sp
+
+    serve = command("serve", "run a broker")
+    serve.add_argument(
+        "--memory",
+        help="shared-memory capacity, e.g. 8GiB (default: 30%% of RAM, at most 90%% of /dev/shm)",
+    )
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    serve.set_defaults(run=_serve)
+    for name, run, help in (
+        ("ping", _ping, "check that a broker answers"),
+        ("stat", _stat, "show a broker's counters"),
+        ("ls", _ls, "list the keys"),
+        ("rm", _rm, "delete keys"),
+    ):
+        sp = command(name, help)
+        sp.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
+        sp.set_defaults(run=run, log_level="warning")
+        if name == "stat":
+            sp.add_argument("--json", action="store_true", help="print JSON")
+        if name == "rm":
+            sp.add_argument("keys", nargs="+", metavar="KEY")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s tensorbroker %(levelname)s %(message)s"
+    )
+    try:
+        return int(args.run(args))
+    except BrokerError as exc:
+        print(f"tensorbroker: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"tensorbroker: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

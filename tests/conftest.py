@@ -1,0 +1,48 @@
+"""Fixtures shared by every test: private brokers on temporary addresses, clients that are
+always closed, and a check that the suite leaves no segment, socket or broker behind."""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator
+
+import pytest
+
+import tensorbroker as tb
+
+
+def _segments() -> set[str]:
+    return set(glob.glob("/dev/shm/tb-*"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _leaves_nothing_behind() -> Iterator[None]:
+    before = _segments()
+    yield
+    left = _segments() - before
+    assert not left, f"the test suite left shared-memory segments behind: {sorted(left)}"
+
+
+@pytest.fixture(scope="module")
+def broker() -> Iterator[tb.BrokerProcess]:
+    """A broker shared by the tests of one module (256 MiB, its own temporary address)."""
+    with tb.start_broker(memory="256MiB") as b:
+        yield b
+        assert b._proc is not None and b._proc.poll() is None, "the broker died during the tests"
+    assert not os.path.exists(b.address[len("ipc://") :])
+
+
+@pytest.fixture
+def fresh_broker() -> Iterator[tb.BrokerProcess]:
+    """A broker of this test's own, for tests that count memory or kill things."""
+    with tb.start_broker(memory="64MiB") as b:
+        yield b
+
+
+@pytest.fixture
+def client(broker: tb.BrokerProcess) -> Iterator[tb.Client]:
+    with tb.connect(broker.address) as c:
+        yield c
+        for key in c.keys():
+            c.delete(key)
