@@ -271,7 +271,7 @@ class Client:
 
 def _drain(releases: queue.SimpleQueue[int]) -> list[int]:
     """The lease ids queued now (a _STOP mark is put back for the flusher)."""
-    out = []
+    out: list[int] = []
     while True:
         try:
             lease_id = releases.get_nowait()

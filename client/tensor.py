@@ -179,9 +179,9 @@ class Tensor:
 
     def torch(self) -> torch.Tensor:
         """A torch tensor over the same memory (torch has no read-only tensors: do not write)."""
-        import torch
+        from torch.utils.dlpack import from_dlpack
 
-        return torch.from_dlpack(self)
+        return from_dlpack(self)
 
     def jax(self) -> jax.Array:
         """A JAX array over the same memory (zero copy: the memory is 64-byte aligned)."""

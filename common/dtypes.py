@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from .errors import InvalidRequest
+
 # DLDataTypeCode
 KDL_INT, KDL_UINT, KDL_FLOAT, KDL_BFLOAT, KDL_COMPLEX, KDL_BOOL = 0, 1, 2, 4, 5, 6
 
@@ -53,24 +57,31 @@ _ALIASES = {"bool_": "bool", "float": "float64", "half": "float16", "double": "f
 def dtype(spec: Any) -> DType:
     """Look up a dtype by name ("float32"), by NumPy dtype, or by anything with a `.name` or str().
 
-    Raises ValueError naming the dtype and the ones supported.
+    Raises InvalidRequest (a ValueError) naming the dtype and the ones supported.
     """
     if isinstance(spec, DType):
         return spec
-    name = spec if isinstance(spec, str) else getattr(spec, "name", None) or str(spec)
-    name = name.removeprefix("torch.").removeprefix("jnp.")
+    if isinstance(spec, str):
+        name = spec
+    else:
+        try:
+            name = np.dtype(spec).name  # NumPy and ml_dtypes dtypes and scalar types, JAX's
+        except TypeError:
+            name = str(spec).removeprefix("torch.")  # torch.float32
     name = _ALIASES.get(name, name)
     try:
         return DTYPES[name]
     except KeyError:
-        raise ValueError(f"unsupported dtype {spec!r}; supported: {', '.join(DTYPES)}") from None
+        raise InvalidRequest(
+            f"unsupported dtype {spec!r}; supported: {', '.join(DTYPES)}"
+        ) from None
 
 
 def from_dlpack(code: int, bits: int, lanes: int = 1) -> DType:
-    """The dtype of a DLPack DLDataType; ValueError for vector types and unknown codes."""
+    """The dtype of a DLPack DLDataType; InvalidRequest for vector types and unknown codes."""
     found = _BY_DLPACK.get((code, bits))
     if found is None or lanes != 1:
-        raise ValueError(
+        raise InvalidRequest(
             f"unsupported DLPack dtype (code={code}, bits={bits}, lanes={lanes}); "
             f"supported: {', '.join(DTYPES)}"
         )

@@ -49,7 +49,8 @@ NO_REPLY = frozenset({Op.RELEASE, Op.HEARTBEAT, Op.BYE})
 
 
 def encode(message: dict[str, Any]) -> bytes:
-    return msgpack.packb(message, use_bin_type=True)  # type: ignore[no-any-return]
+    packed: bytes = msgpack.packb(message, use_bin_type=True)
+    return packed
 
 
 def decode(frame: bytes, limit: int = MAX_MESSAGE_BYTES) -> dict[str, Any]:
@@ -213,4 +214,4 @@ def parse_request(message: dict[str, Any]) -> Request:
         or not all(type(r) is int and r >= 0 for r in releases)
     ):
         raise InvalidRequest(f"{op}: 'rel' must be a list of lease ids")
-    return Request(op, request_id, fields, releases)
+    return Request(str(op), request_id, fields, releases)

@@ -80,6 +80,7 @@ class Broker:
         self._started = time.monotonic()
         self._ctx = zmq.Context()
         self._router: zmq.Socket[bytes] | None = None
+        self._ipc_inode: int | None = None
         self._poller = zmq.Poller()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_w.setblocking(False)
@@ -119,8 +120,11 @@ class Broker:
                 "Stop it or choose another --address."
             ) from None
         self._router = router
+        if self.address.startswith("ipc://"):  # zmq leaves the socket file: remove it at close
+            self._ipc_inode = os.stat(self.address[6:]).st_ino
         self._poller.register(router, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
+        self.arena.free(self.arena.allocate(1) or _never())  # map and back the first chunk now
         log.info("serving on %s, capacity %s", self.address, format_size(self.arena.capacity))
 
     def _refuse_if_served(self) -> None:
@@ -169,10 +173,19 @@ class Broker:
         if self._router is not None:
             self._router.close(linger=0)
             self._router = None
+            self._unlink_socket_file()
         self._ctx.term()
         self._wake_r.close()
         self._wake_w.close()
         self.arena.close()
+
+    def _unlink_socket_file(self) -> None:
+        path = self.address[6:]
+        try:
+            if self._ipc_inode is not None and os.stat(path).st_ino == self._ipc_inode:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
 
     def _install_signals(self) -> Callable[[], None]:
         if threading.current_thread() is not threading.main_thread():
@@ -434,5 +447,5 @@ class Broker:
         return None
 
 
-def invalid(message: str) -> InvalidRequest:
-    return InvalidRequest(message)
+def _never() -> Any:
+    raise BrokerError("the arena cannot hold a single byte: is --memory 0?")

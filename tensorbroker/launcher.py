@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import select
 import shutil
@@ -13,6 +15,16 @@ import time
 
 from .common.config import SOCKET_NAME, parse_size
 from .common.errors import BrokerUnavailable
+
+started: set[int] = set()  # pids of brokers this process started and has not stopped
+
+
+@atexit.register
+def _stop_forgotten_brokers() -> None:
+    """A broker started here and never stopped ends with this interpreter."""
+    for pid in list(started):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
 
 
 class BrokerProcess:
@@ -61,6 +73,7 @@ class BrokerProcess:
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
                 )
+            started.add(self._proc.pid)
             os.close(write_fd)
             write_fd = -1
             ready, _, _ = select.select([read_fd], [], [], ready_timeout)
@@ -101,6 +114,7 @@ class BrokerProcess:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 code = proc.wait()
+            started.discard(proc.pid)
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None

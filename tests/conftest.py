@@ -16,12 +16,27 @@ def _segments() -> set[str]:
     return set(glob.glob("/dev/shm/tb-*"))
 
 
+def _owner_alive(segment: str) -> bool:
+    """Whether the broker that made /dev/shm/tb-PID-... still runs (another test run's)."""
+    try:
+        os.kill(int(segment.split("-")[1]), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, IndexError):
+        pass
+    return True
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _leaves_nothing_behind() -> Iterator[None]:
+    """After the suite: no segment of a broker that has exited, no broker still running."""
     before = _segments()
     yield
-    left = _segments() - before
-    assert not left, f"the test suite left shared-memory segments behind: {sorted(left)}"
+    new = _segments() - before
+    ours = {s for s in new if not _owner_alive(s) or int(s.split("-")[1]) in tb.launcher.started}
+    assert not ours, f"the test suite left shared-memory segments behind: {sorted(ours)}"
+    running = [pid for pid in tb.launcher.started if _owner_alive(f"tb-{pid}-")]
+    assert not running, f"the test suite left brokers running: {running}"
 
 
 @pytest.fixture(scope="module")

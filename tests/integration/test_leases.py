@@ -1,0 +1,131 @@
+"""Leases: memory comes back when the last reader lets go, or dies."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+import workers
+
+import tensorbroker as tb
+
+SPAWN = mp.get_context("spawn")
+MiB = 2**20
+
+
+def wait_until(condition: Callable[[], bool], timeout: float) -> float:
+    """Seconds it took `condition` to hold; fails after `timeout`."""
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch", "jax"])
+def test_memory_returns_only_when_the_last_consumer_array_is_gone(
+    fresh_broker: tb.BrokerProcess, framework: str
+) -> None:
+    with tb.connect(fresh_broker.address) as writer, tb.connect(fresh_broker.address) as reader:
+        writer.put("k", np.ones(MiB, np.float32))
+        t = reader.get("k")
+        array = workers.consume(framework, t)
+        # A view of the consumer's array keeps the memory too (JAX slices are copies).
+        view = array if framework == "jax" else array[10:20]
+        expected = float(view.sum())
+        del t, array
+        gc.collect()
+        writer.delete("k")
+        time.sleep(0.2)  # time enough for any release to arrive
+        stats = writer.stats()
+        assert stats["used_bytes"] >= 4 * MiB and stats["leases"] == 1
+        assert float(view.sum()) == expected  # still readable: nothing was freed under it
+
+        del view
+        gc.collect()
+        wait_until(lambda: writer.stats()["used_bytes"] == 0, timeout=2.0)
+        assert writer.stats()["leases"] == 0
+
+
+def test_release_travels_with_the_next_request(fresh_broker: tb.BrokerProcess) -> None:
+    with tb.connect(fresh_broker.address) as c:
+        c.put("k", np.ones(1000))
+        t = c.get("k")
+        c.delete("k")
+        del t
+        gc.collect()
+        # The release is queued when the Tensor dies; the next call carries it if the
+        # background flusher has not sent it already. Either way stats sees it.
+        assert c.stats()["used_bytes"] == 0
+
+
+def test_readers_sigkilled_give_their_leases_back_within_a_second(
+    fresh_broker: tb.BrokerProcess,
+) -> None:
+    with tb.connect(fresh_broker.address) as c:
+        c.put("held", torch.ones(2 * MiB))
+        holding = SPAWN.Queue()
+        readers = [
+            SPAWN.Process(
+                target=workers.hold_then_wait, args=(fresh_broker.address, "held", holding)
+            )
+            for _ in range(2)
+        ]
+        for p in readers:
+            p.start()
+        try:
+            assert [holding.get(timeout=60) for _ in readers] == [2.0 * MiB] * 2
+            c.delete("held")
+            assert c.stats()["leases"] == 2 and c.stats()["used_bytes"] >= 8 * MiB
+            for p in readers:
+                os.kill(p.pid, signal.SIGKILL)
+            took = wait_until(lambda: c.stats()["used_bytes"] == 0, timeout=1.0)
+        finally:
+            for p in readers:
+                p.kill()
+                p.join(10)
+        assert [p.exitcode for p in readers] == [-signal.SIGKILL] * 2
+        assert took < 1.0
+        stats = c.stats()
+        assert stats["leases"] == 0 and stats["clients"] == 1
+
+
+def test_producer_sigkilled_while_writing_loses_its_allocation(
+    fresh_broker: tb.BrokerProcess,
+) -> None:
+    with tb.connect(fresh_broker.address) as c:
+        holding = SPAWN.Queue()
+        p = SPAWN.Process(
+            target=workers.create_then_wait, args=(fresh_broker.address, "w", holding)
+        )
+        p.start()
+        try:
+            assert holding.get(timeout=60) == "writing"
+            assert c.stats()["pending"] == 1 and not c.exists("w")
+            os.kill(p.pid, signal.SIGKILL)
+            wait_until(lambda: c.stats()["used_bytes"] == 0, timeout=1.0)
+        finally:
+            p.kill()
+            p.join(10)
+        assert p.exitcode == -signal.SIGKILL
+        assert c.stats()["pending"] == 0 and not c.exists("w")
+
+
+def test_arrays_outliving_their_client_keep_their_memory(fresh_broker: tb.BrokerProcess) -> None:
+    with tb.connect(fresh_broker.address) as watcher:
+        with tb.connect(fresh_broker.address) as c:
+            c.put("k", np.arange(100.0))
+            array = c.get("k").numpy()
+            c.delete("k")
+        assert watcher.stats()["used_bytes"] > 0
+        assert array[99] == 99.0  # closing the client did not unmap or free it
+        del array
+        gc.collect()
