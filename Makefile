@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test test-all lint bench clean
+.PHONY: demo test test-all lint clean
 
 $(STAMP): pyproject.toml setup.py client/_dlpack.c
 	$(PYTHON) -c 'import sys; sys.exit("tensorbroker needs Python 3.11+, found " + sys.version.split()[0]) if sys.version_info < (3, 11) else None'
@@ -34,9 +34,6 @@ lint: $(STAMP)
 	ln -s $(CURDIR)/tensorbroker/* build/typecheck/tensorbroker/
 	for p in common server client; do ln -s $(CURDIR)/$$p build/typecheck/tensorbroker/$$p; done
 	cd build/typecheck && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml -p tensorbroker
-
-bench: $(STAMP)
-	$(PY) -P bench/run.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info client/*.so .pytest_cache .mypy_cache .ruff_cache

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import os
 import queue
 import secrets
@@ -32,7 +33,7 @@ from ..common.protocol import PROTOCOL_VERSION, Op
 from .shm import SegmentCache
 from .sources import entries
 from .tensor import Lease, Tensor
-from .transport import Channel, ChannelPool, open_pidfd
+from .transport import BrokerExited, Channel, ChannelPool, open_pidfd
 
 log = logging.getLogger(__name__)
 
@@ -136,10 +137,17 @@ class Client:
         waits that many seconds for it to be put (then Timeout); None waits as long as it
         takes. No copy: the result reads the broker's shared memory.
         """
+        if timeout is not None and math.isinf(timeout):
+            timeout = None
         wait = None if timeout is None else timeout + WAIT_GRACE
         reply = self._call(Op.GET, key=key, timeout=timeout, wait=wait)
         obj = ObjectDesc.from_wire(reply)
-        lease = Lease(obj.lease, self._segments.get(obj.tensors[0].segment), self._releases)
+        try:
+            mapping = self._segments.get(obj.tensors[0].segment)
+        except BaseException:
+            self._releases.put(obj.lease)
+            raise
+        lease = Lease(obj.lease, mapping, self._releases)
         tensors = {t.name: Tensor(obj.key, obj.version, t, lease) for t in obj.tensors}
         return tensors if obj.bundle else tensors[""]
 
@@ -158,7 +166,12 @@ class Client:
         dt = lookup_dtype(dtype)
         reply = self._call(Op.PUT, key=key, tensors=[["", dt.name, [int(d) for d in shape]]])
         desc = TensorDesc.from_wire(reply["tensors"][0])
-        lease = Lease(reply["put"], self._segments.get(desc.segment), self._releases)
+        try:
+            mapping = self._segments.get(desc.segment)
+        except BaseException:
+            self._releases.put(reply["put"])  # ends the put: the broker aborts it
+            raise
+        lease = Lease(reply["put"], mapping, self._releases)
         buffer = Tensor(key, 0, desc, lease, writable=True)
         try:
             yield buffer
@@ -206,9 +219,8 @@ class Client:
         channel = self._pool.borrow() or self._new_channel(REQUEST_TIMEOUT)
         try:
             return channel.call(message, wait)
-        except BrokerUnavailable as exc:
-            if "exited" in str(exc):
-                self._broken = str(exc)
+        except BrokerExited as exc:
+            self._broken = str(exc)
             raise
         finally:
             self._pool.give_back(channel)

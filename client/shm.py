@@ -14,7 +14,7 @@ import re
 import threading
 
 from ..common.config import SHM_DIR
-from ..common.errors import ProtocolError
+from ..common.errors import BrokerUnavailable, ProtocolError
 
 _SEGMENT_NAME = re.compile(r"tb-\d+-[0-9a-f]+")
 
@@ -52,7 +52,13 @@ class SegmentCache:
         if not _SEGMENT_NAME.fullmatch(name):
             raise ProtocolError(f"the broker named an invalid segment {name!r:.80}")
         path = os.path.join(self._dir, name)
-        fd = os.open(path, os.O_RDWR)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise BrokerUnavailable(
+                f"cannot open the broker's segment {path}: {exc.strerror}. Client and broker "
+                "must share /dev/shm (same container or pod) and run as the same user"
+            ) from None
         try:
             mm = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         finally:

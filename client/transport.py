@@ -14,6 +14,11 @@ from ..common.errors import BrokerUnavailable, error_from_wire
 from ..common.protocol import decode, encode
 
 MAX_REPLY_BYTES = 256 << 20  # replies can list many keys; requests stay small
+MAX_POLL_S = 3600.0
+
+
+class BrokerExited(BrokerUnavailable):
+    """The broker process this client talked to has exited: the client is broken for good."""
 
 
 class Channel:
@@ -41,11 +46,13 @@ class Channel:
         request_id = message["id"]
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            wait_ms = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-            ready = dict(self._poller.poll(wait_ms))
+            left = MAX_POLL_S if deadline is None else deadline - time.monotonic()
+            ready = dict(self._poller.poll(int(max(0.0, min(left, MAX_POLL_S)) * 1000)))
             if self.socket not in ready:
                 if ready:  # only the broker's pidfd
-                    raise BrokerUnavailable(f"the broker at {self.address} exited")
+                    raise BrokerExited(f"the broker at {self.address} exited")
+                if deadline is None or time.monotonic() < deadline:
+                    continue  # a long wait, in steps the poller can take
                 raise BrokerUnavailable(
                     f"no reply from the broker at {self.address} within {timeout:.1f}s "
                     f"(op {message['op']!r}); is it running? Try `tensorbroker ping --address "

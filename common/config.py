@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+from fractions import Fraction
 
 ADDRESS_ENV = "TENSORBROKER_ADDRESS"
 SHM_DIR = "/dev/shm"
@@ -43,7 +44,7 @@ def parse_size(text: str | int) -> int:
             f"cannot read size {text!r}: use a number with an optional unit, "
             "such as 1073741824, 512MiB, 4GiB or 2GB"
         )
-    return int(float(match.group(1)) * _UNITS[unit])
+    return int(Fraction(match.group(1)) * _UNITS[unit])  # exact: '4.1GB' is 4100000000
 
 
 def format_size(n: int | float) -> str:

@@ -90,11 +90,12 @@ def check_key(value: Any) -> str:
 
 
 def check_timeout(value: Any) -> float | None:
+    """Seconds to wait: None (or infinity) waits as long as it takes."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
         raise InvalidRequest(f"timeout must be None or a number >= 0, got {value!r:.80}")
-    return float(value)
+    return None if math.isinf(value) else float(value)
 
 
 def check_shape(value: Any) -> tuple[int, ...]:
@@ -118,7 +119,7 @@ def check_tensor_specs(value: Any) -> list[tuple[str, str, tuple[int, ...]]]:
             raise InvalidRequest(
                 f"a tensor name must be a string of at most {MAX_NAME_BYTES} bytes"
             )
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise InvalidRequest(f"unsupported dtype {dtype!r:.40}; supported: {', '.join(DTYPES)}")
         specs.append((name, dtype, check_shape(shape)))
     if len({s[0] for s in specs}) != len(specs):
@@ -142,7 +143,13 @@ def _bool(value: Any) -> bool:
     return value
 
 
-def _opt_int(value: Any) -> int | None:
+def _pid(value: Any) -> int | None:
+    if value is not None and (type(value) is not int or not 0 < value < 1 << 31):
+        raise InvalidRequest(f"expected a process id, got {value!r:.80}")
+    return value
+
+
+def _opt_start(value: Any) -> int | None:
     return None if value is None else _int(value)
 
 
@@ -158,9 +165,9 @@ _FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
     Op.HELLO: {
         "version": (_int, True),
         "session": (_str, True),
-        "pid": (_opt_int, False),
+        "pid": (_pid, False),
         "boot_id": (_str, False),
-        "start_time": (_opt_int, False),
+        "start_time": (_opt_start, False),
     },
     Op.PUT: {
         "key": (check_key, True),

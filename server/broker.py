@@ -26,7 +26,7 @@ import zmq
 
 from ..common import host
 from ..common.config import SHM_DIR, check_address, format_size
-from ..common.errors import BrokerError, InvalidRequest, NotFound, ProtocolError, Timeout
+from ..common.errors import BrokerError, NotFound, ProtocolError, Timeout
 from ..common.protocol import (
     MAX_MESSAGE_BYTES,
     NO_REPLY,
@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL = 0.25  # asked of clients the broker cannot watch
 HEARTBEAT_TIMEOUT = 1.0  # silence after which such a client counts as dead
+MAX_POLL_S = 3600.0  # a far deadline is waited for in steps zmq can take
 DRAIN_BATCH = 512  # requests handled before the loop looks at timers and pidfds again
 
 
@@ -228,7 +229,7 @@ class Broker:
             timeout = max(0.0, self._deadlines[0][0] - time.monotonic())
         if any(s.pidfd is None for s in self.sessions.values()):
             timeout = min(timeout or HEARTBEAT_INTERVAL, HEARTBEAT_INTERVAL)
-        return -1 if timeout is None else int(timeout * 1000) + 1
+        return -1 if timeout is None else int(min(timeout, MAX_POLL_S) * 1000) + 1
 
     def _drain(self, router: zmq.Socket[bytes]) -> None:
         for _ in range(DRAIN_BATCH):
@@ -319,7 +320,7 @@ class Broker:
             return None
         try:
             fd = os.pidfd_open(pid)
-        except (OSError, AttributeError):
+        except (OSError, OverflowError, AttributeError):
             return None
         if host.start_time(pid) != started:  # another namespace's pid, or reused
             os.close(fd)

@@ -1,0 +1,222 @@
+"""The `tensorbroker` command, run as users run it: `python -P -m tensorbroker ...`."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tensorbroker as tb
+from tensorbroker.common.config import ADDRESS_ENV, format_size, shm_bytes_available
+
+MiB = 2**20
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop(ADDRESS_ENV, None)  # every command here names its address
+    return env
+
+
+def tb_cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-P", "-m", "tensorbroker", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+        env=_env(),
+    )
+
+
+@pytest.fixture
+def spare_address(tmp_path: Path) -> str:
+    return f"ipc://{tmp_path / 'cli.sock'}"
+
+
+# -- admin commands against a running broker -------------------------------------------------
+
+
+def test_ping(broker: tb.BrokerProcess) -> None:
+    done = tb_cli("ping", "--address", broker.address)
+    assert done.returncode == 0, done.stderr
+    assert f"pid {broker.pid}" in done.stdout
+    assert broker.address in done.stdout
+
+
+def test_stat(broker: tb.BrokerProcess) -> None:
+    done = tb_cli("stat", "--address", broker.address)
+    assert done.returncode == 0, done.stderr
+    lines = {line.split()[0]: line.split(None, 1)[1] for line in done.stdout.splitlines()}
+    assert lines["capacity_bytes"] == format_size(broker.memory)
+    assert lines["pid"] == str(broker.pid)
+
+
+def test_stat_json(broker: tb.BrokerProcess, client: tb.Client) -> None:
+    client.put("stat-json", np.ones(1000, dtype=np.float64))
+    done = tb_cli("stat", "--json", "--address", broker.address)
+    assert done.returncode == 0, done.stderr
+    stats = json.loads(done.stdout)
+    assert stats["capacity_bytes"] == broker.memory
+    assert stats["objects"] >= 1 and stats["used_bytes"] >= 8000
+    assert stats["pid"] == broker.pid
+
+
+def test_ls_shows_the_keys_a_client_put(broker: tb.BrokerProcess, client: tb.Client) -> None:
+    keys = ["ls/b", "ls/a", "ls/\u00e9t\u00e9 with space"]
+    for i, key in enumerate(keys):
+        client.put(key, np.full(4, i, dtype=np.int32))
+    done = tb_cli("ls", "--address", broker.address)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == sorted(client.keys())
+    assert set(keys) <= set(done.stdout.splitlines())
+
+
+def test_ls_of_an_empty_broker_prints_nothing(broker: tb.BrokerProcess, client: tb.Client) -> None:
+    assert client.keys() == []
+    done = tb_cli("ls", "--address", broker.address)
+    assert (done.returncode, done.stdout) == (0, ""), done.stderr
+
+
+def test_rm_deletes(broker: tb.BrokerProcess, client: tb.Client) -> None:
+    client.put("rm-me", np.zeros(3))
+    client.put("rm-me-too", np.zeros(3))
+    client.put("keep-me", np.zeros(3))
+    done = tb_cli("rm", "rm-me", "rm-me-too", "--address", broker.address)
+    assert done.returncode == 0, done.stderr
+    assert client.keys() == ["keep-me"]
+
+
+def test_rm_of_a_missing_key_fails_naming_it(broker: tb.BrokerProcess) -> None:
+    done = tb_cli("rm", "no-such-key", "--address", broker.address)
+    assert done.returncode != 0
+    assert "'no-such-key'" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_ping_without_a_broker_fails_fast_naming_the_address(spare_address: str) -> None:
+    started = time.monotonic()
+    done = tb_cli("ping", "--address", spare_address, "--timeout", "0.5")
+    elapsed = time.monotonic() - started
+    assert done.returncode != 0
+    assert spare_address in done.stderr
+    assert "Traceback" not in done.stderr
+    assert elapsed < 5, f"took {elapsed:.1f}s with --timeout 0.5"
+
+
+def test_bad_address_is_refused(broker: tb.BrokerProcess) -> None:
+    done = tb_cli("ping", "--address", "http://localhost:1")
+    assert done.returncode == 2
+    assert "http://localhost:1" in done.stderr
+
+
+# -- serve --------------------------------------------------------------------------------
+
+
+def test_serve_refuses_an_address_another_broker_serves(broker: tb.BrokerProcess) -> None:
+    done = tb_cli("serve", "--address", broker.address, "--memory", "16MiB")
+    assert done.returncode != 0
+    assert "already serves" in done.stderr
+    assert broker.address in done.stderr
+    # and the running broker is untouched
+    with tb.connect(broker.address) as c:
+        assert c.ping()["pid"] == broker.pid
+
+
+def test_serve_refuses_more_memory_than_shm_has(spare_address: str) -> None:
+    too_much = shm_bytes_available() + 2**40
+    done = tb_cli("serve", "--address", spare_address, "--memory", str(too_much))
+    assert done.returncode == 2
+    assert "--shm-size" in done.stderr
+    assert "/dev/shm" in done.stderr
+    assert not os.path.exists(spare_address[len("ipc://") :])
+
+
+def test_serve_refuses_a_bad_memory_size(spare_address: str) -> None:
+    done = tb_cli("serve", "--address", spare_address, "--memory", "lots")
+    assert done.returncode == 2
+    assert "'lots'" in done.stderr
+
+
+@pytest.fixture
+def served(spare_address: str) -> Iterator[subprocess.Popen[bytes]]:
+    """`tensorbroker serve` started as a user would, returned once it says it is ready."""
+    read_fd, write_fd = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-P", "-m", "tensorbroker", "serve", "--address", spare_address,
+             "--memory", "32MiB", "--ready-fd", str(write_fd)],
+            pass_fds=(write_fd,), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, env=_env(),
+        )  # fmt: skip
+        os.close(write_fd)
+        write_fd = -1
+        ready, _, _ = select.select([read_fd], [], [], 30)
+        assert ready and os.read(read_fd, 16) == b"ready\n", "the broker did not start"
+    finally:
+        os.close(read_fd)
+        if write_fd >= 0:
+            os.close(write_fd)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=30)
+
+
+def test_serve_stops_on_sigterm_and_releases_shared_memory(
+    served: subprocess.Popen[bytes], spare_address: str
+) -> None:
+    with tb.connect(spare_address) as c:
+        assert c.ping()["pid"] == served.pid
+        c.put("x", np.arange(10_000, dtype=np.float32))
+        held = c.get("x")
+        assert float(np.asarray(held)[-1]) == 9999.0
+        del held
+    segments = glob.glob(f"/dev/shm/tb-{served.pid}-*")
+    assert segments, "the broker made no segment for the object"
+    served.send_signal(signal.SIGTERM)
+    out, err = served.communicate(timeout=15)
+    assert served.returncode == 0, err
+    assert glob.glob(f"/dev/shm/tb-{served.pid}-*") == []
+    assert b"Traceback" not in err
+
+
+def test_serve_stops_on_sigint(served: subprocess.Popen[bytes], spare_address: str) -> None:
+    served.send_signal(signal.SIGINT)
+    _, err = served.communicate(timeout=15)
+    assert served.returncode == 0, err
+    assert not os.path.exists(spare_address[len("ipc://") :])  # the socket file went with it
+
+
+# -- help ---------------------------------------------------------------------------------
+
+
+def test_help() -> None:
+    done = tb_cli("--help")
+    assert done.returncode == 0, done.stderr
+    for command in ("serve", "ping", "stat", "ls", "rm"):
+        assert command in done.stdout
+
+
+def test_serve_help() -> None:
+    done = tb_cli("serve", "--help")
+    assert done.returncode == 0, done.stderr
+    assert "--memory" in done.stdout and "--address" in done.stdout
+
+
+def test_no_command_is_a_usage_error() -> None:
+    done = tb_cli()
+    assert done.returncode == 2
+    assert "usage" in done.stderr

@@ -1,0 +1,373 @@
+"""A broker under hostile input: thousands of malformed frames from a raw DEALER socket must
+get error replies (or be dropped), never take the broker down, and never disturb a normal
+client."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+import tensorbroker as tb
+from tensorbroker.common import host
+from tensorbroker.common.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, decode, encode
+
+MiB = 2**20
+RAW_TIMEOUT_MS = 5000
+KNOWN_ERROR_CODES = {"invalid", "protocol", "not_found", "capacity", "timeout"}
+
+RawSocket = zmq.Socket  # type: ignore[type-arg]
+
+
+def wait_until(cond: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:
+    """Poll `cond` until it is true or `timeout` seconds pass; its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if cond():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+
+
+@pytest.fixture
+def raw() -> Iterator[Callable[..., RawSocket]]:
+    """Make raw DEALER sockets to an address; all closed with linger=0 afterwards."""
+    ctx = zmq.Context()
+    sockets: list[RawSocket] = []
+
+    def make(address: str, connect: bool = True) -> RawSocket:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)  # keep every reply of a flood
+        if connect:
+            sock.connect(address)
+        sockets.append(sock)
+        return sock
+
+    try:
+        yield make
+    finally:
+        for sock in sockets:
+            sock.close(linger=0)
+        ctx.term()
+
+
+def recv(sock: RawSocket, timeout_ms: int = RAW_TIMEOUT_MS) -> dict[str, Any]:
+    assert sock.poll(timeout_ms), f"no reply from the broker within {timeout_ms} ms"
+    return decode(sock.recv())
+
+
+def call(sock: RawSocket, message: dict[str, Any]) -> dict[str, Any]:
+    """Send a request and return the reply with its id (earlier replies are skipped)."""
+    sock.send(encode(message))
+    while True:
+        reply = recv(sock)
+        if reply.get("id") == message["id"]:
+            return reply
+
+
+def hello(sock: RawSocket, *, watched: bool = True, **extra: Any) -> dict[str, Any]:
+    """Say hello; a watched session names this process so the broker keeps it without
+    heartbeats."""
+    message: dict[str, Any] = {
+        "op": "hello",
+        "id": 1,
+        "version": PROTOCOL_VERSION,
+        "session": secrets.token_hex(16),
+    }
+    if watched:
+        pid = os.getpid()
+        message.update(pid=pid, boot_id=host.boot_id(), start_time=host.start_time(pid))
+    message.update(extra)
+    return call(sock, message)
+
+
+def assert_error(reply: dict[str, Any], *codes: str) -> None:
+    assert reply["ok"] is False, reply
+    assert reply["code"] in codes, reply
+    assert isinstance(reply["error"], str) and reply["error"], reply
+
+
+def assert_serves(broker: tb.BrokerProcess) -> None:
+    assert broker._proc is not None and broker._proc.poll() is None, "the broker died"
+    with tb.connect(broker.address) as c:
+        value = np.arange(1000, dtype=np.float32)
+        key = f"after-{secrets.token_hex(4)}"
+        version = c.put(key, value)
+        assert version == 1
+        got = c.get(key)
+        assert np.array_equal(np.asarray(got), value)
+        del got
+        c.delete(key)
+
+
+# -- the flood ------------------------------------------------------------------------------
+
+
+def _malformed(rng: random.Random, n: int) -> list[tuple[list[bytes], bool]]:
+    """n hostile messages as (frames, whether the broker must answer it)."""
+    long_key = "k" * 5000
+    wrong_types: list[Any] = [
+        [], [1, 2, 3], ["op", "put"], 0, -1, 2**64 - 1, 1.5, "put", "", None, True, b"\x00",
+        [{"op": "ping", "id": 1}],
+    ]  # fmt: skip
+    maps: list[dict[str, Any]] = [
+        {},
+        {"op": "frobnicate", "id": 3},
+        {"op": "PING", "id": 3},
+        {"op": 7, "id": 3},
+        {"op": None},
+        {"op": "ping", "id": -1},
+        {"op": "ping", "id": "3"},
+        {"op": "ping", "id": 2**64 - 1},
+        {"op": "ping", "id": 1.5},
+        {"op": "ping", "rel": "all"},
+        {"op": "ping", "rel": [-1, 2]},
+        {"op": "put", "id": 4},
+        {"op": "put", "id": 4, "key": 12, "tensors": [["", "float32", [1]]]},
+        {"op": "put", "id": 4, "key": "", "tensors": [["", "float32", [1]]]},
+        {"op": "put", "id": 4, "key": long_key, "tensors": [["", "float32", [1]]]},
+        {"op": "put", "id": 4, "key": "k", "tensors": "float32"},
+        {"op": "put", "id": 4, "key": "k", "tensors": []},
+        {"op": "put", "id": 4, "key": "k", "tensors": [["", "float32", [-1]]]},
+        {"op": "put", "id": 4, "key": "k", "tensors": [["", "float32", [2**48]]]},
+        {"op": "put", "id": 4, "key": "k", "tensors": [["", "float32", [2**64 - 1]]]},
+        {"op": "put", "id": 4, "key": "k", "tensors": [["", "float32", [True]]]},
+        {"op": "put", "id": 4, "key": "k", "tensors": [["", "float32", [1] * 33]]},
+        {"op": "put", "id": 4, "key": "k", "tensors": [["", "float32", "3"]]},
+        {"op": "put", "id": 4, "key": "k", "tensors": [["", "float99", [1]]]},
+        {"op": "put", "id": 4, "key": "k", "tensors": [["a", "int8", [1]], ["a", "int8", [1]]]},
+        {"op": "put", "id": 4, "key": "k", "tensors": [["", "int8", [1]]], "bundle": "no"},
+        {"op": "put", "id": 4, "key": "k", "tensors": [["w", "int8", [1]]]},  # named, not bundle
+        {"op": "put", "id": 4, "key": "k", "tensors": [["", "int8", [2**47, 2**47]]]},
+        {"op": "seal", "id": 5, "put": "1"},
+        {"op": "seal", "id": 5, "put": 987654321},
+        {"op": "abort", "id": 5, "put": 987654321},
+        {"op": "abort", "id": 5, "put": -3},
+        {"op": "get", "id": 6, "key": long_key},
+        {"op": "get", "id": 6, "key": "absent"},
+        {"op": "get", "id": 6, "key": "absent", "timeout": -1},
+        {"op": "get", "id": 6, "key": "absent", "timeout": "soon"},
+        {"op": "get", "id": 6, "key": ["absent"]},
+        {"op": "delete", "id": 7, "key": "absent"},
+        {"op": "delete", "id": 7, "key": None},
+        {"op": "exists", "id": 7, "key": long_key},
+        {"op": "hello", "id": 8, "version": "1", "session": "s"},
+        {"op": "hello", "id": 8, "version": 1, "session": "s" * 300},
+        {"op": "hello", "id": 8, "version": 1},
+        {"op": "release", "id": 9, "rel": {"1": 2}},
+        {"op": "bye", "id": 9, "keep_leases": "yes"},
+    ]
+    out: list[tuple[list[bytes], bool]] = []
+    for _ in range(n):
+        kind = rng.randrange(8)
+        if kind == 0:  # random bytes, from empty up
+            out.append(([rng.randbytes(rng.randrange(0, 300))], True))
+        elif kind == 1:  # valid msgpack, not a map
+            out.append(([encode(rng.choice(wrong_types))], True))
+        elif kind in (2, 3, 4):  # maps with unknown ops, wrong field types, bad shapes, ...
+            message = dict(rng.choice(maps))
+            out.append(([encode(message)], True))
+        elif kind == 5:  # maps with non-str keys, or truncated msgpack
+            if rng.random() < 0.5:
+                frame = msgpack.packb({1: "ping", "op": "ping"}, use_bin_type=True)
+            else:
+                frame = encode(rng.choice(maps))[:-1] or b"\x81"
+            out.append(([frame], True))
+        elif kind == 6:  # multi-frame messages: dropped without a reply
+            frames = [encode({"op": "ping", "id": 99})] * rng.randrange(2, 5)
+            out.append((frames, False))
+        else:  # releases of leases never held: no reply by design
+            out.append(([encode({"op": "release", "rel": [rng.randrange(10**6, 10**9)]})], False))
+    return out
+
+
+def test_flood_of_malformed_frames(broker: tb.BrokerProcess, raw: Callable[..., Any]) -> None:
+    rng = random.Random(20240611)
+
+    # Before hello: everything but ping and hello is refused, by id.
+    early = raw(broker.address)
+    early.send(b"")  # an empty frame
+    assert_error(recv(early), "protocol")
+    for i, op in enumerate(["put", "get", "keys", "stats", "delete", "seal"], start=100):
+        reply = call(early, {"op": op, "id": i, "key": "k", "put": 1})
+        assert_error(reply, "protocol", "invalid")
+    reply = call(early, {"op": "keys", "id": 200})
+    assert_error(reply, "protocol")
+    assert "hello" in reply["error"]
+    assert call(early, {"op": "ping", "id": 201})["ok"] is True  # ping needs no hello
+
+    sock = raw(broker.address)
+    assert hello(sock)["ok"] is True
+    messages = _malformed(rng, 3000)
+    expected = sum(answered for _, answered in messages)
+    replies: list[dict[str, Any]] = []
+    for i, (frames, _) in enumerate(messages):
+        sock.send_multipart(frames)
+        if i % 200 == 199:  # read as we go so that no queue fills up
+            while sock.poll(0):
+                replies.append(decode(sock.recv()))
+    deadline = time.monotonic() + 20
+    while len(replies) < expected and time.monotonic() < deadline:
+        if sock.poll(100):
+            replies.append(decode(sock.recv()))
+    assert len(replies) == expected, f"{len(replies)} replies to {expected} answerable messages"
+    internal = [r for r in replies if r.get("code") not in KNOWN_ERROR_CODES]
+    assert not internal, f"{len(internal)} replies that are not plain errors: {internal[:3]}"
+    assert all(r["ok"] is False for r in replies)
+
+    # A frame over the size limit: the broker drops that peer, nothing more.
+    big = raw(broker.address, connect=False)
+    monitor = big.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+    try:
+        big.connect(broker.address)
+        assert monitor.poll(RAW_TIMEOUT_MS), "could not connect"
+        assert recv_monitor_message(monitor)["event"] == zmq.EVENT_CONNECTED
+        big.send(b"\x00" * (MAX_MESSAGE_BYTES + 1))
+        assert monitor.poll(RAW_TIMEOUT_MS), "the broker kept a peer that sent an oversized frame"
+        assert recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+        assert not big.poll(0)  # and sent it no reply
+    finally:
+        big.disable_monitor()
+        monitor.close(linger=0)
+
+    # The same raw session still gets precise error replies, by id.
+    samples: list[tuple[dict[str, Any], str, str]] = [
+        ({"op": "frobnicate", "id": 5001}, "protocol", "frobnicate"),
+        ({"op": "get", "id": 5002}, "invalid", "key"),
+        ({"op": "get", "id": 5003, "key": "k" * 5000}, "invalid", "5000 bytes"),
+        ({"op": "put", "id": 5004, "key": "k", "tensors": [["", "f32", [1]]]}, "invalid", "f32"),
+        (
+            {"op": "put", "id": 5005, "key": "k", "tensors": [["", "int8", [-2]]]},
+            "invalid",
+            "shape",
+        ),
+        ({"op": "seal", "id": 5006, "put": 424242}, "invalid", "424242"),
+        ({"op": "get", "id": 5007, "key": "nothing-here"}, "not_found", "nothing-here"),
+        ({"op": "delete", "id": 5008, "key": "nothing-here"}, "not_found", "nothing-here"),
+        ({"op": "ping", "id": 5009, "rel": "x"}, "invalid", "rel"),
+    ]
+    for message, code, mentions in samples:
+        reply = call(sock, message)
+        assert_error(reply, code)
+        assert mentions in reply["error"], reply
+    assert call(sock, {"op": "ping", "id": 6000})["ok"] is True
+
+    assert_serves(broker)
+    with tb.connect(broker.address) as c:
+        stats = c.stats()
+        assert stats["pending"] == 0  # no malformed put left anything half-made
+        assert stats["used_bytes"] == 0
+    sock.send(encode({"op": "bye"}))
+
+
+def test_hello_with_a_wrong_protocol_version(
+    broker: tb.BrokerProcess, raw: Callable[..., Any]
+) -> None:
+    sock = raw(broker.address)
+    wrong = PROTOCOL_VERSION + 6
+    reply = hello(sock, version=wrong)
+    assert_error(reply, "protocol")
+    assert re.search(rf"\b{wrong}\b", reply["error"]), reply
+    assert re.search(rf"\b{PROTOCOL_VERSION}\b", reply["error"].replace(str(wrong), "")), reply
+    # no session was made: the socket is still refused
+    assert_error(call(sock, {"op": "keys", "id": 2}), "protocol")
+    assert_serves(broker)
+
+
+def test_put_larger_than_capacity(broker: tb.BrokerProcess, raw: Callable[..., Any]) -> None:
+    sock = raw(broker.address)
+    assert hello(sock)["ok"]
+    size = broker.memory + MiB
+    reply = call(sock, {"op": "put", "id": 2, "key": "too-big", "tensors": [["", "uint8", [size]]]})
+    assert_error(reply, "capacity")
+    assert "too-big" in reply["error"] and "memory" in reply["error"]
+    with tb.connect(broker.address) as c:
+        with pytest.raises(tb.CapacityError, match="too-big"):
+            with c.create("too-big", (size,), "uint8"):
+                pytest.fail("create must not yield a buffer the broker cannot hold")
+        assert not c.exists("too-big")
+        assert c.stats()["pending"] == 0
+    sock.send(encode({"op": "bye"}))
+    assert_serves(broker)
+
+
+def test_silent_session_without_pid_is_dropped(
+    broker: tb.BrokerProcess, client: tb.Client, raw: Callable[..., Any]
+) -> None:
+    before = client.stats()["clients"]
+    sock = raw(broker.address)
+    reply = hello(sock, watched=False)
+    said_hello = time.monotonic()
+    assert reply["ok"] and reply["heartbeat"] > 0  # the broker asks for heartbeats
+    assert client.stats()["clients"] == before + 1
+    assert wait_until(lambda: client.stats()["clients"] == before, 3.0), "never dropped"
+    assert time.monotonic() - said_hello > 0.5  # not at once: it had time to send heartbeats
+    # its socket is no longer a session
+    assert_error(call(sock, {"op": "keys", "id": 3}), "protocol")
+
+
+def test_heartbeats_keep_a_session_without_pid(
+    broker: tb.BrokerProcess, client: tb.Client, raw: Callable[..., Any]
+) -> None:
+    before = client.stats()["clients"]
+    sock = raw(broker.address)
+    reply = hello(sock, watched=False)
+    interval = reply["heartbeat"]
+    end = time.monotonic() + 1.4
+    while time.monotonic() < end:  # a client's heartbeat cadence, for longer than the timeout
+        sock.send(encode({"op": "hb"}))
+        time.sleep(interval)
+    assert client.stats()["clients"] == before + 1
+    assert call(sock, {"op": "keys", "id": 2})["ok"] is True
+    sock.send(encode({"op": "bye"}))
+    assert wait_until(lambda: client.stats()["clients"] == before, 3.0)
+
+
+# -- known bugs -----------------------------------------------------------------------------
+
+
+def test_unhashable_dtype_is_an_invalid_request(
+    broker: tb.BrokerProcess, raw: Callable[..., Any]
+) -> None:
+    sock = raw(broker.address)
+    assert hello(sock)["ok"]
+    reply = call(sock, {"op": "put", "id": 2, "key": "k", "tensors": [["", {"x": 1}, [1]]]})
+    sock.send(encode({"op": "bye"}))
+    assert_error(reply, "invalid")
+
+
+def test_hello_with_an_out_of_range_pid(broker: tb.BrokerProcess, raw: Callable[..., Any]) -> None:
+    sock = raw(broker.address)
+    reply = hello(sock, watched=False, pid=2**62, boot_id=host.boot_id(), start_time=1)
+    if reply["ok"]:
+        sock.send(encode({"op": "bye"}))
+    assert reply["ok"] or reply["code"] in ("invalid", "protocol"), reply
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), 3e6], ids=["inf", "35-days"])
+def test_get_with_a_very_long_timeout_does_not_kill_the_broker(
+    fresh_broker: tb.BrokerProcess, raw: Callable[..., Any], timeout: float
+) -> None:
+    sock = raw(fresh_broker.address)
+    assert hello(sock)["ok"]
+    sock.send(encode({"op": "get", "id": 2, "key": "later", "timeout": timeout}))
+    sock.send(encode({"op": "ping", "id": 3}))
+    answered = sock.poll(1000)
+    proc = fresh_broker._proc
+    assert proc is not None
+    died = wait_until(lambda: proc.poll() is not None, 1.0)
+    assert not died, f"the broker exited with code {proc.returncode}"
+    assert answered and decode(sock.recv())["id"] == 3
+    assert_serves(fresh_broker)
