@@ -115,15 +115,19 @@ def main() -> int:
         if broker is not None:
             broker.stop()
     good, seconds, _ = results["numpy"]
-    print(f"  torch  put {args.items} batches          {results['torch'][1]:6.2f} s")
-    print(f"  jax    read, transformed, put      {results['jax'][1]:6.2f} s   zero-copy reads: "
-          f"{'yes' if results['jax'][2] else 'NO'}")  # fmt: skip
-    print(f"  numpy  read and checked            {seconds:6.2f} s   zero-copy reads: "
-          f"{'yes' if results['numpy'][2] else 'NO'}")  # fmt: skip
+    rows = [
+        ("torch", f"put {args.items} batches", results["torch"][1], None),
+        ("jax", "read, transformed, put", results["jax"][1], results["jax"][2]),
+        ("numpy", "read and checked", seconds, results["numpy"][2]),
+    ]
+    for name, what, secs, zero_copy in rows:
+        copies = "" if zero_copy is None else f"   zero-copy reads: {'yes' if zero_copy else 'NO'}"
+        print(f"  {name:6} {what:26} {secs:6.2f} s{copies}")
     gib = args.items * args.mib / 1024 * 2
-    print(f"proved: {good}/{args.items} items arrived with the right values; "
-          f"{gib:.2f} GiB crossed two process boundaries with one copy into shared memory "
-          "per put and none on any read.")  # fmt: skip
+    print(
+        f"proved: {good}/{args.items} items arrived with the right values; {gib:.2f} GiB crossed "
+        "two process boundaries with one copy into shared memory per put and none on any read."
+    )
     ok = codes == [0, 0, 0] and good == args.items and results["jax"][2] and results["numpy"][2]
     if not ok:
         print(f"FAILED: exit codes {codes}", file=sys.stderr)
