@@ -175,7 +175,7 @@ _FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
         "bundle": (_bool, False),
     },
     Op.SEAL: {"put": (_int, True), "keep": (_bool, False)},
-    Op.ABORT: {"put": (_int, True)},
+    Op.ABORT: {"put": (_int, True), "keep": (_bool, False)},
     Op.GET: {"key": (check_key, True), "timeout": (check_timeout, False)},
     Op.DELETE: {"key": (check_key, True)},
     Op.EXISTS: {"key": (check_key, True)},

@@ -232,3 +232,19 @@ def test_closed_client_and_missing_broker() -> None:
         with pytest.raises(tb.BrokerUnavailable, match="exited"):
             c2.keys()
         c2.close()
+
+
+def test_an_aborted_create_keeps_its_memory_while_its_buffer_lives(
+    fresh_broker: tb.BrokerProcess,
+) -> None:
+    with tb.connect(fresh_broker.address) as c:
+        with pytest.raises(RuntimeError):
+            with c.create("k", (1024,), "float64") as buf:
+                view = buf.numpy()
+                raise RuntimeError("failed half way")
+        # Not published, but the memory stays reserved while the writer's view exists:
+        # nothing else can be put into it under the writer's feet.
+        assert not c.exists("k") and c.stats()["used_bytes"] >= 8192
+        view[:] = 1.0
+        del buf, view
+        assert c.stats()["used_bytes"] == 0 and c.stats()["leases"] == 0
