@@ -380,7 +380,7 @@ class Broker:
         put_id, obj = self.registry.begin_put(
             session, f["key"], f["tensors"], f.get("bundle", False)
         )
-        return {"put": put_id, "tensors": [t.to_wire() for t in obj.tensors]}
+        return {"put": put_id, "tensors": obj.wire}
 
     def _on_seal(self, session: Session | None, route: bytes, req: Request) -> dict[str, Any]:
         assert session is not None

@@ -42,7 +42,7 @@ class StoredObject:
     live: bool = False
     retired: bool = False
     freed: bool = False
-    wire: list[Any] = field(default_factory=list)  # tensors as sent to readers, built once
+    wire: list[Any] = field(default_factory=list)  # the tensors as sent on the wire, built once
 
     @property
     def nbytes(self) -> int:
@@ -107,8 +107,8 @@ class Registry:
             )
             for (name, dtype, shape), off in zip(specs, offsets, strict=True)
         )
-        obj = StoredObject(key, bundle, tensors, block)
-        put_id = self._lease(session, obj)
+        obj = StoredObject(key, bundle, tensors, block, wire=[t.to_wire() for t in tensors])
+        put_id = self.lease(session, obj)
         self.pending[put_id] = obj
         session.pending.add(put_id)
         return put_id, obj
@@ -135,7 +135,6 @@ class Registry:
         version = self._versions.get(obj.key, 0) + 1
         self._versions[obj.key] = version
         obj.version = version
-        obj.wire = [t.to_wire() for t in obj.tensors]
         old = self.objects.get(obj.key)
         self.objects[obj.key] = obj
         obj.live = True
@@ -168,9 +167,6 @@ class Registry:
     # -- reading -------------------------------------------------------------------------
 
     def lease(self, session: Session, obj: StoredObject) -> int:
-        return self._lease(session, obj)
-
-    def _lease(self, session: Session, obj: StoredObject) -> int:
         lease_id = next(self._ids)
         session.leases[lease_id] = obj
         obj.leases += 1
