@@ -15,19 +15,9 @@ import numpy as np
 from ..common.dtypes import DType, dtype, from_dlpack
 from ..common.errors import InvalidRequest
 from . import _dlpack
+from .views import numpy_view
 
 KDL_CPU, KDL_CUDA_HOST = 1, 3
-
-
-class _Held:
-    """Keeps a producer's capsule alive as the base of the NumPy view over its memory."""
-
-    __slots__ = ("__array_interface__", "capsule", "source")
-
-    def __init__(self, interface: dict[str, Any], capsule: Any, source: Any) -> None:
-        self.__array_interface__ = interface
-        self.capsule = capsule
-        self.source = source
 
 
 def host_array(key: str, obj: Any) -> tuple[np.ndarray[Any, Any], DType]:
@@ -79,14 +69,8 @@ def _from_dlpack(key: str, obj: Any) -> tuple[np.ndarray[Any, Any], DType]:
         dt = from_dlpack(code, bits, lanes)
     except ValueError as exc:
         raise InvalidRequest(f"put {key!r}: {exc}") from None
-    interface = {
-        "version": 3,
-        "shape": shape,
-        "typestr": dt.typestr,
-        "data": (ptr, True),
-        "strides": None if strides is None else tuple(s * dt.itemsize for s in strides),
-    }
-    return np.asarray(_Held(interface, capsule, obj)), dt
+    # The view holds the capsule (and the source) until the copy into shared memory is done.
+    return numpy_view(ptr, shape, strides, dt, readonly=True, owner=(capsule, obj)), dt
 
 
 def entries(key: str, value: Any) -> tuple[list[tuple[str, np.ndarray[Any, Any], DType]], bool]:

@@ -24,6 +24,7 @@ from ..common.dtypes import DTYPES, DType
 from ..common.errors import InvalidRequest
 from . import _dlpack
 from .shm import Mapping
+from .views import numpy_view
 
 if TYPE_CHECKING:
     import jax
@@ -46,16 +47,6 @@ class Lease:
         releases, self._releases = self._releases, None
         if releases is not None:
             releases.put(self.id)
-
-
-class _ArrayInterface:
-    """Hands NumPy an array over shared memory; as the array's base it keeps the lease."""
-
-    __slots__ = ("__array_interface__", "lease")
-
-    def __init__(self, interface: dict[str, Any], lease: Lease) -> None:
-        self.__array_interface__ = interface
-        self.lease = lease
 
 
 class Tensor:
@@ -142,15 +133,10 @@ class Tensor:
 
     def _bytes(self) -> np.ndarray[Any, Any]:
         """A NumPy view of the elements' bytes (bfloat16 as uint16), read-only unless writable."""
-        itemsize = self._dt.itemsize
-        interface = {
-            "version": 3,
-            "shape": self.shape,
-            "typestr": self._dt.typestr,
-            "data": (self._ptr, not self._writable),
-            "strides": tuple(s * itemsize for s in self.strides),
-        }
-        return np.asarray(_ArrayInterface(interface, self._lease))
+        return numpy_view(
+            self._ptr, self.shape, self.strides, self._dt,
+            readonly=not self._writable, owner=self._lease,
+        )  # fmt: skip
 
     # -- conveniences ----------------------------------------------------------------------
 

@@ -125,7 +125,9 @@ class Broker:
             self._ipc_inode = os.stat(self.address[6:]).st_ino
         self._poller.register(router, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
-        self.arena.free(self.arena.allocate(1) or _never())  # map and back the first chunk now
+        first = self.arena.allocate(1)  # create and back the first chunk now, not at first put
+        if first is not None:
+            self.arena.free(first)
         log.info("serving on %s, capacity %s", self.address, format_size(self.arena.capacity))
 
     def _refuse_if_served(self) -> None:
@@ -446,7 +448,3 @@ class Broker:
 
     def _on_nothing(self, session: Session | None, route: bytes, req: Request) -> None:
         return None
-
-
-def _never() -> Any:
-    raise BrokerError("the arena cannot hold a single byte: is --memory 0?")
