@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import math
 import os
 import queue
 import secrets
@@ -30,15 +29,15 @@ from ..common.descriptors import ObjectDesc, TensorDesc
 from ..common.dtypes import dtype as lookup_dtype
 from ..common.errors import BrokerError, BrokerUnavailable, InvalidRequest
 from ..common.protocol import PROTOCOL_VERSION, Op
+from .queue import Queue
 from .shm import SegmentCache
 from .sources import entries
 from .tensor import Lease, Tensor
-from .transport import BrokerExited, Channel, ChannelPool, open_pidfd
+from .transport import BrokerExited, Channel, ChannelPool, open_pidfd, waits
 
 log = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT = 30.0  # for requests the broker answers at once
-WAIT_GRACE = 5.0  # extra time for the answer to a get that waits in the broker
 _STOP = -1
 
 
@@ -115,9 +114,64 @@ class Client:
     def put(self, key: str, value: Any) -> int:
         """Store a tensor, or a bundle (a dict of name -> tensor), under `key`; return its
         version. One copy into shared memory; readers of an older version keep theirs."""
-        items, bundle = entries(key, value)
+        return self._write(key, value, Op.PUT, REQUEST_TIMEOUT, key=key)
+
+    def get(self, key: str, timeout: float | None = 0.0) -> Tensor | dict[str, Tensor]:
+        """The current version of `key`: a Tensor, or a dict of them for a bundle.
+
+        timeout=0 (the default) raises NotFound at once if the key does not exist; a number
+        waits that many seconds for it to be put (then Timeout); None waits as long as it
+        takes. No copy: the result reads the broker's shared memory.
+        """
+        timeout, wait = waits(timeout)
+        return self._read(self._call(Op.GET, key=key, timeout=timeout, wait=wait))
+
+    def watch(self, key: str, timeout: float | None = None) -> Iterator[Tensor | dict[str, Tensor]]:
+        """Follow `key`: yield its current version (once it exists), then each newer one as
+        it is sealed, for as long as the caller iterates.
+
+        A slow watcher skips to the newest version instead of queueing stale ones, and a
+        bundle always comes whole. `timeout` bounds each wait for a newer version (then
+        Timeout); None waits as long as it takes. Each item is a `get`: zero copy, leased.
+        """
+        timeout, wait = waits(timeout)
+        seen = 0
+        while True:
+            reply = self._call(Op.GET, key=key, timeout=timeout, after=seen, wait=wait)
+            seen = reply["version"]
+            yield self._read(reply)
+
+    def queue(self, name: str, maxsize: int = 0) -> Queue:
+        """The pipeline queue `name`, made if it does not exist: FIFO, each item to one
+        consumer. `maxsize` (0: no bound) bounds its items in flight, from a producer's put
+        until the consumer lets go of the item; a put waits for a free slot. The first
+        nonzero maxsize asked for a queue holds; 0 takes the queue as it is."""
+        if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 0:
+            raise InvalidRequest(
+                f"queue {name!r}: maxsize must be an integer >= 0, not {maxsize!r}"
+            )
+        reply = self._call(Op.QOPEN, name=name, maxsize=maxsize)
+        return Queue(self, name, reply["queue"], reply["maxsize"])
+
+    # -- reading and writing, for keys and queues -------------------------------------------
+
+    def _read(self, reply: dict[str, Any]) -> Tensor | dict[str, Tensor]:
+        """The Tensors of an object descriptor the broker sent, with its lease."""
+        obj = ObjectDesc.from_wire(reply)
+        try:
+            mapping = self._segments.get(obj.tensors[0].segment)
+        except BaseException:
+            self._releases.put(obj.lease)
+            raise
+        lease = Lease(obj.lease, mapping, self._releases)
+        tensors = {t.name: Tensor(obj.key, obj.version, t, lease) for t in obj.tensors}
+        return tensors if obj.bundle else tensors[""]
+
+    def _write(self, label: str, value: Any, op: str, wait: float | None, **fields: Any) -> int:
+        """Put `value` through `op` (a put or a queue put): one copy, then seal."""
+        items, bundle = entries(label, value)
         specs = [[name, dt.name, list(array.shape)] for name, array, dt in items]
-        reply = self._call(Op.PUT, key=key, tensors=specs, bundle=bundle)
+        reply = self._call(op, wait=wait, tensors=specs, bundle=bundle, **fields)
         put_id = reply["put"]
         try:
             for (_, src, dt), wire in zip(items, reply["tensors"], strict=True):
@@ -130,41 +184,33 @@ class Client:
         version: int = self._call(Op.SEAL, put=put_id)["version"]
         return version
 
-    def get(self, key: str, timeout: float | None = 0.0) -> Tensor | dict[str, Tensor]:
-        """The current version of `key`: a Tensor, or a dict of them for a bundle.
-
-        timeout=0 (the default) raises NotFound at once if the key does not exist; a number
-        waits that many seconds for it to be put (then Timeout); None waits as long as it
-        takes. No copy: the result reads the broker's shared memory.
-        """
-        if timeout is not None and math.isinf(timeout):
-            timeout = None
-        wait = None if timeout is None else timeout + WAIT_GRACE
-        reply = self._call(Op.GET, key=key, timeout=timeout, wait=wait)
-        obj = ObjectDesc.from_wire(reply)
-        try:
-            mapping = self._segments.get(obj.tensors[0].segment)
-        except BaseException:
-            self._releases.put(obj.lease)
-            raise
-        lease = Lease(obj.lease, mapping, self._releases)
-        tensors = {t.name: Tensor(obj.key, obj.version, t, lease) for t in obj.tensors}
-        return tensors if obj.bundle else tensors[""]
-
-    @contextlib.contextmanager
     def create(
         self, key: str, shape: Sequence[int], dtype: Any, device: str = "cpu"
-    ) -> Iterator[Tensor]:
+    ) -> contextlib.AbstractContextManager[Tensor]:
         """Write an object in place: yields a writable Tensor over its shared memory.
 
         Sealed (published) when the block exits; aborted if it raises.
         """
+        return self._create(key, shape, dtype, device, Op.PUT, REQUEST_TIMEOUT, key=key)
+
+    @contextlib.contextmanager
+    def _create(
+        self,
+        label: str,
+        shape: Sequence[int],
+        dtype: Any,
+        device: str,
+        op: str,
+        wait: float | None,
+        **fields: Any,
+    ) -> Iterator[Tensor]:
         if device != "cpu":
             raise InvalidRequest(
-                f"create {key!r}: device {device!r} is not served by this broker; use 'cpu'"
+                f"create {label!r}: device {device!r} is not served by this broker; use 'cpu'"
             )
         dt = lookup_dtype(dtype)
-        reply = self._call(Op.PUT, key=key, tensors=[["", dt.name, [int(d) for d in shape]]])
+        specs = [["", dt.name, [int(d) for d in shape]]]
+        reply = self._call(op, wait=wait, tensors=specs, **fields)
         desc = TensorDesc.from_wire(reply["tensors"][0])
         try:
             mapping = self._segments.get(desc.segment)
@@ -172,7 +218,7 @@ class Client:
             self._releases.put(reply["put"])  # ends the put: the broker aborts it
             raise
         lease = Lease(reply["put"], mapping, self._releases)
-        buffer = Tensor(key, 0, desc, lease, writable=True)
+        buffer = Tensor(label, 0, desc, lease, writable=True)
         try:
             yield buffer
         except BaseException:

@@ -3,6 +3,7 @@ keeps a small pool of them so that threads never share a socket."""
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -15,6 +16,7 @@ from ..common.protocol import decode, encode
 
 MAX_REPLY_BYTES = 256 << 20  # replies can list many keys; requests stay small
 MAX_POLL_S = 3600.0
+WAIT_GRACE = 5.0  # extra time for the answer to a request that waits in the broker
 
 
 class BrokerExited(BrokerUnavailable):
@@ -68,6 +70,14 @@ class Channel:
 
     def close(self) -> None:
         self.socket.close(linger=0)
+
+
+def waits(timeout: float | None) -> tuple[float | None, float | None]:
+    """How long a request may wait in the broker (None: no limit), and how long the client
+    then waits for its answer."""
+    if timeout is not None and math.isinf(timeout):
+        timeout = None
+    return timeout, None if timeout is None else timeout + WAIT_GRACE
 
 
 def open_pidfd(pid: int) -> int | None:

@@ -34,7 +34,7 @@ class Op:
     PUT = "put"  # key, tensors [[name, dtype, shape], ...], bundle -> put id, descriptors
     SEAL = "seal"  # put, keep -> version (and the put's lease ends unless keep)
     ABORT = "abort"  # put
-    GET = "get"  # key, timeout (None: wait forever) -> object descriptor with a lease
+    GET = "get"  # key, timeout (None: wait forever), after -> object descriptor with a lease
     DELETE = "delete"  # key
     EXISTS = "exists"  # key -> exists
     KEYS = "keys"  # -> keys
@@ -43,6 +43,11 @@ class Op:
     PING = "ping"  # -> pid, version
     HEARTBEAT = "hb"  # no reply
     BYE = "bye"  # the client is closing; no reply
+    QOPEN = "qopen"  # name, maxsize -> queue id, maxsize
+    QPUT = "qput"  # queue, tensors, bundle, timeout -> as put (then seal / abort)
+    QGET = "qget"  # queue, timeout -> as get
+    QCLOSE = "qclose"  # queue
+    QINFO = "qinfo"  # queue -> len, maxsize, in_flight, closed
 
 
 NO_REPLY = frozenset({Op.RELEASE, Op.HEARTBEAT, Op.BYE})
@@ -176,7 +181,11 @@ _FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
     },
     Op.SEAL: {"put": (_int, True), "keep": (_bool, False)},
     Op.ABORT: {"put": (_int, True), "keep": (_bool, False)},
-    Op.GET: {"key": (check_key, True), "timeout": (check_timeout, False)},
+    Op.GET: {
+        "key": (check_key, True),
+        "timeout": (check_timeout, False),
+        "after": (_int, False),
+    },
     Op.DELETE: {"key": (check_key, True)},
     Op.EXISTS: {"key": (check_key, True)},
     Op.KEYS: {},
@@ -185,6 +194,18 @@ _FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
     Op.PING: {},
     Op.HEARTBEAT: {},
     Op.BYE: {"keep_leases": (_bool, False)},
+    Op.QOPEN: {"name": (check_key, True), "maxsize": (_int, False)},
+    # Queue ops name the queue by the id `qopen` gave; "name" only words their errors.
+    Op.QPUT: {
+        "queue": (_int, True),
+        "name": (check_key, False),
+        "tensors": (check_tensor_specs, True),
+        "bundle": (_bool, False),
+        "timeout": (check_timeout, False),
+    },
+    Op.QGET: {"queue": (_int, True), "name": (check_key, False), "timeout": (check_timeout, False)},
+    Op.QCLOSE: {"queue": (_int, True), "name": (check_key, False)},
+    Op.QINFO: {"queue": (_int, True), "name": (check_key, False)},
 }
 
 

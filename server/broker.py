@@ -1,10 +1,13 @@
 """The broker: one ROUTER socket, one thread, one loop.
 
-Requests are answered in the order they arrive; nothing in the loop blocks. A `get` of a key
-that does not exist yet parks in `waiters` and is answered when the key is sealed or its
-deadline passes. Client processes are watched through pidfds (readable when the process
-exits, even by SIGKILL); a client the broker cannot watch (another pid namespace, another
-host over tcp) must send heartbeats instead.
+Requests are answered in the order they arrive; nothing in the loop blocks. A request that
+must wait parks as a `Waiter`: a `get` (or a watch) for a version of a key not sealed yet, a
+queue `get` on an empty queue, a queue `put` on a full one. It is answered when what it waits
+for happens, or with `Timeout` when its deadline passes.
+
+Client processes are watched through pidfds (readable when the process exits, even by
+SIGKILL); a client the broker cannot watch (another pid namespace, another host over tcp)
+must send heartbeats instead.
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ import signal
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
@@ -26,7 +29,14 @@ import zmq
 
 from ..common import host
 from ..common.config import SHM_DIR, check_address, format_size
-from ..common.errors import BrokerError, NotFound, ProtocolError, Timeout
+from ..common.errors import (
+    BrokerError,
+    InvalidRequest,
+    NotFound,
+    ProtocolError,
+    QueueClosed,
+    Timeout,
+)
 from ..common.protocol import (
     MAX_MESSAGE_BYTES,
     NO_REPLY,
@@ -40,6 +50,7 @@ from ..common.protocol import (
     reply_ok,
 )
 from .arena import Arena
+from .queues import BrokerQueue, Waiter
 from .registry import Registry, Session, StoredObject
 
 log = logging.getLogger(__name__)
@@ -50,18 +61,6 @@ MAX_POLL_S = 3600.0  # a far deadline is waited for in steps zmq can take
 DRAIN_BATCH = 512  # requests handled before the loop looks at timers and pidfds again
 
 
-@dataclass(eq=False)
-class Waiter:
-    """A parked `get`."""
-
-    session: Session
-    route: bytes
-    request_id: int
-    key: str
-    deadline: float | None
-    done: bool = False
-
-
 class AddressInUse(BrokerError):
     code = "unavailable"
 
@@ -70,11 +69,16 @@ class Broker:
     def __init__(self, address: str, capacity: int, *, shm_dir: str = SHM_DIR) -> None:
         self.address = check_address(address)
         self.arena = Arena(capacity, shm_dir=shm_dir)
-        self.registry = Registry(self.arena)
+        self.registry = Registry(self.arena, on_free=self._item_freed)
         self.sessions: dict[str, Session] = {}
         self.routes: dict[bytes, Session] = {}
         self.pidfds: dict[int, Session] = {}
-        self.waiters: dict[str, list[Waiter]] = {}
+        self.waiters: dict[str, deque[Waiter]] = {}  # key -> gets waiting for a version
+        self.parked: set[Waiter] = set()  # every waiter not answered yet
+        self.queues: dict[str, BrokerQueue] = {}  # name -> the open (or draining) queue
+        self.queue_ids: dict[int, BrokerQueue] = {}
+        self._queue_ids = itertools.count(1)
+        self._roomy: set[BrokerQueue] = set()  # queues that freed a slot since the last look
         self._deadlines: list[tuple[float, int, Waiter]] = []
         self._seq = itertools.count()
         self._stopping = False
@@ -100,6 +104,11 @@ class Broker:
             Op.RELEASE: self._on_nothing,
             Op.HEARTBEAT: self._on_nothing,
             Op.BYE: self._on_bye,
+            Op.QOPEN: self._on_qopen,
+            Op.QPUT: self._on_qput,
+            Op.QGET: self._on_qget,
+            Op.QCLOSE: self._on_qclose,
+            Op.QINFO: self._on_qinfo,
         }
 
     # -- life cycle ------------------------------------------------------------------------
@@ -224,6 +233,7 @@ class Broker:
                     log.info("client pid %s exited: dropping %s", session.pid, session)
                     self._drop_session(session)
             self._expire(time.monotonic())
+            self._admit_putters()
 
     def _poll_timeout_ms(self) -> int:
         timeout = None
@@ -243,6 +253,7 @@ class Broker:
                 log.warning("dropped a message of %d frames (expected 2)", len(frames))
                 continue
             self._handle(frames[0], frames[1])
+            self._admit_putters()
 
     def _handle(self, route: bytes, payload: bytes) -> None:
         request_id = 0
@@ -337,12 +348,9 @@ class Broker:
     def _drop_session(self, session: Session, keep_leases: bool = False) -> None:
         for route in session.routes:
             self.routes.pop(route, None)
-            for waiters in self.waiters.values():
-                for w in waiters:
-                    if w.route == route and not w.done:
-                        w.done = True
-                        self._send(route, reply_error(w.request_id, BrokerError("client closed")))
         session.routes.clear()
+        for w in [w for w in self.parked if w.session is session]:
+            self._unpark(w)
         keep = keep_leases and bool(session.leases)
         self.registry.drop_session(session, keep_leases=keep)
         session.closed = True
@@ -359,20 +367,46 @@ class Broker:
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, w = heapq.heappop(self._deadlines)
             if not w.done:
-                w.done = True
-                self.waiters[w.key].remove(w)
-                if not self.waiters[w.key]:
-                    del self.waiters[w.key]
-                self._send(
-                    w.route,
-                    reply_error(
-                        w.request_id, Timeout(f"no object {w.key!r} appeared within the timeout")
-                    ),
-                )
+                self._unpark(w)
+                self._send(w.route, reply_error(w.request.id, Timeout(w.timeout_message)))
         for session in list(self.sessions.values()):
             if session.pidfd is None and now - session.last_seen > HEARTBEAT_TIMEOUT:
                 log.info("%s sent no heartbeat for %.1fs: dropping it", session, HEARTBEAT_TIMEOUT)
                 self._drop_session(session)
+
+    # -- parked requests -------------------------------------------------------------------
+
+    def _park(
+        self,
+        session: Session,
+        route: bytes,
+        req: Request,
+        timeout: float | None,
+        line: deque[Waiter],
+        timeout_message: str,
+    ) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        waiter = Waiter(session, route, req, deadline, line, timeout_message)
+        line.append(waiter)
+        self.parked.add(waiter)
+        if deadline is not None:
+            heapq.heappush(self._deadlines, (deadline, next(self._seq), waiter))
+
+    def _unpark(self, w: Waiter) -> None:
+        """Take a waiter out of its line, to be answered now (or never: its client is gone)."""
+        w.done = True
+        self.parked.discard(w)
+        try:
+            w.line.remove(w)
+        except ValueError:
+            pass  # already taken from the front of its line
+        key = w.request.fields.get("key")
+        if not w.line and key is not None and self.waiters.get(key) is w.line:
+            del self.waiters[key]
+
+    def _answer(self, w: Waiter, payload: bytes) -> None:
+        self._unpark(w)
+        self._send(w.route, payload)
 
     # -- objects ---------------------------------------------------------------------------
 
@@ -386,11 +420,17 @@ class Broker:
 
     def _on_seal(self, session: Session | None, route: bytes, req: Request) -> dict[str, Any]:
         assert session is not None
-        obj = self.registry.seal(session, req.fields["put"], req.fields.get("keep", False))
-        for w in self.waiters.pop(obj.key, ()):
-            if not w.done:
-                w.done = True
-                self._send(w.route, reply_ok(w.request_id, **self._describe(w.session, obj)))
+        put_id, keep = req.fields["put"], req.fields.get("keep", False)
+        queue = self.registry.pending_put(session, put_id, "seal").queue
+        if queue is not None:
+            return self._seal_item(session, put_id, keep, queue)
+        obj = self.registry.seal(session, put_id, keep)
+        for w in [
+            w
+            for w in self.waiters.get(obj.key, ())
+            if w.request.fields.get("after", 0) < obj.version
+        ]:
+            self._answer(w, reply_ok(w.request.id, **self._describe(w.session, obj)))
         return {"version": obj.version}
 
     def _on_abort(self, session: Session | None, route: bytes, req: Request) -> dict[str, Any]:
@@ -399,7 +439,11 @@ class Broker:
         return {}
 
     def _describe(self, session: Session, obj: StoredObject) -> dict[str, Any]:
-        lease = self.registry.lease(session, obj)
+        """The object as a reader sees it, with a new lease of the reader's on it."""
+        if obj.queue is not None:
+            lease = self.registry.hand_over(session, obj)
+        else:
+            lease = self.registry.lease(session, obj)
         return {
             "key": obj.key,
             "version": obj.version,
@@ -409,18 +453,23 @@ class Broker:
         }
 
     def _on_get(self, session: Session | None, route: bytes, req: Request) -> dict[str, Any] | None:
+        """The live version of a key, if newer than `after`; else wait for one up to timeout."""
         assert session is not None
-        key, timeout = req.fields["key"], req.fields.get("timeout", 0.0)
+        f = req.fields
+        key, timeout, after = f["key"], f.get("timeout", 0.0), f.get("after", 0)
         obj = self.registry.objects.get(key)
-        if obj is not None:
+        if obj is not None and obj.version > after:
             return self._describe(session, obj)
+        if after:
+            what = f"no version of {key!r} newer than {after} was sealed"
+        else:
+            what = f"no object {key!r} was put"
         if timeout == 0.0:
-            raise NotFound(f"no object {key!r}; put it first, or pass timeout= to wait for it")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        waiter = Waiter(session, route, req.id, key, deadline)
-        self.waiters.setdefault(key, []).append(waiter)
-        if deadline is not None:
-            heapq.heappush(self._deadlines, (deadline, next(self._seq), waiter))
+            if obj is None and not after:
+                raise NotFound(f"no object {key!r}; put it first, or pass timeout= to wait for it")
+            raise Timeout(what)
+        line = self.waiters.setdefault(key, deque())
+        self._park(session, route, req, timeout, line, f"{what} within {_secs(timeout)}")
         return None
 
     def _on_delete(self, session: Session | None, route: bytes, req: Request) -> dict[str, Any]:
@@ -433,11 +482,154 @@ class Broker:
     def _on_keys(self, session: Session | None, route: bytes, req: Request) -> dict[str, Any]:
         return {"keys": sorted(self.registry.objects)}
 
+    # -- queues ----------------------------------------------------------------------------
+
+    def _on_qopen(self, session: Session | None, route: bytes, req: Request) -> dict[str, Any]:
+        name, maxsize = req.fields["name"], req.fields.get("maxsize", 0)
+        q = self.queues.get(name)
+        if q is None:
+            q = BrokerQueue(name, next(self._queue_ids), maxsize)
+            self.queues[name] = q
+            self.queue_ids[q.id] = q
+        elif maxsize and q.maxsize and maxsize != q.maxsize:
+            raise InvalidRequest(
+                f"queue {name!r} is open with maxsize={q.maxsize}, not {maxsize}: open it with "
+                f"maxsize={q.maxsize}, or with maxsize=0 to take it as it is"
+            )
+        elif maxsize:
+            q.maxsize = maxsize  # the first bound asked for holds
+        return {"queue": q.id, "maxsize": q.maxsize, "closed": q.closed}
+
+    def _queue(self, req: Request) -> BrokerQueue:
+        q = self.queue_ids.get(req.fields["queue"])
+        if q is None:
+            name = req.fields.get("name", f"#{req.fields['queue']}")
+            raise QueueClosed(f"queue {name!r} is closed and drained")
+        return q
+
+    def _on_qput(
+        self, session: Session | None, route: bytes, req: Request
+    ) -> dict[str, Any] | None:
+        assert session is not None
+        q = self._queue(req)
+        if q.closed:
+            raise QueueClosed(f"queue {q.name!r} is closed: it takes no more puts")
+        if not q.full and not q.putters:
+            return self._grant(session, q, req)
+        timeout = req.fields.get("timeout")
+        if timeout == 0.0:
+            raise Timeout(f"{q.describe()} is full")
+        message = f"{q.describe()} stayed full for {_secs(timeout)}: is a consumer keeping up?"
+        self._park(session, route, req, timeout, q.putters, message)
+        return None
+
+    def _grant(self, session: Session, q: BrokerQueue, req: Request) -> dict[str, Any]:
+        """Memory for one item of `q`: it takes a slot until the item is freed."""
+        f = req.fields
+        put_id, obj = self.registry.begin_put(
+            session, q.name, f["tensors"], f.get("bundle", False), queue=q
+        )
+        q.in_flight += 1
+        q.pending += 1
+        return {"put": put_id, "tensors": obj.wire}
+
+    def _seal_item(
+        self, session: Session, put_id: int, keep: bool, q: BrokerQueue
+    ) -> dict[str, Any]:
+        if q.closed:
+            self.registry.abort(session, put_id, keep)
+            raise QueueClosed(f"queue {q.name!r} was closed before this item was sealed")
+        q.sealed += 1
+        obj = self.registry.seal(session, put_id, keep, version=q.sealed)
+        q.pending -= 1
+        if q.getters:  # a consumer is waiting: it takes the item now
+            w = q.getters[0]
+            self._answer(w, reply_ok(w.request.id, **self._describe(w.session, obj)))
+        else:
+            q.items.append(obj)
+        return {"version": obj.version}
+
+    def _on_qget(
+        self, session: Session | None, route: bytes, req: Request
+    ) -> dict[str, Any] | None:
+        assert session is not None
+        q = self._queue(req)
+        if q.items:
+            reply = self._describe(session, q.items.popleft())
+            self._forget_if_ended(q)
+            return reply
+        if q.closed:
+            raise QueueClosed(f"queue {q.name!r} is closed and drained")
+        timeout = req.fields.get("timeout")
+        if timeout == 0.0:
+            raise Timeout(f"queue {q.name!r} is empty")
+        self._park(
+            session,
+            route,
+            req,
+            timeout,
+            q.getters,
+            f"queue {q.name!r} stayed empty for {_secs(timeout)}",
+        )
+        return None
+
+    def _on_qclose(self, session: Session | None, route: bytes, req: Request) -> dict[str, Any]:
+        q = self.queue_ids.get(req.fields["queue"])
+        if q is None or q.closed:
+            return {}  # closing a closed queue succeeds
+        q.closed = True
+        for w in [*q.getters, *q.putters]:
+            closed = QueueClosed(f"queue {q.name!r} was closed")
+            self._answer(w, reply_error(w.request.id, closed))
+        self._forget_if_ended(q)
+        return {}
+
+    def _on_qinfo(self, session: Session | None, route: bytes, req: Request) -> dict[str, Any]:
+        q = self._queue(req)
+        return {
+            "name": q.name,
+            "len": len(q.items),
+            "maxsize": q.maxsize,
+            "in_flight": q.in_flight,
+            "closed": q.closed,
+        }
+
+    def _item_freed(self, obj: StoredObject) -> None:
+        """The registry freed a queue item's memory: its slot opens (answered after the
+        request at hand, by `_admit_putters`)."""
+        q: BrokerQueue = obj.queue
+        q.in_flight -= 1
+        if obj.version == 0:  # aborted before it was sealed
+            q.pending -= 1
+        self._roomy.add(q)
+
+    def _admit_putters(self) -> None:
+        """Give freed slots to the producers waiting for them, first come first served."""
+        while self._roomy:
+            q = self._roomy.pop()
+            while q.putters and not q.full:
+                w = q.putters[0]
+                try:
+                    result = self._grant(w.session, q, w.request)
+                except BrokerError as exc:
+                    self._answer(w, reply_error(w.request.id, exc))
+                else:
+                    self._answer(w, reply_ok(w.request.id, **result))
+            self._forget_if_ended(q)
+
+    def _forget_if_ended(self, q: BrokerQueue) -> None:
+        """An ended queue frees its name: the next open starts a new one."""
+        if q.ended and self.queue_ids.pop(q.id, None) is not None:
+            if self.queues.get(q.name) is q:
+                del self.queues[q.name]
+
     def _on_stats(self, session: Session | None, route: bytes, req: Request) -> dict[str, Any]:
         return {
             **self.registry.stats(),
             "clients": sum(1 for s in self.sessions.values() if not s.closed),
-            "waiters": sum(len(ws) for ws in self.waiters.values()),
+            "waiters": len(self.parked),
+            "queues": len(self.queues),
+            "queued_items": sum(len(q.items) for q in self.queues.values()),
             "pid": os.getpid(),
             "address": self.address,
             "uptime_s": time.monotonic() - self._started,
@@ -448,3 +640,7 @@ class Broker:
 
     def _on_nothing(self, session: Session | None, route: bytes, req: Request) -> None:
         return None
+
+
+def _secs(timeout: float | None) -> str:
+    return "ever" if timeout is None else f"{timeout:g}s"

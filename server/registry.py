@@ -9,12 +9,17 @@ belong to a session, so a client that dies gives all of its leases back at once.
     put ──> pending ──seal──> live ──delete / newer version sealed──> retired
                │                                                      │
                └──abort / putter died──> retired ──last lease gone──> freed
+
+A queue item takes the same path, except that it is live while it waits in its queue (not
+under a key) and retires the moment one consumer takes it, so it is freed as soon as that
+consumer lets go. Its queue learns of the free through `on_free`: that is what opens a slot.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +48,7 @@ class StoredObject:
     retired: bool = False
     freed: bool = False
     wire: list[Any] = field(default_factory=list)  # the tensors as sent on the wire, built once
+    queue: Any = None  # the queue this item goes to (None: a keyed object)
 
     @property
     def nbytes(self) -> int:
@@ -80,8 +86,9 @@ def layout(specs: list[tuple[str, str, tuple[int, ...]]]) -> tuple[list[int], in
 
 
 class Registry:
-    def __init__(self, arena: Arena) -> None:
+    def __init__(self, arena: Arena, on_free: Callable[[StoredObject], None] | None = None) -> None:
         self.arena = arena
+        self.on_free = on_free  # told of every freed queue item
         self.objects: dict[str, StoredObject] = {}  # key -> live version
         self.pending: dict[int, StoredObject] = {}  # put lease id -> object
         self._versions: dict[str, int] = {}  # key -> last version sealed
@@ -96,7 +103,9 @@ class Registry:
         key: str,
         specs: list[tuple[str, str, tuple[int, ...]]],
         bundle: bool,
+        queue: Any = None,
     ) -> tuple[int, StoredObject]:
+        """Allocate an object's block; the putter holds it by the returned lease id."""
         if not bundle and (len(specs) != 1 or specs[0][0] != ""):
             raise InvalidRequest(f"put {key!r}: a plain object holds one unnamed tensor")
         offsets, size, align = layout(specs)
@@ -107,7 +116,9 @@ class Registry:
             )
             for (name, dtype, shape), off in zip(specs, offsets, strict=True)
         )
-        obj = StoredObject(key, bundle, tensors, block, wire=[t.to_wire() for t in tensors])
+        obj = StoredObject(
+            key, bundle, tensors, block, wire=[t.to_wire() for t in tensors], queue=queue
+        )
         put_id = self.lease(session, obj)
         self.pending[put_id] = obj
         session.pending.add(put_id)
@@ -128,31 +139,37 @@ class Registry:
             )
         return block
 
-    def seal(self, session: Session, put_id: int, keep: bool) -> StoredObject:
-        obj = self._own_pending(session, put_id, "seal")
+    def seal(
+        self, session: Session, put_id: int, keep: bool, version: int | None = None
+    ) -> StoredObject:
+        """Publish a pending put: as the next version of its key, or (a queue item, whose
+        version the queue numbers) live and unkeyed, for the queue to hand over."""
+        obj = self.pending_put(session, put_id, "seal")
         del self.pending[put_id]
         session.pending.discard(put_id)
-        version = self._versions.get(obj.key, 0) + 1
-        self._versions[obj.key] = version
-        obj.version = version
-        old = self.objects.get(obj.key)
-        self.objects[obj.key] = obj
         obj.live = True
-        if old is not None:
-            self._retire(old)
+        if obj.queue is not None:
+            obj.version = version or 0
+        else:
+            obj.version = self._versions.get(obj.key, 0) + 1
+            self._versions[obj.key] = obj.version
+            old = self.objects.get(obj.key)
+            self.objects[obj.key] = obj
+            if old is not None:
+                self._retire(old)
         if not keep:
             self.release(session, put_id)
         return obj
 
     def abort(self, session: Session, put_id: int, keep: bool) -> None:
-        obj = self._own_pending(session, put_id, "abort")
+        obj = self.pending_put(session, put_id, "abort")
         del self.pending[put_id]
         session.pending.discard(put_id)
         self._retire(obj)
         if not keep:
             self.release(session, put_id)
 
-    def _own_pending(self, session: Session, put_id: int, what: str) -> StoredObject:
+    def pending_put(self, session: Session, put_id: int, what: str) -> StoredObject:
         obj = self.pending.get(put_id)
         if obj is None or put_id not in session.pending:
             raise InvalidRequest(f"{what}: no unsealed put {put_id} from this client")
@@ -171,6 +188,13 @@ class Registry:
         session.leases[lease_id] = obj
         obj.leases += 1
         self.lease_count += 1
+        return lease_id
+
+    def hand_over(self, session: Session, obj: StoredObject) -> int:
+        """Give a queue item to its one consumer: the consumer's lease is now all that
+        keeps it."""
+        lease_id = self.lease(session, obj)
+        self._retire(obj)
         return lease_id
 
     def release(self, session: Session, lease_id: int) -> bool:
@@ -206,6 +230,8 @@ class Registry:
         if obj.retired and obj.leases == 0 and not obj.freed:
             self.arena.free(obj.block)
             obj.freed = True
+            if obj.queue is not None and self.on_free is not None:
+                self.on_free(obj)
 
     def stats(self) -> dict[str, int]:
         a = self.arena

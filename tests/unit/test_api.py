@@ -16,6 +16,7 @@ PUBLIC = [
     "InvalidRequest",
     "NotFound",
     "ProtocolError",
+    "Queue",
     "QueueClosed",
     "Tensor",
     "Timeout",
@@ -43,7 +44,7 @@ def test_all_is_exactly_the_public_names() -> None:
 def test_public_names_are_what_they_say() -> None:
     for name in PUBLIC:
         obj = getattr(tb, name)
-        if name[0].isupper() and name not in ("BrokerProcess", "Client", "Tensor"):
+        if name[0].isupper() and name not in ("BrokerProcess", "Client", "Queue", "Tensor"):
             assert issubclass(obj, tb.BrokerError), name
         else:
             assert callable(obj), name

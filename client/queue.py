@@ -1,0 +1,109 @@
+"""`Queue`: a pipeline queue held by the broker, seen from one client.
+
+Many producers and many consumers; each item goes to exactly one consumer, in FIFO order.
+Items are objects in the broker's shared memory like any other: one copy in, zero copies
+out. `maxsize` bounds the items in flight (see Note [queue slots] in server/queues.py): a
+`put` waits in the broker, not in a polling loop, until a consumer lets go of an item.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..common.errors import QueueClosed
+from ..common.protocol import Op
+from .tensor import Tensor
+from .transport import waits
+
+if TYPE_CHECKING:
+    from .client import Client
+
+Item = Tensor | dict[str, Tensor]
+
+
+class Queue:
+    """A FIFO of tensors (or bundles) between processes. Make one with `client.queue(name)`.
+
+    `q.put(x)` one copy into shared memory (waits while the queue is full); `q.get()` the
+    oldest item, zero copy; `q.close()` ends the stream: consumers drain what is left, then
+    `get` raises QueueClosed and `for item in q` ends.
+    """
+
+    def __init__(self, client: Client, name: str, queue_id: int, maxsize: int) -> None:
+        self.name = name
+        self.maxsize = maxsize
+        self._client = client
+        self._id = queue_id
+
+    def put(self, value: Any, timeout: float | None = None) -> int:
+        """Add a tensor or a bundle (a dict of tensors); return its place in the stream
+        (1, 2, ...). Waits up to `timeout` seconds for a free slot (None: as long as it
+        takes), then Timeout. QueueClosed if the queue is closed."""
+        timeout, wait = waits(timeout)
+        return self._client._write(
+            self.name, value, Op.QPUT, wait, queue=self._id, name=self.name, timeout=timeout
+        )
+
+    def create(
+        self, shape: Sequence[int], dtype: Any, timeout: float | None = None
+    ) -> contextlib.AbstractContextManager[Tensor]:
+        """Write an item in place: `with q.create(shape, dtype) as buf:` yields a writable
+        Tensor in shared memory; the item is queued when the block exits, dropped if it
+        raises. Waits for a free slot like `put`."""
+        timeout, wait = waits(timeout)
+        return self._client._create(
+            self.name, shape, dtype, "cpu", Op.QPUT, wait,
+            queue=self._id, name=self.name, timeout=timeout,
+        )  # fmt: skip
+
+    def get(self, timeout: float | None = None) -> Item:
+        """The oldest item, zero copy (its `version` is its place in the stream). Waits up to
+        `timeout` seconds for one (None: as long as it takes; 0: Timeout at once if empty).
+        QueueClosed once the queue is closed and drained."""
+        timeout, wait = waits(timeout)
+        reply = self._client._call(
+            Op.QGET, queue=self._id, name=self.name, timeout=timeout, wait=wait
+        )
+        return self._client._read(reply)
+
+    def close(self) -> None:
+        """End the stream: no more puts (waiting ones raise QueueClosed); consumers get what
+        is left, then QueueClosed. Closing a closed queue does nothing."""
+        self._client._call(Op.QCLOSE, queue=self._id, name=self.name)
+
+    @property
+    def closed(self) -> bool:
+        info = self._info()
+        return info is None or bool(info["closed"])
+
+    def __len__(self) -> int:
+        """Items waiting for a consumer (sealed, not yet taken)."""
+        info = self._info()
+        return 0 if info is None else int(info["len"])
+
+    def in_flight(self) -> int:
+        """Items holding a slot: being written, waiting, or held by a consumer."""
+        info = self._info()
+        return 0 if info is None else int(info["in_flight"])
+
+    def _info(self) -> dict[str, Any] | None:
+        try:
+            return self._client._call(Op.QINFO, queue=self._id, name=self.name)
+        except QueueClosed:
+            return None  # ended: closed and drained
+
+    def __iter__(self) -> Iterator[Item]:
+        """Items as they come, until the queue is closed and drained."""
+        while True:
+            try:
+                item = self.get()
+            except QueueClosed:
+                return
+            yield item
+            del item  # the generator frame must not keep the item's slot
+
+    def __repr__(self) -> str:
+        bound = f" maxsize={self.maxsize}" if self.maxsize else ""
+        return f"<tb.Queue {self.name!r}{bound}>"
