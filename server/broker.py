@@ -59,6 +59,7 @@ HEARTBEAT_INTERVAL = 0.25  # asked of clients the broker cannot watch
 HEARTBEAT_TIMEOUT = 1.0  # silence after which such a client counts as dead
 MAX_POLL_S = 3600.0  # a far deadline is waited for in steps zmq can take
 DRAIN_BATCH = 512  # requests handled before the loop looks at timers and pidfds again
+ENDED_QUEUES = 4096  # ended queues remembered, so that a late consumer sees them closed
 
 
 class AddressInUse(BrokerError):
@@ -75,9 +76,10 @@ class Broker:
         self.pidfds: dict[int, Session] = {}
         self.waiters: dict[str, deque[Waiter]] = {}  # key -> gets waiting for a version
         self.parked: set[Waiter] = set()  # every waiter not answered yet
-        self.queues: dict[str, BrokerQueue] = {}  # name -> the open (or draining) queue
+        self.queues: dict[str, BrokerQueue] = {}  # name -> queue (open, draining or ended)
         self.queue_ids: dict[int, BrokerQueue] = {}
         self._queue_ids = itertools.count(1)
+        self._ended: dict[int, BrokerQueue] = {}  # ended queues, oldest first
         self._roomy: set[BrokerQueue] = set()  # queues that freed a slot since the last look
         self._deadlines: list[tuple[float, int, Waiter]] = []
         self._seq = itertools.count()
@@ -513,7 +515,10 @@ class Broker:
         assert session is not None
         q = self._queue(req)
         if q.closed:
-            raise QueueClosed(f"queue {q.name!r} is closed: it takes no more puts")
+            raise QueueClosed(
+                f"queue {q.name!r} is closed: it takes no more puts (a closed queue stays "
+                "closed; give a new stream a new name)"
+            )
         if not q.full and not q.putters:
             return self._grant(session, q, req)
         timeout = req.fields.get("timeout")
@@ -556,7 +561,7 @@ class Broker:
         q = self._queue(req)
         if q.items:
             reply = self._describe(session, q.items.popleft())
-            self._forget_if_ended(q)
+            self._note_if_ended(q)
             return reply
         if q.closed:
             raise QueueClosed(f"queue {q.name!r} is closed and drained")
@@ -581,7 +586,7 @@ class Broker:
         for w in [*q.getters, *q.putters]:
             closed = QueueClosed(f"queue {q.name!r} was closed")
             self._answer(w, reply_error(w.request.id, closed))
-        self._forget_if_ended(q)
+        self._note_if_ended(q)
         return {}
 
     def _on_qinfo(self, session: Session | None, route: bytes, req: Request) -> dict[str, Any]:
@@ -615,20 +620,26 @@ class Broker:
                     self._answer(w, reply_error(w.request.id, exc))
                 else:
                     self._answer(w, reply_ok(w.request.id, **result))
-            self._forget_if_ended(q)
+            self._note_if_ended(q)
 
-    def _forget_if_ended(self, q: BrokerQueue) -> None:
-        """An ended queue frees its name: the next open starts a new one."""
-        if q.ended and self.queue_ids.pop(q.id, None) is not None:
-            if self.queues.get(q.name) is q:
-                del self.queues[q.name]
+    def _note_if_ended(self, q: BrokerQueue) -> None:
+        """A closed queue stays closed: consumers that come late end at once instead of
+        waiting for a stream that is over. Only the oldest of many ended queues are forgotten
+        (their names then start new queues)."""
+        if not q.ended or q.id in self._ended:
+            return
+        self._ended[q.id] = q
+        while len(self._ended) > ENDED_QUEUES:
+            old = self._ended.pop(next(iter(self._ended)))
+            del self.queue_ids[old.id]
+            del self.queues[old.name]
 
     def _on_stats(self, session: Session | None, route: bytes, req: Request) -> dict[str, Any]:
         return {
             **self.registry.stats(),
             "clients": sum(1 for s in self.sessions.values() if not s.closed),
             "waiters": len(self.parked),
-            "queues": len(self.queues),
+            "queues": len(self.queues) - len(self._ended),  # not ended yet
             "queued_items": sum(len(q.items) for q in self.queues.values()),
             "pid": os.getpid(),
             "address": self.address,

@@ -3,28 +3,15 @@
 from __future__ import annotations
 
 import mmap
-import multiprocessing as mp
 import os
 import struct
 from typing import Any
 
 import pytest
 import workers
+from support import SPAWN, join_all
 
 import tensorbroker as tb
-
-SPAWN = mp.get_context("spawn")
-
-
-def join_all(procs: list[Any], timeout: float = 120) -> None:
-    for p in procs:
-        p.join(timeout)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    codes = {p.name: p.exitcode for p in procs}
-    assert all(code == 0 for code in codes.values()), f"child exit codes: {codes}"
 
 
 def test_torch_producer_jax_and_numpy_readers_share_one_copy(broker: tb.BrokerProcess) -> None:

@@ -16,6 +16,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from support import wait_until
 from zmq.utils.monitor import recv_monitor_message
 
 import tensorbroker as tb
@@ -27,17 +28,6 @@ RAW_TIMEOUT_MS = 5000
 KNOWN_ERROR_CODES = {"invalid", "protocol", "not_found", "capacity", "timeout"}
 
 RawSocket = zmq.Socket  # type: ignore[type-arg]
-
-
-def wait_until(cond: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:
-    """Poll `cond` until it is true or `timeout` seconds pass; its last value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if cond():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval)
 
 
 @pytest.fixture

@@ -3,31 +3,19 @@
 from __future__ import annotations
 
 import gc
-import multiprocessing as mp
 import os
 import signal
 import time
-from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
 import workers
+from support import SPAWN, seconds_until
 
 import tensorbroker as tb
 
-SPAWN = mp.get_context("spawn")
 MiB = 2**20
-
-
-def wait_until(condition: Callable[[], bool], timeout: float) -> float:
-    """Seconds it took `condition` to hold; fails after `timeout`."""
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"condition not met within {timeout}s")
-        time.sleep(0.01)
-    return time.monotonic() - start
 
 
 @pytest.mark.parametrize("framework", ["numpy", "torch", "jax"])
@@ -51,7 +39,7 @@ def test_memory_returns_only_when_the_last_consumer_array_is_gone(
 
         del view
         gc.collect()
-        wait_until(lambda: writer.stats()["used_bytes"] == 0, timeout=2.0)
+        seconds_until(lambda: writer.stats()["used_bytes"] == 0, timeout=2.0)
         assert writer.stats()["leases"] == 0
 
 
@@ -87,7 +75,7 @@ def test_readers_sigkilled_give_their_leases_back_within_a_second(
             assert c.stats()["leases"] == 2 and c.stats()["used_bytes"] >= 8 * MiB
             for p in readers:
                 os.kill(p.pid, signal.SIGKILL)
-            took = wait_until(lambda: c.stats()["used_bytes"] == 0, timeout=1.0)
+            took = seconds_until(lambda: c.stats()["used_bytes"] == 0, timeout=1.0)
         finally:
             for p in readers:
                 p.kill()
@@ -111,7 +99,7 @@ def test_producer_sigkilled_while_writing_loses_its_allocation(
             assert holding.get(timeout=60) == "writing"
             assert c.stats()["pending"] == 1 and not c.exists("w")
             os.kill(p.pid, signal.SIGKILL)
-            wait_until(lambda: c.stats()["used_bytes"] == 0, timeout=1.0)
+            seconds_until(lambda: c.stats()["used_bytes"] == 0, timeout=1.0)
         finally:
             p.kill()
             p.join(10)

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import gc
-import multiprocessing as mp
 from typing import Any
 
 import numpy as np
 import pytest
+from support import SPAWN
 
 import tensorbroker as tb
-
-SPAWN = mp.get_context("spawn")
 
 
 def churn(address: str, worker: int, rounds: int, done: Any) -> None:

@@ -1,0 +1,42 @@
+"""Helpers the integration tests share: spawned children whose exit codes are checked, and
+waiting for a condition."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections.abc import Callable
+from typing import Any
+
+SPAWN = mp.get_context("spawn")
+
+
+def join_all(procs: list[Any], timeout: float = 120) -> None:
+    """Join every child (killing those still alive after `timeout`); all must exit 0."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    codes = {p.name: p.exitcode for p in procs}
+    assert all(code == 0 for code in codes.values()), f"child exit codes: {codes}"
+
+
+def wait_until(cond: Callable[[], bool], timeout: float, interval: float = 0.01) -> bool:
+    """Poll `cond` until it is true or `timeout` seconds pass; its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if cond():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+
+
+def seconds_until(cond: Callable[[], bool], timeout: float) -> float:
+    """Seconds it took `cond` to hold; fails the test after `timeout`."""
+    start = time.monotonic()
+    assert wait_until(cond, timeout), f"condition not met within {timeout}s"
+    return time.monotonic() - start
