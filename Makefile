@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test test-all lint clean
+.PHONY: demo test test-all lint clean bench
 
 $(STAMP): pyproject.toml setup.py client/_dlpack.c
 	$(PYTHON) -c 'import sys; sys.exit("tensorbroker needs Python 3.11+, found " + sys.version.split()[0]) if sys.version_info < (3, 11) else None'
@@ -35,5 +35,27 @@ lint: $(STAMP)
 	for p in common server client; do ln -s $(CURDIR)/$$p build/typecheck/tensorbroker/$$p; done
 	cd build/typecheck && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml -p tensorbroker
 
+# bench: tensorbroker against Plasma, Ray, queues and the floors (bench/README.md). Plasma
+# (pyarrow 11) needs numpy<2, so the peers get their own environment, bench/.venv-peers.
+# `make bench BENCH_ARGS=--quick` for a short run.
+PEERS       := bench/.venv-peers
+PEERS_STAMP := $(PEERS)/.installed
+BENCH_STAMP := $(VENV)/.bench-installed
+BENCH_ARGS  ?=
+
+$(PEERS_STAMP): bench/requirements-peers.txt
+	test -x $(PEERS)/bin/python || $(PYTHON) -m venv $(PEERS)
+	$(PEERS)/bin/python -m pip install --quiet --upgrade pip
+	$(PEERS)/bin/python -m pip install --quiet -r bench/requirements-peers.txt
+	touch $(PEERS_STAMP)
+
+$(BENCH_STAMP): $(STAMP) bench/requirements.txt
+	$(PY) -m pip install --quiet -r bench/requirements.txt
+	touch $(BENCH_STAMP)
+
+bench: $(STAMP) $(BENCH_STAMP) $(PEERS_STAMP)
+	$(PY) -P bench/run.py $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info client/*.so .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(PEERS)

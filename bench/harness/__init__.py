@@ -1,0 +1,1 @@
+"""The runner's side of the benchmarks (main virtual environment only)."""

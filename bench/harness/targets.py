@@ -1,0 +1,159 @@
+"""The issue's targets, checked against the medians of one run."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .config import BASELINE, BY_NAME, GiB
+from .plan import LATENCY, THROUGHPUT, Results, Row, format_size
+
+GET_OVER_RTT = 1.3  # get <= 1.3x the raw ZeroMQ round trip, at every size
+GET_FLAT = 1.3  # "the same time at 1 GiB as at 4 KiB", within this factor (noise)
+PUT_OVER_COPY = 1.2  # put of 1 GiB <= 1.2x one numpy.copyto into touched memory
+OVER_TORCH_QUEUE = 8.0  # handoff of 1 GiB at least 8x faster than torch.mp.Queue
+OVER_MP_QUEUE = 50.0  # ... and 50x faster than multiprocessing.Queue
+OVER_ECHO = 0.5  # 4-client get ops/s at least half of the raw ZeroMQ echo broker's
+
+
+@dataclass
+class Target:
+    name: str
+    goal: str
+    measured: str
+    met: bool | None  # None: not measured in this run
+    detail: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def lower_is_better(row: Row) -> bool:
+    return row.scenario not in THROUGHPUT
+
+
+def advantage(results: Results, row: Row, peer: str) -> float | None:
+    """How many times better tensorbroker is than `peer` on `row` (above 1: ahead)."""
+    ours, theirs = results.median(row, BASELINE), results.median(row, peer)
+    if ours is None or theirs is None:
+        return None
+    better, worse = (theirs, ours) if lower_is_better(row) else (ours, theirs)
+    if worse == 0:
+        return 1.0 if better == 0 else float("inf")
+    return better / worse
+
+
+def _ratio(results: Results, row: Row, top: str, bottom: str) -> float | None:
+    a, b = results.median(row, top), results.median(row, bottom)
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def _at(size: int) -> str:
+    return "at 1 GiB" if size == GiB else f"at {format_size(size)}: 1 GiB not in this run"
+
+
+def check(results: Results, sizes: tuple[int, ...]) -> list[Target]:
+    big, small = max(sizes), min(sizes)
+    out: list[Target] = []
+
+    worst: tuple[float, int] | None = None
+    for size in sizes:
+        r = _ratio(results, Row("get", size), BASELINE, "zmq_floor")
+        if r is not None and (worst is None or r > worst[0]):
+            worst = (r, size)
+    out.append(
+        Target(
+            "get, any size, vs raw ZeroMQ msgpack round trip",
+            f"<= {GET_OVER_RTT}x",
+            f"{worst[0]:.2f}x (worst: {format_size(worst[1])})" if worst else "n/a",
+            None if worst is None else worst[0] <= GET_OVER_RTT,
+        )
+    )
+    get_big = results.median(Row("get", big), BASELINE)
+    get_small = results.median(Row("get", small), BASELINE)
+    flat = get_big / get_small if get_big is not None and get_small else None
+    out.append(
+        Target(
+            f"get {format_size(big)} vs get {format_size(small)}",
+            f"<= {GET_FLAT}x (the same time)",
+            f"{flat:.2f}x" if flat is not None else "n/a",
+            None if flat is None else flat <= GET_FLAT,
+            _at(big),
+        )
+    )
+    put = _ratio(results, Row("put", big), BASELINE, "copyto_floor")
+    out.append(
+        Target(
+            f"put {format_size(big)} vs one numpy.copyto into touched memory",
+            f"<= {PUT_OVER_COPY}x",
+            f"{put:.2f}x" if put is not None else "n/a",
+            None if put is None else put <= PUT_OVER_COPY,
+            _at(big),
+        )
+    )
+    for peer, goal in (("torch_queue", OVER_TORCH_QUEUE), ("mp_queue", OVER_MP_QUEUE)):
+        r = _ratio(results, Row("handoff", big), peer, BASELINE)
+        out.append(
+            Target(
+                f"handoff {format_size(big)}: faster than {BY_NAME[peer].label}",
+                f">= {goal:.0f}x",
+                f"{r:.1f}x" if r is not None else "n/a",
+                None if r is None else r >= goal,
+                _at(big),
+            )
+        )
+    for peer in ("plasma", "ray"):
+        out.append(_ahead_everywhere(results, peer))
+    r = _ratio(results, Row("throughput_get", 4), BASELINE, "zmq_floor")
+    out.append(
+        Target(
+            "4-client 4 KiB get ops/s vs raw ZeroMQ echo broker",
+            f">= {OVER_ECHO}x",
+            f"{r:.2f}x" if r is not None else "n/a",
+            None if r is None else r >= OVER_ECHO,
+        )
+    )
+    return out
+
+
+def _ahead_everywhere(results: Results, peer: str) -> Target:
+    label = BY_NAME[peer].label
+    compared: list[tuple[float, Row]] = []
+    for row in sorted(results.values):
+        a = advantage(results, row, peer)
+        if a is not None:
+            compared.append((a, row))
+    behind = sorted((a, row) for a, row in compared if a < 1.0)
+    if not compared:
+        return Target(f"ahead of {label} on every row", "every row", "n/a", None)
+    worst = min(compared)
+    detail = "; ".join(f"{row_label(row)} {a:.2g}x" for a, row in behind)
+    return Target(
+        f"ahead of {label} on every row",
+        "every row",
+        f"ahead on {len(compared) - len(behind)}/{len(compared)} rows; "
+        f"worst {worst[0]:.2g}x ({row_label(worst[1])})",
+        not behind,
+        f"behind on: {detail}" if behind else "",
+    )
+
+
+SCENARIO_TITLES = {
+    "put": "put",
+    "get": "get",
+    "handoff": "handoff",
+    "throughput_get": "get ops/s",
+    "throughput_putget": "put+get ops/s",
+    "memory": "memory",
+}
+
+
+def row_label(row: Row) -> str:
+    title = SCENARIO_TITLES.get(row.scenario, row.scenario)
+    if row.scenario in LATENCY:
+        return f"{title} {format_size(row.param)}"
+    if row.scenario in THROUGHPUT:
+        return f"{title} x{row.param}"
+    return f"{title} {row.metric}"

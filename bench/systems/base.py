@@ -1,0 +1,354 @@
+"""What every adapter shares: the request it answers, the timing loop, the source arrays, a
+pool of client processes for throughput runs, and /proc readers for memory figures.
+
+Only the standard library and NumPy (1.x or 2.x) may be imported here: this module runs in
+the main virtual environment and in the peers' one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+
+LATENCY_SCENARIOS = ("put", "get", "handoff")
+THROUGHPUT_SCENARIOS = ("throughput_get", "throughput_putget")
+SMALL = 4096  # bytes of the objects in throughput and memory runs
+POOL_SIZE = 4  # client processes kept for throughput runs (runs use 1, 2 or 4)
+HANDOFF_TIMEOUT = 120.0  # seconds a consumer may take to report (mp.Queue moves 1 GiB in ~5 s)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One measurement, as the runner asks for it."""
+
+    scenario: str
+    size: int = SMALL  # bytes of the array
+    budget: float = 0.2  # seconds of timed iterations to aim for (latency scenarios)
+    max_iters: int = 2000
+    clients: int = 1  # client processes (throughput scenarios)
+    duration: float = 0.5  # seconds of the throughput window
+    count: int = 1000  # objects stored (memory scenario)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Request:
+        fields = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in data.items() if k in fields})
+
+
+Metrics = dict[str, float]
+
+
+class System:
+    """An adapter. Subclasses set `name` and `scenarios` and implement the hooks for them.
+
+    Latency hooks time one iteration themselves (so setup and cleanup stay untimed) and
+    return seconds; `measure` runs them in a loop.
+    """
+
+    name: ClassVar[str] = ""
+    scenarios: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self) -> None:
+        self._array: np.ndarray[Any, Any] | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def setup(self) -> dict[str, Any]:
+        """Start what the system needs; return facts for the report (versions, pids)."""
+        return {}
+
+    def close(self) -> None:
+        """Stop every process and remove every file `setup` made. Must be idempotent."""
+
+    # -- hooks -----------------------------------------------------------------------------
+
+    def put_once(self, array: np.ndarray[Any, Any]) -> float:
+        raise NotImplementedError
+
+    def prepare_get(self, array: np.ndarray[Any, Any]) -> None:
+        raise NotImplementedError
+
+    def get_once(self) -> float:
+        raise NotImplementedError
+
+    def finish_get(self) -> None:
+        pass
+
+    def handoff_once(self, array: np.ndarray[Any, Any]) -> float:
+        raise NotImplementedError
+
+    def throughput(self, mode: str, clients: int, duration: float) -> float:
+        """Operations per second over `duration` with `clients` processes."""
+        raise NotImplementedError
+
+    def memory(self, count: int, nbytes: int) -> Metrics:
+        raise NotImplementedError
+
+    # -- driving ---------------------------------------------------------------------------
+
+    def measure(self, req: Request) -> tuple[Metrics, int]:
+        """Run one measurement; return its metrics and how many samples it took."""
+        if req.scenario not in self.scenarios:
+            raise ValueError(f"{self.name} does not run {req.scenario}")
+        if req.scenario in THROUGHPUT_SCENARIOS:
+            mode = req.scenario.removeprefix("throughput_")
+            return {"value": self.throughput(mode, req.clients, req.duration)}, 1
+        if req.scenario == "memory":
+            self.drop_array()
+            return self.memory(req.count, SMALL), 1
+        array = self.array(req.size)
+        if req.scenario == "put":
+            samples = timed_loop(lambda: self.put_once(array), req.budget, req.max_iters)
+        elif req.scenario == "handoff":
+            samples = timed_loop(lambda: self.handoff_once(array), req.budget, req.max_iters)
+        else:
+            self.prepare_get(array)
+            try:
+                samples = timed_loop(self.get_once, req.budget, req.max_iters)
+            finally:
+                self.finish_get()
+        return {"value": statistics.median(samples)}, len(samples)
+
+    def array(self, nbytes: int) -> np.ndarray[Any, Any]:
+        """The source array of `nbytes` (float32, every page touched), kept between calls."""
+        if self._array is None or self._array.nbytes != nbytes:
+            self._array = None  # let the old one go before the new one is made
+            self._array = np.full(nbytes // 4, 1.0, dtype=np.float32)
+        return self._array
+
+    def drop_array(self) -> None:
+        self._array = None
+
+
+def timed_loop(
+    once: Callable[[], float], budget: float, max_iters: int, min_iters: int = 3, cap: float = 5.0
+) -> list[float]:
+    """One untimed warm-up call, then calls until `budget` seconds have passed and at least
+    `min_iters` were made; but never past `cap` seconds (mp.Queue takes ~5 s per GiB)."""
+    once()
+    samples: list[float] = []
+    start = time.perf_counter()
+    while True:
+        samples.append(once())
+        elapsed = time.perf_counter() - start
+        if len(samples) >= max_iters or elapsed >= cap:
+            return samples
+        if elapsed >= budget and len(samples) >= min_iters:
+            return samples
+
+
+def touched_like(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """A destination as big as `array` whose pages are all faulted in."""
+    out = np.empty_like(array)
+    out.fill(0)
+    return out
+
+
+# -- client processes for throughput runs --------------------------------------------------
+
+
+class Ops(Protocol):
+    """What a pool child builds: named operations to count, and a way to clean up."""
+
+    ops: dict[str, Callable[[], None]]
+
+    def close(self) -> None: ...
+
+
+def _pool_child(factory: str, args: tuple[Any, ...], index: int, conn: Connection) -> None:
+    module, _, attr = factory.partition(":")
+    client: Ops = getattr(importlib.import_module(module), attr)(index, *args)
+    try:
+        for op in client.ops.values():
+            for _ in range(20):
+                op()
+        conn.send("ready")
+        while True:
+            msg = conn.recv()
+            if msg is None:
+                return
+            mode, start_at, duration = msg
+            conn.send(count_ops(client.ops[mode], start_at, duration))
+    finally:
+        client.close()
+
+
+def count_ops(op: Callable[[], None], start_at: float, duration: float) -> int:
+    """Call `op` from `start_at` (a perf_counter time) for `duration` seconds; return calls."""
+    delay = start_at - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
+    end = start_at + duration
+    count = 0
+    while time.perf_counter() < end:
+        op()
+        count += 1
+    return count
+
+
+class ClientPool:
+    """`size` spawned processes, each running `factory(index, *args)` (a "module:callable"
+    returning an `Ops`), started once and reused for every throughput run."""
+
+    def __init__(self, factory: str, args: tuple[Any, ...], size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self._procs: list[Any] = []
+        self._conns: list[Connection] = []
+        try:
+            for index in range(size):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(
+                    target=_pool_child, args=(factory, args, index, child), daemon=True
+                )
+                proc.start()
+                child.close()
+                self._procs.append(proc)
+                self._conns.append(parent)
+            for conn in self._conns:
+                if not conn.poll(120.0) or conn.recv() != "ready":
+                    raise RuntimeError(f"a {factory} client process did not start")
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, mode: str, clients: int, duration: float) -> float:
+        if clients > len(self._conns):
+            raise ValueError(f"the pool has {len(self._conns)} clients, {clients} asked")
+        start_at = time.perf_counter() + 0.05
+        for conn in self._conns[:clients]:
+            conn.send((mode, start_at, duration))
+        total = 0
+        for conn in self._conns[:clients]:
+            if not conn.poll(duration + 60.0):
+                raise RuntimeError("a client process did not report its count")
+            total += int(conn.recv())
+        return total / duration
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for proc in self._procs:
+            proc.join(5.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self._conns:
+            conn.close()
+        self._procs.clear()
+        self._conns.clear()
+
+
+# -- consumers for handoff runs -------------------------------------------------------------
+
+
+class Consumer:
+    """A spawned process running `target(conn, *args)`: the handoff's receiving side.
+
+    The protocol (each adapter's target follows it): the producer sends a token (a key,
+    an object id) or None to stop; the consumer answers "armed", then blocks until it holds
+    the object, answers its `time.perf_counter()` at that moment, and drops the object.
+    """
+
+    def __init__(
+        self, target: Callable[..., None], args: tuple[Any, ...], context: Any = None
+    ) -> None:
+        ctx = context or mp.get_context("spawn")
+        pipe: tuple[Connection, Connection] = ctx.Pipe()
+        self.conn, child = pipe
+        self.proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+        self.proc.start()
+        child.close()
+        if not self.conn.poll(120.0) or self.conn.recv() != "ready":
+            self.close()
+            raise RuntimeError(f"the handoff consumer {target.__name__} did not start")
+
+    def arm(self, token: Any) -> None:
+        self.conn.send(token)
+        if not self.conn.poll(HANDOFF_TIMEOUT) or self.conn.recv() != "armed":
+            raise RuntimeError("the handoff consumer did not arm")
+        time.sleep(0.002)  # let it block in its receive before the clock starts
+
+    def received_at(self) -> float:
+        if not self.conn.poll(HANDOFF_TIMEOUT):
+            raise RuntimeError("the handoff consumer did not report within the timeout")
+        return float(self.conn.recv())
+
+    def close(self) -> None:
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass
+        self.proc.join(10.0)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
+
+
+# -- memory ------------------------------------------------------------------------------
+
+
+def memory_growth(
+    put_batch: Callable[[int], None], shm: Callable[[], float], rss: Callable[[], float], count: int
+) -> Metrics:
+    """Idle shared memory and store RSS, then their growth per object over the second of two
+    batches of `count` objects (the first batch uses up memory the store freed earlier)."""
+    shm0, rss0 = shm(), rss()
+    put_batch(0)
+    shm1, rss1 = shm(), rss()
+    put_batch(1)
+    shm2, rss2 = shm(), rss()
+    return {
+        "shm_idle": shm0,
+        "shm_per_object": (shm2 - shm1) / count,
+        "rss_idle": rss0,
+        "rss_per_object": (rss2 - rss1) / count,
+    }
+
+
+# -- /proc readers ------------------------------------------------------------------------
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """The kB fields of /proc/PID/status, in bytes."""
+    out: dict[str, int] = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if len(parts) == 2 and parts[1] == "kB":
+                out[key] = int(parts[0]) * 1024
+    return out
+
+
+def private_rss(pid: int) -> int:
+    """Resident memory of `pid` that is not shared memory (anonymous + file-backed)."""
+    status = proc_status(pid)
+    return status.get("RssAnon", 0) + status.get("RssFile", 0)
+
+
+def shm_backed(pid: int, match: Callable[[str], bool]) -> int:
+    """Bytes of tmpfs pages backing the /dev/shm files `pid` holds open whose path `match`es
+    (deleted files included)."""
+    total = 0
+    fd_dir = f"/proc/{pid}/fd"
+    for fd in os.listdir(fd_dir):
+        try:
+            target = os.readlink(f"{fd_dir}/{fd}")
+            if target.startswith("/dev/shm/") and match(target):
+                total += os.stat(f"{fd_dir}/{fd}").st_blocks * 512
+        except OSError:
+            continue
+    return total

@@ -1,0 +1,181 @@
+"""tensorbroker: a broker from `tb.start_broker`, driven through the public client API.
+
+put: `c.put(key, array)` to a fresh key (deleted afterwards, untimed).
+get: `c.get(key)` + `numpy.from_dlpack` of an existing object.
+handoff: the consumer is parked in `c.get(key, timeout=...)` when the producer puts.
+"""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import os
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+import tensorbroker as tb
+
+from .base import (
+    POOL_SIZE,
+    SMALL,
+    ClientPool,
+    Consumer,
+    Metrics,
+    System,
+    memory_growth,
+    private_rss,
+)
+
+MEMORY = "4GiB"
+
+
+class TensorBroker(System):
+    name = "tensorbroker"
+    scenarios = frozenset(
+        {"put", "get", "handoff", "throughput_get", "throughput_putget", "memory"}
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._broker: tb.BrokerProcess | None = None
+        self._client: tb.Client | None = None
+        self._consumer: Consumer | None = None
+        self._pool: ClientPool | None = None
+        self._keys = itertools.count()
+
+    def setup(self) -> dict[str, Any]:
+        self._broker = tb.start_broker(memory=MEMORY)
+        self._client = tb.connect(self._broker.address)
+        address = self._broker.address
+        self._consumer = Consumer(_consumer, (address,))
+        self._pool = ClientPool("systems.tb:PoolClient", (address,), POOL_SIZE)
+        return {"tensorbroker": tb.__version__, "broker_pid": self._broker.pid, "memory": MEMORY}
+
+    @property
+    def client(self) -> tb.Client:
+        assert self._client is not None, "setup() first"
+        return self._client
+
+    def close(self) -> None:
+        pool, consumer, client, broker = self._pool, self._consumer, self._client, self._broker
+        self._pool = self._consumer = self._client = self._broker = None
+        if pool is not None:
+            pool.close()
+        if consumer is not None:
+            consumer.close()
+        if client is not None:
+            client.close()
+        if broker is not None:
+            pid = broker.pid
+            broker.stop()
+            for path in glob.glob(f"/dev/shm/tb-{pid}-*"):  # left only by a broker that died
+                os.unlink(path)
+
+    def put_once(self, array: np.ndarray[Any, Any]) -> float:
+        key = f"put-{next(self._keys)}"
+        t0 = time.perf_counter()
+        self.client.put(key, array)
+        elapsed = time.perf_counter() - t0
+        self.client.delete(key)
+        return elapsed
+
+    def prepare_get(self, array: np.ndarray[Any, Any]) -> None:
+        self.client.put("get", array)
+
+    def get_once(self) -> float:
+        t0 = time.perf_counter()
+        tensor = self.client.get("get")
+        view = np.from_dlpack(tensor)
+        elapsed = time.perf_counter() - t0
+        del view, tensor
+        return elapsed
+
+    def finish_get(self) -> None:
+        self.client.delete("get")
+
+    def handoff_once(self, array: np.ndarray[Any, Any]) -> float:
+        assert self._consumer is not None
+        key = f"handoff-{next(self._keys)}"
+        self._consumer.arm(key)
+        t0 = time.perf_counter()
+        self.client.put(key, array)
+        elapsed = self._consumer.received_at() - t0
+        self.client.delete(key)
+        return elapsed
+
+    def throughput(self, mode: str, clients: int, duration: float) -> float:
+        assert self._pool is not None
+        return self._pool.run(mode, clients, duration)
+
+    def memory(self, count: int, nbytes: int) -> Metrics:
+        """Shared memory per object is the arena's accounting (the arena itself is backed
+        when it grows, in large chunks)."""
+        assert self._broker is not None
+        pid = self._broker.pid
+        array = np.full(nbytes // 4, 1.0, dtype=np.float32)
+        keys: list[str] = []
+
+        def put_batch(batch: int) -> None:
+            for i in range(count):
+                keys.append(f"mem-{batch}-{i}")
+                self.client.put(keys[-1], array)
+
+        try:
+            return memory_growth(
+                put_batch,
+                lambda: float(self.client.stats()["used_bytes"]),
+                lambda: float(private_rss(pid)),
+                count,
+            ) | {"shm_idle": float(_arena_backed(pid))}
+        finally:
+            for key in keys:
+                self.client.delete(key)
+
+
+def _arena_backed(broker_pid: int) -> int:
+    """tmpfs bytes backing the broker's segments (the arena is backed when it grows)."""
+    total = 0
+    for path in glob.glob(f"/dev/shm/tb-{broker_pid}-*"):
+        try:
+            total += os.stat(path).st_blocks * 512
+        except OSError:
+            continue
+    return total
+
+
+def _consumer(conn: Connection, address: str) -> None:
+    with tb.connect(address) as client:
+        conn.send("ready")
+        while (key := conn.recv()) is not None:
+            conn.send("armed")
+            tensor = client.get(key, timeout=60.0)
+            view = np.from_dlpack(tensor)
+            received = time.perf_counter()
+            del view, tensor
+            conn.send(received)
+
+
+class PoolClient:
+    """One throughput client: its own connection and its own 4 KiB object."""
+
+    def __init__(self, index: int, address: str) -> None:
+        self.client = tb.connect(address)
+        self.key = f"tp-{index}"
+        self.array = np.full(SMALL // 4, 1.0, dtype=np.float32)
+        self.client.put(self.key, self.array)
+        self.ops = {"get": self.get, "putget": self.putget}
+
+    def get(self) -> None:
+        tensor = self.client.get(self.key)
+        view = np.from_dlpack(tensor)
+        del view, tensor
+
+    def putget(self) -> None:
+        self.client.put(self.key, self.array)
+        self.get()
+
+    def close(self) -> None:
+        self.client.close()
