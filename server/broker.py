@@ -74,6 +74,7 @@ class Broker:
         self.sessions: dict[str, Session] = {}
         self.routes: dict[bytes, Session] = {}
         self.pidfds: dict[int, Session] = {}
+        self._unwatched: set[Session] = set()  # sessions kept alive by heartbeats
         self.waiters: dict[str, deque[Waiter]] = {}  # key -> gets waiting for a version
         self.parked: set[Waiter] = set()  # every waiter not answered yet
         self.queues: dict[str, BrokerQueue] = {}  # name -> queue (open, draining or ended)
@@ -241,16 +242,16 @@ class Broker:
         timeout = None
         if self._deadlines:
             timeout = max(0.0, self._deadlines[0][0] - time.monotonic())
-        if any(s.pidfd is None for s in self.sessions.values()):
+        if self._unwatched:
             timeout = min(timeout or HEARTBEAT_INTERVAL, HEARTBEAT_INTERVAL)
         return -1 if timeout is None else int(min(timeout, MAX_POLL_S) * 1000) + 1
 
     def _drain(self, router: zmq.Socket[bytes]) -> None:
         for _ in range(DRAIN_BATCH):
-            try:
-                frames = router.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
+            # Asking for the socket's events is cheaper than a recv that raises zmq.Again.
+            if not router.get(zmq.EVENTS) & zmq.POLLIN:
                 return
+            frames = router.recv_multipart(copy=True)
             if len(frames) != 2:
                 log.warning("dropped a message of %d frames (expected 2)", len(frames))
                 continue
@@ -310,6 +311,8 @@ class Broker:
             if session.pidfd is not None:
                 self.pidfds[session.pidfd] = session
                 self._poller.register(session.pidfd, zmq.POLLIN)
+            else:
+                self._unwatched.add(session)
             self.sessions[token] = session
             log.debug(
                 "hello from pid %s (%s)", session.pid, "watched" if session.pidfd else "heartbeat"
@@ -363,6 +366,7 @@ class Broker:
             self.pidfds.pop(session.pidfd, None)
             os.close(session.pidfd)
             session.pidfd = None
+        self._unwatched.discard(session)
         self.sessions.pop(session.token, None)
 
     def _expire(self, now: float) -> None:
@@ -371,8 +375,8 @@ class Broker:
             if not w.done:
                 self._unpark(w)
                 self._send(w.route, reply_error(w.request.id, Timeout(w.timeout_message)))
-        for session in list(self.sessions.values()):
-            if session.pidfd is None and now - session.last_seen > HEARTBEAT_TIMEOUT:
+        for session in list(self._unwatched):
+            if now - session.last_seen > HEARTBEAT_TIMEOUT:
                 log.info("%s sent no heartbeat for %.1fs: dropping it", session, HEARTBEAT_TIMEOUT)
                 self._drop_session(session)
 
