@@ -30,6 +30,7 @@ from ..common.descriptors import ObjectDesc, TensorDesc
 from ..common.dtypes import dtype as lookup_dtype
 from ..common.errors import BrokerError, BrokerUnavailable, InvalidRequest
 from ..common.protocol import PROTOCOL_VERSION, Op
+from .copy import Copier
 from .queue import Queue
 from .shm import SegmentCache
 from .sources import entries
@@ -57,6 +58,7 @@ class Client:
         self._ids = itertools.count(1)
         self._releases: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._segments = SegmentCache()
+        self._copier = Copier()
         self._broken: str | None = None
         self._heartbeat: float | None = None
         self._pool = ChannelPool(self.address)
@@ -179,7 +181,7 @@ class Client:
         try:
             for (_, src, dt), wire in zip(items, reply["tensors"], strict=True):
                 dst = self._view(TensorDesc.from_wire(wire), dt.typestr)
-                np.copyto(dst, src, casting="no")
+                self._copier.copy(dst, src)
         except BaseException:
             with contextlib.suppress(BrokerError):
                 self._call(Op.ABORT, put=put_id)
@@ -308,6 +310,7 @@ class Client:
         for channel in idle:
             self._pool.discard(channel)
         self._segments.clear()
+        self._copier.close()
         fd, self._broker_pidfd = self._broker_pidfd, None
         if fd is not None:
             os.close(fd)
