@@ -26,7 +26,7 @@ from ..common.protocol import Request
 from .registry import Session, StoredObject
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Waiter:
     """A request parked until it can be answered, or until its deadline passes."""
 

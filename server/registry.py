@@ -36,26 +36,29 @@ PAGE = 4096
 PAGE_ALIGN_FROM = 64 * 1024  # tensors of this size and up start on a page
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class StoredObject:
     key: str
     bundle: bool
-    tensors: tuple[TensorDesc, ...]
     block: Block
+    wire: list[Any]  # its tensors, as sent on the wire (built once, at put)
     version: int = 0  # set at seal
     leases: int = 0
     live: bool = False
     retired: bool = False
     freed: bool = False
-    wire: list[Any] = field(default_factory=list)  # the tensors as sent on the wire, built once
     queue: Any = None  # the queue this item goes to (None: a keyed object)
 
     @property
     def nbytes(self) -> int:
         return self.block.size
 
+    @property
+    def tensors(self) -> tuple[TensorDesc, ...]:
+        return tuple(TensorDesc.from_wire(w) for w in self.wire)
 
-@dataclass(eq=False)
+
+@dataclass(eq=False, slots=True)
 class Session:
     """One client (all the sockets of one `Client`), known from its hello."""
 
@@ -116,9 +119,7 @@ class Registry:
             )
             for (name, dtype, shape), off in zip(specs, offsets, strict=True)
         )
-        obj = StoredObject(
-            key, bundle, tensors, block, wire=[t.to_wire() for t in tensors], queue=queue
-        )
+        obj = StoredObject(key, bundle, block, [t.to_wire() for t in tensors], queue=queue)
         put_id = self.lease(session, obj)
         self.pending[put_id] = obj
         session.pending.add(put_id)
