@@ -23,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -59,6 +59,7 @@ HEARTBEAT_INTERVAL = 0.25  # asked of clients the broker cannot watch
 HEARTBEAT_TIMEOUT = 1.0  # silence after which such a client counts as dead
 MAX_POLL_S = 3600.0  # a far deadline is waited for in steps zmq can take
 DRAIN_BATCH = 512  # requests handled before the loop looks at timers and pidfds again
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: enum arithmetic costs
 ENDED_QUEUES = 4096  # ended queues remembered, so that a late consumer sees them closed
 
 
@@ -249,7 +250,7 @@ class Broker:
     def _drain(self, router: zmq.Socket[bytes]) -> None:
         for _ in range(DRAIN_BATCH):
             # Asking for the socket's events is cheaper than a recv that raises zmq.Again.
-            if not router.get(zmq.EVENTS) & zmq.POLLIN:
+            if not cast(int, router.getsockopt(_EVENTS)) & _POLLIN:
                 return
             frames = router.recv_multipart(copy=True)
             if len(frames) != 2:
