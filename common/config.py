@@ -47,6 +47,30 @@ def parse_size(text: str | int) -> int:
     return int(Fraction(match.group(1)) * _UNITS[unit])  # exact: '4.1GB' is 4100000000
 
 
+def parse_cuda_memory(text: str | None) -> dict[int, int] | None:
+    """--cuda-memory: None or 'auto' -> None (every GPU, half of its free memory); 'off' ->
+    {} (host memory only); '0:8GiB,1:8GiB' -> {0: 8 GiB, 1: 8 GiB}; a bare index ('0,1')
+    serves that GPU at the default share. ValueError says what it accepts."""
+    if text is None or text.strip().lower() in ("", "auto"):
+        return None
+    if text.strip().lower() in ("off", "none", "0b"):
+        return {}
+    spec: dict[int, int] = {}
+    for part in text.split(","):
+        index, _, size = part.strip().partition(":")
+        if not index.strip().isdigit():
+            raise ValueError(
+                f"cannot read --cuda-memory {text!r}: use DEVICE:SIZE pairs such as "
+                "0:8GiB,1:8GiB, bare device indices (0,1), 'auto' or 'off'"
+            )
+        if int(index) in spec:
+            raise ValueError(f"--cuda-memory {text!r} names device {int(index)} twice")
+        spec[int(index)] = parse_size(size) if size.strip() else 0
+        if size.strip() and spec[int(index)] < 2 * 2**20:
+            raise ValueError(f"--cuda-memory {text!r}: give device {int(index)} at least 2MiB")
+    return spec
+
+
 def format_size(n: int | float) -> str:
     """1536 -> '1.5 KiB'; exact small sizes stay in bytes."""
     value = float(n)

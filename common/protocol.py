@@ -31,7 +31,9 @@ MAX_RELEASES = 65536  # lease ids in one message
 
 class Op:
     HELLO = "hello"  # pid, session, boot_id, start_time, version -> broker facts
-    PUT = "put"  # key, tensors [[name, dtype, shape], ...], bundle -> put id, descriptors
+    PUT = "put"  # key, tensors [[name, dtype, shape], ...], bundle, device -> put id, descriptors
+    # (a device object's replies add its chunk's IPC "handle" and its write "event" [id,
+    # handle]; a get's adds the reader's read-done event as "done")
     SEAL = "seal"  # put, keep -> version (and the put's lease ends unless keep)
     ABORT = "abort"  # put
     GET = "get"  # key, timeout (None: wait forever), after -> object descriptor with a lease
@@ -132,6 +134,19 @@ def check_tensor_specs(value: Any) -> list[tuple[str, str, tuple[int, ...]]]:
     return specs
 
 
+def check_device(value: Any) -> str:
+    """'cpu' or 'cuda:N', canonical (as the client sends it)."""
+    if value == "cpu" or (
+        isinstance(value, str)
+        and value.startswith("cuda:")
+        and value[5:].isdigit()
+        and str(int(value[5:])) == value[5:]
+        and int(value[5:]) < 1024
+    ):
+        return str(value)
+    raise InvalidRequest(f"device must be 'cpu' or 'cuda:N', got {value!r:.80}")
+
+
 def nbytes_of(dtype: str, shape: tuple[int, ...]) -> int:
     return math.prod(shape) * DTYPES[dtype].itemsize
 
@@ -178,6 +193,7 @@ _FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
         "key": (check_key, True),
         "tensors": (check_tensor_specs, True),
         "bundle": (_bool, False),
+        "device": (check_device, False),
     },
     Op.SEAL: {"put": (_int, True), "keep": (_bool, False)},
     Op.ABORT: {"put": (_int, True), "keep": (_bool, False)},
@@ -202,6 +218,7 @@ _FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
         "tensors": (check_tensor_specs, True),
         "bundle": (_bool, False),
         "timeout": (check_timeout, False),
+        "device": (check_device, False),
     },
     Op.QGET: {"queue": (_int, True), "name": (check_key, False), "timeout": (check_timeout, False)},
     Op.QCLOSE: {"queue": (_int, True), "name": (check_key, False)},

@@ -160,12 +160,16 @@ class Arena:
         size = min(max(self._chunk_size, _round_up(need + align, _HUGE)), room)
         if size < need:
             return False
-        segment = Segment.create(self._shm_dir, self._prefix, size)
+        segment = self._new_segment(size)
         self._seg_index[segment.name] = len(self._segments)
         self._segments.append(segment)
         self._reserved += size
         self._add_free(len(self._segments) - 1, 0, size)
         return True
+
+    def _new_segment(self, size: int) -> Segment:
+        """Back `size` more bytes (a subclass may back them elsewhere: see DeviceArena)."""
+        return Segment.create(self._shm_dir, self._prefix, size)
 
     # -- public API --------------------------------------------------------------------------
 

@@ -27,10 +27,11 @@ from typing import Any, cast
 
 import zmq
 
-from ..common import host
+from ..common import cudart, host
 from ..common.config import SHM_DIR, check_address, format_size
 from ..common.errors import (
     BrokerError,
+    CapacityError,
     InvalidRequest,
     NotFound,
     ProtocolError,
@@ -50,6 +51,7 @@ from ..common.protocol import (
     reply_ok,
 )
 from .arena import Arena
+from .devices import DeviceMemory
 from .queues import BrokerQueue, Waiter
 from .registry import Registry, Session, StoredObject
 
@@ -61,6 +63,8 @@ MAX_POLL_S = 3600.0  # a far deadline is waited for in steps zmq can take
 DRAIN_BATCH = 512  # requests handled before the loop looks at timers and pidfds again
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: enum arithmetic costs
 ENDED_QUEUES = 4096  # ended queues remembered, so that a late consumer sees them closed
+DEVICE_WAIT = 10.0  # a device put waits this long for quarantined memory to come back
+RECLAIM_POLL = 0.001  # how often blocks waiting for GPU work look at their events
 
 
 class AddressInUse(BrokerError):
@@ -68,10 +72,19 @@ class AddressInUse(BrokerError):
 
 
 class Broker:
-    def __init__(self, address: str, capacity: int, *, shm_dir: str = SHM_DIR) -> None:
+    def __init__(
+        self,
+        address: str,
+        capacity: int,
+        *,
+        shm_dir: str = SHM_DIR,
+        devices: DeviceMemory | None = None,
+    ) -> None:
         self.address = check_address(address)
         self.arena = Arena(capacity, shm_dir=shm_dir)
-        self.registry = Registry(self.arena, on_free=self._item_freed)
+        self.devices = devices if devices is not None else DeviceMemory(load=cudart.load)
+        self.registry = Registry(self.arena, on_free=self._item_freed, devices=self.devices)
+        self._device_puts: deque[Waiter] = deque()  # device puts waiting for memory
         self.sessions: dict[str, Session] = {}
         self.routes: dict[bytes, Session] = {}
         self.pidfds: dict[int, Session] = {}
@@ -141,6 +154,7 @@ class Broker:
         first = self.arena.allocate(1)  # create and back the first chunk now, not at first put
         if first is not None:
             self.arena.free(first)
+        self.devices.start()
         log.info("serving on %s, capacity %s", self.address, format_size(self.arena.capacity))
 
     def _refuse_if_served(self) -> None:
@@ -194,6 +208,7 @@ class Broker:
         self._wake_r.close()
         self._wake_w.close()
         self.arena.close()
+        self.devices.close()
 
     def _unlink_socket_file(self) -> None:
         path = self.address[6:]
@@ -237,12 +252,16 @@ class Broker:
                     log.info("client pid %s exited: dropping %s", session.pid, session)
                     self._drop_session(session)
             self._expire(time.monotonic())
+            if self.devices.reclaim():
+                self._retry_device_puts()
             self._admit_putters()
 
     def _poll_timeout_ms(self) -> int:
         timeout = None
         if self._deadlines:
             timeout = max(0.0, self._deadlines[0][0] - time.monotonic())
+        if self.devices.quarantine:
+            timeout = min(timeout if timeout is not None else RECLAIM_POLL, RECLAIM_POLL)
         if self._unwatched:
             timeout = min(timeout or HEARTBEAT_INTERVAL, HEARTBEAT_INTERVAL)
         return -1 if timeout is None else int(min(timeout, MAX_POLL_S) * 1000) + 1
@@ -274,17 +293,28 @@ class Broker:
                 for lease_id in request.releases:
                     if not self.registry.release(session, lease_id):
                         log.warning("%s released lease %s it does not hold", session, lease_id)
-            result = self._handlers[request.op](session, route, request)
-        except BrokerError as exc:
-            log.debug("request %s failed: %s", request_id, exc)
-            self._send(route, reply_error(request_id, exc))
+        except Exception as exc:
+            self._fail(route, request_id, exc)
             return
-        except Exception as exc:  # a bug must not take the broker down; say so loudly
-            log.exception("internal error handling request %s", request_id)
-            self._send(route, reply_error(request_id, BrokerError(f"internal error: {exc!r}")))
+        self._run(session, route, request)
+
+    def _run(self, session: Session | None, route: bytes, request: Request) -> None:
+        """Answer one request (or park it)."""
+        try:
+            result = self._handlers[request.op](session, route, request)
+        except Exception as exc:
+            self._fail(route, request.id, exc)
             return
         if result is not None and request.op not in NO_REPLY:
             self._send(route, reply_ok(request.id, **result))
+
+    def _fail(self, route: bytes, request_id: int, exc: Exception) -> None:
+        if isinstance(exc, BrokerError):
+            log.debug("request %s failed: %s", request_id, exc)
+        else:  # a bug must not take the broker down; say so loudly
+            log.exception("internal error handling request %s", request_id)
+            exc = BrokerError(f"internal error: {exc!r}")
+        self._send(route, reply_error(request_id, exc))
 
     def _send(self, route: bytes, payload: bytes) -> None:
         router = self._router
@@ -417,13 +447,53 @@ class Broker:
 
     # -- objects ---------------------------------------------------------------------------
 
-    def _on_put(self, session: Session | None, route: bytes, req: Request) -> dict[str, Any]:
+    def _on_put(self, session: Session | None, route: bytes, req: Request) -> dict[str, Any] | None:
         assert session is not None
         f = req.fields
-        put_id, obj = self.registry.begin_put(
-            session, f["key"], f["tensors"], f.get("bundle", False)
-        )
-        return {"put": put_id, "tensors": obj.wire}
+        try:
+            put_id, obj = self.registry.begin_put(
+                session,
+                f["key"],
+                f["tensors"],
+                f.get("bundle", False),
+                device=f.get("device", "cpu"),
+            )
+        except CapacityError as exc:
+            self._wait_for_device(session, route, req, exc)
+            return None
+        return self._granted(put_id, obj)
+
+    def _granted(self, put_id: int, obj: StoredObject) -> dict[str, Any]:
+        """A put's reply: where to write, and for a device object the chunk's IPC handle and
+        the write event to record after the copy."""
+        reply = {"put": put_id, "tensors": obj.wire}
+        if obj.events is not None:
+            reply.update(self._device_fields(obj))
+        return reply
+
+    def _device_fields(self, obj: StoredObject) -> dict[str, Any]:
+        assert obj.events is not None
+        arena = self.devices.arena(obj.device)
+        write = obj.events[0]
+        return {
+            "handle": arena.handle(obj.block.segment),
+            "event": [write, self.devices.handle(write)],
+        }
+
+    def _wait_for_device(
+        self, session: Session, route: bytes, req: Request, exc: CapacityError
+    ) -> None:
+        """A device put that does not fit while blocks wait for GPU work to finish waits for
+        them (up to DEVICE_WAIT), instead of failing for memory that is a moment from free."""
+        if req.fields.get("device", "cpu") == "cpu" or not self.devices.quarantine:
+            raise exc
+        message = f"{exc} (waited {DEVICE_WAIT:g}s for readers' GPU work to finish)"
+        self._park(session, route, req, DEVICE_WAIT, self._device_puts, message)
+
+    def _retry_device_puts(self) -> None:
+        for w in list(self._device_puts):
+            self._unpark(w)
+            self._run(w.session, w.route, w.request)
 
     def _on_seal(self, session: Session | None, route: bytes, req: Request) -> dict[str, Any]:
         assert session is not None
@@ -450,14 +520,18 @@ class Broker:
         if obj.queue is not None:
             lease = self.registry.hand_over(session, obj)
         else:
-            lease = self.registry.lease(session, obj)
-        return {
+            lease = self.registry.lease(session, obj, reader=True)
+        reply = {
             "key": obj.key,
             "version": obj.version,
             "bundle": obj.bundle,
             "tensors": obj.wire,
             "lease": lease,
         }
+        if obj.events is not None:  # and the event this reader records when it lets go
+            done = session.read_events[lease]
+            reply.update(self._device_fields(obj), done=[done, self.devices.handle(done)])
+        return reply
 
     def _on_get(self, session: Session | None, route: bytes, req: Request) -> dict[str, Any] | None:
         """The live version of a key, if newer than `after`; else wait for one up to timeout."""
@@ -525,7 +599,11 @@ class Broker:
                 "closed; give a new stream a new name)"
             )
         if not q.full and not q.putters:
-            return self._grant(session, q, req)
+            try:
+                return self._grant(session, q, req)
+            except CapacityError as exc:
+                self._wait_for_device(session, route, req, exc)
+                return None
         timeout = req.fields.get("timeout")
         if timeout == 0.0:
             raise Timeout(f"{q.describe()} is full")
@@ -537,11 +615,12 @@ class Broker:
         """Memory for one item of `q`: it takes a slot until the item is freed."""
         f = req.fields
         put_id, obj = self.registry.begin_put(
-            session, q.name, f["tensors"], f.get("bundle", False), queue=q
-        )
+            session, q.name, f["tensors"], f.get("bundle", False), queue=q,
+            device=f.get("device", "cpu"),
+        )  # fmt: skip
         q.in_flight += 1
         q.pending += 1
-        return {"put": put_id, "tensors": obj.wire}
+        return self._granted(put_id, obj)
 
     def _seal_item(
         self, session: Session, put_id: int, keep: bool, q: BrokerQueue
@@ -649,6 +728,8 @@ class Broker:
             "pid": os.getpid(),
             "address": self.address,
             "uptime_s": time.monotonic() - self._started,
+            "devices": self.devices.stats(),
+            "cuda": self.devices.unavailable if self.devices.runtime is None else "",
         }
 
     def _on_ping(self, session: Session | None, route: bytes, req: Request) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from ..common.descriptors import TensorDesc, compact_strides
 from ..common.errors import CapacityError, InvalidRequest, NotFound
 from ..common.protocol import nbytes_of
 from .arena import Arena, Block, ShmExhausted
+from .devices import DEVICE_ALIGN, DeviceArena, DeviceMemory
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ class StoredObject:
     retired: bool = False
     freed: bool = False
     queue: Any = None  # the queue this item goes to (None: a keyed object)
+    device: str = "cpu"  # or "cuda:N": then block is in that device's arena
+    events: list[int] | None = None  # a device object's write and read-done events
 
     @property
     def nbytes(self) -> int:
@@ -66,6 +69,7 @@ class Session:
     pid: int | None
     leases: dict[int, StoredObject] = field(default_factory=dict)
     pending: set[int] = field(default_factory=set)  # lease ids of its unsealed puts
+    read_events: dict[int, int] = field(default_factory=dict)  # device lease -> read-done event
     routes: set[bytes] = field(default_factory=set)  # its sockets' ZeroMQ routing ids
     pidfd: int | None = None  # readable when the client process exits
     last_seen: float = 0.0  # for sessions without a pidfd: heartbeats keep them alive
@@ -75,12 +79,14 @@ class Session:
         return f"<session {self.token[:8]} pid={self.pid}>"
 
 
-def layout(specs: list[tuple[str, str, tuple[int, ...]]]) -> tuple[list[int], int, int]:
+def layout(
+    specs: list[tuple[str, str, tuple[int, ...]]], min_align: int = MIN_ALIGN
+) -> tuple[list[int], int, int]:
     """Byte offsets of each tensor inside one block, the block size and its alignment."""
-    offsets, end, block_align = [], 0, MIN_ALIGN
+    offsets, end, block_align = [], 0, min_align
     for _, dtype, shape in specs:
         size = nbytes_of(dtype, shape)
-        align = PAGE if size >= PAGE_ALIGN_FROM else MIN_ALIGN
+        align = PAGE if size >= PAGE_ALIGN_FROM else min_align
         block_align = max(block_align, align)
         start = -(-end // align) * align
         offsets.append(start)
@@ -89,8 +95,14 @@ def layout(specs: list[tuple[str, str, tuple[int, ...]]]) -> tuple[list[int], in
 
 
 class Registry:
-    def __init__(self, arena: Arena, on_free: Callable[[StoredObject], None] | None = None) -> None:
+    def __init__(
+        self,
+        arena: Arena,
+        on_free: Callable[[StoredObject], None] | None = None,
+        devices: DeviceMemory | None = None,
+    ) -> None:
         self.arena = arena
+        self.devices = devices if devices is not None else DeviceMemory(load=None)
         self.on_free = on_free  # told of every freed queue item
         self.objects: dict[str, StoredObject] = {}  # key -> live version
         self.pending: dict[int, StoredObject] = {}  # put lease id -> object
@@ -107,36 +119,49 @@ class Registry:
         specs: list[tuple[str, str, tuple[int, ...]]],
         bundle: bool,
         queue: Any = None,
+        device: str = "cpu",
     ) -> tuple[int, StoredObject]:
         """Allocate an object's block; the putter holds it by the returned lease id."""
         if not bundle and (len(specs) != 1 or specs[0][0] != ""):
             raise InvalidRequest(f"put {key!r}: a plain object holds one unnamed tensor")
-        offsets, size, align = layout(specs)
-        block = self._allocate(key, size, align)
+        arena = self.arena if device == "cpu" else self.devices.arena(device)
+        offsets, size, align = layout(specs, MIN_ALIGN if device == "cpu" else DEVICE_ALIGN)
+        block = self._allocate(arena, key, size, align)
         tensors = tuple(
             TensorDesc(
-                name, dtype, shape, compact_strides(shape), block.segment, block.offset + off
+                name,
+                dtype,
+                shape,
+                compact_strides(shape),
+                block.segment,
+                block.offset + off,
+                device,
             )
             for (name, dtype, shape), off in zip(specs, offsets, strict=True)
         )
-        obj = StoredObject(key, bundle, block, [t.to_wire() for t in tensors], queue=queue)
+        wire = [t.to_wire() for t in tensors]
+        obj = StoredObject(key, bundle, block, wire, queue=queue, device=device)
+        if device != "cpu":
+            obj.events = [self.devices.event(int(device.partition(":")[2]))[0]]
         put_id = self.lease(session, obj)
         self.pending[put_id] = obj
         session.pending.add(put_id)
         return put_id, obj
 
-    def _allocate(self, key: str, size: int, align: int) -> Block:
-        arena = self.arena
+    def _allocate(self, arena: Arena, key: str, size: int, align: int) -> Block:
         try:
             block = arena.allocate(size, align)
         except ShmExhausted as exc:
             raise CapacityError(f"cannot store {key!r} ({format_size(size)}): {exc}") from None
         if block is None:
+            where, option = "", "--memory"
+            if isinstance(arena, DeviceArena):
+                where, option = f" on cuda:{arena.device}", "--cuda-memory"
             raise CapacityError(
-                f"cannot store {key!r}: it needs {format_size(size)}, and the broker has "
+                f"cannot store {key!r}{where}: it needs {format_size(size)}, and the broker has "
                 f"{format_size(arena.free_bytes)} free of {format_size(arena.capacity)} "
                 f"(largest free block {format_size(arena.largest_free)}). Delete objects or drop "
-                "arrays you no longer need, or restart the broker with a larger --memory."
+                f"arrays you no longer need, or restart the broker with a larger {option}."
             )
         return block
 
@@ -184,17 +209,22 @@ class Registry:
 
     # -- reading -------------------------------------------------------------------------
 
-    def lease(self, session: Session, obj: StoredObject) -> int:
+    def lease(self, session: Session, obj: StoredObject, reader: bool = False) -> int:
+        """A new lease of `session` on `obj`. A reader of a device object gets a read-done
+        event with it (`session.read_events`), which the object keeps once the lease ends."""
         lease_id = next(self._ids)
         session.leases[lease_id] = obj
         obj.leases += 1
         self.lease_count += 1
+        if reader and obj.events is not None:
+            index = int(obj.device.partition(":")[2])
+            session.read_events[lease_id] = self.devices.event(index)[0]
         return lease_id
 
     def hand_over(self, session: Session, obj: StoredObject) -> int:
         """Give a queue item to its one consumer: the consumer's lease is now all that
         keeps it."""
-        lease_id = self.lease(session, obj)
+        lease_id = self.lease(session, obj, reader=True)
         self._retire(obj)
         return lease_id
 
@@ -203,6 +233,9 @@ class Registry:
         obj = session.leases.pop(lease_id, None)
         if obj is None:
             return False
+        read_done = session.read_events.pop(lease_id, None)
+        if read_done is not None and obj.events is not None:
+            self.devices.settle(obj.events, read_done)
         if lease_id in session.pending:  # the putter let go before sealing: abort
             session.pending.discard(lease_id)
             del self.pending[lease_id]
@@ -229,10 +262,17 @@ class Registry:
 
     def _maybe_free(self, obj: StoredObject) -> None:
         if obj.retired and obj.leases == 0 and not obj.freed:
-            self.arena.free(obj.block)
             obj.freed = True
-            if obj.queue is not None and self.on_free is not None:
-                self.on_free(obj)
+            if obj.device == "cpu":
+                self.arena.free(obj.block)
+                self._freed(obj)
+            else:  # back once the GPU work of its writer and readers is done
+                index = int(obj.device.partition(":")[2])
+                self.devices.retire(index, obj.block, obj.events or [], lambda: self._freed(obj))
+
+    def _freed(self, obj: StoredObject) -> None:
+        if obj.queue is not None and self.on_free is not None:
+            self.on_free(obj)
 
     def stats(self) -> dict[str, int]:
         a = self.arena

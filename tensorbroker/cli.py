@@ -15,6 +15,7 @@ from .common.config import (
     default_address,
     default_capacity,
     format_size,
+    parse_cuda_memory,
     parse_size,
     shm_bytes_available,
 )
@@ -24,10 +25,13 @@ log = logging.getLogger("tensorbroker")
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from .common import cudart
     from .server.arena import Arena
     from .server.broker import Broker
+    from .server.devices import DeviceMemory
 
     address = check_address(args.address or default_address())
+    devices = DeviceMemory(load=cudart.load, spec=parse_cuda_memory(args.cuda_memory))
     removed = Arena.remove_stale(SHM_DIR)
     if removed:
         log.warning("removed %d segment(s) left by brokers that died: %s", len(removed), removed)
@@ -43,7 +47,7 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    broker = Broker(address, capacity)
+    broker = Broker(address, capacity, devices=devices)
     try:
         broker.bind()
     except BrokerError as exc:
@@ -80,9 +84,17 @@ def _stat(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(stats, indent=2))
         return 0
+    devices = stats.pop("devices", {})
+    cuda = stats.pop("cuda", "")
     for name, value in stats.items():
         shown = format_size(value) if name.endswith("_bytes") else value
         print(f"{name:20} {shown}")
+    for device, counters in devices.items():
+        for name, value in counters.items():
+            shown = format_size(value) if name.endswith("_bytes") else value
+            print(f"{device + ' ' + name:20} {shown}")
+    if cuda:
+        print(f"{'cuda':20} off: {cuda}")
     return 0
 
 
@@ -117,6 +129,11 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--memory",
         help="shared-memory capacity, e.g. 8GiB (default: 30%% of RAM, at most 90%% of /dev/shm)",
+    )
+    serve.add_argument(
+        "--cuda-memory",
+        help="GPU memory to serve, e.g. 0:8GiB,1:8GiB; 'off' for none (default: every GPU "
+        "CuPy finds, half of its free memory)",
     )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)

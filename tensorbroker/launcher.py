@@ -41,6 +41,7 @@ class BrokerProcess:
         *,
         ready_timeout: float = 30.0,
         log_level: str = "warning",
+        cuda_memory: str | None = None,
     ) -> None:
         if address is None:
             self._tmpdir = tempfile.mkdtemp(prefix="tb-")
@@ -67,6 +68,7 @@ class BrokerProcess:
                         log_level,
                         "--ready-fd",
                         str(write_fd),
+                        *(["--cuda-memory", cuda_memory] if cuda_memory is not None else []),
                     ],
                     pass_fds=(write_fd,),
                     stdout=log,
@@ -133,8 +135,13 @@ class BrokerProcess:
 
 
 def start_broker(
-    memory: str | int = "1GiB", address: str | None = None, *, log_level: str = "warning"
+    memory: str | int = "1GiB",
+    address: str | None = None,
+    *,
+    log_level: str = "warning",
+    cuda_memory: str | None = None,
 ) -> BrokerProcess:
     """Start `tensorbroker serve` as a subprocess (on a fresh temporary ipc address unless
-    one is given) and return once it serves."""
-    return BrokerProcess(memory, address, log_level=log_level)
+    one is given) and return once it serves. `cuda_memory` is its --cuda-memory (default:
+    every GPU CuPy finds, half of each one's free memory)."""
+    return BrokerProcess(memory, address, log_level=log_level, cuda_memory=cuda_memory)

@@ -220,3 +220,19 @@ def test_no_command_is_a_usage_error() -> None:
     done = tb_cli()
     assert done.returncode == 2
     assert "usage" in done.stderr
+
+
+def test_serve_refuses_a_bad_cuda_memory(spare_address: str) -> None:
+    result = tb_cli("serve", "--address", spare_address, "--memory", "64MiB",
+                    "--cuda-memory", "gpu0:8GiB")  # fmt: skip
+    assert result.returncode == 2
+    assert "--cuda-memory 'gpu0:8GiB'" in result.stderr and "0:8GiB,1:8GiB" in result.stderr
+
+
+def test_stat_says_why_no_gpu_is_served(spare_address: str) -> None:
+    with tb.start_broker(memory="64MiB", address=spare_address, cuda_memory="off"):
+        result = tb_cli("stat", "--address", spare_address)
+    assert result.returncode == 0, result.stderr
+    assert (
+        "cuda                 off: the broker was started with --cuda-memory off" in result.stdout
+    )

@@ -1,0 +1,255 @@
+"""The GPUs a broker serves: device memory in IPC-exported chunks, the interprocess events,
+and blocks that wait for GPU work to finish before they are reused.
+
+Note [device memory]
+
+Each device has an arena like the host's, over chunks the broker allocates with plain
+`cudaMalloc` (whole 2 MiB pages, never from a caching pool: an IPC handle exports the whole
+allocation it points into). A chunk's IPC handle is taken once; a client opens it once and
+keeps it open, so a get costs no `cudaIpcOpenMemHandle`. Chunks live until the broker stops,
+so no client ever holds a handle to freed memory.
+
+An object on a device carries events (Note [broker-owned events] in common/cudart.py): the
+write event its producer records after the copy, and one read-done event per lease, which
+its reader records on the streams it read on before it lets go. When the registry frees the
+object, its block is *quarantined* until every one of those events has completed, and only
+then goes back to the arena (and its events back to the pool):
+
+    seal ─> live ─> retired, last lease released ─> quarantined ─events done─> free
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..common.config import format_size
+from ..common.cudart import CHUNK_ALIGN, CudaUnavailable, Runtime, device_index
+from ..common.errors import InvalidRequest
+from .arena import Arena, Block, Segment
+
+log = logging.getLogger(__name__)
+
+DEFAULT_FRACTION = 0.5  # of each device's free memory, when --cuda-memory names no size
+DEVICE_ALIGN = 256  # what cudaMalloc guarantees; every device tensor starts on 256 bytes
+
+
+class DeviceChunk(Segment):
+    """One cudaMalloc'd chunk and its IPC handle."""
+
+    runtime: Runtime
+    device: int = 0
+    ptr: int = 0
+    handle: bytes = b""
+
+    @classmethod
+    def allocate(cls, runtime: Runtime, device: int, name: str, size: int) -> DeviceChunk:
+        chunk = cls()
+        chunk.runtime, chunk.device, chunk.name, chunk.size = runtime, device, name, size
+        chunk.ptr = runtime.malloc(device, size)
+        try:
+            chunk.handle = runtime.mem_handle(device, chunk.ptr)
+        except BaseException:
+            runtime.free(device, chunk.ptr)
+            raise
+        log.info("allocated %s on cuda:%d (%s)", name, device, format_size(size))
+        return chunk
+
+    def unlink(self) -> None:
+        if self.ptr:
+            ptr, self.ptr = self.ptr, 0
+            self.runtime.free(self.device, ptr)
+
+
+class DeviceArena(Arena):
+    """The best-fit arena over one device's chunks."""
+
+    def __init__(self, runtime: Runtime, device: int, capacity: int) -> None:
+        capacity = capacity // CHUNK_ALIGN * CHUNK_ALIGN  # so every chunk is whole pages
+        if capacity < CHUNK_ALIGN:
+            raise ValueError(f"cuda:{device} needs at least 2 MiB of memory, got {capacity} B")
+        super().__init__(capacity, prefix=f"cuda:{device}/")
+        self.runtime, self.device = runtime, device
+        self._chunks = 0
+
+    def _new_segment(self, size: int) -> Segment:
+        self._chunks += 1
+        return DeviceChunk.allocate(
+            self.runtime, self.device, f"{self._prefix}{self._chunks}", size
+        )
+
+    def handle(self, name: str) -> bytes:
+        chunk = self._segments[self._seg_index[name]]
+        assert isinstance(chunk, DeviceChunk)
+        return chunk.handle
+
+
+@dataclass(eq=False, slots=True)
+class Quarantined:
+    device: int
+    block: Block
+    events: list[int]
+    then: Callable[[], None]
+
+
+@dataclass(eq=False)
+class DeviceMemory:
+    """Every device this broker serves, or why it serves none.
+
+    `spec` maps device index -> bytes (0: the default fraction of its free memory); None
+    serves every device CuPy finds, at the default fraction. `load` gives the runtime, and
+    is called at most once.
+    """
+
+    load: Callable[[], Runtime] | None
+    spec: dict[int, int] | None = None
+    runtime: Runtime | None = None
+    unavailable: str = "it serves host memory only"  # why CUDA requests are refused
+    arenas: dict[int, DeviceArena] = field(default_factory=dict)
+    quarantine: list[Quarantined] = field(default_factory=list)
+    _count: int = 0  # devices CuPy sees
+    _events: dict[int, tuple[int, int, bytes]] = field(
+        default_factory=dict
+    )  # id -> dev, ev, handle
+    _pool: dict[int, list[int]] = field(default_factory=dict)  # device -> idle event ids
+
+    def start(self) -> None:
+        """Find the devices (at broker start, so the log says what is served)."""
+        if self.load is None or self.spec == {}:
+            self.unavailable = "the broker was started with --cuda-memory off"
+            return
+        try:
+            self.runtime = self.load()
+        except CudaUnavailable as exc:
+            self.unavailable = f"the broker cannot use CUDA: {exc}"
+            log.info("serving host memory only: %s", exc)
+            return
+        count = self.runtime.device_count()
+        wanted = self.spec if self.spec is not None else {i: 0 for i in range(count)}
+        missing = sorted(i for i in wanted if i >= count)
+        if missing:
+            log.warning("--cuda-memory names cuda:%s, but CuPy sees %d device(s)", missing, count)
+        self.spec = {i: size for i, size in wanted.items() if i < count}
+        self._count = count
+        log.info("serving CUDA devices %s", ", ".join(f"cuda:{i}" for i in self.spec) or "none")
+
+    def arena(self, device: str) -> DeviceArena:
+        """The arena of 'cuda:N', made at first use; InvalidRequest says why there is none."""
+        index = device_index(device)
+        found = self.arenas.get(index)
+        if found is not None:
+            return found
+        if self.runtime is None or self.spec is None:
+            raise InvalidRequest(f"cannot place a tensor on {device}: {self.unavailable}")
+        if index not in self.spec:
+            if index >= self._count:
+                raise InvalidRequest(
+                    f"cannot place a tensor on {device}: there is no such device; the broker "
+                    f"sees {self._count} (cuda:0 to cuda:{self._count - 1})"
+                )
+            served = ", ".join(f"cuda:{i}" for i in self.spec) or "none"
+            raise InvalidRequest(
+                f"cannot place a tensor on {device}: this broker serves {served} "
+                "(see its --cuda-memory)"
+            )
+        size = self.spec[index]
+        if size == 0:
+            free, _ = self.runtime.mem_info(index)
+            size = int(free * DEFAULT_FRACTION)
+        found = self.arenas[index] = DeviceArena(self.runtime, index, size)
+        log.info("cuda:%d: up to %s", index, format_size(found.capacity))
+        return found
+
+    # -- events --------------------------------------------------------------------------
+
+    def event(self, device: int) -> tuple[int, bytes]:
+        """An idle interprocess event of `device`: its id and IPC handle."""
+        pool = self._pool.setdefault(device, [])
+        if pool:
+            event_id = pool.pop()
+            return event_id, self._events[event_id][2]
+        assert self.runtime is not None
+        ev = self.runtime.new_event(device, interprocess=True)
+        handle = self.runtime.event_handle(device, ev)
+        event_id = len(self._events) + 1
+        self._events[event_id] = (device, ev, handle)
+        return event_id, handle
+
+    def handle(self, event_id: int) -> bytes:
+        return self._events[event_id][2]
+
+    def settle(self, events: list[int], read_done: int) -> None:
+        """A reader let go: keep its read-done event with the object's (`events`, the write
+        event first) until it completes, and give back those of earlier readers that have."""
+        for event_id in events[1:]:
+            if self._finished(event_id):
+                events.remove(event_id)
+                self._pool[self._events[event_id][0]].append(event_id)
+        events.append(read_done)
+
+    # -- freeing ---------------------------------------------------------------------------
+
+    def retire(
+        self, device: int, block: Block, events: list[int], then: Callable[[], None]
+    ) -> None:
+        """Free `block` once its events have completed, then call `then`."""
+        self.quarantine.append(Quarantined(device, block, events, then))
+        self.reclaim()
+
+    def reclaim(self) -> int:
+        """Free the quarantined blocks whose GPU work is done; how many were freed."""
+        if not self.quarantine:
+            return 0
+        waiting: list[Quarantined] = []
+        done: list[Quarantined] = []
+        for q in self.quarantine:
+            (done if all(self._finished(e) for e in q.events) else waiting).append(q)
+        self.quarantine = waiting
+        for q in done:
+            self.arenas[q.device].free(q.block)
+            self._pool.setdefault(q.device, []).extend(q.events)
+            q.then()
+        return len(done)
+
+    def _finished(self, event_id: int) -> bool:
+        device, ev, _ = self._events[event_id]
+        assert self.runtime is not None
+        try:
+            return self.runtime.event_done(device, ev)
+        except Exception as exc:  # a broken context: nothing will ever complete the event
+            log.warning(
+                "querying an event on cuda:%d failed (%s): counting it as done", device, exc
+            )
+            return True
+
+    @property
+    def waiting_bytes(self) -> int:
+        return sum(q.block.size for q in self.quarantine)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        return {
+            f"cuda:{i}": {
+                "capacity_bytes": a.capacity,
+                "used_bytes": a.used_bytes,
+                "reserved_bytes": a.reserved_bytes,
+                "chunks": len(a.segments),
+                "waiting_bytes": sum(q.block.size for q in self.quarantine if q.device == i),
+            }
+            for i, a in self.arenas.items()
+        }
+
+    def close(self) -> None:
+        """Free every chunk and event. Clients' handles to them become invalid."""
+        for arena in self.arenas.values():
+            arena.close()
+        self.arenas.clear()
+        if self.runtime is not None:
+            for device, ev, _ in self._events.values():
+                try:
+                    self.runtime.destroy_event(device, ev)
+                except Exception as exc:
+                    log.debug("destroying an event on cuda:%d: %s", device, exc)
+        self._events.clear()
+        self._pool.clear()
+        self.quarantine.clear()
