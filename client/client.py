@@ -18,7 +18,7 @@ import secrets
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,15 +26,19 @@ import zmq
 
 from ..common import host
 from ..common.config import check_address, default_address
+from ..common.cudart import STREAM_LEGACY, device_index, parse_device
 from ..common.descriptors import ObjectDesc, TensorDesc
+from ..common.dtypes import DType
 from ..common.dtypes import dtype as lookup_dtype
 from ..common.errors import BrokerError, BrokerUnavailable, InvalidRequest
 from ..common.protocol import PROTOCOL_VERSION, Op
+from . import placement
 from .copy import Copier
+from .cuda import DeviceLink
 from .queue import Queue
 from .shm import SegmentCache
-from .sources import entries
-from .tensor import Lease, Tensor
+from .sources import Source, entries
+from .tensor import DeviceLease, Lease, Tensor
 from .transport import BrokerExited, Channel, ChannelPool, open_pidfd, waits
 
 log = logging.getLogger(__name__)
@@ -58,6 +62,7 @@ class Client:
         self._ids = itertools.count(1)
         self._releases: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._segments = SegmentCache()
+        self._devices = DeviceLink()
         self._copier = Copier()
         self._broken: str | None = None
         self._heartbeat: float | None = None
@@ -74,7 +79,14 @@ class Client:
         self._stop = threading.Event()
         self._flusher = threading.Thread(
             target=_flush_releases,
-            args=(self._releases, self._stop, self._heartbeat, flusher_channel, self._pool),
+            args=(
+                self._releases,
+                self._stop,
+                self._heartbeat,
+                flusher_channel,
+                self._pool,
+                self._devices.settle,
+            ),
             daemon=True,
             name=f"tensorbroker-release-{self._session[:6]}",
         )
@@ -116,20 +128,31 @@ class Client:
 
     # -- the public API --------------------------------------------------------------------
 
-    def put(self, key: str, value: Any) -> int:
+    def put(self, key: str, value: Any, *, device: Any = None, copy: bool = False) -> int:
         """Store a tensor, or a bundle (a dict of name -> tensor), under `key`; return its
-        version. One copy into shared memory; readers of an older version keep theirs."""
-        return self._write(key, value, Op.PUT, REQUEST_TIMEOUT, key=key)
+        version. One copy into the broker's memory; readers of an older version keep theirs.
 
-    def get(self, key: str, timeout: float | None = 0.0) -> Tensor | dict[str, Tensor]:
+        The object is stored on its tensors' device: host shared memory, or GPU memory for
+        CUDA tensors (then put returns once the copy is enqueued on the tensor's stream, not
+        finished). `device=` stores it elsewhere ('cpu', 'cuda:N'), only with copy=True.
+        """
+        return self._write(key, value, Op.PUT, REQUEST_TIMEOUT, device, copy, key=key)
+
+    def get(
+        self, key: str, timeout: float | None = 0.0, *, device: Any = None, copy: bool = False
+    ) -> Tensor | dict[str, Tensor]:
         """The current version of `key`: a Tensor, or a dict of them for a bundle.
 
         timeout=0 (the default) raises NotFound at once if the key does not exist; a number
         waits that many seconds for it to be put (then Timeout); None waits as long as it
-        takes. No copy: the result reads the broker's shared memory.
+        takes. No copy: the result reads the broker's memory, on the device it is stored on.
+        `device=` asks for it on a given device: if it is stored elsewhere, that takes
+        copy=True (then the result is a private copy).
         """
         timeout, wait = waits(timeout)
-        return self._read(self._call(Op.GET, key=key, timeout=timeout, wait=wait))
+        want = None if device is None else parse_device(device, f"get {key!r}")
+        result = self._read(self._call(Op.GET, key=key, timeout=timeout, wait=wait))
+        return placement.move(self, key, result, want, copy)
 
     def watch(self, key: str, timeout: float | None = None) -> Iterator[Tensor | dict[str, Tensor]]:
         """Follow `key`: yield its current version (once it exists), then each newer one as
@@ -164,24 +187,50 @@ class Client:
         """The Tensors of an object descriptor the broker sent, with its lease."""
         obj = ObjectDesc.from_wire(reply)
         try:
-            mapping = self._segments.get(obj.tensors[0].segment)
+            lease = self._lease(obj.lease, obj.tensors[0], reply, reader=True)
         except BaseException:
             self._releases.put(obj.lease)
             raise
-        lease = Lease(obj.lease, mapping, self._releases)
         tensors = {t.name: Tensor(obj.key, obj.version, t, lease) for t in obj.tensors}
         return tensors if obj.bundle else tensors[""]
 
-    def _write(self, label: str, value: Any, op: str, wait: float | None, **fields: Any) -> int:
+    def _lease(self, lease_id: int, desc: TensorDesc, reply: dict[str, Any], reader: bool) -> Lease:
+        """A lease over the memory `desc` names: a mapped segment, or an opened device chunk
+        with the object's events (opened once per Client)."""
+        if desc.device == "cpu":
+            return Lease(lease_id, self._segments.get(desc.segment), self._releases)
+        index, link = device_index(desc.device), self._devices
+        chunk = link.chunk(index, desc.segment, reply["handle"])
+        write = link.event(index, *reply["event"])
+        read = link.event(index, *reply["done"]) if reader else None
+        return DeviceLease(lease_id, chunk, self._releases, link, write, read)
+
+    def _write(
+        self,
+        label: str,
+        value: Any,
+        op: str,
+        wait: float | None,
+        device: Any = None,
+        copy: bool = False,
+        **fields: Any,
+    ) -> int:
         """Put `value` through `op` (a put or a queue put): one copy, then seal."""
         items, bundle = entries(label, value)
-        specs = [[name, dt.name, list(array.shape)] for name, array, dt in items]
+        target, items = placement.place(self, label, items, device, copy)
+        specs = [[name, dt.name, list(src.shape)] for name, src, dt in items]
+        if target != "cpu":
+            fields["device"] = target
         reply = self._call(op, wait=wait, tensors=specs, bundle=bundle, **fields)
         put_id = reply["put"]
         try:
-            for (_, src, dt), wire in zip(items, reply["tensors"], strict=True):
-                dst = self._view(TensorDesc.from_wire(wire), dt.typestr)
-                self._copier.copy(dst, src)
+            if target == "cpu":
+                for (_, src, dt), wire in zip(items, reply["tensors"], strict=True):
+                    assert isinstance(src, np.ndarray)  # placed on the host
+                    dst = self._view(TensorDesc.from_wire(wire), dt.typestr)
+                    self._copier.copy(dst, src)
+            else:
+                self._write_device(items, reply)
         except BaseException:
             with contextlib.suppress(BrokerError):
                 self._call(Op.ABORT, put=put_id)
@@ -189,12 +238,39 @@ class Client:
         version: int = self._call(Op.SEAL, put=put_id)["version"]
         return version
 
-    def create(
-        self, key: str, shape: Sequence[int], dtype: Any, device: str = "cpu"
-    ) -> contextlib.AbstractContextManager[Tensor]:
-        """Write an object in place: yields a writable Tensor over its shared memory.
+    def _write_device(self, items: list[tuple[str, Source, DType]], reply: dict[str, Any]) -> None:
+        """Enqueue the copies into device memory on the sources' streams and record the
+        object's write event after them. No host wait, except to keep a failed copy from
+        running on after its memory went back to the broker."""
+        wires = [TensorDesc.from_wire(w) for w in reply["tensors"]]
+        index, link = device_index(wires[0].device), self._devices
+        chunk = link.chunk(index, wires[0].segment, reply["handle"])
+        write = link.event(index, *reply["event"])
+        streams: set[int] = set()
+        try:
+            for (_, src, dt), desc in zip(items, wires, strict=True):
+                stream = STREAM_LEGACY if isinstance(src, np.ndarray) else src.stream
+                link.copy(index, chunk.address + desc.offset, src, dt, stream)
+                streams.add(stream)
+            stream = link.record_after(index, write, streams)
+        except BaseException:
+            for stream in streams:  # the copies enqueued so far must not land in reused memory
+                with contextlib.suppress(Exception):
+                    link.record_after(index, write, {stream})
+            with contextlib.suppress(Exception):
+                link.runtime("abort").synchronize(index)
+            raise
+        link.keep_until_done(index, stream, [src for _, src, _ in items])
 
-        Sealed (published) when the block exits; aborted if it raises.
+    def create(
+        self, key: str, shape: Sequence[int], dtype: Any, device: Any = "cpu"
+    ) -> contextlib.AbstractContextManager[Tensor]:
+        """Write an object in place: yields a writable Tensor over its memory (host shared
+        memory, or a GPU's for device='cuda:N').
+
+        Sealed (published) when the block exits; aborted if it raises. On a GPU, readers are
+        ordered after the writes enqueued by then on the streams the buffer was taken on
+        (torch.from_dlpack(buf), buf.torch(), ...).
         """
         return self._create(key, shape, dtype, device, Op.PUT, REQUEST_TIMEOUT, key=key)
 
@@ -209,24 +285,27 @@ class Client:
         wait: float | None,
         **fields: Any,
     ) -> Iterator[Tensor]:
-        if device != "cpu":
-            raise InvalidRequest(
-                f"create {label!r}: device {device!r} is not served by this broker; use 'cpu'"
-            )
+        device = parse_device(device, f"create {label!r}")
         dt = lookup_dtype(dtype)
         specs = [["", dt.name, [int(d) for d in shape]]]
+        if device != "cpu":
+            fields["device"] = device
         reply = self._call(op, wait=wait, tensors=specs, **fields)
         desc = TensorDesc.from_wire(reply["tensors"][0])
         try:
-            mapping = self._segments.get(desc.segment)
+            lease = self._lease(reply["put"], desc, reply, reader=False)
         except BaseException:
             self._releases.put(reply["put"])  # ends the put: the broker aborts it
             raise
-        lease = Lease(reply["put"], mapping, self._releases)
         buffer = Tensor(label, 0, desc, lease, writable=True)
         try:
             yield buffer
+            if isinstance(lease, DeviceLease):  # readers wait for the writes enqueued so far
+                self._devices.record_after(lease.device, lease.write, lease.streams)
         except BaseException:
+            if isinstance(lease, DeviceLease):  # nothing may still write once it is reused
+                with contextlib.suppress(Exception):
+                    self._devices.runtime("abort").synchronize(lease.device)
             if not self._closed:
                 with contextlib.suppress(BrokerError):
                     self._call(Op.ABORT, put=lease.id, keep=True)
@@ -302,6 +381,8 @@ class Client:
         if flusher is not None:
             self._stop.set()
             flusher.join(timeout=5.0)
+        with contextlib.suppress(Exception):
+            self._devices.settle()  # read-done events of leases let go of since its last look
         idle = self._pool.close()
         if idle and not self._broken:
             bye = {"op": Op.BYE, "id": 0, "keep_leases": True, "rel": _drain(self._releases)}
@@ -310,6 +391,7 @@ class Client:
         for channel in idle:
             self._pool.discard(channel)
         self._segments.clear()
+        self._devices.clear()
         self._copier.close()
         fd, self._broker_pidfd = self._broker_pidfd, None
         if fd is not None:
@@ -350,6 +432,7 @@ def _flush_releases(
     heartbeat: float | None,
     channel: Channel,
     pool: ChannelPool,
+    settle: Callable[[], None],
 ) -> None:
     """The flusher thread: send the releases no request carried within RELEASE_WINDOW, and
     heartbeats if the broker asked for them.
@@ -361,6 +444,10 @@ def _flush_releases(
     delay, last_sent = RELEASE_WINDOW, time.monotonic()
     try:
         while not stop.wait(delay):
+            try:
+                settle()  # device leases: record their read-done events, then release them
+            except Exception as exc:
+                log.warning("settling device leases failed: %s", exc)
             ids, now = _drain(releases), time.monotonic()
             if ids:
                 channel.send({"op": Op.RELEASE, "id": 0, "rel": ids})

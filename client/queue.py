@@ -37,24 +37,28 @@ class Queue:
         self._client = client
         self._id = queue_id
 
-    def put(self, value: Any, timeout: float | None = None) -> int:
+    def put(
+        self, value: Any, timeout: float | None = None, *, device: Any = None, copy: bool = False
+    ) -> int:
         """Add a tensor or a bundle (a dict of tensors); return its place in the stream
         (1, 2, ...). Waits up to `timeout` seconds for a free slot (None: as long as it
-        takes), then Timeout. QueueClosed if the queue is closed."""
+        takes), then Timeout. QueueClosed if the queue is closed. A CUDA tensor's item is
+        stored on its GPU; `device=` and `copy=` as for `Client.put`."""
         timeout, wait = waits(timeout)
         return self._client._write(
-            self.name, value, Op.QPUT, wait, queue=self._id, name=self.name, timeout=timeout
-        )
+            self.name, value, Op.QPUT, wait, device, copy,
+            queue=self._id, name=self.name, timeout=timeout,
+        )  # fmt: skip
 
     def create(
-        self, shape: Sequence[int], dtype: Any, timeout: float | None = None
+        self, shape: Sequence[int], dtype: Any, timeout: float | None = None, device: Any = "cpu"
     ) -> contextlib.AbstractContextManager[Tensor]:
         """Write an item in place: `with q.create(shape, dtype) as buf:` yields a writable
         Tensor in shared memory; the item is queued when the block exits, dropped if it
         raises. Waits for a free slot like `put`."""
         timeout, wait = waits(timeout)
         return self._client._create(
-            self.name, shape, dtype, "cpu", Op.QPUT, wait,
+            self.name, shape, dtype, device, Op.QPUT, wait,
             queue=self._id, name=self.name, timeout=timeout,
         )  # fmt: skip
 

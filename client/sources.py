@@ -1,8 +1,9 @@
-"""What `put` accepts, seen as NumPy arrays over the caller's memory (no copy yet).
+"""What `put` accepts, seen as NumPy arrays over the caller's memory, or as `DeviceSource`s
+over a GPU's (no copy yet).
 
-Anything with `__dlpack__` (torch, JAX, CuPy on the host, NumPy), the buffer protocol
-(bytes, memoryview, array.array) or `__array_interface__`. The one copy happens later,
-from these views into shared memory.
+Anything with `__dlpack__` (torch, JAX, CuPy, NumPy), the buffer protocol (bytes,
+memoryview, array.array) or `__array_interface__`. The one copy happens later, from these
+views into the broker's memory.
 """
 
 from __future__ import annotations
@@ -12,16 +13,23 @@ from typing import Any
 
 import numpy as np
 
+from ..common.cudart import KDL_CPU, KDL_CUDA, KDL_CUDA_HOST
 from ..common.dtypes import DType, dtype, from_dlpack
 from ..common.errors import InvalidRequest
 from . import _dlpack
+from .cuda import DeviceSource, producer_stream
 from .views import numpy_view
 
-KDL_CPU, KDL_CUDA_HOST = 1, 3
+Source = np.ndarray[Any, Any] | DeviceSource
 
 
-def host_array(key: str, obj: Any) -> tuple[np.ndarray[Any, Any], DType]:
-    """A NumPy view of `obj`'s elements (bfloat16 as uint16) and its dtype."""
+def device_of(source: Source) -> str:
+    return "cpu" if isinstance(source, np.ndarray) else f"cuda:{source.device}"
+
+
+def host_array(key: str, obj: Any) -> tuple[Source, DType]:
+    """A NumPy view of `obj`'s elements (bfloat16 as uint16), or a DeviceSource for a CUDA
+    tensor, and its dtype."""
     if isinstance(obj, np.ndarray):
         return _from_numpy(key, obj)
     if hasattr(obj, "__dlpack__"):
@@ -51,29 +59,33 @@ def _from_numpy(key: str, array: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, 
     return array, dt
 
 
-def _from_dlpack(key: str, obj: Any) -> tuple[np.ndarray[Any, Any], DType]:
+def _from_dlpack(key: str, obj: Any) -> tuple[Source, DType]:
     if getattr(obj, "requires_grad", False):  # a torch parameter: store its data
         obj = obj.detach()
     device_type, device_id = obj.__dlpack_device__()
-    if device_type not in (KDL_CPU, KDL_CUDA_HOST):
+    if device_type not in (KDL_CPU, KDL_CUDA_HOST, KDL_CUDA):
         raise InvalidRequest(
-            f"put {key!r}: the tensor lives on device {(device_type, device_id)}; this broker "
-            "stores host tensors: move it to the host first (tensor.cpu(), jax.device_get)"
+            f"put {key!r}: the tensor lives on DLPack device {(device_type, device_id)}; the "
+            "broker stores host and CUDA tensors: move it to the host first"
         )
+    # A CUDA producer makes our copy's stream wait for its pending writes to the tensor.
+    stream = producer_stream(obj, device_id) if device_type == KDL_CUDA else None
     try:
-        capsule = obj.__dlpack__(max_version=(1, 0))
+        capsule = obj.__dlpack__(stream=stream, max_version=(1, 0))
     except TypeError:  # a producer older than DLPack 1.0
-        capsule = obj.__dlpack__()
+        capsule = obj.__dlpack__(stream=stream) if stream is not None else obj.__dlpack__()
     ptr, shape, strides, code, bits, lanes, *_ = _dlpack.capsule_info(capsule)
     try:
         dt = from_dlpack(code, bits, lanes)
     except ValueError as exc:
         raise InvalidRequest(f"put {key!r}: {exc}") from None
     # The view holds the capsule (and the source) until the copy into shared memory is done.
+    if stream is not None:
+        return DeviceSource(device_id, ptr, shape, strides, stream, (capsule, obj)), dt
     return numpy_view(ptr, shape, strides, dt, readonly=True, owner=(capsule, obj)), dt
 
 
-def entries(key: str, value: Any) -> tuple[list[tuple[str, np.ndarray[Any, Any], DType]], bool]:
+def entries(key: str, value: Any) -> tuple[list[tuple[str, Source, DType]], bool]:
     """[(name, view, dtype)] of a tensor ("" as the name) or of a bundle, and whether a bundle."""
     if isinstance(value, Mapping):
         if not value:

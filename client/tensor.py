@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..common.cudart import KDL_CPU, KDL_CUDA, device_index
 from ..common.descriptors import TensorDesc, compact_strides
 from ..common.dtypes import DTYPES, DType
 from ..common.errors import InvalidRequest
 from . import _dlpack
+from .cuda import DeviceLink, Opened, dlpack_stream
 from .shm import Mapping
 from .views import numpy_view
 
@@ -30,22 +32,66 @@ if TYPE_CHECKING:
     import jax
     import torch
 
-KDL_CPU = 1
-
 
 class Lease:
-    """One lease of the broker on one object, alive while anything reads it."""
+    """One lease of the broker on one object, alive while anything reads it. `mapping` is
+    what holds its memory in this process (a mapped segment, an opened device chunk, or a
+    local copy's array) and has its `address`; a local copy has no lease id."""
 
     __slots__ = ("id", "mapping", "_releases", "__weakref__")
 
-    def __init__(self, lease_id: int, mapping: Mapping, releases: queue.SimpleQueue[int]) -> None:
+    def __init__(
+        self, lease_id: int | None, mapping: Any, releases: queue.SimpleQueue[int] | None
+    ) -> None:
         self.id = lease_id
-        self.mapping = mapping
-        self._releases: queue.SimpleQueue[int] | None = releases
+        self.mapping: Mapping | Opened | Any = mapping
+        self._releases = releases
 
     def __del__(self) -> None:
         releases, self._releases = self._releases, None
-        if releases is not None:
+        if releases is not None and self.id is not None:
+            releases.put(self.id)
+
+
+class DeviceLease(Lease):
+    """A lease on a device object: it knows the object's write event, the streams this
+    process read (or wrote) on, and, for a reader, the read-done event to record on them
+    before the release (Note [device handoff] in cuda.py)."""
+
+    __slots__ = ("device", "write", "read", "streams", "link")
+
+    def __init__(
+        self,
+        lease_id: int,
+        chunk: Opened,
+        releases: queue.SimpleQueue[int],
+        link: DeviceLink,
+        write: Opened,
+        read: Opened | None,
+    ) -> None:
+        super().__init__(lease_id, chunk, releases)
+        self.device, self.link, self.write, self.read = chunk.device, link, write, read
+        self.streams: set[int] = set()
+
+    def export(self, stream: Any, writing: bool) -> None:
+        """A consumer takes the tensor on `stream` (DLPack's value): the stream waits for the
+        producer's write (not a buffer being written), and the release covers its reads."""
+        handle = dlpack_stream(stream)
+        if handle is None:
+            return  # -1: the consumer orders its own work
+        if not writing:
+            self.link.runtime("reading a device tensor").wait(
+                self.device, handle, self.write.address
+            )
+        self.streams.add(handle)
+
+    def __del__(self) -> None:
+        releases, self._releases = self._releases, None
+        if releases is None or self.id is None:
+            return
+        if self.read is not None and self.streams:
+            self.link.finish(self, releases)  # the release thread records, then releases
+        else:
             releases.put(self.id)
 
 
@@ -70,9 +116,9 @@ class Tensor:
         "_ptr",
         "_lease",
         "_writable",
+        "device",
         "__weakref__",
     )
-    device = "cpu"
 
     def __init__(
         self, key: str, version: int, desc: TensorDesc, lease: Lease, *, writable: bool = False
@@ -85,6 +131,7 @@ class Tensor:
         self.dtype = desc.dtype
         self._dt: DType = DTYPES[desc.dtype]
         self.nbytes = desc.nbytes
+        self.device = desc.device
         self._ptr = lease.mapping.address + desc.offset
         self._lease = lease
         self._writable = writable
@@ -98,13 +145,15 @@ class Tensor:
 
     @property
     def data_ptr(self) -> int:
-        """The address of element 0 in this process."""
+        """The address of element 0 in this process (a device address for a CUDA tensor)."""
         return self._ptr
 
     # -- DLPack ----------------------------------------------------------------------------
 
     def __dlpack_device__(self) -> tuple[int, int]:
-        return (KDL_CPU, 0)
+        if self.device == "cpu":
+            return (KDL_CPU, 0)
+        return (KDL_CUDA, device_index(self.device))
 
     def __dlpack__(
         self,
@@ -114,12 +163,15 @@ class Tensor:
         dl_device: tuple[int, int] | None = None,
         copy: bool | None = None,
     ) -> Any:
-        if dl_device is not None and tuple(dl_device) != (KDL_CPU, 0):
+        here = self.__dlpack_device__()
+        if dl_device is not None and tuple(dl_device) != here:
             raise BufferError(
-                f"tensor {self.key!r} is in host memory; it cannot be exported to device "
-                f"{tuple(dl_device)}"
+                f"tensor {self.key!r} is on {self.device}; it cannot be exported to DLPack "
+                f"device {tuple(dl_device)}: get it with device=..., copy=True instead"
             )
         versioned = max_version is not None and max_version[0] >= 1
+        if here[0] == KDL_CUDA:
+            return self._device_capsule(stream, versioned, copy)
         if copy:
             owner: Any = np.array(self._bytes(), copy=True)
             ptr, strides = owner.ctypes.data, compact_strides(self.shape)
@@ -130,6 +182,21 @@ class Tensor:
         return _dlpack.make_capsule(
             owner, ptr, self.shape, strides, dt.code, dt.bits, 1, KDL_CPU, 0, versioned, readonly
         )
+
+    def _device_capsule(self, stream: Any, versioned: bool, copy: bool | None) -> Any:
+        lease = self._lease
+        if copy:
+            raise BufferError(
+                f"tensor {self.key!r} is on {self.device}: copy=True is not offered here; "
+                "take it zero-copy and copy in your library (t.torch().clone())"
+            )
+        if isinstance(lease, DeviceLease):
+            lease.export(stream, writing=self._writable)
+        dt, index = self._dt, device_index(self.device)
+        return _dlpack.make_capsule(
+            lease, self._ptr, self.shape, self.strides, dt.code, dt.bits, 1, KDL_CUDA, index,
+            versioned, not self._writable,
+        )  # fmt: skip
 
     def _bytes(self) -> np.ndarray[Any, Any]:
         """A NumPy view of the elements' bytes (bfloat16 as uint16), read-only unless writable."""
@@ -143,6 +210,11 @@ class Tensor:
     def numpy(self) -> np.ndarray[Any, Any]:
         """A NumPy view, no copy; read-only unless this is a `create` buffer. bfloat16 comes
         as an `ml_dtypes.bfloat16` array."""
+        if self.device != "cpu":
+            raise InvalidRequest(
+                f"tensor {self.key!r} is on {self.device} and NumPy arrays live in host memory: "
+                "use .torch(), .cupy() or .jax(), or get it with device='cpu', copy=True"
+            )
         array = self._bytes()
         if self.dtype == "bfloat16":
             try:
@@ -176,7 +248,18 @@ class Tensor:
         return jnp.from_dlpack(self)
 
     def cupy(self) -> Any:
-        raise InvalidRequest(
-            f"tensor {self.key!r} is in host memory and CuPy arrays live on a GPU: use "
-            ".numpy(), or copy it with cupy.asarray(t.numpy())"
-        )
+        """A CuPy array over the same device memory, ordered after the producer's write on
+        CuPy's current stream."""
+        if self.device == "cpu":
+            raise InvalidRequest(
+                f"tensor {self.key!r} is in host memory and CuPy arrays live on a GPU: use "
+                ".numpy(), or get it with device='cuda:0', copy=True"
+            )
+        import cupy
+
+        if self.dtype == "bfloat16":
+            raise InvalidRequest(
+                f"tensor {self.key!r} is bfloat16, which CuPy cannot describe: use .torch() or "
+                ".jax()"
+            )
+        return cupy.from_dlpack(self)

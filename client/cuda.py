@@ -1,0 +1,274 @@
+"""The CUDA side of a client: IPC handles and events opened once, the DLPack stream rules,
+copies into device memory, and the events that order producers, readers and reuse.
+
+Note [device handoff]
+
+    producer: copy on its stream S ─> record write event W on S ─> seal     (no host wait)
+    reader:   __dlpack__(stream=R) ─> R waits on W ─> kernels read on R
+              last array gone ─> record read-done event D on R ─> release
+    broker:   block reused only once W and every D have completed
+
+The events are the broker's (Note [broker-owned events] in common/cudart.py); this process
+opens each one, and each chunk's memory handle, once per Client and keeps it open. Read-done
+events are recorded by the release thread, never in a finaliser: a finaliser only queues.
+Recording later than the read is conservative (the event then also covers later work on R),
+never early.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+
+from ..common import cudart
+from ..common.cudart import STREAM_LEGACY, CudaUnavailable, Runtime
+from ..common.dtypes import DType
+from ..common.errors import InvalidRequest
+
+log = logging.getLogger(__name__)
+
+
+class Opened:
+    """A chunk's memory or an event, opened from its IPC handle in this process. Closed when
+    the last holder (the cache, a lease) lets go: a live array never loses its memory."""
+
+    __slots__ = ("runtime", "device", "address", "is_event", "__weakref__")
+
+    def __init__(self, runtime: Runtime, device: int, address: int, is_event: bool) -> None:
+        self.runtime, self.device, self.address, self.is_event = runtime, device, address, is_event
+
+    def __del__(self) -> None:
+        if sys.is_finalizing():
+            return  # the process is ending, and the driver with it
+        try:
+            if self.is_event:
+                self.runtime.destroy_event(self.device, self.address)
+            else:
+                self.runtime.close_mem(self.device, self.address)
+        except Exception as exc:  # nothing to do about it in a finaliser but say so
+            log.debug("closing an IPC %s on cuda:%d: %s", "event" if self.is_event else "handle",
+                      self.device, exc)  # fmt: skip
+
+
+def dlpack_stream(stream: Any) -> int | None:
+    """The CUDA stream a DLPack consumer named: None and 1 the legacy default stream, 2 the
+    per-thread default stream, -1 none (the consumer synchronises itself), else a pointer."""
+    if stream is None or stream == 1:
+        return STREAM_LEGACY
+    if stream == -1:
+        return None
+    if type(stream) is not int or stream == 0 or stream < -1:
+        raise BufferError(
+            f"stream={stream!r} is not a CUDA stream under the DLPack rules: pass None or 1 "
+            "(legacy default), 2 (per-thread default), -1 (no synchronisation) or a pointer"
+        )
+    return stream
+
+
+def producer_stream(obj: Any, device: int) -> int:
+    """The stream `obj`'s library is working on: a put copies there, after its writes."""
+    module = type(obj).__module__.partition(".")[0]
+    stream = 0
+    if module == "torch":
+        import torch
+
+        stream = int(torch.cuda.current_stream(device).cuda_stream)
+    elif module == "cupy":
+        import cupy
+
+        with cupy.cuda.Device(device):
+            stream = int(cupy.cuda.get_current_stream().ptr)
+    # JAX (and any other producer) is asked to make the legacy default stream wait for it.
+    return stream or STREAM_LEGACY
+
+
+class DeviceSource:
+    """A device tensor being put: where its elements are, and what keeps them alive."""
+
+    __slots__ = ("device", "ptr", "shape", "strides", "stream", "owner")
+
+    def __init__(
+        self,
+        device: int,
+        ptr: int,
+        shape: tuple[int, ...],
+        strides: tuple[int, ...] | None,
+        stream: int,
+        owner: Any,
+    ) -> None:
+        self.device, self.ptr, self.shape, self.strides = device, ptr, shape, strides
+        self.stream, self.owner = stream, owner
+
+    @property
+    def compact(self) -> bool:
+        return self.strides is None or self.strides == _compact(self.shape)
+
+
+def _compact(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, step = [], 1
+    for dim in reversed(shape):
+        out.append(step)
+        step *= max(dim, 1)
+    return tuple(reversed(out))
+
+
+class DeviceLink:
+    """One Client's CUDA state: the runtime (loaded at first use), opened chunks and events,
+    puts whose sources must outlive their copies, and read-done events to record."""
+
+    def __init__(self, runtime: Runtime | None = None) -> None:
+        self._runtime = runtime
+        self._lock = threading.Lock()
+        self._chunks: dict[str, Opened] = {}
+        self._events: dict[tuple[int, int], Opened] = {}
+        self._private: dict[int, int] = {}  # device -> this client's stream for joining others
+        self._inflight: list[tuple[int, int, Any]] = []  # (device, local event, what to keep)
+        self._finishing: queue.SimpleQueue[tuple[Any, queue.SimpleQueue[int]]] = queue.SimpleQueue()
+
+    def runtime(self, what: str) -> Runtime:
+        if self._runtime is None:
+            try:
+                self._runtime = cudart.load()
+            except CudaUnavailable as exc:
+                raise InvalidRequest(f"{what}: this process cannot use CUDA: {exc}") from None
+        return self._runtime
+
+    # -- opening ---------------------------------------------------------------------------
+
+    def chunk(self, device: int, name: str, handle: bytes) -> Opened:
+        found = self._chunks.get(name)
+        if found is None:
+            rt = self.runtime(f"mapping {name}")
+            with self._lock:
+                found = self._chunks.get(name)
+                if found is None:
+                    ptr = rt.open_mem(device, handle)
+                    found = self._chunks[name] = Opened(rt, device, ptr, is_event=False)
+        return found
+
+    def event(self, device: int, event_id: int, handle: bytes) -> Opened:
+        found = self._events.get((device, event_id))
+        if found is None:
+            rt = self.runtime("opening an event")
+            with self._lock:
+                found = self._events.get((device, event_id))
+                if found is None:
+                    ev = rt.open_event(device, handle)
+                    found = self._events[device, event_id] = Opened(rt, device, ev, is_event=True)
+        return found
+
+    # -- ordering --------------------------------------------------------------------------
+
+    def join(self, device: int, streams: set[int]) -> int:
+        """One stream whose work from now on comes after all work enqueued so far on
+        `streams` (the stream itself if there is one; else this client's own stream, made
+        to wait on each)."""
+        rt = self.runtime("joining streams")
+        if len(streams) == 1:
+            return next(iter(streams))
+        with self._lock:
+            private = self._private.get(device)
+            if private is None:
+                private = self._private[device] = rt.new_stream(device)
+        for stream in streams:
+            marker = rt.new_event(device, interprocess=False)
+            rt.record(device, marker, stream)
+            rt.wait(device, private, marker)
+            rt.destroy_event(device, marker)  # freed by CUDA once the wait no longer needs it
+        return private
+
+    def record_after(self, device: int, event: Opened, streams: set[int]) -> int:
+        """Record `event` after the work enqueued so far on `streams` (the legacy default
+        stream if none); the stream it was recorded on."""
+        stream = self.join(device, streams or {STREAM_LEGACY})
+        self.runtime("recording an event").record(device, event.address, stream)
+        return stream
+
+    def keep_until_done(self, device: int, stream: int, keep: Any) -> None:
+        """Hold `keep` (a put's sources) until the work enqueued on `stream` has run."""
+        rt = self.runtime("tracking a copy")
+        fence = rt.new_event(device, interprocess=False)
+        rt.record(device, fence, stream)
+        with self._lock:
+            self._inflight.append((device, fence, keep))
+
+    def finish(self, lease: Any, releases: queue.SimpleQueue[int]) -> None:
+        """From a lease's finaliser: record its read-done event later, then release it."""
+        self._finishing.put((lease, releases))
+
+    def settle(self) -> None:
+        """On the release thread: record the read-done events of leases let go of, pass them
+        on to be released, and drop the sources of puts whose copies have run."""
+        while not self._finishing.empty():
+            lease, releases = self._finishing.get_nowait()
+            try:
+                self.record_after(lease.device, lease.read, lease.streams)
+            except Exception as exc:  # a stream destroyed since, say: wait for the device
+                log.warning("recording a read-done event failed (%s); synchronising cuda:%d "
+                            "before the release instead", exc, lease.device)  # fmt: skip
+                self.runtime("synchronising").synchronize(lease.device)
+            releases.put(lease.id)
+        if self._inflight:
+            rt = self.runtime("tracking copies")
+            still: list[tuple[int, int, Any]] = []
+            done: list[tuple[int, int, Any]] = []
+            with self._lock:
+                for item in self._inflight:
+                    (done if rt.event_done(item[0], item[1]) else still).append(item)
+                self._inflight = still
+            for device, fence, _ in done:
+                rt.destroy_event(device, fence)
+
+    # -- copying ---------------------------------------------------------------------------
+
+    def copy(self, device: int, dst: int, src: Any, dt: DType, stream: int) -> None:
+        """Enqueue a copy of `src` (a DeviceSource on `device`, or a compact host array) to
+        compact device memory at `dst`, on `stream`."""
+        rt = self.runtime("copying")
+        if isinstance(src, np.ndarray):
+            rt.copy_async(device, dst, src.ctypes.data, src.nbytes, stream)
+            return
+        nbytes = int(np.prod(src.shape)) * dt.itemsize
+        if src.compact:
+            rt.copy_async(device, dst, src.ptr, nbytes, stream)
+            return
+        _strided_copy(device, dst, src, dt, stream)
+
+    def clear(self) -> None:
+        """Forget what this client opened; each closes once no array uses it."""
+        with self._lock:
+            self._chunks.clear()
+            self._events.clear()
+
+
+def _strided_copy(device: int, dst: int, src: DeviceSource, dt: DType, stream: int) -> None:
+    """A non-compact device tensor into compact memory: CuPy's elementwise copy."""
+    try:
+        import cupy
+    except ImportError:
+        raise InvalidRequest(
+            "putting a non-contiguous CUDA tensor needs CuPy (pip install 'tensorbroker[cuda]'); "
+            "or make it contiguous first (.contiguous())"
+        ) from None
+    storage = np.dtype(dt.typestr)  # bfloat16 moves as uint16: same bytes
+    strides = src.strides or _compact(src.shape)
+    low = sum((n - 1) * s for n, s in zip(src.shape, strides, strict=True) if s < 0)
+    high = sum((n - 1) * s for n, s in zip(src.shape, strides, strict=True) if s > 0)
+    span = (high - low + 1) * dt.itemsize
+    nbytes = int(np.prod(src.shape)) * dt.itemsize
+    with cupy.cuda.Device(device), cupy.cuda.ExternalStream(stream):
+        mem = cupy.cuda.UnownedMemory(src.ptr + low * dt.itemsize, span, src.owner, device)
+        source = cupy.ndarray(
+            src.shape, storage, cupy.cuda.MemoryPointer(mem, -low * dt.itemsize),
+            strides=tuple(s * dt.itemsize for s in strides),
+        )  # fmt: skip
+        target = cupy.ndarray(
+            src.shape, storage,
+            cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(dst, nbytes, None, device), 0),
+        )  # fmt: skip
+        target[...] = source

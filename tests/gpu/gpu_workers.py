@@ -1,0 +1,142 @@
+"""Worker processes of the GPU tests (spawned: CUDA does not survive fork). Each one reports
+through its queue and exits 0 only if its own checks held."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import tensorbroker as tb
+
+N = 1 << 20  # float32 elements: 4 MiB
+
+
+def _no_sync_here() -> None:
+    """Make every host synchronisation in this process fail loudly: a consumer must be ordered
+    after its producer by events alone."""
+    import torch
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a host synchronisation was called in the consumer")
+
+    torch.cuda.synchronize = refuse  # type: ignore[assignment]
+    torch.cuda.Stream.synchronize = refuse  # type: ignore[method-assign]
+    torch.cuda.Event.synchronize = refuse  # type: ignore[method-assign]
+
+
+def torch_producer(address: str, key: str, value: float, sleep_cycles: int, out: Any,
+                   done: Any) -> None:  # fmt: skip
+    import torch
+
+    x = torch.empty(N, device="cuda:0")
+    torch.cuda._sleep(sleep_cycles)  # a long kernel before the write, on the same stream
+    x.fill_(value)
+    with tb.connect(address) as c:
+        start = time.monotonic()
+        version = c.put(key, x)
+        put_s = time.monotonic() - start
+        out.put({"version": version, "put_s": put_s, "pid": os.getpid()})
+        done.wait(120)
+
+
+def torch_reader(address: str, key: str, out: Any) -> None:
+    _no_sync_here()
+    with tb.connect(address) as c:
+        t = c.get(key, timeout=30)
+        x = t.torch()
+        total = float(x.sum().item())  # .item() waits for this process's own stream only
+        chunk = next(iter(c._devices._chunks.values()))  # the one chunk this test uses
+        out.put({"sum": total, "ptr": x.data_ptr(), "data_ptr": t.data_ptr,
+                 "chunk": chunk.address, "device": str(x.device)})  # fmt: skip
+
+
+def jax_reader(address: str, key: str, out: Any) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        out.put({"skip": f"JAX has no GPU backend here: {jax.devices()}"})
+        return
+    with tb.connect(address) as c:
+        t = c.get(key, timeout=30)
+        x = jnp.from_dlpack(t)
+        out.put({"sum": float(x.sum()), "ptr": x.unsafe_buffer_pointer(), "data_ptr": t.data_ptr,
+                 "device": str(x.devices())})  # fmt: skip
+
+
+def cupy_reader(address: str, key: str, out: Any) -> None:
+    with tb.connect(address) as c:
+        t = c.get(key, timeout=30)
+        x = t.cupy()
+        out.put({"sum": float(x.sum()), "ptr": int(x.data.ptr), "data_ptr": t.data_ptr})
+
+
+def slow_reader(address: str, key: str, sleep_cycles: int, go: Any, out: Any) -> None:
+    """Read `key` in a kernel queued behind a long one, and let go before it has run."""
+    import torch
+
+    with tb.connect(address) as c:
+        t = c.get(key, timeout=30)
+        torch.cuda._sleep(sleep_cycles)
+        doubled = t.torch() * 2  # runs after the sleep, on this process's stream
+        del t
+        time.sleep(0.2)  # the release (with its read-done event) reaches the broker
+        go.set()  # the producer now deletes the key and puts over the same memory
+        out.put({"sum": float(doubled.sum().item())})
+
+
+def overwriter(address: str, key: str, go: Any, out: Any) -> None:
+    import torch
+
+    with tb.connect(address) as c:
+        go.wait(60)
+        c.delete(key)
+        start = time.monotonic()
+        c.put("other", torch.full((N,), 5.0, device="cuda:0"))  # fits only in the freed memory
+        out.put({"waited_s": time.monotonic() - start})
+
+
+def pipeline_source(address: str, items: int, out: Any) -> None:
+    import torch
+
+    with tb.connect(address) as c:
+        q = c.queue("gpu/raw", maxsize=4)
+        sums = []
+        for i in range(items):
+            x = torch.randn(256, 1024, device="cuda:0") + i
+            sums.append(float(x.sum().item()))
+            q.put(x)
+        q.close()
+        out.put({"sums": sums})
+
+
+def pipeline_jax_stage(address: str, out: Any) -> None:
+    import jax.numpy as jnp
+
+    with tb.connect(address) as c:
+        src, dst = c.queue("gpu/raw", maxsize=4), c.queue("gpu/doubled", maxsize=4)
+        n = 0
+        for item in src:
+            dst.put(jnp.from_dlpack(item) * 2)
+            del item
+            n += 1
+        dst.close()
+        out.put({"n": n})
+
+
+def pipeline_sink(address: str, out: Any) -> None:
+    import torch
+
+    with tb.connect(address) as c:
+        sums = [float(torch.from_dlpack(item).sum().item()) for item in c.queue("gpu/doubled", 4)]
+        out.put({"sums": sums})
+
+
+def hold_and_wait(address: str, key: str, out: Any) -> None:
+    """Take `key` on a stream and hold it until killed."""
+    with tb.connect(address) as c:
+        t = c.get(key, timeout=30)
+        x = t.torch()
+        out.put({"sum": float(x.sum().item())})
+        time.sleep(600)

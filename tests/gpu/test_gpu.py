@@ -1,0 +1,107 @@
+"""The CUDA path end to end: real processes, real torch / JAX / CuPy on one GPU.
+
+Skipped with the reason on a machine without a GPU (see conftest.py); `pytest -m cuda`
+runs them where there is one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import gpu_workers as w
+import pytest
+from support import SPAWN, join_all, wait_until
+
+import tensorbroker as tb
+
+pytestmark = pytest.mark.cuda
+SLEEP_1S = 2_000_000_000  # GPU clock cycles: about a second on a current data-centre GPU
+
+
+def _run(target: Any, *args: Any) -> tuple[Any, Any]:
+    out = SPAWN.Queue()
+    p = SPAWN.Process(target=target, args=(*args, out), name=target.__name__)
+    p.start()
+    return p, out
+
+
+def test_torch_put_jax_and_cupy_get_zero_copy_after_a_long_kernel(
+    gpu_broker: tb.BrokerProcess,
+) -> None:
+    done = SPAWN.Event()
+    out = SPAWN.Queue()
+    producer = SPAWN.Process(
+        target=w.torch_producer, args=(gpu_broker.address, "x", 3.0, SLEEP_1S, out, done)
+    )
+    producer.start()
+    readers = [
+        _run(f, gpu_broker.address, "x") for f in (w.torch_reader, w.jax_reader, w.cupy_reader)
+    ]
+    results = [q.get(timeout=120) for _, q in readers]
+    put = out.get(timeout=120)
+    done.set()
+    join_all([producer] + [p for p, _ in readers])
+    assert put["put_s"] < 0.5, f"put waited for the GPU ({put['put_s']:.2f}s)"
+    for r in results:
+        if "skip" in r:
+            continue
+        assert r["sum"] == 3.0 * w.N  # the final data: every reader waited for the write
+        assert r["ptr"] == r["data_ptr"]  # zero copy: the library reads the broker's memory
+    torch_result = results[0]
+    assert torch_result["chunk"] <= torch_result["data_ptr"] < torch_result["chunk"] + (2 << 30)
+    assert torch_result["device"] == "cuda:0"
+
+
+def test_memory_is_not_reused_before_a_readers_kernels_finish() -> None:
+    with tb.start_broker(memory="64MiB", cuda_memory="0:6MiB") as b, tb.connect(b.address) as c:
+        import torch
+
+        c.put("a", torch.full((w.N,), 1.0, device="cuda:0"))
+        go = SPAWN.Event()
+        reader, reader_q = _run(w.slow_reader, b.address, "a", SLEEP_1S * 2, go)
+        out = SPAWN.Queue()
+        writer = SPAWN.Process(target=w.overwriter, args=(b.address, "a", go, out))
+        writer.start()
+        got = reader_q.get(timeout=120)
+        waited = out.get(timeout=120)
+        join_all([reader, writer])
+        assert got["sum"] == 2.0 * w.N  # not 10.0 * N: the new put did not land under the read
+        assert waited["waited_s"] > 0.5  # the put waited in the broker for the read to finish
+
+
+def test_torch_jax_torch_pipeline_with_checksums(gpu_broker: tb.BrokerProcess) -> None:
+    items = 100
+    source, sq = _run(w.pipeline_source, gpu_broker.address, items)
+    stage, tq = _run(w.pipeline_jax_stage, gpu_broker.address)
+    sink, kq = _run(w.pipeline_sink, gpu_broker.address)
+    sent, passed, got = sq.get(timeout=300), tq.get(timeout=300), kq.get(timeout=300)
+    join_all([source, stage, sink])
+    assert passed["n"] == items
+    assert got["sums"] == pytest.approx([2 * s for s in sent["sums"]], rel=1e-4)
+    with tb.connect(gpu_broker.address) as c:
+        assert wait_until(lambda: c.stats()["devices"]["cuda:0"]["used_bytes"] == 0, 10)
+
+
+def test_a_killed_reader_gives_its_lease_back_and_a_reader_outlives_its_producer(
+    gpu_broker: tb.BrokerProcess,
+) -> None:
+    done = SPAWN.Event()
+    out = SPAWN.Queue()
+    producer = SPAWN.Process(
+        target=w.torch_producer, args=(gpu_broker.address, "k", 2.0, 0, out, done)
+    )
+    producer.start()
+    out.get(timeout=120)
+    done.set()
+    join_all([producer])  # the producer is gone; its object and events are the broker's
+    holder, hq = _run(w.hold_and_wait, gpu_broker.address, "k")
+    assert hq.get(timeout=120)["sum"] == 2.0 * w.N
+    with tb.connect(gpu_broker.address) as c:
+        assert c.stats()["leases"] == 1
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.join(30)
+        assert wait_until(lambda: c.stats()["leases"] == 0, 10)
+        c.delete("k")
+        assert wait_until(lambda: c.stats()["devices"]["cuda:0"]["used_bytes"] == 0, 10)

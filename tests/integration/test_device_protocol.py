@@ -1,0 +1,289 @@
+"""The device path's protocol, on a simulated CUDA runtime (tests/simcuda.py): a broker
+thread and clients in this process, with host memory standing in for the GPU.
+
+What these prove: which stream each copy runs on and each event is recorded on, which stream
+waits for which event, that handles are opened once, that memory comes back only after the
+readers' GPU work has finished, and the errors. What they cannot prove (a real GPU's
+ordering, IPC across processes, JAX / torch / CuPy taking the capsules) is in tests/gpu.
+"""
+
+from __future__ import annotations
+
+import gc
+import tempfile
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from simcuda import SimCudaTensor, SimRuntime
+from support import wait_until
+
+import tensorbroker as tb
+from tensorbroker.client import _dlpack
+from tensorbroker.common.cudart import STREAM_LEGACY, STREAM_PER_THREAD
+from tensorbroker.server.broker import Broker
+from tensorbroker.server.devices import DeviceMemory
+
+MiB = 1 << 20
+READER_STREAM = 0xBEEF  # a consumer's own stream
+
+
+class SimBroker:
+    def __init__(self, rt: SimRuntime, spec: dict[int, int] | None) -> None:
+        self.rt = rt
+        self._dir = tempfile.TemporaryDirectory(prefix="tb-sim-")
+        self.address = f"ipc://{self._dir.name}/broker.sock"
+        devices = DeviceMemory(load=lambda: rt, spec=spec)
+        self.broker = Broker(self.address, 16 * MiB, devices=devices)
+        self.broker.bind()
+        self._thread = threading.Thread(target=self.broker.serve, daemon=True)
+        self._thread.start()
+
+    def connect(self) -> tb.Client:
+        c = tb.connect(self.address)
+        c._devices._runtime = self.rt  # the client's side of the same simulated GPU
+        return c
+
+    def stop(self) -> None:
+        self.broker.stop()
+        self._thread.join(10)
+        self._dir.cleanup()
+
+
+@pytest.fixture
+def sim() -> Iterator[SimBroker]:
+    b = SimBroker(SimRuntime(devices=2), spec={0: 64 * MiB})
+    yield b
+    b.stop()
+
+
+@pytest.fixture
+def c(sim: SimBroker) -> Iterator[tb.Client]:
+    with sim.connect() as client:
+        yield client
+
+
+def device_stats(c: tb.Client, device: str = "cuda:0") -> dict[str, int]:
+    stats: dict[str, int] = c.stats()["devices"][device]
+    return stats
+
+
+def test_put_copies_on_the_producer_stream_and_records_the_write_event_without_host_sync(
+    sim: SimBroker, c: tb.Client
+) -> None:
+    src = SimCudaTensor(sim.rt, 0, np.arange(1000, dtype=np.float32))
+    assert c.put("x", src) == 1
+    # The producer was asked for the stream the copy runs on; neither side waited on the host.
+    assert src.streams == [STREAM_LEGACY]
+    copy, record = sim.rt.called("copy")[-1], sim.rt.records()[-1]
+    assert copy[1:] == (0, STREAM_LEGACY, 4000)
+    assert record[3] == STREAM_LEGACY
+    assert not sim.rt.called("synchronize") and not sim.rt.called("stream_synchronize")
+    assert sim.rt.calls.index(copy) < sim.rt.calls.index(record)
+
+
+def test_get_is_a_device_tensor_over_the_opened_chunk_with_the_values(
+    sim: SimBroker, c: tb.Client
+) -> None:
+    values = np.arange(12, dtype=np.int64).reshape(3, 4)
+    c.put("x", SimCudaTensor(sim.rt, 0, values))
+    t = c.get("x")
+    assert isinstance(t, tb.Tensor)
+    assert t.device == "cuda:0" and t.__dlpack_device__() == (2, 0)
+    # The pointer is the opened chunk's base plus the object's offset in it.
+    chunk = next(iter(c._devices._chunks.values()))
+    assert chunk.address <= t.data_ptr < chunk.address + 64 * MiB
+    got = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_int64 * 12).from_address(t.data_ptr))
+    np.testing.assert_array_equal(got.reshape(3, 4), values)
+    info = _dlpack.capsule_info(t.__dlpack__(stream=READER_STREAM))
+    assert info[0] == t.data_ptr and info[6:8] == (2, 0)
+    with pytest.raises(tb.InvalidRequest, match="cuda:0.*NumPy"):
+        t.numpy()
+
+
+@pytest.mark.parametrize(
+    ("stream", "waits_on"),
+    [
+        (None, STREAM_LEGACY),
+        (1, STREAM_LEGACY),
+        (2, STREAM_PER_THREAD),
+        (READER_STREAM, READER_STREAM),
+        (-1, None),
+    ],
+)
+def test_dlpack_stream_rules(sim: SimBroker, c: tb.Client, stream: Any, waits_on: Any) -> None:
+    c.put("x", SimCudaTensor(sim.rt, 0, np.ones(4, np.float32)))
+    write_event = sim.rt.records()[-1][2]
+    t = c.get("x")
+    before = len(sim.rt.called("wait"))
+    t.__dlpack__(stream=stream)
+    waits = sim.rt.called("wait")[before:]
+    if waits_on is None:
+        assert waits == []
+    else:
+        assert waits == [("wait", 0, waits_on, write_event)]
+
+
+def test_stream_zero_is_refused(sim: SimBroker, c: tb.Client) -> None:
+    c.put("x", SimCudaTensor(sim.rt, 0, np.ones(4, np.float32)))
+    with pytest.raises(BufferError, match="stream=0"):
+        c.get("x").__dlpack__(stream=0)
+
+
+def test_handles_and_events_are_opened_once_per_client(sim: SimBroker, c: tb.Client) -> None:
+    c.put("x", SimCudaTensor(sim.rt, 0, np.ones(256, np.float32)))
+    for _ in range(20):
+        t = c.get("x")
+        t.__dlpack__(stream=READER_STREAM)
+        del t
+        gc.collect()
+    mem_opens = [n for h, n in sim.rt.opened.items() if h.startswith(b"mem")]
+    assert mem_opens == [1]  # one chunk, opened once
+    assert all(n == 1 for n in sim.rt.opened.values())
+
+
+def test_memory_comes_back_only_after_the_readers_kernels_finish(
+    sim: SimBroker, c: tb.Client
+) -> None:
+    c.put("x", SimCudaTensor(sim.rt, 0, np.ones(4 * MiB // 4, np.float32)))
+    t = c.get("x")
+    t.__dlpack__(stream=READER_STREAM)
+    sim.rt.busy(READER_STREAM)  # the reader's kernels are still running ...
+    del t
+    gc.collect()
+    # ... when it lets go: the read-done event is recorded on its stream, then released.
+    assert wait_until(lambda: c.stats()["leases"] == 0, 5)
+    read_done = [r for r in sim.rt.records() if r[3] == READER_STREAM]
+    assert len(read_done) == 1
+    c.delete("x")
+    stats = device_stats(c)
+    assert stats["waiting_bytes"] >= 4 * MiB and stats["used_bytes"] >= 4 * MiB
+    sim.rt.finish(READER_STREAM)
+    assert wait_until(lambda: device_stats(c)["used_bytes"] == 0, 5)
+    assert device_stats(c)["waiting_bytes"] == 0
+
+
+def test_a_reader_that_never_took_the_tensor_on_a_stream_releases_at_once(
+    sim: SimBroker, c: tb.Client
+) -> None:
+    c.put("x", SimCudaTensor(sim.rt, 0, np.ones(1024, np.float32)))
+    t = c.get("x")
+    del t
+    assert wait_until(lambda: c.stats()["leases"] == 0, 5)
+    c.delete("x")
+    assert wait_until(lambda: device_stats(c)["used_bytes"] == 0, 5)
+
+
+def test_a_put_waits_for_memory_held_back_by_running_readers(sim: SimBroker, c: tb.Client) -> None:
+    big = np.ones(40 * MiB // 4, np.float32)  # two do not fit in 64 MiB
+    c.put("x", SimCudaTensor(sim.rt, 0, big))
+    t = c.get("x")
+    t.__dlpack__(stream=READER_STREAM)
+    sim.rt.busy(READER_STREAM)
+    del t
+    assert wait_until(lambda: c.stats()["leases"] == 0, 5)
+    c.delete("x")
+    threading.Timer(0.3, sim.rt.finish, (READER_STREAM,)).start()
+    assert c.put("y", SimCudaTensor(sim.rt, 0, big)) == 1  # waited in the broker, then fit
+
+
+def test_queue_slots_open_only_when_device_memory_is_back(sim: SimBroker, c: tb.Client) -> None:
+    q = c.queue("frames", maxsize=1)
+    q.put(SimCudaTensor(sim.rt, 0, np.ones(1024, np.float32)))
+    item = q.get()
+    assert isinstance(item, tb.Tensor) and item.device == "cuda:0"
+    item.__dlpack__(stream=READER_STREAM)
+    sim.rt.busy(READER_STREAM)
+    del item
+    with pytest.raises(tb.Timeout):
+        q.put(SimCudaTensor(sim.rt, 0, np.ones(1024, np.float32)), timeout=0.3)
+    sim.rt.finish(READER_STREAM)
+    assert q.put(SimCudaTensor(sim.rt, 0, np.ones(1024, np.float32)), timeout=5) == 2
+
+
+def test_create_on_a_device_records_the_write_event_on_the_writer_stream(
+    sim: SimBroker, c: tb.Client
+) -> None:
+    writer = 0xF00D
+    with c.create("y", (256,), "float32", device="cuda:0") as buf:
+        assert buf.device == "cuda:0"
+        buf.__dlpack__(stream=writer)  # a writer's stream does not wait on anything
+        assert not [w for w in sim.rt.called("wait") if w[2] == writer]
+    assert sim.rt.records()[-1][3] == writer
+    assert c.get("y").version == 1
+
+
+def test_bundle_on_a_device(sim: SimBroker, c: tb.Client) -> None:
+    w = SimCudaTensor(sim.rt, 0, np.arange(6, dtype=np.float32))
+    b = SimCudaTensor(sim.rt, 0, np.arange(3, dtype=np.int32))
+    c.put("weights", {"w": w, "b": b})
+    got = c.get("weights")
+    assert isinstance(got, dict) and {t.device for t in got.values()} == {"cuda:0"}
+
+
+# -- placement and copies ---------------------------------------------------------------
+
+
+def test_host_tensor_to_a_device_needs_copy(sim: SimBroker, c: tb.Client) -> None:
+    host = np.arange(8, dtype=np.float32)
+    with pytest.raises(tb.InvalidRequest, match=r"on cpu and device='cuda:0'.*copy=True"):
+        c.put("x", host, device="cuda:0")
+    c.put("x", host, device="cuda:0", copy=True)
+    t = c.get("x")
+    assert t.device == "cuda:0"
+    back = c.get("x", device="cpu", copy=True)
+    assert back.device == "cpu"
+    np.testing.assert_array_equal(back.numpy(), host)
+
+
+def test_get_into_another_device_needs_copy(sim: SimBroker, c: tb.Client) -> None:
+    c.put("x", SimCudaTensor(sim.rt, 0, np.ones(4, np.float32)))
+    with pytest.raises(tb.InvalidRequest, match=r"stored on cuda:0 and device='cpu'.*copy=True"):
+        c.get("x", device="cpu")
+    assert c.stats()["leases"] == 0 or wait_until(lambda: c.stats()["leases"] == 0, 5)
+    c.put("h", np.ones(4, np.float32))
+    with pytest.raises(tb.InvalidRequest, match=r"stored on cpu and device='cuda:0'"):
+        c.get("h", device="cuda:0")
+
+
+def test_device_tensor_to_the_host_needs_copy(sim: SimBroker, c: tb.Client) -> None:
+    src = SimCudaTensor(sim.rt, 0, np.arange(5, dtype=np.int32))
+    with pytest.raises(tb.InvalidRequest, match=r"on cuda:0 and device='cpu'"):
+        c.put("x", src, device="cpu")
+    c.put("x", src, device="cpu", copy=True)
+    np.testing.assert_array_equal(c.get("x").numpy(), np.arange(5))
+
+
+def test_a_bundle_mixing_devices_is_refused(sim: SimBroker, c: tb.Client) -> None:
+    mixed = {"a": np.ones(2, np.float32), "b": SimCudaTensor(sim.rt, 0, np.ones(2, np.float32))}
+    with pytest.raises(tb.InvalidRequest, match=r"mixes devices \('a' on cpu, 'b' on cuda:0\)"):
+        c.put("m", mixed)
+
+
+# -- refusals ---------------------------------------------------------------------------
+
+
+def test_device_not_served_and_out_of_range(sim: SimBroker, c: tb.Client) -> None:
+    with pytest.raises(tb.InvalidRequest, match=r"cuda:1: this broker serves cuda:0"):
+        with c.create("y", (4,), "float32", device="cuda:1"):
+            pass
+    with pytest.raises(tb.InvalidRequest, match=r"cuda:7: there is no such device.*sees 2"):
+        with c.create("y", (4,), "float32", device="cuda:7"):
+            pass
+    with pytest.raises(tb.InvalidRequest, match="unknown device 'gpu0'"):
+        with c.create("y", (4,), "float32", device="gpu0"):
+            pass
+    assert c.keys() == []
+
+
+def test_a_broker_with_cuda_off_says_so() -> None:
+    b = SimBroker(SimRuntime(), spec={})
+    try:
+        with b.connect() as c:
+            with pytest.raises(tb.InvalidRequest, match="--cuda-memory off"):
+                c.put("x", SimCudaTensor(b.rt, 0, np.ones(4, np.float32)))
+            c.put("h", np.ones(4, np.float32))  # the host path is unaffected
+    finally:
+        b.stop()
