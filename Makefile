@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test test-all lint clean bench
+.PHONY: demo test test-all lint clean bench bench-gpu test-gpu
 
 $(STAMP): pyproject.toml setup.py client/_dlpack.c
 	$(PYTHON) -c 'import sys; sys.exit("tensorbroker needs Python 3.11+, found " + sys.version.split()[0]) if sys.version_info < (3, 11) else None'
@@ -55,6 +55,15 @@ $(BENCH_STAMP): $(STAMP) bench/requirements.txt
 
 bench: $(STAMP) $(BENCH_STAMP) $(PEERS_STAMP)
 	$(PY) -P bench/run.py $(BENCH_ARGS)
+
+# On a machine with an NVIDIA GPU: install CuPy, then the cuda-marked tests and the GPU bench.
+test-gpu: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[cuda]"
+	$(PY) -P -m pytest -q -m cuda
+
+bench-gpu: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[cuda]"
+	$(PY) -P bench/gpu.py --out bench/results/gpu.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info client/*.so .pytest_cache .mypy_cache .ruff_cache
