@@ -21,6 +21,7 @@ import logging
 import queue
 import sys
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -53,6 +54,11 @@ class Opened:
         except Exception as exc:  # nothing to do about it in a finaliser but say so
             log.debug("closing an IPC %s on cuda:%d: %s", "event" if self.is_event else "handle",
                       self.device, exc)  # fmt: skip
+
+
+# Chunks opened in this process, by IPC handle, shared by its Clients while any holds one.
+_OPEN_CHUNKS: weakref.WeakValueDictionary[bytes, Opened] = weakref.WeakValueDictionary()
+_OPEN_LOCK = threading.Lock()
 
 
 def dlpack_stream(stream: Any) -> int | None:
@@ -144,11 +150,12 @@ class DeviceLink:
         found = self._chunks.get(name)
         if found is None:
             rt = self.runtime(f"mapping {name}")
-            with self._lock:
-                found = self._chunks.get(name)
+            with _OPEN_LOCK:  # one opening per process: CUDA maps a handle once per context
+                found = _OPEN_CHUNKS.get(handle)
                 if found is None:
                     ptr = rt.open_mem(device, handle)
-                    found = self._chunks[name] = Opened(rt, device, ptr, is_event=False)
+                    found = _OPEN_CHUNKS[handle] = Opened(rt, device, ptr, is_event=False)
+            self._chunks[name] = found
         return found
 
     def event(self, device: int, event_id: int, handle: bytes) -> Opened:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..common.cudart import KDL_CPU, KDL_CUDA, device_index
+from ..common.cudart import KDL_CPU, KDL_CUDA, STREAM_LEGACY, STREAM_PER_THREAD, device_index
 from ..common.descriptors import TensorDesc, compact_strides
 from ..common.dtypes import DTYPES, DType
 from ..common.errors import InvalidRequest
@@ -83,7 +83,10 @@ class DeviceLease(Lease):
             self.link.runtime("reading a device tensor").wait(
                 self.device, handle, self.write.address
             )
-        self.streams.add(handle)
+        # The read-done event is recorded later, on the release thread, where 2 would name
+        # that thread's stream. The legacy default stream orders after every blocking stream,
+        # per-thread default streams included.
+        self.streams.add(STREAM_LEGACY if handle == STREAM_PER_THREAD else handle)
 
     def __del__(self) -> None:
         releases, self._releases = self._releases, None

@@ -287,3 +287,27 @@ def test_a_broker_with_cuda_off_says_so() -> None:
             c.put("h", np.ones(4, np.float32))  # the host path is unaffected
     finally:
         b.stop()
+
+
+def test_a_per_thread_stream_read_is_covered_by_a_legacy_stream_read_done_event(
+    sim: SimBroker, c: tb.Client
+) -> None:
+    """The read-done event is recorded on the release thread, where stream 2 would be that
+    thread's own: it goes on the legacy default stream, which orders after it."""
+    c.put("x", SimCudaTensor(sim.rt, 0, np.ones(4, np.float32)))
+    t = c.get("x")
+    t.__dlpack__(stream=STREAM_PER_THREAD)
+    before = len(sim.rt.records())
+    del t
+    assert wait_until(lambda: len(sim.rt.records()) > before, 5)
+    assert sim.rt.records()[-1][3] == STREAM_LEGACY
+
+
+def test_two_clients_in_one_process_share_one_opening_of_a_chunk(
+    sim: SimBroker, c: tb.Client
+) -> None:
+    c.put("x", SimCudaTensor(sim.rt, 0, np.ones(4, np.float32)))
+    with sim.connect() as other:
+        a, b = c.get("x"), other.get("x")
+        assert a.data_ptr == b.data_ptr
+    assert [n for h, n in sim.rt.opened.items() if h.startswith(b"mem")] == [1]
