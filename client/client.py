@@ -254,10 +254,7 @@ class Client:
                 streams.add(stream)
             stream = link.record_after(index, write, streams)
         except BaseException:
-            for stream in streams:  # the copies enqueued so far must not land in reused memory
-                with contextlib.suppress(Exception):
-                    link.record_after(index, write, {stream})
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # no copy may land once the memory is reused
                 link.runtime("abort").synchronize(index)
             raise
         link.keep_until_done(index, stream, [src for _, src, _ in items])

@@ -49,7 +49,8 @@ class Opened:
         try:
             if self.is_event:
                 self.runtime.destroy_event(self.device, self.address)
-            else:
+            else:  # only after its Client closed: kernels may still read the memory
+                self.runtime.synchronize(self.device)
                 self.runtime.close_mem(self.device, self.address)
         except Exception as exc:  # nothing to do about it in a finaliser but say so
             log.debug("closing an IPC %s on cuda:%d: %s", "event" if self.is_event else "handle",
@@ -112,7 +113,14 @@ class DeviceSource:
 
     @property
     def compact(self) -> bool:
-        return self.strides is None or self.strides == _compact(self.shape)
+        """Row-major without gaps; the stride of a dimension of size 1 does not matter
+        (torch gives those stride 1)."""
+        if self.strides is None:
+            return True
+        expect = _compact(self.shape)
+        return all(
+            n <= 1 or s == e for n, s, e in zip(self.shape, self.strides, expect, strict=True)
+        )
 
 
 def _compact(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -214,7 +222,13 @@ class DeviceLink:
         while not self._finishing.empty():
             lease, releases = self._finishing.get_nowait()
             try:
-                self.record_after(lease.device, lease.read, lease.streams)
+                if lease.unknown:  # work on streams we cannot name: let the device finish it
+                    self.runtime("releasing").synchronize(lease.device)
+                # A reader's read-done event; a `create` writer's lease (it may have used the
+                # buffer after the seal) records the write event again, which readers and
+                # the broker wait on too.
+                event = lease.read if lease.read is not None else lease.write
+                self.record_after(lease.device, event, lease.streams)
             except Exception as exc:  # a stream destroyed since, say: wait for the device
                 log.warning("recording a read-done event failed (%s); synchronising cuda:%d "
                             "before the release instead", exc, lease.device)  # fmt: skip

@@ -58,7 +58,7 @@ class DeviceLease(Lease):
     process read (or wrote) on, and, for a reader, the read-done event to record on them
     before the release (Note [device handoff] in cuda.py)."""
 
-    __slots__ = ("device", "write", "read", "streams", "link")
+    __slots__ = ("device", "write", "read", "streams", "unknown", "link")
 
     def __init__(
         self,
@@ -72,13 +72,15 @@ class DeviceLease(Lease):
         super().__init__(lease_id, chunk, releases)
         self.device, self.link, self.write, self.read = chunk.device, link, write, read
         self.streams: set[int] = set()
+        self.unknown = False  # taken with stream=-1: its streams are the consumer's secret
 
     def export(self, stream: Any, writing: bool) -> None:
         """A consumer takes the tensor on `stream` (DLPack's value): the stream waits for the
         producer's write (not a buffer being written), and the release covers its reads."""
         handle = dlpack_stream(stream)
-        if handle is None:
-            return  # -1: the consumer orders its own work
+        if handle is None:  # -1: the consumer orders its own work, on streams we never see
+            self.unknown = True
+            return
         if not writing:
             self.link.runtime("reading a device tensor").wait(
                 self.device, handle, self.write.address
@@ -92,8 +94,8 @@ class DeviceLease(Lease):
         releases, self._releases = self._releases, None
         if releases is None or self.id is None:
             return
-        if self.read is not None and self.streams:
-            self.link.finish(self, releases)  # the release thread records, then releases
+        if self.streams or self.unknown:  # the release thread records, then releases
+            self.link.finish(self, releases)
         else:
             releases.put(self.id)
 

@@ -85,6 +85,7 @@ class Broker:
         self.devices = devices if devices is not None else DeviceMemory(load=cudart.load)
         self.registry = Registry(self.arena, on_free=self._item_freed, devices=self.devices)
         self._device_puts: deque[Waiter] = deque()  # device puts waiting for memory
+        self._retry_deadlines: dict[int, float] = {}  # request being retried -> its deadline
         self.sessions: dict[str, Session] = {}
         self.routes: dict[bytes, Session] = {}
         self.pidfds: dict[int, Session] = {}
@@ -250,9 +251,12 @@ class Broker:
                 elif isinstance(item, int) and item in self.pidfds:
                     session = self.pidfds[item]
                     log.info("client pid %s exited: dropping %s", session.pid, session)
+                    self._forget_events_of(session)
                     self._drop_session(session)
             self._expire(time.monotonic())
-            if self.devices.reclaim():
+            self.devices.reclaim()
+            if self.devices.freed:  # here or while a request was handled
+                self.devices.freed = 0
                 self._retry_device_puts()
             self._admit_putters()
 
@@ -381,6 +385,17 @@ class Broker:
         keep = req.fields.get("keep_leases", False) and session.pidfd is not None
         self._drop_session(session, keep_leases=keep)
 
+    def _forget_events_of(self, session: Session) -> None:
+        """A dead process's read-done events, and the write events of its unsealed puts,
+        will not complete behind work its context took with it."""
+        events = list(session.read_events.values())
+        for put_id in session.pending:
+            obj = self.registry.pending.get(put_id)
+            if obj is not None and obj.events:
+                events.append(obj.events[0])
+        if events:
+            self.devices.forget(events)
+
     def _drop_session(self, session: Session, keep_leases: bool = False) -> None:
         for route in session.routes:
             self.routes.pop(route, None)
@@ -487,13 +502,19 @@ class Broker:
         them (up to DEVICE_WAIT), instead of failing for memory that is a moment from free."""
         if req.fields.get("device", "cpu") == "cpu" or not self.devices.quarantine:
             raise exc
+        deadline = self._retry_deadlines.get(id(req))  # a retried put keeps its first deadline
+        timeout = DEVICE_WAIT if deadline is None else max(0.0, deadline - time.monotonic())
         message = f"{exc} (waited {DEVICE_WAIT:g}s for readers' GPU work to finish)"
-        self._park(session, route, req, DEVICE_WAIT, self._device_puts, message)
+        self._park(session, route, req, timeout, self._device_puts, message)
 
     def _retry_device_puts(self) -> None:
         for w in list(self._device_puts):
             self._unpark(w)
-            self._run(w.session, w.route, w.request)
+            self._retry_deadlines[id(w.request)] = w.deadline or time.monotonic() + DEVICE_WAIT
+            try:
+                self._run(w.session, w.route, w.request)
+            finally:
+                del self._retry_deadlines[id(w.request)]
 
     def _on_seal(self, session: Session | None, route: bytes, req: Request) -> dict[str, Any]:
         assert session is not None

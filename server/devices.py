@@ -109,6 +109,8 @@ class DeviceMemory:
     arenas: dict[int, DeviceArena] = field(default_factory=dict)
     quarantine: list[Quarantined] = field(default_factory=list)
     _count: int = 0  # devices CuPy sees
+    freed: int = 0  # blocks freed since the broker last looked (it may have puts waiting)
+    _dead: set[int] = field(default_factory=set)  # events whose recorder died
     _events: dict[int, tuple[int, int, bytes]] = field(
         default_factory=dict
     )  # id -> dev, ev, handle
@@ -185,6 +187,7 @@ class DeviceMemory:
         for event_id in events[1:]:
             if self._finished(event_id):
                 events.remove(event_id)
+                self._dead.discard(event_id)
                 self._pool[self._events[event_id][0]].append(event_id)
         events.append(read_done)
 
@@ -209,10 +212,20 @@ class DeviceMemory:
         for q in done:
             self.arenas[q.device].free(q.block)
             self._pool.setdefault(q.device, []).extend(q.events)
+            self._dead.difference_update(q.events)
             q.then()
+        self.freed += len(done)
         return len(done)
 
+    def forget(self, events: list[int]) -> None:
+        """The process that recorded these events died: its context and the work it queued
+        are gone, and an event recorded behind that work may never complete. Count them
+        as done."""
+        self._dead.update(events)
+
     def _finished(self, event_id: int) -> bool:
+        if event_id in self._dead:
+            return True
         device, ev, _ = self._events[event_id]
         assert self.runtime is not None
         try:

@@ -311,3 +311,31 @@ def test_two_clients_in_one_process_share_one_opening_of_a_chunk(
         a, b = c.get("x"), other.get("x")
         assert a.data_ptr == b.data_ptr
     assert [n for h, n in sim.rt.opened.items() if h.startswith(b"mem")] == [1]
+
+
+def test_a_reader_that_took_the_tensor_with_stream_minus_one_lets_the_device_finish_first(
+    sim: SimBroker, c: tb.Client
+) -> None:
+    c.put("x", SimCudaTensor(sim.rt, 0, np.ones(4, np.float32)))
+    t = c.get("x")
+    t.__dlpack__(stream=-1)  # the consumer's streams are unknown to us
+    del t
+    assert wait_until(lambda: c.stats()["leases"] == 0, 5)
+    assert sim.rt.called("synchronize") == [("synchronize", 0)]
+
+
+def test_a_create_writer_that_keeps_its_buffer_is_covered_when_it_lets_go(
+    sim: SimBroker, c: tb.Client
+) -> None:
+    writer = 0xF00D
+    with c.create("y", (256,), "float32", device="cuda:0") as buf:
+        buf.__dlpack__(stream=writer)
+    write_event = sim.rt.records()[-1][2]
+    sim.rt.busy(writer)  # it goes on using the buffer after the seal
+    del buf
+    assert wait_until(lambda: c.stats()["leases"] == 0, 5)
+    assert sim.rt.records()[-1][2:] == (write_event, writer)  # recorded again, then released
+    c.delete("y")
+    assert device_stats(c)["waiting_bytes"] > 0
+    sim.rt.finish(writer)
+    assert wait_until(lambda: device_stats(c)["used_bytes"] == 0, 5)
