@@ -4,6 +4,9 @@ Without a GPU, CuPy or CUDA-enabled torch, each one is skipped and says which is
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -23,13 +26,31 @@ def _why_no_gpu() -> str:
     return ""
 
 
+def _why_no_jax_gpu() -> str:
+    if importlib.util.find_spec("jax") is None:
+        return "JAX is not installed"
+    probe = "import jax; print(jax.default_backend())"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    backend = done.stdout.strip()
+    return (
+        "" if backend == "gpu" else f"JAX has no GPU backend here ({backend or done.stderr[-200:]})"
+    )
+
+
 WHY = _why_no_gpu()
+# JAX takes 75% of a GPU at start unless told not to; its workers inherit this.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    jax_why = None
     for item in items:
         if item.get_closest_marker("cuda") and WHY:
             item.add_marker(pytest.mark.skip(reason=f"needs a GPU: {WHY}"))
+        elif item.get_closest_marker("jax_gpu"):
+            jax_why = _why_no_jax_gpu() if jax_why is None else jax_why
+            if jax_why:
+                item.add_marker(pytest.mark.skip(reason=f"needs JAX on the GPU: {jax_why}"))
 
 
 @pytest.fixture

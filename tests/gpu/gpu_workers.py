@@ -25,25 +25,37 @@ def _no_sync_here() -> None:
     torch.cuda.Event.synchronize = refuse  # type: ignore[method-assign]
 
 
-def torch_producer(address: str, key: str, value: float, sleep_cycles: int, out: Any,
-                   done: Any) -> None:  # fmt: skip
+def torch_producer(address: str, key: str, value: float, sleep_cycles: int, start: Any,
+                   out: Any, done: Any) -> None:  # fmt: skip
     import torch
 
     x = torch.empty(N, device="cuda:0")
-    torch.cuda._sleep(sleep_cycles)  # a long kernel before the write, on the same stream
-    x.fill_(value)
     with tb.connect(address) as c:
-        start = time.monotonic()
+        c.put(f"{key}-warmup", x)  # CuPy imported, the chunk and events opened: not timed
+        c.delete(f"{key}-warmup")
+        start.wait(120)  # every reader is connected and waiting
+        torch.cuda._sleep(sleep_cycles)  # a long kernel before the write, on the same stream
+        x.fill_(value)
+        t0 = time.monotonic()
         version = c.put(key, x)
-        put_s = time.monotonic() - start
+        put_s = time.monotonic() - t0
         out.put({"version": version, "put_s": put_s, "pid": os.getpid()})
         done.wait(120)
 
 
+def _ready(c: tb.Client, out: Any) -> None:
+    c.ping()
+    out.put({"ready": os.getpid()})
+
+
 def torch_reader(address: str, key: str, out: Any) -> None:
+    import torch
+
+    torch.zeros(1, device="cuda:0")  # CUDA up before the producer starts
     _no_sync_here()
     with tb.connect(address) as c:
-        t = c.get(key, timeout=30)
+        _ready(c, out)
+        t = c.get(key, timeout=60)
         x = t.torch()
         total = float(x.sum().item())  # .item() waits for this process's own stream only
         chunk = next(iter(c._devices._chunks.values()))  # the one chunk this test uses
@@ -52,22 +64,24 @@ def torch_reader(address: str, key: str, out: Any) -> None:
 
 
 def jax_reader(address: str, key: str, out: Any) -> None:
-    import jax
     import jax.numpy as jnp
 
-    if not any(d.platform == "gpu" for d in jax.devices()):
-        out.put({"skip": f"JAX has no GPU backend here: {jax.devices()}"})
-        return
+    jnp.zeros(1).block_until_ready()
     with tb.connect(address) as c:
-        t = c.get(key, timeout=30)
+        _ready(c, out)
+        t = c.get(key, timeout=60)
         x = jnp.from_dlpack(t)
         out.put({"sum": float(x.sum()), "ptr": x.unsafe_buffer_pointer(), "data_ptr": t.data_ptr,
                  "device": str(x.devices())})  # fmt: skip
 
 
 def cupy_reader(address: str, key: str, out: Any) -> None:
+    import cupy
+
+    cupy.zeros(1)
     with tb.connect(address) as c:
-        t = c.get(key, timeout=30)
+        _ready(c, out)
+        t = c.get(key, timeout=60)
         x = t.cupy()
         out.put({"sum": float(x.sum()), "ptr": int(x.data.ptr), "data_ptr": t.data_ptr})
 
@@ -90,10 +104,13 @@ def overwriter(address: str, key: str, go: Any, out: Any) -> None:
     import torch
 
     with tb.connect(address) as c:
+        other = torch.full((N,), 5.0, device="cuda:0")
+        torch.cuda.synchronize()  # this process's own setup, before anything is timed
+        c.ping()
         go.wait(60)
         c.delete(key)
         start = time.monotonic()
-        c.put("other", torch.full((N,), 5.0, device="cuda:0"))  # fits only in the freed memory
+        c.put("other", other)  # fits only in the memory the slow reader is still reading
         out.put({"waited_s": time.monotonic() - start})
 
 
