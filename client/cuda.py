@@ -28,6 +28,7 @@ import numpy as np
 
 from ..common import cudart
 from ..common.cudart import STREAM_LEGACY, CudaUnavailable, Runtime
+from ..common.descriptors import compact_strides
 from ..common.dtypes import DType
 from ..common.errors import InvalidRequest
 
@@ -117,18 +118,10 @@ class DeviceSource:
         (torch gives those stride 1)."""
         if self.strides is None:
             return True
-        expect = _compact(self.shape)
+        expect = compact_strides(self.shape)
         return all(
             n <= 1 or s == e for n, s, e in zip(self.shape, self.strides, expect, strict=True)
         )
-
-
-def _compact(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, step = [], 1
-    for dim in reversed(shape):
-        out.append(step)
-        step *= max(dim, 1)
-    return tuple(reversed(out))
 
 
 class DeviceLink:
@@ -277,7 +270,7 @@ def _strided_copy(device: int, dst: int, src: DeviceSource, dt: DType, stream: i
             "or make it contiguous first (.contiguous())"
         ) from None
     storage = np.dtype(dt.typestr)  # bfloat16 moves as uint16: same bytes
-    strides = src.strides or _compact(src.shape)
+    strides = src.strides or compact_strides(src.shape)
     low = sum((n - 1) * s for n, s in zip(src.shape, strides, strict=True) if s < 0)
     high = sum((n - 1) * s for n, s in zip(src.shape, strides, strict=True) if s > 0)
     span = (high - low + 1) * dt.itemsize

@@ -236,10 +236,6 @@ class DeviceMemory:
             )
             return True
 
-    @property
-    def waiting_bytes(self) -> int:
-        return sum(q.block.size for q in self.quarantine)
-
     def stats(self) -> dict[str, dict[str, int]]:
         return {
             f"cuda:{i}": {

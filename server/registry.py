@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..common.config import format_size
+from ..common.cudart import device_index
 from ..common.descriptors import TensorDesc, compact_strides
 from ..common.errors import CapacityError, InvalidRequest, NotFound
 from ..common.protocol import nbytes_of
@@ -142,7 +143,7 @@ class Registry:
         wire = [t.to_wire() for t in tensors]
         obj = StoredObject(key, bundle, block, wire, queue=queue, device=device)
         if device != "cpu":
-            obj.events = [self.devices.event(int(device.partition(":")[2]))[0]]
+            obj.events = [self.devices.event(device_index(device))[0]]
         put_id = self.lease(session, obj)
         self.pending[put_id] = obj
         session.pending.add(put_id)
@@ -217,7 +218,7 @@ class Registry:
         obj.leases += 1
         self.lease_count += 1
         if reader and obj.events is not None:
-            index = int(obj.device.partition(":")[2])
+            index = device_index(obj.device)
             session.read_events[lease_id] = self.devices.event(index)[0]
         return lease_id
 
@@ -267,7 +268,7 @@ class Registry:
                 self.arena.free(obj.block)
                 self._freed(obj)
             else:  # back once the GPU work of its writer and readers is done
-                index = int(obj.device.partition(":")[2])
+                index = device_index(obj.device)
                 self.devices.retire(index, obj.block, obj.events or [], lambda: self._freed(obj))
 
     def _freed(self, obj: StoredObject) -> None:
