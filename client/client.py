@@ -379,6 +379,7 @@ class Client:
             self._stop.set()
             flusher.join(timeout=5.0)
         with contextlib.suppress(Exception):
+            self._devices.drain()  # the copies of its puts have run, so the objects hold them
             self._devices.settle()  # read-done events of leases let go of since its last look
         idle = self._pool.close()
         if idle and not self._broken:

@@ -21,6 +21,7 @@ import logging
 import queue
 import sys
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -33,6 +34,8 @@ from ..common.dtypes import DType
 from ..common.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
+
+DRAIN_TIMEOUT = 30.0  # a closing client waits this long for its puts' copies to run
 
 
 class Opened:
@@ -237,6 +240,26 @@ class DeviceLink:
                 self._inflight = still
             for device, fence, _ in done:
                 rt.destroy_event(device, fence)
+
+    def drain(self) -> None:
+        """Wait until the copies of this client's puts have run: a process that exits with a
+        copy still queued takes it with it (Note [a producer that dies with its copy queued]
+        in server/registry.py). Called at close; the one host wait of a producer."""
+        with self._lock:
+            pending = list(self._inflight)
+        if not pending:
+            return
+        rt = self.runtime("closing")
+        deadline = time.monotonic() + DRAIN_TIMEOUT
+        for device, fence, _ in pending:
+            while not rt.event_done(device, fence):
+                if time.monotonic() > deadline:
+                    log.warning("closing with puts whose copies still wait on the GPU after "
+                                "%.0fs: if this process exits first, the broker removes "
+                                "their objects", DRAIN_TIMEOUT)  # fmt: skip
+                    return
+                time.sleep(0.0005)
+        self.settle()
 
     # -- copying ---------------------------------------------------------------------------
 

@@ -14,6 +14,18 @@ Note [broker-owned events]
     the streams it read on. CUDA allows `cudaEventRecord` on an event opened through IPC, and
     makes any use of an imported event after its exporter destroyed it undefined: so the
     exporter is the one process that outlives every producer and reader.
+
+    Seen on an H100 (driver 580, CUDA 13; bench/gpu_probes.py, 2026-11-23):
+    - A record is visible to the broker as soon as cudaEventRecord returns in the client: 20
+      of 20 queries made right after a record behind a 50 ms kernel said "not ready", and
+      each turned "done" 50.5 to 50.8 ms later. No flush is needed between record and seal.
+    - An event recorded by a process that is then killed, its work still queued, stays
+      "not ready" for good, and so does every later record of it by a live process (5 s
+      after a record behind a 0.5 s kernel). See Note [events of dead processes] in
+      server/devices.py.
+    - Not observed (the machine had one GPU): whether `CupyRuntime._on`, which sets the
+      device back to the thread's previous one, makes a context on cuda:0 in a process that
+      only uses cuda:1.
 """
 
 from __future__ import annotations

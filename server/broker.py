@@ -387,7 +387,13 @@ class Broker:
 
     def _forget_events_of(self, session: Session) -> None:
         """A dead process's read-done events, and the write events of its unsealed puts,
-        will not complete behind work its context took with it."""
+        will not complete behind work its context took with it; objects it sealed whose
+        copies had not run are lost (Note [a producer that dies with its copy queued])."""
+        for lost in self.registry.lose_unwritten(session):
+            log.warning(
+                "pid %s died before its copy of %s to %s had run: removed it (it never held "
+                "the data put)", session.pid, _label(lost), lost.device,
+            )  # fmt: skip
         events = list(session.read_events.values())
         for put_id in session.pending:
             obj = self.registry.pending.get(put_id)
@@ -402,11 +408,11 @@ class Broker:
         session.routes.clear()
         for w in [w for w in self.parked if w.session is session]:
             self._unpark(w)
-        keep = keep_leases and bool(session.leases)
+        keep = keep_leases and (bool(session.leases) or self.registry.writing(session))
         self.registry.drop_session(session, keep_leases=keep)
         session.closed = True
         if keep:
-            return  # the pidfd drops the leases when the process exits
+            return  # the pidfd drops the leases (and lost copies) when the process exits
         if session.pidfd is not None:
             self._poller.unregister(session.pidfd)
             self.pidfds.pop(session.pidfd, None)
@@ -762,3 +768,9 @@ class Broker:
 
 def _secs(timeout: float | None) -> str:
     return "ever" if timeout is None else f"{timeout:g}s"
+
+
+def _label(obj: StoredObject) -> str:
+    if obj.queue is not None:
+        return f"an item of queue {obj.queue.name!r}"
+    return f"{obj.key!r} v{obj.version}"

@@ -16,12 +16,24 @@ object, its block is *quarantined* until every one of those events has completed
 then goes back to the arena (and its events back to the pool):
 
     seal ─> live ─> retired, last lease released ─> quarantined ─events done─> free
+
+Note [events of dead processes]
+
+An event recorded by a process that dies with the recorded work still queued never
+completes: on an H100 it stayed "not ready" for as long as it was watched, and a record of
+it by another, live process did not bring it back (still "not ready" 5 s after a record
+behind a 0.5 s kernel; bench/gpu_probes.py). So when the broker learns of such a death
+(the client's pidfd), it counts that process's events as done (`forget`), which frees the
+memory they held back, and destroys them instead of pooling them: a reused one would make
+every reader of the next object wait on the GPU forever. What a dead producer's sealed
+objects lose is in Note [a producer that dies with its copy queued] (registry.py).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from ..common.config import format_size
@@ -115,6 +127,7 @@ class DeviceMemory:
         default_factory=dict
     )  # id -> dev, ev, handle
     _pool: dict[int, list[int]] = field(default_factory=dict)  # device -> idle event ids
+    _ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
 
     def start(self) -> None:
         """Find the devices (at broker start, so the log says what is served)."""
@@ -174,7 +187,7 @@ class DeviceMemory:
         assert self.runtime is not None
         ev = self.runtime.new_event(device, interprocess=True)
         handle = self.runtime.event_handle(device, ev)
-        event_id = len(self._events) + 1
+        event_id = next(self._ids)
         self._events[event_id] = (device, ev, handle)
         return event_id, handle
 
@@ -185,11 +198,25 @@ class DeviceMemory:
         """A reader let go: keep its read-done event with the object's (`events`, the write
         event first) until it completes, and give back those of earlier readers that have."""
         for event_id in events[1:]:
-            if self._finished(event_id):
+            if self.finished(event_id):
                 events.remove(event_id)
-                self._dead.discard(event_id)
-                self._pool[self._events[event_id][0]].append(event_id)
+                self._recycle(event_id)
         events.append(read_done)
+
+    def _recycle(self, event_id: int) -> None:
+        """An event whose work is done goes back to the pool; one a dead process recorded is
+        destroyed instead (Note [events of dead processes])."""
+        device, ev, _ = self._events[event_id]
+        if event_id not in self._dead:
+            self._pool.setdefault(device, []).append(event_id)
+            return
+        self._dead.discard(event_id)
+        del self._events[event_id]
+        assert self.runtime is not None
+        try:
+            self.runtime.destroy_event(device, ev)
+        except Exception as exc:
+            log.debug("destroying an event on cuda:%d: %s", device, exc)
 
     # -- freeing ---------------------------------------------------------------------------
 
@@ -207,23 +234,23 @@ class DeviceMemory:
         waiting: list[Quarantined] = []
         done: list[Quarantined] = []
         for q in self.quarantine:
-            (done if all(self._finished(e) for e in q.events) else waiting).append(q)
+            (done if all(self.finished(e) for e in q.events) else waiting).append(q)
         self.quarantine = waiting
         for q in done:
             self.arenas[q.device].free(q.block)
-            self._pool.setdefault(q.device, []).extend(q.events)
-            self._dead.difference_update(q.events)
+            for event_id in q.events:
+                self._recycle(event_id)
             q.then()
         self.freed += len(done)
         return len(done)
 
     def forget(self, events: list[int]) -> None:
-        """The process that recorded these events died: its context and the work it queued
-        are gone, and an event recorded behind that work may never complete. Count them
-        as done."""
+        """The process that recorded these events died: count them as done, and never hand
+        them out again (Note [events of dead processes])."""
         self._dead.update(events)
 
-    def _finished(self, event_id: int) -> bool:
+    def finished(self, event_id: int) -> bool:
+        """Whether the work an event last captured has run (or its recorder died)."""
         if event_id in self._dead:
             return True
         device, ev, _ = self._events[event_id]

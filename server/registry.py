@@ -13,6 +13,20 @@ belong to a session, so a client that dies gives all of its leases back at once.
 A queue item takes the same path, except that it is live while it waits in its queue (not
 under a key) and retires the moment one consumer takes it, so it is freed as soon as that
 consumer lets go. Its queue learns of the free through `on_free`: that is what opens a slot.
+
+Note [a producer that dies with its copy queued]
+
+A device put seals as soon as its copy is *enqueued* on the producer's stream (no host
+wait). If the producer is killed before that copy ran, the copy never runs and the object's
+write event never completes (Note [events of dead processes] in devices.py): on an H100 a
+reader of such an object waited on the GPU for as long as it was watched. So each session
+keeps the device objects it sealed until their write events complete (`writing`), the
+broker keeps watching a closed client's pidfd while any remain, and when the process dies
+`lose_unwritten` unpublishes the ones whose copy had not run: a later get finds no object
+(or the queue no item) rather than one that never held the data. A reader that took such
+an object before the death still waits on the GPU forever; no broker can undo a stream
+wait. A client that closes normally first waits for its copies (`DeviceLink.drain`), so a
+producer that puts and exits loses nothing.
 """
 
 from __future__ import annotations
@@ -71,6 +85,8 @@ class Session:
     leases: dict[int, StoredObject] = field(default_factory=dict)
     pending: set[int] = field(default_factory=set)  # lease ids of its unsealed puts
     read_events: dict[int, int] = field(default_factory=dict)  # device lease -> read-done event
+    writing: list[StoredObject] = field(default_factory=list)  # device objects it sealed whose
+    # copies may still be running (Note [a producer that dies with its copy queued])
     routes: set[bytes] = field(default_factory=set)  # its sockets' ZeroMQ routing ids
     pidfd: int | None = None  # readable when the client process exits
     last_seen: float = 0.0  # for sessions without a pidfd: heartbeats keep them alive
@@ -175,6 +191,9 @@ class Registry:
         del self.pending[put_id]
         session.pending.discard(put_id)
         obj.live = True
+        if obj.events is not None:  # forget the finished ones: the list stays short
+            session.writing = [o for o in session.writing if not self._written(o)]
+            session.writing.append(obj)
         if obj.queue is not None:
             obj.version = version or 0
         else:
@@ -201,6 +220,29 @@ class Registry:
         if obj is None or put_id not in session.pending:
             raise InvalidRequest(f"{what}: no unsealed put {put_id} from this client")
         return obj
+
+    def _written(self, obj: StoredObject) -> bool:
+        return obj.freed or obj.events is None or self.devices.finished(obj.events[0])
+
+    def writing(self, session: Session) -> bool:
+        """Whether copies into device objects `session` sealed may still be running."""
+        session.writing = [o for o in session.writing if not self._written(o)]
+        return bool(session.writing)
+
+    def lose_unwritten(self, session: Session) -> list[StoredObject]:
+        """`session`'s process died: unpublish the device objects it sealed whose copies had
+        not run, and count their write events as done. The objects lost."""
+        lost = [o for o in session.writing if not self._written(o)]
+        session.writing.clear()
+        for obj in lost:
+            assert obj.events is not None
+            self.devices.forget(obj.events[:1])
+            if obj.queue is None and self.objects.get(obj.key) is obj:
+                del self.objects[obj.key]
+            elif obj.queue is not None and obj in obj.queue.items:
+                obj.queue.items.remove(obj)
+            self._retire(obj)
+        return lost
 
     def delete(self, key: str) -> None:
         obj = self.objects.pop(key, None)

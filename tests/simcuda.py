@@ -32,6 +32,7 @@ class SimRuntime:
         self._pending: dict[int, int] = {}  # event -> busy stream it waits for
         self._next_stream = 0x7000
         self.shared: set[int] = set()  # interprocess events (the broker's)
+        self._poisoned: set[int] = set()  # events recorded by a process that died
 
     # -- test controls -----------------------------------------------------------------
 
@@ -44,6 +45,12 @@ class SimRuntime:
         with self._lock:
             self._busy.discard(stream)
             self._pending = {e: s for e, s in self._pending.items() if s != stream}
+
+    def kill(self, stream: int) -> None:
+        """The process that queued the work on `stream` died: events recorded behind it never
+        complete, not even when recorded again (seen on an H100: bench/gpu_probes.py)."""
+        with self._lock:
+            self._poisoned.update(e for e, s in self._pending.items() if s == stream)
 
     def called(self, name: str) -> list[tuple[Any, ...]]:
         return [c for c in self.calls if c[0] == name]
@@ -107,11 +114,11 @@ class SimRuntime:
         return self._handles[handle]
 
     def destroy_event(self, device: int, event: int) -> None:
-        pass
+        self._log("destroy_event", device, event)
 
     def event_done(self, device: int, event: int) -> bool:
         with self._lock:
-            return event not in self._pending
+            return event not in self._pending and event not in self._poisoned
 
     def record(self, device: int, event: int, stream: int) -> None:
         self._log("record", device, event, stream)

@@ -90,14 +90,18 @@ def slow_reader(address: str, key: str, sleep_cycles: int, go: Any, out: Any) ->
     """Read `key` in a kernel queued behind a long one, and let go before it has run."""
     import torch
 
+    # Load the kernels first: with CUDA's lazy loading, the first launch of a kernel waits
+    # for the device, so a first `* 2` behind the sleep would block here until it ended.
+    float((torch.ones(1, device="cuda:0") * 2).sum().item())
     with tb.connect(address) as c:
         t = c.get(key, timeout=30)
         torch.cuda._sleep(sleep_cycles)
         doubled = t.torch() * 2  # runs after the sleep, on this process's stream
         del t
         time.sleep(0.2)  # the release (with its read-done event) reaches the broker
+        busy = not torch.cuda.current_stream().query()  # the read is still to run
         go.set()  # the producer now deletes the key and puts over the same memory
-        out.put({"sum": float(doubled.sum().item())})
+        out.put({"sum": float(doubled.sum().item()), "busy_at_go": busy})
 
 
 def overwriter(address: str, key: str, go: Any, out: Any) -> None:
@@ -111,7 +115,9 @@ def overwriter(address: str, key: str, go: Any, out: Any) -> None:
         c.delete(key)
         start = time.monotonic()
         c.put("other", other)  # fits only in the memory the slow reader is still reading
-        out.put({"waited_s": time.monotonic() - start})
+        waited = time.monotonic() - start
+        torch.cuda.synchronize()  # the copy has landed before the reader's sum is taken
+        out.put({"waited_s": waited})
 
 
 def pipeline_source(address: str, items: int, out: Any) -> None:
@@ -156,4 +162,18 @@ def hold_and_wait(address: str, key: str, out: Any) -> None:
         t = c.get(key, timeout=30)
         x = t.torch()
         out.put({"sum": float(x.sum().item())})
+        time.sleep(600)
+
+
+def put_behind_long_kernel(address: str, key: str, sleep_cycles: int, out: Any) -> None:
+    """Put `key` with its copy queued behind a long kernel, say so, and wait to be killed."""
+    import torch
+
+    x = torch.full((N,), 7.0, device="cuda:0")
+    with tb.connect(address) as c:
+        c.put(f"{key}-warmup", x)
+        c.delete(f"{key}-warmup")
+        torch.cuda.synchronize()
+        torch.cuda._sleep(sleep_cycles)
+        out.put({"version": c.put(key, x)})
         time.sleep(600)

@@ -67,6 +67,7 @@ def test_memory_is_not_reused_before_a_readers_kernels_finish() -> None:
         got = reader_q.get(timeout=120)
         waited = out.get(timeout=120)
         join_all([reader, writer])
+        assert got["busy_at_go"]  # the writer was let go while the read was still to run
         assert got["sum"] == 2.0 * w.N  # not 10.0 * N: the new put did not land under the read
         assert waited["waited_s"] > 0.5  # the put waited in the broker for the read to finish
 
@@ -106,3 +107,23 @@ def test_a_killed_reader_gives_its_lease_back_and_a_reader_outlives_its_producer
         assert wait_until(lambda: c.stats()["leases"] == 0, 10)
         c.delete("k")
         assert wait_until(lambda: c.stats()["devices"]["cuda:0"]["used_bytes"] == 0, 10)
+
+
+def test_an_object_whose_producer_died_before_its_copy_ran_is_removed(
+    gpu_broker: tb.BrokerProcess,
+) -> None:
+    """Its write event will never complete (bench/gpu_probes.py): a reader would wait on the
+    GPU forever, and the memory would never come back. The broker removes the object, and
+    the memory and a new event serve the next put."""
+    import torch
+
+    producer, out = _run(w.put_behind_long_kernel, gpu_broker.address, "k", SLEEP_1S * 3)
+    assert out.get(timeout=120)["version"] == 1
+    os.kill(producer.pid, signal.SIGKILL)
+    producer.join(30)
+    with tb.connect(gpu_broker.address) as c:
+        assert wait_until(lambda: not c.exists("k"), 10)
+        assert wait_until(lambda: c.stats()["devices"]["cuda:0"]["used_bytes"] == 0, 10)
+        for value in (4.0, 5.0):  # the memory and the events serve later puts and reads
+            c.put("k", torch.full((w.N,), value, device="cuda:0"))
+            assert float(c.get("k").torch().sum().item()) == value * w.N

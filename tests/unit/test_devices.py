@@ -12,7 +12,7 @@ from tensorbroker.common.cudart import CudaUnavailable, parse_device
 from tensorbroker.common.protocol import check_device
 from tensorbroker.server.arena import Arena
 from tensorbroker.server.devices import DEVICE_ALIGN, DeviceMemory
-from tensorbroker.server.registry import Registry, Session
+from tensorbroker.server.registry import Registry, Session, StoredObject
 
 MiB = 1 << 20
 
@@ -125,3 +125,55 @@ def test_read_done_events_of_finished_readers_go_back_to_the_pool() -> None:
     assert obj.events is not None and len(obj.events) <= 2  # the write event and the last
     assert len(devices._events) <= 3
     np.testing.assert_equal(registry.stats()["leases"], 0)
+
+
+def _device_object(registry: Registry, session: Session, key: str) -> StoredObject:
+    put, obj = registry.begin_put(session, key, [("", "float32", (16,))], False, device="cuda:0")
+    registry.seal(session, put, keep=False)
+    return obj
+
+
+def test_an_event_a_dead_reader_recorded_is_destroyed_never_handed_out_again() -> None:
+    """A dead process's events never complete, even recorded again: reusing one would make
+    every later reader of its next object wait forever."""
+    rt = SimRuntime(devices=1)
+    devices = _memory(rt, {0: 8 * MiB})
+    registry = Registry(Arena(4 * MiB), devices=devices)
+    writer, reader = Session("w", None), Session("r", None)
+    obj = _device_object(registry, writer, "k")
+    lease = registry.lease(reader, obj, reader=True)
+    read_done = reader.read_events[lease]
+    _, ev, _ = devices._events[read_done]
+    rt.busy(0x99)
+    rt.record(0, ev, 0x99)  # behind the reader's kernel, which its death takes with it
+    rt.kill(0x99)
+    devices.forget([read_done])
+    registry.release(reader, lease)
+    registry.delete("k")
+    assert devices.arenas[0].used_bytes == 0  # counted as done: the memory is back
+    assert ("destroy_event", 0, ev) in rt.calls
+    for n in range(4):  # no later object or reader is given the dead event
+        later = _device_object(registry, writer, f"k{n}")
+        registry.lease(reader, later, reader=True)
+        assert later.events is not None and read_done not in later.events
+        assert read_done not in reader.read_events.values()
+
+
+def test_a_producer_that_dies_before_its_copy_ran_loses_the_object() -> None:
+    rt = SimRuntime(devices=1)
+    devices = _memory(rt, {0: 8 * MiB})
+    registry = Registry(Arena(4 * MiB), devices=devices)
+    producer = Session("p", None)
+    done = _device_object(registry, producer, "done")  # its copy ran: it stays
+    queued = _device_object(registry, producer, "queued")
+    assert queued.events is not None
+    _, write, _ = devices._events[queued.events[0]]
+    rt.busy(0x77)
+    rt.record(0, write, 0x77)  # the copy waits behind a long kernel
+    assert registry.writing(producer)
+    rt.kill(0x77)
+    assert registry.lose_unwritten(producer) == [queued]
+    assert registry.objects == {"done": done}  # a later get finds no object that never held data
+    assert devices.arenas[0].used_bytes == done.block.size  # and its memory is back
+    assert ("destroy_event", 0, write) in rt.calls
+    assert not registry.writing(producer)
