@@ -11,6 +11,12 @@ import pytest
 
 import tensorbroker as tb
 
+# The host tests run JAX on the CPU, also on a machine where JAX would pick a GPU (its arrays
+# would be CUDA tensors there, stored in GPU memory): in this process and in every worker it
+# spawns. tests/gpu/conftest.py gives its own workers the GPU back.
+if "JAX_PLATFORMS" not in os.environ:
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
 
 def _segments() -> set[str]:
     return set(glob.glob("/dev/shm/tb-*"))

@@ -30,7 +30,8 @@ def _why_no_jax_gpu() -> str:
     if importlib.util.find_spec("jax") is None:
         return "JAX is not installed"
     probe = "import jax; print(jax.default_backend())"
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS" or v != "cpu"}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
     backend = done.stdout.strip()
     return (
         "" if backend == "gpu" else f"JAX has no GPU backend here ({backend or done.stderr[-200:]})"
@@ -51,6 +52,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             jax_why = _why_no_jax_gpu() if jax_why is None else jax_why
             if jax_why:
                 item.add_marker(pytest.mark.skip(reason=f"needs JAX on the GPU: {jax_why}"))
+
+
+@pytest.fixture(autouse=True)
+def _jax_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers of GPU tests run JAX where it would run by itself (tests/conftest.py pins the
+    host tests' JAX to the CPU)."""
+    if os.environ.get("JAX_PLATFORMS") == "cpu":
+        monkeypatch.delenv("JAX_PLATFORMS")
 
 
 @pytest.fixture
