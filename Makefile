@@ -56,14 +56,32 @@ $(BENCH_STAMP): $(STAMP) bench/requirements.txt
 bench: $(STAMP) $(BENCH_STAMP) $(PEERS_STAMP)
 	$(PY) -P bench/run.py $(BENCH_ARGS)
 
-# On a machine with an NVIDIA GPU: install CuPy, then the cuda-marked tests and the GPU bench.
-test-gpu: $(STAMP)
-	$(PY) -m pip install --quiet -e ".[cuda]"
-	$(PY) -P -m pytest -q -m cuda
+# On a machine with an NVIDIA GPU: the cuda-marked tests and the GPU bench. By default in .venv,
+# with CuPy for CUDA $(CUDA) (`make test-gpu CUDA=13` for cupy-cuda13x); it has the CPU torch,
+# so see README ("GPU machines") for a CUDA torch and JAX. GPU_PYTHON=python3 instead uses
+# that interpreter as it is (an image with CUDA torch, CuPy and JAX, and no registry): it only
+# installs tensorbroker into it, with no dependencies (pyzmq and msgpack must be there).
+CUDA       ?= 12
+GPU_PYTHON ?=
+ifeq ($(GPU_PYTHON),)
+GPU_PY := $(PY)
+GPU_STAMP := $(VENV)/.cuda$(CUDA)-installed
+$(GPU_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[cuda$(CUDA)]"
+	touch $(GPU_STAMP)
+else
+GPU_PY := $(GPU_PYTHON)
+GPU_STAMP := gpu-python
+.PHONY: gpu-python
+gpu-python:
+	$(GPU_PYTHON) -m pip install --quiet --no-deps --no-build-isolation --no-index -e .
+endif
 
-bench-gpu: $(STAMP)
-	$(PY) -m pip install --quiet -e ".[cuda]"
-	$(PY) -P bench/gpu.py --out bench/results/gpu.md
+test-gpu: $(GPU_STAMP)
+	$(GPU_PY) -P -m pytest -q -m cuda
+
+bench-gpu: $(GPU_STAMP)
+	$(GPU_PY) -P bench/gpu.py --weightsync 7b,70b-slice --layers 10 --out bench/results/gpu.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info client/*.so .pytest_cache .mypy_cache .ruff_cache
