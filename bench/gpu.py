@@ -6,17 +6,24 @@
 A put is timed from the call until its copy has run (the producer's stream synchronised
 afterwards: put itself returns at once); the floor is `dst.copy_(src)` on the same stream
 with the same synchronisation. Gets are of 4 KiB objects, each taken on torch's current stream
-and dropped, median of many. Needs torch with CUDA and CuPy; says so and exits 2 otherwise.
+and dropped, median of many. Then the weight-sync scenario (bench/weightsync.py): a 7B-shaped
+bf16 state_dict republished to a torch and a JAX process, against torch's CUDA IPC handles.
+Needs torch with CUDA, CuPy and JAX; says so and exits 2 otherwise.
 
-    .venv/bin/python -P bench/gpu.py [--reps 5] [--out bench/results/gpu.md]
+    python3 -P bench/gpu.py [--reps 5] [--weightsync 7b,70b-slice] [--layers 10]
+                            [--out bench/results/gpu.md]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import weightsync  # noqa: E402
 
 GIB = 1 << 30
 
@@ -47,11 +54,19 @@ def measure_put(c, reps: int) -> tuple[float, float]:  # type: ignore[no-untyped
     def put() -> None:
         c.put("big", src)
         stream.synchronize()
-        c.delete("big")
+
+    def timed_puts() -> float:  # the delete between puts is not part of a put
+        times = []
+        for _ in range(4):
+            start = time.perf_counter()
+            put()
+            times.append(time.perf_counter() - start)
+            c.delete("big")
+        return statistics.median(times[1:])
 
     rows = []
     for rep in range(reps):  # interleaved, so drifts hit both alike
-        rows.append((median_time(copy, 3), median_time(put, 3)))
+        rows.append((median_time(copy, 3), timed_puts()))
         print(f"put rep {rep + 1}/{reps}: copy {rows[-1][0] * 1e3:.2f} ms, "
               f"put {rows[-1][1] * 1e3:.2f} ms", flush=True)  # fmt: skip
     return statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows)
@@ -82,6 +97,11 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--gets", type=int, default=2000)
     parser.add_argument("--out", default="")
+    parser.add_argument(
+        "--weightsync", default="7b", help="weight-sync model(s), comma-separated: 7b, "
+        "70b-slice (bench/weightsync.py); 'none' to skip",
+    )  # fmt: skip
+    parser.add_argument("--layers", type=int, help="layers of the 70b-slice (default 8)")
     args = parser.parse_args()
     try:
         import cupy  # noqa: F401
@@ -112,7 +132,11 @@ def main() -> int:
         f"GPU: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; "
         f"{args.reps} repetitions.",
     ])  # fmt: skip
-    print(report)
+    print(report, flush=True)
+    for model in [m for m in args.weightsync.split(",") if m and m != "none"]:
+        rows = weightsync.run(model, args.layers if model != "7b" else None)
+        report += "\n\n## Weight sync: " + model + "\n\n" + weightsync.report(rows)
+        print(report.rpartition("## Weight sync")[2], flush=True)
     if args.out:
         with open(args.out, "w") as f:
             f.write(report + "\n")
