@@ -289,8 +289,8 @@ def _strided_copy(device: int, dst: int, src: DeviceSource, dt: DType, stream: i
         import cupy
     except ImportError:
         raise InvalidRequest(
-            "putting a non-contiguous CUDA tensor needs CuPy (pip install 'tensorbroker[cuda]'); "
-            "or make it contiguous first (.contiguous())"
+            "putting a non-contiguous CUDA tensor needs CuPy (pip install "
+            "'tensorbroker[cuda12]' or [cuda13]); or make it contiguous first (.contiguous())"
         ) from None
     storage = np.dtype(dt.typestr)  # bfloat16 moves as uint16: same bytes
     strides = src.strides or compact_strides(src.shape)

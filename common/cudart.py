@@ -115,7 +115,7 @@ class CupyRuntime:
         except ImportError as exc:
             raise CudaUnavailable(
                 f"CuPy is not installed here ({exc}); install it where the broker and the "
-                "clients run: pip install 'tensorbroker[cuda]' (cupy-cuda12x)"
+                "clients run: pip install 'tensorbroker[cuda12]' (or [cuda13], after your CUDA)"
             ) from None
         self._rt = runtime
         try:

@@ -16,7 +16,7 @@ import tensorbroker as tb
 
 def _why_no_gpu() -> str:
     if importlib.util.find_spec("cupy") is None:
-        return "CuPy is not installed (pip install 'tensorbroker[cuda]')"
+        return "CuPy is not installed (pip install 'tensorbroker[cuda12]' or [cuda13])"
     try:
         import torch
     except ImportError:
