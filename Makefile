@@ -18,22 +18,18 @@ $(STAMP): pyproject.toml setup.py client/_dlpack.c
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -P demo/pipeline.py
+	$(PY) demo/pipeline.py
 
 test: $(STAMP)
-	$(PY) -P -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow"
 
 test-all: $(STAMP)
-	$(PY) -P -m pytest -q
+	$(PY) -m pytest -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	@# mypy cannot follow the package-dir mapping: check a tree of links shaped like the package
-	rm -rf build/typecheck && mkdir -p build/typecheck/tensorbroker
-	ln -s $(CURDIR)/tensorbroker/* build/typecheck/tensorbroker/
-	for p in common server client; do ln -s $(CURDIR)/$$p build/typecheck/tensorbroker/$$p; done
-	cd build/typecheck && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml -p tensorbroker
+	$(VENV)/bin/mypy -p tensorbroker
 
 # bench: tensorbroker against Plasma, Ray, queues and the floors (bench/README.md). Plasma
 # (pyarrow 11) needs numpy<2, so the peers get their own environment, bench/.venv-peers.
@@ -54,7 +50,7 @@ $(BENCH_STAMP): $(STAMP) bench/requirements.txt
 	touch $(BENCH_STAMP)
 
 bench: $(STAMP) $(BENCH_STAMP) $(PEERS_STAMP)
-	$(PY) -P bench/run.py $(BENCH_ARGS)
+	$(PY) bench/run.py $(BENCH_ARGS)
 
 # On a machine with an NVIDIA GPU: the cuda-marked tests and the GPU bench. By default in .venv,
 # with CuPy for CUDA $(CUDA) (`make test-gpu CUDA=13` for cupy-cuda13x); it has the CPU torch,
@@ -78,10 +74,10 @@ gpu-python:
 endif
 
 test-gpu: $(GPU_STAMP)
-	$(GPU_PY) -P -m pytest -q -m cuda
+	$(GPU_PY) -m pytest -q -m cuda
 
 bench-gpu: $(GPU_STAMP)
-	$(GPU_PY) -P bench/gpu.py --weightsync 7b,70b-slice --layers 10 --out bench/results/gpu.md
+	$(GPU_PY) bench/gpu.py --weightsync 7b,70b-slice --layers 10 --out bench/results/gpu.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info client/*.so .pytest_cache .mypy_cache .ruff_cache

@@ -10,7 +10,7 @@ and dropped, median of many. Then the weight-sync scenario (bench/weightsync.py)
 bf16 state_dict republished to a torch and a JAX process, against torch's CUDA IPC handles.
 Needs torch with CUDA, CuPy and JAX; says so and exits 2 otherwise.
 
-    python3 -P bench/gpu.py [--reps 5] [--weightsync 7b,70b-slice] [--layers 10]
+    python3 bench/gpu.py [--reps 5] [--weightsync 7b,70b-slice] [--layers 10]
                             [--out bench/results/gpu.md]
 """
 

@@ -11,7 +11,7 @@ into the notes of common/cudart.py, server/devices.py and client/cuda.py. They s
              what does a reader of the object see, and does it hang?
   4. device: does a process that only uses cuda:1 make a context on cuda:0? (needs 2 GPUs)
 
-    python3 -P bench/gpu_probes.py
+    python3 bench/gpu_probes.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Run the benchmarks: every scenario for every system, interleaved, several repetitions.
 
-    python -P bench/run.py [--quick] [--reps N] [--sizes 4K,1M,1G] [--only tensorbroker,plasma]
+    python bench/run.py [--quick] [--reps N] [--sizes 4K,1M,1G] [--only tensorbroker,plasma]
 
 Runs in the main virtual environment; each system is driven by a worker process
 (bench/worker.py) with the Python its packages need (Plasma and Ray: bench/.venv-peers).
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     settings, only_replot = parse_args(argv)
     if only_replot:
         return replot()
-    command = "python -P bench/run.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = "python bench/run.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     started = time.monotonic()
     notes: list[str] = []
     gpu = machine.gpu_note()

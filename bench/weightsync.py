@@ -28,7 +28,7 @@ model's bytes over the median sync. A version is published only after both consu
 the last one and let go of it. The first publish pays one-time setup (handles opened, mappings)
 and is shown apart; the JAX checksum is compiled before it, so no compile is timed.
 
-    .venv/bin/python -P bench/weightsync.py [--model 7b|70b-slice] [--layers N] [--versions 5]
+    .venv/bin/python bench/weightsync.py [--model 7b|70b-slice] [--layers N] [--versions 5]
                                             [--tiny] [--out bench/results/weightsync.md]
 """
 

@@ -1,6 +1,6 @@
 """tensorbroker demo: a PyTorch process -> a JAX process -> a NumPy process, through one broker.
 
-    make demo        (or: .venv/bin/python -P demo/pipeline.py [--items N] [--mib M])
+    make demo        (or: .venv/bin/python demo/pipeline.py [--items N] [--mib M])
 
 Starts a broker on the default address (or uses the one already serving there), runs three
 stages in three processes joined by two queues, and prints what it proves: every item

@@ -12,27 +12,31 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import ClassVar
 
 from .common.config import SOCKET_NAME, parse_size
 from .common.errors import BrokerUnavailable
 
-started: set[int] = set()  # pids of brokers this process started and has not stopped
-
-
-@atexit.register
-def _stop_forgotten_brokers() -> None:
-    """A broker started here and never stopped ends with this interpreter."""
-    for pid in list(started):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-
 
 class BrokerProcess:
     """A running `tensorbroker serve`. `.stop()` (or leaving `with`) ends it and removes its
-    socket; the broker unlinks its shared memory as it exits."""
+    socket; the broker unlinks its shared memory as it exits. A broker started here and never
+    stopped is sent SIGTERM when this interpreter exits."""
 
     _proc: subprocess.Popen[bytes] | None = None
     _tmpdir: str | None = None
+    _unstopped: ClassVar[set[int]] = set()  # pids started by this process and not stopped
+
+    @classmethod
+    def unstopped(cls) -> frozenset[int]:
+        """The pids of brokers this process started and has not stopped."""
+        return frozenset(cls._unstopped)
+
+    @classmethod
+    def _stop_forgotten(cls) -> None:
+        for pid in list(cls._unstopped):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
 
     def __init__(
         self,
@@ -75,7 +79,7 @@ class BrokerProcess:
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
                 )
-            started.add(self._proc.pid)
+            BrokerProcess._unstopped.add(self._proc.pid)
             os.close(write_fd)
             write_fd = -1
             ready, _, _ = select.select([read_fd], [], [], ready_timeout)
@@ -95,6 +99,27 @@ class BrokerProcess:
     @property
     def pid(self) -> int:
         return self._proc.pid if self._proc is not None else -1
+
+    @property
+    def alive(self) -> bool:
+        """Whether the broker process is running (False once it exited or was stopped)."""
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        """The broker's exit code once it has exited (negative: the signal that ended it)."""
+        return self._proc.poll() if self._proc is not None else None
+
+    def send_signal(self, sig: int) -> None:
+        """Send `sig` to the broker (SIGKILL to test a crash, say); stop() still cleans up."""
+        if self._proc is not None:
+            self._proc.send_signal(sig)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the broker to exit; its exit code. subprocess.TimeoutExpired on timeout."""
+        if self._proc is None:
+            raise BrokerUnavailable("this broker was stopped: there is nothing to wait for")
+        return self._proc.wait(timeout)
 
     def _log_tail(self) -> str:
         try:
@@ -116,7 +141,7 @@ class BrokerProcess:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 code = proc.wait()
-            started.discard(proc.pid)
+            BrokerProcess._unstopped.discard(proc.pid)
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
@@ -145,3 +170,6 @@ def start_broker(
     one is given) and return once it serves. `cuda_memory` is its --cuda-memory (default:
     every GPU CuPy finds, half of each one's free memory)."""
     return BrokerProcess(memory, address, log_level=log_level, cuda_memory=cuda_memory)
+
+
+atexit.register(BrokerProcess._stop_forgotten)

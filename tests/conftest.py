@@ -39,9 +39,10 @@ def _leaves_nothing_behind() -> Iterator[None]:
     before = _segments()
     yield
     new = _segments() - before
-    ours = {s for s in new if not _owner_alive(s) or int(s.split("-")[1]) in tb.launcher.started}
+    unstopped = tb.BrokerProcess.unstopped()
+    ours = {s for s in new if not _owner_alive(s) or int(s.split("-")[1]) in unstopped}
     assert not ours, f"the test suite left shared-memory segments behind: {sorted(ours)}"
-    running = [pid for pid in tb.launcher.started if _owner_alive(f"tb-{pid}-")]
+    running = [pid for pid in unstopped if _owner_alive(f"tb-{pid}-")]
     assert not running, f"the test suite left brokers running: {running}"
 
 
@@ -50,7 +51,7 @@ def broker() -> Iterator[tb.BrokerProcess]:
     """A broker shared by the tests of one module (256 MiB, its own temporary address)."""
     with tb.start_broker(memory="256MiB") as b:
         yield b
-        assert b._proc is not None and b._proc.poll() is None, "the broker died during the tests"
+        assert b.alive, f"the broker died during the tests (exit code {b.returncode})"
     assert not os.path.exists(b.address[len("ipc://") :])
 
 

@@ -90,7 +90,7 @@ def assert_error(reply: dict[str, Any], *codes: str) -> None:
 
 
 def assert_serves(broker: tb.BrokerProcess) -> None:
-    assert broker._proc is not None and broker._proc.poll() is None, "the broker died"
+    assert broker.alive, f"the broker died (exit code {broker.returncode})"
     with tb.connect(broker.address) as c:
         value = np.arange(1000, dtype=np.float32)
         key = f"after-{secrets.token_hex(4)}"
@@ -355,9 +355,7 @@ def test_get_with_a_very_long_timeout_does_not_kill_the_broker(
     sock.send(encode({"op": "get", "id": 2, "key": "later", "timeout": timeout}))
     sock.send(encode({"op": "ping", "id": 3}))
     answered = sock.poll(1000)
-    proc = fresh_broker._proc
-    assert proc is not None
-    died = wait_until(lambda: proc.poll() is not None, 1.0)
-    assert not died, f"the broker exited with code {proc.returncode}"
+    died = wait_until(lambda: not fresh_broker.alive, 1.0)
+    assert not died, f"the broker exited with code {fresh_broker.returncode}"
     assert answered and decode(sock.recv())["id"] == 3
     assert_serves(fresh_broker)

@@ -24,9 +24,8 @@ def test_segments_of_a_killed_broker_are_removed_by_the_next_one() -> None:
         left = glob.glob(f"/dev/shm/tb-{first.pid}-*")
         assert left, "the broker made no segment"
         assert all(os.stat(p).st_mode & 0o777 == 0o600 for p in left)
-        assert first._proc is not None
-        first._proc.send_signal(signal.SIGKILL)
-        first._proc.wait(10)
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
         assert all(os.path.exists(p) for p in left)  # SIGKILL: nothing could clean up
         with tb.start_broker(memory="16MiB") as second:
             assert not any(os.path.exists(p) for p in left)
@@ -43,9 +42,8 @@ def test_sigterm_unlinks_every_segment_and_the_socket() -> None:
         c.put("x", np.ones(1000))
     segments = glob.glob(f"/dev/shm/tb-{broker.pid}-*")
     assert segments and os.path.exists(path)
-    assert broker._proc is not None
-    broker._proc.send_signal(signal.SIGTERM)
-    assert broker._proc.wait(10) == 0
+    broker.send_signal(signal.SIGTERM)
+    assert broker.wait(10) == 0
     assert not any(os.path.exists(p) for p in segments)
     assert not os.path.exists(path)
     broker.stop()
@@ -66,8 +64,7 @@ def test_a_parked_get_learns_at_once_that_the_broker_died() -> None:
         waiter = threading.Thread(target=wait)
         waiter.start()
         time.sleep(0.2)
-        assert broker._proc is not None
-        broker._proc.send_signal(signal.SIGKILL)
+        broker.send_signal(signal.SIGKILL)
         waiter.join(5)
         assert not waiter.is_alive()
         assert isinstance(outcome[0], tb.BrokerUnavailable) and "exited" in str(outcome[0])

@@ -1,7 +1,6 @@
 """Unit tests for the shared-memory arena (server/arena.py), on a private directory."""
 
 import errno
-import importlib.util
 import itertools
 import os
 import random
@@ -10,30 +9,11 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-
-def _load_arena() -> ModuleType:
-    try:
-        arena: ModuleType = importlib.import_module("tensorbroker.server.arena")
-    except ImportError:
-        path = Path(__file__).resolve().parents[2] / "server" / "arena.py"
-        spec = importlib.util.spec_from_file_location("tensorbroker_server_arena", path)
-        assert spec is not None and spec.loader is not None
-        arena = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = arena
-        spec.loader.exec_module(arena)
-    return arena
-
-
-_arena = _load_arena()
-Arena = _arena.Arena
-Block = _arena.Block
-Segment = _arena.Segment
-ShmExhausted = _arena.ShmExhausted
+from tensorbroker.server.arena import Arena, Block, Segment, ShmExhausted
 
 KiB = 2**10
 MiB = 2**20

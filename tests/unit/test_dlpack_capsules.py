@@ -9,17 +9,12 @@ from __future__ import annotations
 import ctypes
 import datetime
 import gc
-import importlib.util
-import os
-import shutil
 import subprocess
 import sys
-import sysconfig
 import textwrap
 import threading
 import weakref
 from collections.abc import Callable
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -31,38 +26,14 @@ jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
-REPO = Path(__file__).resolve().parents[2]
+from tensorbroker.client import _dlpack  # noqa: E402
+
 KDLCPU = 1
 
 
-def _load_dlpack(tmp_dir: Path) -> ModuleType:
-    """$TENSORBROKER_DLPACK_SO, else the installed extension, else a build into tmp_dir."""
-    path = os.environ.get("TENSORBROKER_DLPACK_SO")
-    if not path:
-        try:
-            from tensorbroker.client import _dlpack
-
-            return _dlpack
-        except ImportError:
-            pass
-        cc = shutil.which("gcc") or shutil.which("cc")
-        if cc is None:
-            pytest.skip("tensorbroker.client._dlpack is not built and there is no C compiler")
-        path = str(tmp_dir / ("_dlpack" + sysconfig.get_config_var("EXT_SUFFIX")))
-        include = "-I" + sysconfig.get_paths()["include"]
-        src = str(REPO / "client" / "_dlpack.c")
-        flags = ["-shared", "-fPIC", "-O2", "-Wall", "-Wextra"]
-        subprocess.run([cc, *flags, include, src, "-o", path], check=True)
-    spec = importlib.util.spec_from_file_location("_dlpack", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
-def dl(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
-    return _load_dlpack(tmp_path_factory.mktemp("dlpackbuild"))
+def dl() -> ModuleType:
+    return _dlpack
 
 
 # ---- helpers -------------------------------------------------------------------------
@@ -444,11 +415,9 @@ def test_numpy_rejecting_bfloat16_keeps_interpreter_healthy(dl: ModuleType) -> N
     """NumPy destroys the capsule with its own exception pending; 1000 times, in a child."""
     child = textwrap.dedent(
         """
-        import gc, importlib.util, sys, weakref
+        import gc, sys, weakref
         import ml_dtypes, numpy as np
-        spec = importlib.util.spec_from_file_location("_dlpack", sys.argv[1])
-        dl = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(dl)
+        from tensorbroker.client import _dlpack as dl
 
         released = 0
 
@@ -501,7 +470,7 @@ def test_numpy_rejecting_bfloat16_keeps_interpreter_healthy(dl: ModuleType) -> N
         """
     )
     proc = subprocess.run(
-        [sys.executable, "-X", "faulthandler", "-c", child, str(dl.__file__)],
+        [sys.executable, "-X", "faulthandler", "-c", child],
         capture_output=True,
         text=True,
         timeout=300,
