@@ -20,6 +20,7 @@
 #define DLPACK_MAJOR_VERSION 1
 #define DLPACK_MINOR_VERSION 0
 #define DLPACK_FLAG_BITMASK_READ_ONLY (UINT64_C(1) << 0)
+#define DLPACK_FLAG_BITMASK_IS_COPIED (UINT64_C(1) << 1)
 
 typedef enum { kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3 } DLDeviceType;
 typedef struct { DLDeviceType device_type; int32_t device_id; } DLDevice;
@@ -148,13 +149,14 @@ static int check_range(const char *what, int v, int lo, int hi) {
 static PyObject *make_capsule(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
     static char *kwlist[] = {"owner", "data", "shape", "strides", "code", "bits", "lanes",
-                             "device_type", "device_id", "versioned", "readonly", NULL};
+                             "device_type", "device_id", "versioned", "readonly", "copied",
+                             NULL};
     PyObject *owner, *data_obj, *shape, *strides;
-    int code, bits, lanes, device_type, device_id, versioned, readonly;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO!O!iiiiipp:make_capsule", kwlist,
+    int code, bits, lanes, device_type, device_id, versioned, readonly, copied = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO!O!iiiiipp|$p:make_capsule", kwlist,
                                      &owner, &data_obj, &PyTuple_Type, &shape, &PyTuple_Type,
                                      &strides, &code, &bits, &lanes, &device_type, &device_id,
-                                     &versioned, &readonly))
+                                     &versioned, &readonly, &copied))
         return NULL;
     if (!PyLong_Check(data_obj)) {
         PyErr_Format(PyExc_TypeError, "data must be an int address, not %.100s",
@@ -202,8 +204,12 @@ static PyObject *make_capsule(PyObject *self, PyObject *args, PyObject *kwargs) 
         return NULL;
     }
 
+    int empty = 0; /* a size-0 tensor's data pointer is NULL, as the DLPack spec asks */
+    for (Py_ssize_t i = 0; i < ndim; i++)
+        empty |= shape_arr[i] == 0;
+
     DLTensor t;
-    t.data = (void *)(uintptr_t)address;
+    t.data = empty ? NULL : (void *)(uintptr_t)address;
     t.device.device_type = (DLDeviceType)device_type;
     t.device.device_id = (int32_t)device_id;
     t.ndim = (int32_t)ndim;
@@ -221,7 +227,8 @@ static PyObject *make_capsule(PyObject *self, PyObject *args, PyObject *kwargs) 
         m->version.minor = DLPACK_MINOR_VERSION;
         m->manager_ctx = owner;
         m->deleter = versioned_deleter;
-        m->flags = readonly ? DLPACK_FLAG_BITMASK_READ_ONLY : 0;
+        m->flags = (readonly ? DLPACK_FLAG_BITMASK_READ_ONLY : 0) |
+                   (copied ? DLPACK_FLAG_BITMASK_IS_COPIED : 0);
         m->dl_tensor = t;
         name = NAME_VERSIONED;
     } else {
@@ -334,6 +341,7 @@ PyMODINIT_FUNC PyInit__dlpack(void) {
     PyObject *version = Py_BuildValue("(ii)", DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION);
     if (version == NULL || PyModule_AddObjectRef(m, "DLPACK_VERSION", version) < 0 ||
         PyModule_AddIntConstant(m, "FLAG_READ_ONLY", (long)DLPACK_FLAG_BITMASK_READ_ONLY) < 0 ||
+        PyModule_AddIntConstant(m, "FLAG_IS_COPIED", (long)DLPACK_FLAG_BITMASK_IS_COPIED) < 0 ||
         PyModule_AddIntConstant(m, "MAX_NDIM", MAX_NDIM) < 0) {
         Py_XDECREF(version);
         Py_DECREF(m);

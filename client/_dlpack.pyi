@@ -6,6 +6,8 @@ DLPACK_VERSION: tuple[int, int]
 """The DLPack version of the capsules this module builds: (1, 0)."""
 FLAG_READ_ONLY: int
 """DLPACK_FLAG_BITMASK_READ_ONLY."""
+FLAG_IS_COPIED: int
+"""DLPACK_FLAG_BITMASK_IS_COPIED."""
 MAX_NDIM: int
 """The largest ndim make_capsule accepts (64)."""
 
@@ -21,12 +23,15 @@ def make_capsule(
     device_id: int,
     versioned: bool,
     readonly: bool,
+    *,
+    copied: bool = False,
 ) -> CapsuleType:
     """Wrap the memory at address ``data`` in a DLPack capsule.
 
     ``strides`` are in elements and must have the same length as ``shape``. The capsule is
-    named "dltensor_versioned" (DLPack 1.0, read-only flag set when ``readonly``) when
-    ``versioned`` is true, else "dltensor" (``readonly`` is then ignored). ``owner`` is kept
+    named "dltensor_versioned" (DLPack 1.0; flags: read-only when ``readonly``, is-copied when
+    ``copied``) when ``versioned`` is true, else "dltensor" (the flags are then dropped). A
+    tensor with a zero in its shape gets a NULL data pointer, as the spec asks. ``owner`` is kept
     alive until the consumer's deleter runs, or until the capsule is destroyed unconsumed.
     """
 

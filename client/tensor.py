@@ -177,6 +177,11 @@ class Tensor:
         versioned = max_version is not None and max_version[0] >= 1
         if here[0] == KDL_CUDA:
             return self._device_capsule(stream, versioned, copy)
+        if stream is not None:  # the array API: on a device without streams, only None
+            raise BufferError(
+                f"tensor {self.key!r} is in host memory, which has no streams: pass "
+                f"stream=None, not {stream!r}"
+            )
         if copy:
             owner: Any = np.array(self._bytes(), copy=True)
             ptr, strides = owner.ctypes.data, compact_strides(self.shape)
@@ -185,8 +190,9 @@ class Tensor:
             owner, ptr, strides, readonly = self._lease, self._ptr, self.strides, not self._writable
         dt = self._dt
         return _dlpack.make_capsule(
-            owner, ptr, self.shape, strides, dt.code, dt.bits, 1, KDL_CPU, 0, versioned, readonly
-        )
+            owner, ptr, self.shape, strides, dt.code, dt.bits, 1, KDL_CPU, 0, versioned, readonly,
+            copied=bool(copy),
+        )  # fmt: skip
 
     def _device_capsule(self, stream: Any, versioned: bool, copy: bool | None) -> Any:
         lease = self._lease

@@ -644,3 +644,37 @@ def test_make_capsule_limits_accepted(dl: ModuleType) -> None:
     empty = dl.make_capsule(None, 0, (0, 5), (5, 1), 2, 32, 1, 1, 0, True, False)
     assert dl.capsule_info(empty)[1] == (0, 5)
     assert dl.DLPACK_VERSION == (1, 0) and dl.FLAG_READ_ONLY == 1 and dl.MAX_NDIM == 64
+
+
+def _flags(capsule: Any) -> int:
+    ptr = _CAPI.PyCapsule_GetPointer(capsule, b"dltensor_versioned")
+    return int(DLManagedTensorVersioned.from_address(ptr).flags)
+
+
+@pytest.mark.parametrize("copied", [False, True])
+@pytest.mark.parametrize("readonly", [False, True])
+def test_is_copied_flag(dl: ModuleType, readonly: bool, copied: bool) -> None:
+    """DLPack 1.0: "when a copy happens, the flag DLPACK_FLAG_BITMASK_IS_COPIED must be set"."""
+    buf = aligned(np.arange(4, dtype=np.float32))
+    capsule = dl.make_capsule(
+        Owner(buf), buf.ctypes.data, (4,), (1,), 2, 32, 1, 1, 0, True, readonly, copied=copied
+    )
+    want = (dl.FLAG_READ_ONLY if readonly else 0) | (dl.FLAG_IS_COPIED if copied else 0)
+    assert _flags(capsule) == want
+    assert dl.FLAG_IS_COPIED == 2  # the bit the header defines
+
+
+@pytest.mark.parametrize("consumer", list(CONSUMERS))
+@pytest.mark.parametrize("shape", [(0,), (3, 0), (0, 5, 2)])
+def test_size_zero_tensor_has_null_data(
+    dl: ModuleType, consumer: str, shape: tuple[int, ...]
+) -> None:
+    """DLPack: "for a tensor with size 0, data should be NULL"; every consumer takes it."""
+    buf = aligned(np.zeros(8, dtype=np.float32))
+    strides = row_major(shape)
+    capsule = dl.make_capsule(Owner(buf), buf.ctypes.data, shape, strides, 2, 32, 1, 1, 0, False,
+                              False)  # fmt: skip
+    assert dl.capsule_info(capsule)[0] == 0
+    view = buf[:0].reshape(shape)
+    arr, _ = CONSUMERS[consumer](Producer(dl, Owner(buf), 2, 32, view=view))
+    assert tuple(arr.shape) == shape and host_copy(arr).size == 0
