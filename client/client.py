@@ -39,7 +39,7 @@ from .queue import Queue
 from .shm import SegmentCache
 from .sources import Source, entries
 from .tensor import DeviceLease, Lease, Tensor
-from .transport import BrokerExited, Channel, ChannelPool, open_pidfd, waits
+from .transport import BrokerExited, Channel, ChannelPool, waits
 
 log = logging.getLogger(__name__)
 
@@ -116,12 +116,7 @@ class Client:
             raise
         self._heartbeat = float(reply.get("heartbeat") or 0.0) or None
         if self._broker_pidfd is None and reply.get("boot_id") == host.boot_id():
-            pid = reply["pid"]
-            fd = open_pidfd(pid)
-            if fd is not None and host.start_time(pid) != reply.get("start_time"):
-                os.close(fd)
-                fd = None
-            self._broker_pidfd = fd
+            self._broker_pidfd = host.open_pidfd(reply["pid"], reply.get("start_time"))
         if self._broker_pidfd is not None:
             channel.watch_broker(self._broker_pidfd)
         return channel

@@ -4,7 +4,6 @@ keeps a small pool of them so that threads never share a socket."""
 from __future__ import annotations
 
 import math
-import os
 import select
 import threading
 import time
@@ -83,13 +82,6 @@ def waits(timeout: float | None) -> tuple[float | None, float | None]:
     if timeout is not None and math.isinf(timeout):
         timeout = None
     return timeout, None if timeout is None else timeout + WAIT_GRACE
-
-
-def open_pidfd(pid: int) -> int | None:
-    try:
-        return os.pidfd_open(pid)
-    except (OSError, AttributeError):
-        return None
 
 
 class ChannelPool:

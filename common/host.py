@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 
 @functools.cache
@@ -32,3 +33,19 @@ def start_time(pid: int) -> int | None:
         return int(fields[19])
     except (IndexError, ValueError):
         return None
+
+
+def open_pidfd(pid: int, started: int | None) -> int | None:
+    """A pidfd for `pid` if it is the process that started at `started` (see start_time), or
+    None: no such process, pidfds unsupported, or another process under the same number
+    (reused, or another pid namespace's). The caller closes it."""
+    if started is None:
+        return None
+    try:
+        fd = os.pidfd_open(pid)
+    except (OSError, OverflowError, AttributeError):
+        return None
+    if start_time(pid) != started:
+        os.close(fd)
+        return None
+    return fd

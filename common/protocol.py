@@ -234,12 +234,20 @@ class Request:
     releases: list[int]
 
 
+def request_id(message: dict[str, Any]) -> int | None:
+    """The message's request id if it is a valid one (an int in [0, 2**63)), else None."""
+    value = message.get("id", 0)
+    return value if type(value) is int and 0 <= value < 1 << 63 else None
+
+
 def parse_request(message: dict[str, Any]) -> Request:
     """Validate a decoded request. ProtocolError when it cannot be answered by id at all is
     impossible to avoid; otherwise the error carries the request id for the reply."""
-    op, request_id = message.get("op"), message.get("id", 0)
-    if type(request_id) is not int or not 0 <= request_id < 1 << 63:
-        raise ProtocolError(f"request id must be a non-negative integer, got {request_id!r:.40}")
+    op, req_id = message.get("op"), request_id(message)
+    if req_id is None:
+        raise ProtocolError(
+            f"request id must be a non-negative integer, got {message.get('id')!r:.40}"
+        )
     spec = _FIELDS.get(op) if isinstance(op, str) else None
     if spec is None:
         raise ProtocolError(f"unknown op {op!r:.40}; this broker speaks {', '.join(_FIELDS)}")
@@ -259,4 +267,4 @@ def parse_request(message: dict[str, Any]) -> Request:
         or not all(type(r) is int and r >= 0 for r in releases)
     ):
         raise InvalidRequest(f"{op}: 'rel' must be a list of lease ids")
-    return Request(str(op), request_id, fields, releases)
+    return Request(str(op), req_id, fields, releases)

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_FRACTION = 0.5  # of each device's free memory, when --cuda-memory names no size
 DEVICE_ALIGN = 256  # what cudaMalloc guarantees; every device tensor starts on 256 bytes
+RECLAIM_POLL = 0.001  # how often the broker looks at the events of blocks waiting for GPU work
 
 
 class DeviceChunk(Segment):
@@ -121,7 +122,7 @@ class DeviceMemory:
     arenas: dict[int, DeviceArena] = field(default_factory=dict)
     quarantine: list[Quarantined] = field(default_factory=list)
     _count: int = 0  # devices CuPy sees
-    freed: int = 0  # blocks freed since the broker last looked (it may have puts waiting)
+    on_free: Callable[[], None] | None = None  # told when blocks come back (puts may wait)
     _dead: set[int] = field(default_factory=set)  # events whose recorder died
     _events: dict[int, tuple[int, int, bytes]] = field(
         default_factory=dict
@@ -241,7 +242,8 @@ class DeviceMemory:
             for event_id in q.events:
                 self._recycle(event_id)
             q.then()
-        self.freed += len(done)
+        if done and self.on_free is not None:
+            self.on_free()
         return len(done)
 
     def forget(self, events: list[int]) -> None:

@@ -1,4 +1,4 @@
-"""Parked requests, and the state of one pipeline queue. No sockets here: the broker answers.
+"""Pipeline queues: their state and every queue request (open, put, get, close, info).
 
 Note [queue slots]
 
@@ -19,24 +19,20 @@ consumers are slow at. A consumer that keeps items alive keeps their slots: with
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
-from ..common.protocol import Request
+from ..common.errors import BrokerError, InvalidRequest, QueueClosed, Timeout
+from ..common.protocol import Request, reply_error, reply_ok
+from .objects import Objects
+from .parking import Waiter, secs
 from .registry import Session, StoredObject
 
+ENDED_QUEUES = 4096  # ended queues remembered, so that a late consumer sees them closed
 
-@dataclass(eq=False, slots=True)
-class Waiter:
-    """A request parked until it can be answered, or until its deadline passes."""
-
-    session: Session
-    route: bytes
-    request: Request
-    deadline: float | None
-    line: deque[Waiter]  # where it waits; it leaves when answered, timed out or dropped
-    timeout_message: str
-    done: bool = False
+Reply = dict[str, Any]
 
 
 @dataclass(eq=False)
@@ -64,3 +60,169 @@ class BrokerQueue:
     def describe(self) -> str:
         bound = f"of {self.maxsize} " if self.maxsize else ""
         return f"queue {self.name!r} ({len(self.items)} waiting, {self.in_flight} {bound}in flight)"
+
+
+class Queues:
+    """Every queue by name and by id (open, draining, or ended and remembered), and the
+    handlers of queue requests. Items are objects (registry.py) with a queue; they are
+    written and read through `objects`."""
+
+    def __init__(self, objects: Objects) -> None:
+        self.objects, self.registry, self.lot = objects, objects.registry, objects.lot
+        self.by_name: dict[str, BrokerQueue] = {}
+        self.by_id: dict[int, BrokerQueue] = {}
+        self._ids = itertools.count(1)
+        self._ended: dict[int, BrokerQueue] = {}  # ended queues, oldest first
+        self._roomy: set[BrokerQueue] = set()  # queues that freed a slot since the last look
+
+    def open(self, session: Session, route: bytes, req: Request) -> Reply:
+        name, maxsize = req.fields["name"], req.fields.get("maxsize", 0)
+        q = self.by_name.get(name)
+        if q is None:
+            q = BrokerQueue(name, next(self._ids), maxsize)
+            self.by_name[name] = q
+            self.by_id[q.id] = q
+        elif maxsize and q.maxsize and maxsize != q.maxsize:
+            raise InvalidRequest(
+                f"queue {name!r} is open with maxsize={q.maxsize}, not {maxsize}: open it with "
+                f"maxsize={q.maxsize}, or with maxsize=0 to take it as it is"
+            )
+        elif maxsize:
+            q.maxsize = maxsize  # the first bound asked for holds
+        return {"queue": q.id, "maxsize": q.maxsize, "closed": q.closed}
+
+    def _queue(self, req: Request) -> BrokerQueue:
+        q = self.by_id.get(req.fields["queue"])
+        if q is None:
+            name = req.fields.get("name", f"#{req.fields['queue']}")
+            raise QueueClosed(f"queue {name!r} is closed and drained")
+        return q
+
+    def put(self, session: Session, route: bytes, req: Request) -> Reply | None:
+        q = self._queue(req)
+        self._check_open(q)
+        if not q.full and not q.putters:
+            return self.objects.grant_or_wait(
+                session, route, req, lambda: self._grant_open(session, q, req)
+            )
+        timeout = req.fields.get("timeout")
+        if timeout == 0.0:
+            raise Timeout(f"{q.describe()} is full")
+        message = f"{q.describe()} stayed full for {secs(timeout)}: is a consumer keeping up?"
+        self.lot.park(session, route, req, timeout, q.putters, message)
+        return None
+
+    @staticmethod
+    def _check_open(q: BrokerQueue) -> None:
+        if q.closed:
+            raise QueueClosed(
+                f"queue {q.name!r} is closed: it takes no more puts (a closed queue stays "
+                "closed; give a new stream a new name)"
+            )
+
+    def _grant_open(self, session: Session, q: BrokerQueue, req: Request) -> Reply:
+        self._check_open(q)  # a put that waited for device memory may find it closed
+        return self._grant(session, q, req)
+
+    def _grant(self, session: Session, q: BrokerQueue, req: Request) -> Reply:
+        """Memory for one item of `q`: it takes a slot until the item is freed."""
+        f = req.fields
+        put_id, obj = self.registry.begin_put(
+            session, q.name, f["tensors"], f.get("bundle", False), queue=q,
+            device=f.get("device", "cpu"),
+        )  # fmt: skip
+        q.in_flight += 1
+        q.pending += 1
+        return self.objects.granted(put_id, obj)
+
+    def seal(self, session: Session, put_id: int, keep: bool, q: BrokerQueue) -> Reply:
+        """An item sealed: to the first waiting consumer, else to the back of the queue."""
+        if q.closed:
+            self.registry.abort(session, put_id, keep)
+            raise QueueClosed(f"queue {q.name!r} was closed before this item was sealed")
+        q.sealed += 1
+        obj = self.registry.seal(session, put_id, keep, version=q.sealed)
+        q.pending -= 1
+        if q.getters:  # a consumer is waiting: it takes the item now
+            w = q.getters[0]
+            self.objects.answer(w, reply_ok(w.request.id, **self.objects.describe(w.session, obj)))
+        else:
+            q.items.append(obj)
+        return {"version": obj.version}
+
+    def get(self, session: Session, route: bytes, req: Request) -> Reply | None:
+        q = self._queue(req)
+        if q.items:
+            reply = self.objects.describe(session, q.items.popleft())
+            self._note_if_ended(q)
+            return reply
+        if q.closed:
+            raise QueueClosed(f"queue {q.name!r} is closed and drained")
+        timeout = req.fields.get("timeout")
+        if timeout == 0.0:
+            raise Timeout(f"queue {q.name!r} is empty")
+        message = f"queue {q.name!r} stayed empty for {secs(timeout)}"
+        self.lot.park(session, route, req, timeout, q.getters, message)
+        return None
+
+    def close(self, session: Session, route: bytes, req: Request) -> Reply:
+        q = self.by_id.get(req.fields["queue"])
+        if q is None or q.closed:
+            return {}  # closing a closed queue succeeds
+        q.closed = True
+        for w in [*q.getters, *q.putters]:
+            closed = QueueClosed(f"queue {q.name!r} was closed")
+            self.objects.answer(w, reply_error(w.request.id, closed))
+        self._note_if_ended(q)
+        return {}
+
+    def info(self, session: Session, route: bytes, req: Request) -> Reply:
+        q = self._queue(req)
+        return {
+            "name": q.name,
+            "len": len(q.items),
+            "maxsize": q.maxsize,
+            "in_flight": q.in_flight,
+            "closed": q.closed,
+        }
+
+    def item_freed(self, obj: StoredObject) -> None:
+        """The registry freed an item's memory: its slot opens (given by `admit_putters`,
+        after the request at hand)."""
+        q: BrokerQueue = obj.queue
+        q.in_flight -= 1
+        if obj.version == 0:  # aborted before it was sealed
+            q.pending -= 1
+        self._roomy.add(q)
+
+    def admit_putters(self) -> None:
+        """Give freed slots to the producers waiting for them, first come first served."""
+        while self._roomy:
+            q = self._roomy.pop()
+            while q.putters and not q.full:
+                w = q.putters[0]
+                try:
+                    result = self._grant(w.session, q, w.request)
+                except BrokerError as exc:
+                    self.objects.answer(w, reply_error(w.request.id, exc))
+                else:
+                    self.objects.answer(w, reply_ok(w.request.id, **result))
+            self._note_if_ended(q)
+
+    def _note_if_ended(self, q: BrokerQueue) -> None:
+        """A closed queue stays closed: consumers that come late end at once instead of
+        waiting for a stream that is over. Only the oldest of many ended queues are forgotten
+        (their names then start new queues)."""
+        if not q.ended or q.id in self._ended:
+            return
+        self._ended[q.id] = q
+        while len(self._ended) > ENDED_QUEUES:
+            old = self._ended.pop(next(iter(self._ended)))
+            del self.by_id[old.id]
+            del self.by_name[old.name]
+
+    def stats(self) -> Reply:
+        return {
+            "queues": len(self.by_name) - len(self._ended),  # not ended yet
+            "queued_items": sum(len(q.items) for q in self.by_name.values()),
+        }

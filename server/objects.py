@@ -1,0 +1,173 @@
+"""Keyed objects: put, seal, abort, get (and watch), delete, exists, keys.
+
+What an object is and how its memory lives is the registry's (registry.py); this module turns
+requests into registry calls and replies. A get of a version not sealed yet parks in the
+key's line until a seal answers it. A device put that does not fit while freed device blocks
+still wait for GPU work (Note [device memory] in devices.py) parks until memory comes back,
+up to DEVICE_WAIT from its first try; queue puts use the same waiting (`wait_for_device`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..common.errors import BrokerError, CapacityError, NotFound, Timeout
+from ..common.protocol import Request, reply_error, reply_ok
+from .parking import ParkingLot, Waiter, secs
+from .registry import Registry, Session, StoredObject
+
+DEVICE_WAIT = 10.0  # a device put waits this long for quarantined memory to come back
+DEVICE_PUTS = ("device puts",)  # the parking lot's line of device puts waiting for memory
+
+Reply = dict[str, Any]
+
+
+class Objects:
+    """The handlers of keyed objects. `send(route, payload)` sends a reply."""
+
+    def __init__(
+        self, registry: Registry, lot: ParkingLot, send: Callable[[bytes, bytes], None]
+    ) -> None:
+        self.registry, self.devices, self.lot, self._send = registry, registry.devices, lot, send
+        self._memory_back = False  # device memory was freed since device puts last tried
+
+    def answer(self, w: Waiter, payload: bytes) -> None:
+        self.lot.unpark(w)
+        self._send(w.route, payload)
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def put(self, session: Session, route: bytes, req: Request) -> Reply | None:
+        f = req.fields
+
+        def grant() -> Reply:
+            put_id, obj = self.registry.begin_put(
+                session, f["key"], f["tensors"], f.get("bundle", False),
+                device=f.get("device", "cpu"),
+            )  # fmt: skip
+            return self.granted(put_id, obj)
+
+        return self.grant_or_wait(session, route, req, grant)
+
+    def granted(self, put_id: int, obj: StoredObject) -> Reply:
+        """A put's reply: where to write, and for a device object the chunk's IPC handle and
+        the write event to record after the copy."""
+        reply = {"put": put_id, "tensors": obj.wire}
+        if obj.events is not None:
+            reply.update(self._device_fields(obj))
+        return reply
+
+    def _device_fields(self, obj: StoredObject) -> Reply:
+        assert obj.events is not None
+        write = obj.events[0]
+        return {
+            "handle": self.devices.arena(obj.device).handle(obj.block.segment),
+            "event": [write, self.devices.handle(write)],
+        }
+
+    def grant_or_wait(
+        self,
+        session: Session,
+        route: bytes,
+        req: Request,
+        grant: Callable[[], Reply],
+        deadline: float | None = None,
+    ) -> Reply | None:
+        """`grant()`'s reply; or, for a device put that does not fit while freed blocks wait
+        for GPU work, park it (until `deadline`, else DEVICE_WAIT from now) and try again
+        when memory comes back."""
+        try:
+            return grant()
+        except CapacityError as exc:
+            if req.fields.get("device", "cpu") == "cpu" or not self.devices.quarantine:
+                raise
+            if deadline is None:
+                deadline = time.monotonic() + DEVICE_WAIT
+            message = f"{exc} (waited {DEVICE_WAIT:g}s for readers' GPU work to finish)"
+            self.lot.park(
+                session, route, req, None, DEVICE_PUTS, message, deadline=deadline, retry=grant
+            )
+            return None
+
+    def memory_back(self) -> None:
+        """Device memory was freed (devices.py calls this): waiting puts try again."""
+        self._memory_back = True
+
+    def retry_device_puts(self) -> None:
+        """Try the device puts waiting for memory again, if any came back, in their order."""
+        if not self._memory_back:
+            return
+        self._memory_back = False
+        for w in self.lot.line(DEVICE_PUTS):
+            self.lot.unpark(w)
+            assert w.retry is not None
+            try:
+                result = self.grant_or_wait(w.session, w.route, w.request, w.retry, w.deadline)
+            except BrokerError as exc:
+                self._send(w.route, reply_error(w.request.id, exc))
+            else:
+                if result is not None:
+                    self._send(w.route, reply_ok(w.request.id, **result))
+
+    def seal(self, session: Session, put_id: int, keep: bool) -> Reply:
+        """Publish a keyed put as its key's next version, and answer the gets waiting for it."""
+        obj = self.registry.seal(session, put_id, keep)
+        for w in self.lot.line(("get", obj.key)):
+            if w.request.fields.get("after", 0) < obj.version:
+                self.answer(w, reply_ok(w.request.id, **self.describe(w.session, obj)))
+        return {"version": obj.version}
+
+    def abort(self, session: Session, route: bytes, req: Request) -> Reply:
+        self.registry.abort(session, req.fields["put"], req.fields.get("keep", False))
+        return {}
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def describe(self, session: Session, obj: StoredObject) -> Reply:
+        """The object as a reader sees it, with a new lease of the reader's on it (a queue
+        item is handed over: the reader's lease is then all that keeps it)."""
+        if obj.queue is not None:
+            lease = self.registry.hand_over(session, obj)
+        else:
+            lease = self.registry.lease(session, obj, reader=True)
+        reply = {
+            "key": obj.key,
+            "version": obj.version,
+            "bundle": obj.bundle,
+            "tensors": obj.wire,
+            "lease": lease,
+        }
+        if obj.events is not None:  # and the event this reader records when it lets go
+            done = session.read_events[lease]
+            reply.update(self._device_fields(obj), done=[done, self.devices.handle(done)])
+        return reply
+
+    def get(self, session: Session, route: bytes, req: Request) -> Reply | None:
+        """The live version of a key, if newer than `after`; else wait for one up to timeout."""
+        f = req.fields
+        key, timeout, after = f["key"], f.get("timeout", 0.0), f.get("after", 0)
+        obj = self.registry.objects.get(key)
+        if obj is not None and obj.version > after:
+            return self.describe(session, obj)
+        if after:
+            what = f"no version of {key!r} newer than {after} was sealed"
+        else:
+            what = f"no object {key!r} was put"
+        if timeout == 0.0:
+            if obj is None and not after:
+                raise NotFound(f"no object {key!r}; put it first, or pass timeout= to wait for it")
+            raise Timeout(what)
+        self.lot.park(session, route, req, timeout, ("get", key), f"{what} within {secs(timeout)}")
+        return None
+
+    def delete(self, session: Session, route: bytes, req: Request) -> Reply:
+        self.registry.delete(req.fields["key"])
+        return {}
+
+    def exists(self, session: Session, route: bytes, req: Request) -> Reply:
+        return {"exists": req.fields["key"] in self.registry.objects}
+
+    def keys(self, session: Session, route: bytes, req: Request) -> Reply:
+        return {"keys": sorted(self.registry.objects)}

@@ -1,0 +1,155 @@
+"""Sessions: who the broker's clients are, and how it learns that one is gone.
+
+A client says hello on each of its sockets with a session token, its pid, the host's boot id
+and its process's start time. If that is provably a process on this host, the broker opens a
+pidfd for it (readable when the process exits, even by SIGKILL); otherwise (another pid
+namespace, another host over tcp) the client must send heartbeats, and a session silent for
+HEARTBEAT_TIMEOUT counts as dead. A dead session's leases end, its unsealed puts abort, its
+waiting requests are dropped, and its GPU events are forgotten (Note [events of dead
+processes] in devices.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..common import host
+from ..common.errors import ProtocolError
+from ..common.protocol import PROTOCOL_VERSION, Request
+from .parking import ParkingLot
+from .registry import Registry, Session, StoredObject
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL = 0.25  # asked of clients the broker cannot watch
+HEARTBEAT_TIMEOUT = 1.0  # silence after which such a client counts as dead
+
+
+class Sessions:
+    """The broker's sessions by token, by socket route and by pidfd. `watch_fd` and
+    `unwatch_fd` add a pidfd to the broker's poller and take it out."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        lot: ParkingLot,
+        watch_fd: Callable[[int], None],
+        unwatch_fd: Callable[[int], None],
+    ) -> None:
+        self.registry, self.lot = registry, lot
+        self._watch_fd, self._unwatch_fd = watch_fd, unwatch_fd
+        self.by_token: dict[str, Session] = {}
+        self.routes: dict[bytes, Session] = {}
+        self.pidfds: dict[int, Session] = {}
+        self.unwatched: set[Session] = set()  # kept alive by heartbeats
+
+    def hello(self, route: bytes, req: Request) -> dict[str, Any]:
+        f = req.fields
+        if f["version"] != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"client speaks protocol {f['version']}, this broker {PROTOCOL_VERSION}: "
+                "install the same tensorbroker version on both sides"
+            )
+        token = f["session"]
+        session = self.by_token.get(token)
+        if session is None:
+            session = Session(token, f.get("pid"), last_seen=time.monotonic())
+            session.pidfd = _pidfd(f.get("pid"), f.get("boot_id"), f.get("start_time"))
+            if session.pidfd is not None:
+                self.pidfds[session.pidfd] = session
+                self._watch_fd(session.pidfd)
+            else:
+                self.unwatched.add(session)
+            self.by_token[token] = session
+            log.debug(
+                "hello from pid %s (%s)", session.pid, "watched" if session.pidfd else "heartbeat"
+            )
+        old = self.routes.get(route)
+        if old is not None and old is not session:
+            old.routes.discard(route)
+        session.routes.add(route)
+        self.routes[route] = session
+        return {
+            "protocol": PROTOCOL_VERSION,
+            "pid": os.getpid(),
+            "boot_id": host.boot_id(),
+            "start_time": host.start_time(os.getpid()),
+            "heartbeat": 0.0 if session.pidfd is not None else HEARTBEAT_INTERVAL,
+            "capacity": self.registry.arena.capacity,
+        }
+
+    def bye(self, session: Session, req: Request) -> None:
+        keep = req.fields.get("keep_leases", False) and session.pidfd is not None
+        self.drop(session, keep_leases=keep)
+
+    def exited(self, pidfd: int) -> None:
+        """The process behind `pidfd` exited: forget its GPU events, then drop it."""
+        session = self.pidfds[pidfd]
+        log.info("client pid %s exited: dropping %s", session.pid, session)
+        for lost in self.registry.lose_unwritten(session):
+            log.warning(
+                "pid %s died before its copy of %s to %s had run: removed it (it never held "
+                "the data put)", session.pid, _label(lost), lost.device,
+            )  # fmt: skip
+        events = list(session.read_events.values())
+        for put_id in session.pending:
+            obj = self.registry.pending.get(put_id)
+            if obj is not None and obj.events:
+                events.append(obj.events[0])
+        if events:
+            self.registry.devices.forget(events)
+        self.drop(session)
+
+    def drop(self, session: Session, keep_leases: bool = False) -> None:
+        """End a session: its routes, its waiting requests, its puts and (unless kept until
+        its process exits) its leases."""
+        for route in session.routes:
+            self.routes.pop(route, None)
+        session.routes.clear()
+        for w in self.lot.of(session):
+            self.lot.unpark(w)
+        keep = keep_leases and (bool(session.leases) or self.registry.writing(session))
+        self.registry.drop_session(session, keep_leases=keep)
+        session.closed = True
+        if keep:
+            return  # the pidfd drops the leases (and lost copies) when the process exits
+        if session.pidfd is not None:
+            self._unwatch_fd(session.pidfd)
+            self.pidfds.pop(session.pidfd, None)
+            os.close(session.pidfd)
+            session.pidfd = None
+        self.unwatched.discard(session)
+        self.by_token.pop(session.token, None)
+
+    def drop_silent(self, now: float) -> None:
+        """Drop the sessions that stopped sending heartbeats."""
+        for session in list(self.unwatched):
+            if now - session.last_seen > HEARTBEAT_TIMEOUT:
+                log.info("%s sent no heartbeat for %.1fs: dropping it", session, HEARTBEAT_TIMEOUT)
+                self.drop(session)
+
+    @property
+    def clients(self) -> int:
+        return sum(1 for s in self.by_token.values() if not s.closed)
+
+    def close(self) -> None:
+        for fd in list(self.pidfds):
+            os.close(fd)
+        self.pidfds.clear()
+
+
+def _pidfd(pid: int | None, boot: str | None, started: int | None) -> int | None:
+    """A pidfd for the client process, if it is provably that process on this host."""
+    if pid is None or boot != host.boot_id():
+        return None
+    return host.open_pidfd(pid, started)
+
+
+def _label(obj: StoredObject) -> str:
+    if obj.queue is not None:
+        return f"an item of queue {obj.queue.name!r}"
+    return f"{obj.key!r} v{obj.version}"
