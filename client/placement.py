@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -15,13 +15,10 @@ from .cuda import DeviceLink, DeviceSource
 from .sources import Source, device_of
 from .tensor import DeviceLease, Lease, Tensor
 
-if TYPE_CHECKING:
-    from .client import Client
-
 Items = list[tuple[str, Source, DType]]
 
 
-def place(client: Client, label: str, items: Items, device: Any, copy: bool) -> tuple[str, Items]:
+def place(link: DeviceLink, label: str, items: Items, device: Any, copy: bool) -> tuple[str, Items]:
     """The device a put stores `items` on, and the items as that put copies them."""
     where = {name: device_of(src) for name, src, _ in items}
     if device is None:
@@ -44,7 +41,7 @@ def place(client: Client, label: str, items: Items, device: Any, copy: bool) -> 
                     f"copy=True to copy it there, or leave device unset to store it on {here}"
                 )
             if isinstance(src, DeviceSource):  # to the host first (then on, if a GPU)
-                src = _to_host(client._devices, label, src, dt)
+                src = _to_host(link, label, src, dt)
             else:
                 src = np.ascontiguousarray(src)
         out.append((name, src, dt))
@@ -65,7 +62,7 @@ def _to_host(link: DeviceLink, label: str, src: DeviceSource, dt: DType) -> np.n
 
 
 def move(
-    client: Client, key: str, result: Tensor | dict[str, Tensor], want: str | None, copy: bool
+    link: DeviceLink, key: str, result: Tensor | dict[str, Tensor], want: str | None, copy: bool
 ) -> Tensor | dict[str, Tensor]:
     """`result` (a get's) on the device `want`: as it is if it is there, else a copy if
     copy=True allows one."""
@@ -78,7 +75,7 @@ def move(
             f"get {key!r}: it is stored on {stored} and device={want!r} was asked: pass "
             f"copy=True for a copy there, or leave device unset to read it zero-copy on {stored}"
         )
-    moved = {name: _copy(client._devices, t, want) for name, t in tensors.items()}
+    moved = {name: _copy(link, t, want) for name, t in tensors.items()}
     return moved if isinstance(result, dict) else moved[""]
 
 
@@ -101,7 +98,7 @@ def _copy(link: DeviceLink, t: Tensor, want: str) -> Tensor:
     rt = link.runtime(f"get {t.key!r} with device={want!r}")
     src = t.data_ptr
     if t.device != "cpu":  # read after the producer's write, and let the release say so
-        lease = t._lease
+        lease = t.lease
         if isinstance(lease, DeviceLease):
             lease.export(STREAM_LEGACY, writing=False)
         on = device_index(t.device)

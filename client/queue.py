@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..common.errors import QueueClosed
 from ..common.protocol import Op
 from .tensor import Tensor
+from .transfer import Transfer
 from .transport import waits
-
-if TYPE_CHECKING:
-    from .client import Client
 
 Item = Tensor | dict[str, Tensor]
 
@@ -31,10 +29,10 @@ class Queue:
     `get` raises QueueClosed and `for item in q` ends.
     """
 
-    def __init__(self, client: Client, name: str, queue_id: int, maxsize: int) -> None:
+    def __init__(self, transfer: Transfer, name: str, queue_id: int, maxsize: int) -> None:
         self.name = name
         self.maxsize = maxsize
-        self._client = client
+        self._transfer = transfer
         self._id = queue_id
 
     def put(
@@ -45,7 +43,7 @@ class Queue:
         takes), then Timeout. QueueClosed if the queue is closed. A CUDA tensor's item is
         stored on its GPU; `device=` and `copy=` as for `Client.put`."""
         timeout, wait = waits(timeout)
-        return self._client._write(
+        return self._transfer.write(
             self.name, value, Op.QPUT, wait, device, copy,
             queue=self._id, name=self.name, timeout=timeout,
         )  # fmt: skip
@@ -57,7 +55,7 @@ class Queue:
         Tensor in shared memory; the item is queued when the block exits, dropped if it
         raises. Waits for a free slot like `put`."""
         timeout, wait = waits(timeout)
-        return self._client._create(
+        return self._transfer.create(
             self.name, shape, dtype, device, Op.QPUT, wait,
             queue=self._id, name=self.name, timeout=timeout,
         )  # fmt: skip
@@ -67,15 +65,15 @@ class Queue:
         `timeout` seconds for one (None: as long as it takes; 0: Timeout at once if empty).
         QueueClosed once the queue is closed and drained."""
         timeout, wait = waits(timeout)
-        reply = self._client._call(
-            Op.QGET, queue=self._id, name=self.name, timeout=timeout, wait=wait
+        reply = self._transfer.conn.call(
+            Op.QGET, wait, queue=self._id, name=self.name, timeout=timeout
         )
-        return self._client._read(reply)
+        return self._transfer.read(reply)
 
     def close(self) -> None:
         """End the stream: no more puts (waiting ones raise QueueClosed); consumers get what
         is left, then QueueClosed. Closing a closed queue does nothing."""
-        self._client._call(Op.QCLOSE, queue=self._id, name=self.name)
+        self._transfer.conn.call(Op.QCLOSE, queue=self._id, name=self.name)
 
     @property
     def closed(self) -> bool:
@@ -94,7 +92,7 @@ class Queue:
 
     def _info(self) -> dict[str, Any] | None:
         try:
-            return self._client._call(Op.QINFO, queue=self._id, name=self.name)
+            return self._transfer.conn.call(Op.QINFO, queue=self._id, name=self.name)
         except QueueClosed:
             return None  # ended: closed and drained
 

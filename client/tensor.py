@@ -149,6 +149,11 @@ class Tensor:
         )
 
     @property
+    def lease(self) -> Lease:
+        """The broker lease this tensor reads under (ends when it and its arrays are gone)."""
+        return self._lease
+
+    @property
     def data_ptr(self) -> int:
         """The address of element 0 in this process (a device address for a CUDA tensor)."""
         return self._ptr

@@ -58,7 +58,7 @@ def torch_reader(address: str, key: str, out: Any) -> None:
         t = c.get(key, timeout=60)
         x = t.torch()
         total = float(x.sum().item())  # .item() waits for this process's own stream only
-        chunk = next(iter(c._devices._chunks.values()))  # the one chunk this test uses
+        chunk = next(iter(c._transfer.devices._chunks.values()))  # the one chunk this test uses
         out.put({"sum": total, "ptr": x.data_ptr(), "data_ptr": t.data_ptr,
                  "chunk": chunk.address, "device": str(x.device)})  # fmt: skip
 

@@ -43,7 +43,7 @@ class SimBroker:
 
     def connect(self) -> tb.Client:
         c = tb.connect(self.address)
-        c._devices._runtime = self.rt  # the client's side of the same simulated GPU
+        c._transfer.devices._runtime = self.rt  # the client's side of the same simulated GPU
         return c
 
     def stop(self) -> None:
@@ -93,7 +93,7 @@ def test_get_is_a_device_tensor_over_the_opened_chunk_with_the_values(
     assert isinstance(t, tb.Tensor)
     assert t.device == "cuda:0" and t.__dlpack_device__() == (2, 0)
     # The pointer is the opened chunk's base plus the object's offset in it.
-    chunk = next(iter(c._devices._chunks.values()))
+    chunk = next(iter(c._transfer.devices._chunks.values()))
     assert chunk.address <= t.data_ptr < chunk.address + 64 * MiB
     got = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_int64 * 12).from_address(t.data_ptr))
     np.testing.assert_array_equal(got.reshape(3, 4), values)

@@ -1,0 +1,185 @@
+"""The transfer of bytes, for keys and queues alike: the copy of a put into the broker's
+memory, in-place writes (`create`), and the Tensors of a get with their leases.
+
+It owns what a client has mapped and opened: the segment cache (host shared memory), the
+`DeviceLink` (CUDA handles, events and streams), and the copier of large host puts. It talks
+to the broker only through its `Connection`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..common.cudart import STREAM_LEGACY, device_index, parse_device
+from ..common.descriptors import ObjectDesc, TensorDesc
+from ..common.dtypes import DType
+from ..common.dtypes import dtype as lookup_dtype
+from ..common.errors import BrokerError
+from ..common.protocol import Op
+from . import placement
+from .connection import Connection
+from .copy import Copier
+from .cuda import DeviceLink
+from .shm import SegmentCache
+from .sources import Source, entries
+from .tensor import DeviceLease, Lease, Tensor
+
+Item = Tensor | dict[str, Tensor]
+
+
+class Transfer:
+    def __init__(self, conn: Connection, devices: DeviceLink) -> None:
+        self.conn = conn
+        self.devices = devices
+        self.segments = SegmentCache()
+        self.copier = Copier()
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def read(self, reply: dict[str, Any]) -> Item:
+        """The Tensors of an object descriptor the broker sent, with its lease."""
+        obj = ObjectDesc.from_wire(reply)
+        try:
+            lease = self.lease(obj.lease, obj.tensors[0], reply, reader=True)
+        except BaseException:
+            self.conn.releases.put(obj.lease)
+            raise
+        tensors = {t.name: Tensor(obj.key, obj.version, t, lease) for t in obj.tensors}
+        return tensors if obj.bundle else tensors[""]
+
+    def move(self, key: str, result: Item, want: str | None, copy: bool) -> Item:
+        """`result` on the device `want` (see placement.move)."""
+        return placement.move(self.devices, key, result, want, copy)
+
+    def lease(self, lease_id: int, desc: TensorDesc, reply: dict[str, Any], reader: bool) -> Lease:
+        """A lease over the memory `desc` names: a mapped segment, or an opened device chunk
+        with the object's events (opened once per Client)."""
+        if desc.device == "cpu":
+            return Lease(lease_id, self.segments.get(desc.segment), self.conn.releases)
+        index, link = device_index(desc.device), self.devices
+        chunk = link.chunk(index, desc.segment, reply["handle"])
+        write = link.event(index, *reply["event"])
+        read = link.event(index, *reply["done"]) if reader else None
+        return DeviceLease(lease_id, chunk, self.conn.releases, link, write, read)
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def write(
+        self,
+        label: str,
+        value: Any,
+        op: str,
+        wait: float | None,
+        device: Any = None,
+        copy: bool = False,
+        **fields: Any,
+    ) -> int:
+        """Put `value` through `op` (a put or a queue put): one copy, then seal; the version."""
+        items, bundle = entries(label, value)
+        target, items = placement.place(self.devices, label, items, device, copy)
+        specs = [[name, dt.name, list(src.shape)] for name, src, dt in items]
+        if target != "cpu":
+            fields["device"] = target
+        reply = self.conn.call(op, wait=wait, tensors=specs, bundle=bundle, **fields)
+        put_id = reply["put"]
+        try:
+            if target == "cpu":
+                for (_, src, dt), wire in zip(items, reply["tensors"], strict=True):
+                    assert isinstance(src, np.ndarray)  # placed on the host
+                    dst = self._view(TensorDesc.from_wire(wire), dt.typestr)
+                    self.copier.copy(dst, src)
+            else:
+                self._write_device(items, reply)
+        except BaseException:
+            with contextlib.suppress(BrokerError):
+                self.conn.call(Op.ABORT, put=put_id)
+            raise
+        version: int = self.conn.call(Op.SEAL, put=put_id)["version"]
+        return version
+
+    def _write_device(self, items: list[tuple[str, Source, DType]], reply: dict[str, Any]) -> None:
+        """Enqueue the copies into device memory on the sources' streams and record the
+        object's write event after them. No host wait, except to keep a failed copy from
+        running on after its memory went back to the broker."""
+        wires = [TensorDesc.from_wire(w) for w in reply["tensors"]]
+        index, link = device_index(wires[0].device), self.devices
+        chunk = link.chunk(index, wires[0].segment, reply["handle"])
+        write = link.event(index, *reply["event"])
+        streams: set[int] = set()
+        try:
+            for (_, src, dt), desc in zip(items, wires, strict=True):
+                stream = STREAM_LEGACY if isinstance(src, np.ndarray) else src.stream
+                link.copy(index, chunk.address + desc.offset, src, dt, stream)
+                streams.add(stream)
+            stream = link.record_after(index, write, streams)
+        except BaseException:
+            with contextlib.suppress(Exception):  # no copy may land once the memory is reused
+                link.runtime("abort").synchronize(index)
+            raise
+        link.keep_until_done(index, stream, [src for _, src, _ in items])
+
+    def _view(self, desc: TensorDesc, typestr: str) -> np.ndarray[Any, Any]:
+        """A writable NumPy view of a tensor being put (the mapping is held by the cache)."""
+        mapping = self.segments.get(desc.segment)
+        count = int(np.prod(desc.shape))
+        flat = np.frombuffer(mapping.mmap, np.dtype(typestr), count, desc.offset)
+        return flat.reshape(desc.shape)
+
+    @contextlib.contextmanager
+    def create(
+        self,
+        label: str,
+        shape: Sequence[int],
+        dtype: Any,
+        device: Any,
+        op: str,
+        wait: float | None,
+        **fields: Any,
+    ) -> Iterator[Tensor]:
+        """A writable Tensor over new memory (`op`: a put or a queue put), sealed when the
+        block exits, aborted if it raises."""
+        device = parse_device(device, f"create {label!r}")
+        dt = lookup_dtype(dtype)
+        specs = [["", dt.name, [int(d) for d in shape]]]
+        if device != "cpu":
+            fields["device"] = device
+        reply = self.conn.call(op, wait=wait, tensors=specs, **fields)
+        desc = TensorDesc.from_wire(reply["tensors"][0])
+        try:
+            lease = self.lease(reply["put"], desc, reply, reader=False)
+        except BaseException:
+            self.conn.releases.put(reply["put"])  # ends the put: the broker aborts it
+            raise
+        buffer = Tensor(label, 0, desc, lease, writable=True)
+        try:
+            yield buffer
+            if isinstance(lease, DeviceLease):  # readers wait for the writes enqueued so far
+                self.devices.record_after(lease.device, lease.write, lease.streams)
+        except BaseException:
+            if isinstance(lease, DeviceLease):  # nothing may still write once it is reused
+                with contextlib.suppress(Exception):
+                    self.devices.runtime("abort").synchronize(lease.device)
+            if not self.conn.closed:
+                with contextlib.suppress(BrokerError):
+                    self.conn.call(Op.ABORT, put=lease.id, keep=True)
+            raise
+        buffer.version = self.conn.call(Op.SEAL, put=lease.id, keep=True)["version"]
+
+    # -- closing ---------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Before bye: the copies of this client's puts have run, so the objects hold them;
+        read-done events of leases let go of are recorded."""
+        with contextlib.suppress(Exception):
+            self.devices.drain()
+            self.devices.settle()
+
+    def close(self) -> None:
+        """Forget what was mapped and opened (each closes once no array uses it)."""
+        self.segments.clear()
+        self.devices.clear()
+        self.copier.close()
