@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 PARALLEL_FROM = 8 << 20  # bytes; below this one thread is as fast
-THREADS = max(1, min(4, os.cpu_count() or 1))
+MAX_THREADS = 4
 
 Array = np.ndarray[Any, Any]
 
@@ -19,8 +19,8 @@ Array = np.ndarray[Any, Any]
 class Copier:
     """Copies into shared memory, with a pool of threads of its own (made on first need)."""
 
-    def __init__(self, threads: int = THREADS) -> None:
-        self.threads = threads
+    def __init__(self, threads: int | None = None) -> None:
+        self.threads = threads or min(MAX_THREADS, len(os.sched_getaffinity(0)))  # CPUs we may use
         self._pool: ThreadPoolExecutor | None = None
 
     def copy(self, dst: Array, src: Array) -> None:

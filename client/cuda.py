@@ -62,6 +62,8 @@ class Opened:
 
 
 # Chunks opened in this process, by IPC handle, shared by its Clients while any holds one.
+# Process-wide on purpose: CUDA maps an IPC handle once per context, and a process has one
+# context per device (opening a handle twice fails), so the owner here is the process.
 _OPEN_CHUNKS: weakref.WeakValueDictionary[bytes, Opened] = weakref.WeakValueDictionary()
 _OPEN_LOCK = threading.Lock()
 
@@ -270,7 +272,7 @@ class DeviceLink:
         if isinstance(src, np.ndarray):
             rt.copy_async(device, dst, src.ctypes.data, src.nbytes, stream)
             return
-        nbytes = int(np.prod(src.shape)) * dt.itemsize
+        nbytes = dt.nbytes(src.shape)
         if src.compact:
             rt.copy_async(device, dst, src.ptr, nbytes, stream)
             return
@@ -297,7 +299,7 @@ def _strided_copy(device: int, dst: int, src: DeviceSource, dt: DType, stream: i
     low = sum((n - 1) * s for n, s in zip(src.shape, strides, strict=True) if s < 0)
     high = sum((n - 1) * s for n, s in zip(src.shape, strides, strict=True) if s > 0)
     span = (high - low + 1) * dt.itemsize
-    nbytes = int(np.prod(src.shape)) * dt.itemsize
+    nbytes = dt.nbytes(src.shape)
     with cupy.cuda.Device(device), cupy.cuda.ExternalStream(stream):
         mem = cupy.cuda.UnownedMemory(src.ptr + low * dt.itemsize, span, src.owner, device)
         source = cupy.ndarray(

@@ -10,13 +10,10 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import re
 import threading
 
-from ..common.config import SHM_DIR
+from ..common.config import SEGMENT_NAME, SHM_DIR
 from ..common.errors import BrokerUnavailable, ProtocolError
-
-_SEGMENT_NAME = re.compile(r"tb-\d+-[0-9a-f]+")
 
 
 class Mapping:
@@ -49,7 +46,7 @@ class SegmentCache:
             return found
 
     def _map(self, name: str) -> Mapping:
-        if not _SEGMENT_NAME.fullmatch(name):
+        if not SEGMENT_NAME.fullmatch(name):
             raise ProtocolError(f"the broker named an invalid segment {name!r:.80}")
         path = os.path.join(self._dir, name)
         try:

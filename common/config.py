@@ -28,6 +28,19 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
+# Shared-memory segments are named tb-<pid of the broker that made them>-<random hex>.
+SEGMENT_NAME = re.compile(r"tb-(\d+)-[0-9a-f]+")
+
+
+def segment_prefix(pid: int) -> str:
+    return f"tb-{pid}-"
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The least multiple of `multiple` that is >= n."""
+    return -(-n // multiple) * multiple
+
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -106,10 +119,15 @@ def default_address() -> str:
     return os.environ.get(ADDRESS_ENV) or f"ipc://{os.path.join(runtime_dir(), SOCKET_NAME)}"
 
 
+def ipc_path(address: str) -> str | None:
+    """The socket file of an ipc:// address; None for any other address."""
+    return address[len("ipc://") :] if address.startswith("ipc://") else None
+
+
 def check_address(address: str) -> str:
     """Accept ipc://PATH and tcp://HOST:PORT; ValueError says what is wrong."""
-    if address.startswith("ipc://"):
-        path = address[len("ipc://") :]
+    path = ipc_path(address)
+    if path is not None:
         if not path:
             raise ValueError(f"address {address!r} has no socket path")
         if len(path.encode()) > IPC_PATH_MAX:

@@ -3,7 +3,6 @@ short msgpack lists (see `to_wire` / `from_wire`)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +33,7 @@ class TensorDesc:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+        return DTYPES[self.dtype].nbytes(self.shape)
 
     def to_wire(self) -> list[Any]:
         return [
@@ -64,12 +63,20 @@ class ObjectDesc:
     lease: int  # the lease this reader holds; released when its arrays are gone
 
     def to_wire(self) -> dict[str, Any]:
+        wires = [t.to_wire() for t in self.tensors]
+        return self.wire(self.key, self.version, self.bundle, wires, self.lease)
+
+    @staticmethod
+    def wire(
+        key: str, version: int, bundle: bool, tensors: list[Any], lease: int
+    ) -> dict[str, Any]:
+        """The wire form, from tensors already in theirs (the broker keeps them so)."""
         return {
-            "key": self.key,
-            "version": self.version,
-            "bundle": self.bundle,
-            "tensors": [t.to_wire() for t in self.tensors],
-            "lease": self.lease,
+            "key": key,
+            "version": version,
+            "bundle": bundle,
+            "tensors": tensors,
+            "lease": lease,
         }
 
     @classmethod

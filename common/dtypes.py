@@ -6,6 +6,7 @@ bfloat16 has no NumPy type of its own; its bytes travel as uint16 and consumers 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,10 @@ class DType:
     @property
     def itemsize(self) -> int:
         return self.bits // 8
+
+    def nbytes(self, shape: tuple[int, ...]) -> int:
+        """The bytes of a compact tensor of this dtype and `shape`."""
+        return math.prod(shape) * self.itemsize
 
 
 _TABLE = [

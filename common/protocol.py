@@ -10,6 +10,7 @@ Tensor bytes never travel here: only descriptors of shared memory.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import Any
 
 import msgpack
 
+from .cudart import device_index, parse_device
 from .dtypes import DTYPES
 from .errors import BrokerError, InvalidRequest, ProtocolError
 
@@ -26,6 +28,7 @@ MAX_KEY_BYTES = 1024
 MAX_NDIM = 32
 MAX_TENSORS = 4096  # tensors in one bundle
 MAX_NAME_BYTES = 1024
+MAX_DEVICES = 1024  # device indices a request may name
 MAX_RELEASES = 65536  # lease ids in one message
 
 
@@ -135,20 +138,13 @@ def check_tensor_specs(value: Any) -> list[tuple[str, str, tuple[int, ...]]]:
 
 
 def check_device(value: Any) -> str:
-    """'cpu' or 'cuda:N', canonical (as the client sends it)."""
-    if value == "cpu" or (
-        isinstance(value, str)
-        and value.startswith("cuda:")
-        and value[5:].isdigit()
-        and str(int(value[5:])) == value[5:]
-        and int(value[5:]) < 1024
-    ):
-        return str(value)
+    """'cpu' or 'cuda:N', canonical (as the client sends it: parse_device's form)."""
+    if isinstance(value, str):
+        with contextlib.suppress(InvalidRequest):
+            if parse_device(value, "device") == value:
+                if value == "cpu" or device_index(value) < MAX_DEVICES:
+                    return value
     raise InvalidRequest(f"device must be 'cpu' or 'cuda:N', got {value!r:.80}")
-
-
-def nbytes_of(dtype: str, shape: tuple[int, ...]) -> int:
-    return math.prod(shape) * DTYPES[dtype].itemsize
 
 
 def _int(value: Any) -> int:

@@ -4,24 +4,22 @@ Segments are created lazily, in chunks, and are never shrunk: freed space goes b
 free list and is only returned to the system by ``Arena.close()``.
 """
 
+from __future__ import annotations
+
 import errno
 import logging
 import os
-import re
 import secrets
 import stat
 from bisect import bisect_left, insort
 from dataclasses import dataclass
 
+from ..common.config import SEGMENT_NAME, round_up, segment_prefix
+
 logger = logging.getLogger(__name__)
 
 _GRAIN = 64  # reserved sizes and the minimum alignment
 _HUGE = 2 * 2**20  # new segments are at least this big and a multiple of it
-_STALE_RE = re.compile(r"tb-(\d+)-[0-9a-f]+")
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +47,7 @@ class Segment:
     size: int = 0
 
     @classmethod
-    def create(cls, shm_dir: str, prefix: str, size: int) -> "Segment":
+    def create(cls, shm_dir: str, prefix: str, size: int) -> Segment:
         """Create ``shm_dir/<prefix><16 hex>`` (mode 0600) with every page backed now."""
         if size < 1:
             raise ValueError(f"segment size must be >= 1 byte, got {size}")
@@ -122,8 +120,8 @@ class Arena:
             raise ValueError(f"chunk_size must be >= 1 byte, got {chunk_size}")
         self._capacity = capacity
         self._shm_dir = shm_dir
-        self._prefix = f"tb-{os.getpid()}-" if prefix is None else prefix
-        self._chunk_size = _round_up(chunk_size, _GRAIN)
+        self._prefix = segment_prefix(os.getpid()) if prefix is None else prefix
+        self._chunk_size = round_up(chunk_size, _GRAIN)
         self._segments: list[Segment] = []
         self._seg_index: dict[str, int] = {}
         self._free: list[tuple[int, int, int]] = []  # (size, segment index, start), sorted
@@ -151,13 +149,13 @@ class Arena:
         # At align 64 the first candidate always fits (all free starts are multiples of 64).
         for i in range(bisect_left(self._free, (need, -1, -1)), len(self._free)):
             size, seg, start = self._free[i]
-            if _round_up(start, align) - start + need <= size:
+            if round_up(start, align) - start + need <= size:
                 return size, seg, start
         return None
 
     def _grow(self, need: int, align: int) -> bool:
         room = (self._capacity - self._reserved) // _GRAIN * _GRAIN
-        size = min(max(self._chunk_size, _round_up(need + align, _HUGE)), room)
+        size = min(max(self._chunk_size, round_up(need + align, _HUGE)), room)
         if size < need:
             return False
         segment = self._new_segment(size)
@@ -184,7 +182,7 @@ class Arena:
             raise ValueError(f"size must be >= 0, got {size}")
         if align < _GRAIN or align & (align - 1):
             raise ValueError(f"align must be a power of two >= {_GRAIN}, got {align}")
-        need = _round_up(max(size, 1), _GRAIN)
+        need = round_up(max(size, 1), _GRAIN)
         if need > self._capacity - self._used:
             return None
         found = self._best_fit(need, align)
@@ -196,7 +194,7 @@ class Arena:
                 raise RuntimeError("new segment cannot hold the request")
         free_size, seg, free_start = found
         self._remove_free(seg, free_start, free_size)
-        start = _round_up(free_start, align)
+        start = round_up(free_start, align)
         if start > free_start:
             self._add_free(seg, free_start, start - free_start)
         tail = free_start + free_size - (start + need)
@@ -257,6 +255,17 @@ class Arena:
     def free_bytes(self) -> int:
         return self._capacity - self._used
 
+    def stats(self) -> dict[str, int]:
+        """The counters `stats()` reports, for the host arena and each device's."""
+        return {
+            "capacity_bytes": self.capacity,
+            "used_bytes": self.used_bytes,
+            "reserved_bytes": self.reserved_bytes,
+            "free_bytes": self.free_bytes,
+            "largest_free_bytes": self.largest_free,
+            "segments": len(self.segments),
+        }
+
     @property
     def largest_free(self) -> int:
         """Largest block allocate(align=64) could still return, counting unreserved capacity."""
@@ -287,7 +296,7 @@ class Arena:
         except FileNotFoundError:
             return removed
         for entry in entries:
-            match = _STALE_RE.fullmatch(entry.name)
+            match = SEGMENT_NAME.fullmatch(entry.name)
             if match is None:
                 continue
             try:

@@ -28,7 +28,7 @@ from typing import Any, cast
 import zmq
 
 from ..common import cudart, protocol
-from ..common.config import SHM_DIR, check_address, format_size
+from ..common.config import SHM_DIR, check_address, format_size, ipc_path
 from ..common.errors import BrokerError, ProtocolError, Timeout
 from ..common.protocol import (
     MAX_MESSAGE_BYTES,
@@ -132,8 +132,9 @@ class Broker:
                 "Stop it or choose another --address."
             ) from None
         self._router = router
-        if self.address.startswith("ipc://"):  # zmq leaves the socket file: remove it at close
-            self._ipc_inode = os.stat(self.address[6:]).st_ino
+        path = ipc_path(self.address)
+        if path is not None:  # zmq leaves the socket file: remove it at close
+            self._ipc_inode = os.stat(path).st_ino
         self._poller.register(router, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
         first = self.arena.allocate(1)  # create and back the first chunk now, not at first put
@@ -143,7 +144,8 @@ class Broker:
         log.info("serving on %s, capacity %s", self.address, format_size(self.arena.capacity))
 
     def _refuse_if_served(self) -> None:
-        if self.address.startswith("ipc://") and not os.path.exists(self.address[6:]):
+        path = ipc_path(self.address)
+        if path is not None and not os.path.exists(path):
             return
         probe = self._ctx.socket(zmq.DEALER)
         probe.setsockopt(zmq.LINGER, 0)
@@ -194,9 +196,9 @@ class Broker:
         self.devices.close()
 
     def _unlink_socket_file(self) -> None:
-        path = self.address[6:]
+        path = ipc_path(self.address)
         try:
-            if self._ipc_inode is not None and os.stat(path).st_ino == self._ipc_inode:
+            if path and self._ipc_inode is not None and os.stat(path).st_ino == self._ipc_inode:
                 os.unlink(path)
         except FileNotFoundError:
             pass

@@ -268,10 +268,7 @@ class DeviceMemory:
     def stats(self) -> dict[str, dict[str, int]]:
         return {
             f"cuda:{i}": {
-                "capacity_bytes": a.capacity,
-                "used_bytes": a.used_bytes,
-                "reserved_bytes": a.reserved_bytes,
-                "chunks": len(a.segments),
+                **a.stats(),  # its segments are cudaMalloc'd chunks
                 "waiting_bytes": sum(q.block.size for q in self.quarantine if q.device == i),
             }
             for i, a in self.arenas.items()

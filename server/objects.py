@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..common.descriptors import ObjectDesc
 from ..common.errors import BrokerError, CapacityError, NotFound, Timeout
 from ..common.protocol import Request, reply_error, reply_ok
 from .parking import ParkingLot, Waiter, secs
@@ -132,13 +133,7 @@ class Objects:
             lease = self.registry.hand_over(session, obj)
         else:
             lease = self.registry.lease(session, obj, reader=True)
-        reply = {
-            "key": obj.key,
-            "version": obj.version,
-            "bundle": obj.bundle,
-            "tensors": obj.wire,
-            "lease": lease,
-        }
+        reply = ObjectDesc.wire(obj.key, obj.version, obj.bundle, obj.wire, lease)
         if obj.events is not None:  # and the event this reader records when it lets go
             done = session.read_events[lease]
             reply.update(self._device_fields(obj), done=[done, self.devices.handle(done)])
@@ -155,11 +150,11 @@ class Objects:
             what = f"no version of {key!r} newer than {after} was sealed"
         else:
             what = f"no object {key!r} was put"
-        if timeout == 0.0:
-            if obj is None and not after:
-                raise NotFound(f"no object {key!r}; put it first, or pass timeout= to wait for it")
-            raise Timeout(what)
-        self.lot.park(session, route, req, timeout, ("get", key), f"{what} within {secs(timeout)}")
+        now: BrokerError = Timeout(what)
+        if obj is None and not after:
+            now = NotFound(f"no object {key!r}; put it first, or pass timeout= to wait for it")
+        message = f"{what} within {secs(timeout)}"
+        self.lot.wait(session, route, req, timeout, ("get", key), now, message)
         return None
 
     def delete(self, session: Session, route: bytes, req: Request) -> Reply:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
+from ..common.errors import BrokerError
 from ..common.protocol import Request
 from .registry import Session
 
@@ -72,6 +73,22 @@ class ParkingLot:
         if deadline is not None:
             heapq.heappush(self._deadlines, (deadline, next(self._seq), waiter))
         return waiter
+
+    def wait(
+        self,
+        session: Session,
+        route: bytes,
+        request: Request,
+        timeout: float | None,
+        line: deque[Waiter] | Hashable,
+        now: BrokerError,
+        timeout_message: str,
+    ) -> None:
+        """The rule of every wait: timeout=0 answers at once (raises `now`); any other
+        timeout parks the request in `line` (see park)."""
+        if timeout == 0.0:
+            raise now
+        self.park(session, route, request, timeout, line, timeout_message)
 
     def line(self, name: Hashable) -> tuple[Waiter, ...]:
         """The waiters of one of the lot's named lines, first come first."""

@@ -106,10 +106,9 @@ class Queues:
                 session, route, req, lambda: self._grant_open(session, q, req)
             )
         timeout = req.fields.get("timeout")
-        if timeout == 0.0:
-            raise Timeout(f"{q.describe()} is full")
         message = f"{q.describe()} stayed full for {secs(timeout)}: is a consumer keeping up?"
-        self.lot.park(session, route, req, timeout, q.putters, message)
+        self.lot.wait(session, route, req, timeout, q.putters, Timeout(f"{q.describe()} is full"),
+                      message)  # fmt: skip
         return None
 
     @staticmethod
@@ -159,10 +158,9 @@ class Queues:
         if q.closed:
             raise QueueClosed(f"queue {q.name!r} is closed and drained")
         timeout = req.fields.get("timeout")
-        if timeout == 0.0:
-            raise Timeout(f"queue {q.name!r} is empty")
+        empty = Timeout(f"queue {q.name!r} is empty")
         message = f"queue {q.name!r} stayed empty for {secs(timeout)}"
-        self.lot.park(session, route, req, timeout, q.getters, message)
+        self.lot.wait(session, route, req, timeout, q.getters, empty, message)
         return None
 
     def close(self, session: Session, route: bytes, req: Request) -> Reply:

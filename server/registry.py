@@ -37,11 +37,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..common.config import format_size
+from ..common.config import format_size, round_up
 from ..common.cudart import device_index
 from ..common.descriptors import TensorDesc, compact_strides
+from ..common.dtypes import DTYPES
 from ..common.errors import CapacityError, InvalidRequest, NotFound
-from ..common.protocol import nbytes_of
 from .arena import Arena, Block, ShmExhausted
 from .devices import DEVICE_ALIGN, DeviceArena, DeviceMemory
 
@@ -102,10 +102,10 @@ def layout(
     """Byte offsets of each tensor inside one block, the block size and its alignment."""
     offsets, end, block_align = [], 0, min_align
     for _, dtype, shape in specs:
-        size = nbytes_of(dtype, shape)
+        size = DTYPES[dtype].nbytes(shape)
         align = PAGE if size >= PAGE_ALIGN_FROM else min_align
         block_align = max(block_align, align)
-        start = -(-end // align) * align
+        start = round_up(end, align)
         offsets.append(start)
         end = start + size
     return offsets, max(end, 1), block_align
@@ -318,14 +318,8 @@ class Registry:
             self.on_free(obj)
 
     def stats(self) -> dict[str, int]:
-        a = self.arena
         return {
-            "capacity_bytes": a.capacity,
-            "used_bytes": a.used_bytes,
-            "reserved_bytes": a.reserved_bytes,
-            "free_bytes": a.free_bytes,
-            "largest_free_bytes": a.largest_free,
-            "segments": len(a.segments),
+            **self.arena.stats(),
             "objects": len(self.objects),
             "pending": len(self.pending),
             "leases": self.lease_count,

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from tensorbroker.common.config import format_size
+from tensorbroker.common.dtypes import DTYPES
 from tensorbroker.common.errors import CapacityError, InvalidRequest, NotFound
-from tensorbroker.common.protocol import nbytes_of
 from tensorbroker.server.arena import Arena
 from tensorbroker.server.registry import MIN_ALIGN, PAGE, PAGE_ALIGN_FROM, Registry, Session
 
@@ -79,7 +79,7 @@ def test_bundle_layout_is_aligned_and_disjoint(reg: Registry) -> None:
         assert (t.dtype, t.shape) == (dtype, shape)
         assert t.segment == block.segment
         assert t.offset % MIN_ALIGN == 0, t
-        size = nbytes_of(dtype, shape)
+        size = DTYPES[dtype].nbytes(shape)
         if size >= PAGE_ALIGN_FROM:
             assert t.offset % PAGE == 0, t
         # every tensor lies inside the object's block
