@@ -9,7 +9,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: demo test test-all lint clean bench bench-gpu test-gpu
 
-$(STAMP): pyproject.toml setup.py client/_dlpack.c
+$(STAMP): pyproject.toml setup.py client/_dlpack.c common/_shm.c
 	$(PYTHON) -c 'import sys; sys.exit("tensorbroker needs Python 3.11+, found " + sys.version.split()[0]) if sys.version_info < (3, 11) else None'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
@@ -80,5 +80,5 @@ bench-gpu: $(GPU_STAMP)
 	$(GPU_PY) bench/gpu.py --weightsync 7b,70b-slice --layers 10 --out bench/results/gpu.md
 
 clean:
-	rm -rf $(VENV) build *.egg-info client/*.so .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info client/*.so common/*.so .pytest_cache .mypy_cache .ruff_cache
 	rm -rf $(PEERS)

@@ -1,13 +1,14 @@
-"""Only the C extension lives here; everything else is in pyproject.toml."""
+"""Only the C extensions live here; everything else is in pyproject.toml."""
 
 from setuptools import Extension, setup
 
 setup(
     ext_modules=[
         Extension(
-            "tensorbroker.client._dlpack",
-            sources=["client/_dlpack.c"],
+            f"tensorbroker.{package}.{name}",
+            sources=[f"{package}/{name}.c"],
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror=implicit-function-declaration"],
         )
+        for package, name in (("client", "_dlpack"), ("common", "_shm"))
     ]
 )

@@ -62,7 +62,9 @@ class Client:
         """
         timeout, wait = waits(timeout)
         want = None if device is None else parse_device(device, f"get {key!r}")
-        result = self._transfer.read(self._call(Op.GET, key=key, timeout=timeout, wait=wait))
+        result = self._transfer.read_directly(key)
+        if result is None:  # not listed (or not yet there): the broker answers, or waits
+            result = self._transfer.read(self._call(Op.GET, key=key, timeout=timeout, wait=wait))
         return self._transfer.move(key, result, want, copy)
 
     def watch(self, key: str, timeout: float | None = None) -> Iterator[Item]:

@@ -42,6 +42,7 @@ class Connection:
 
     closed = True  # class-level defaults: a half-built Connection can still be closed
     pid = -1
+    shared: dict[str, Any] = {}  # never mutated: replaced at the first hello
     _broker_pidfd: int | None = None
     _flusher: threading.Thread | None = None
 
@@ -98,6 +99,8 @@ class Connection:
             self._pool.discard(channel)
             raise
         self._heartbeat = float(reply.get("heartbeat") or 0.0) or None
+        if not self.shared:  # the directory and this session's slot region
+            self.shared = {k: reply[k] for k in ("directory", "slots") if k in reply}
         if self._broker_pidfd is None and reply.get("boot_id") == host.boot_id():
             self._broker_pidfd = host.open_pidfd(reply["pid"], reply.get("start_time"))
         if self._broker_pidfd is not None:

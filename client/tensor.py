@@ -53,6 +53,23 @@ class Lease:
             releases.put(self.id)
 
 
+class SlotLease(Lease):
+    """A lease taken without the broker: the object's id in one of this client's lease slots
+    (Note [directory and lease slots] in common/directory.py). Letting go clears the slot;
+    no message is sent."""
+
+    __slots__ = ("_slot", "_slots")
+
+    def __init__(self, mapping: Any, slot: int, slots: Any) -> None:
+        super().__init__(None, mapping, None)
+        self._slot, self._slots = slot, slots
+
+    def __del__(self) -> None:
+        slots, self._slots = self._slots, None
+        if slots is not None:
+            slots.give_back(self._slot)
+
+
 class DeviceLease(Lease):
     """A lease on a device object: it knows the object's write event, the streams this
     process read (or wrote) on, and, for a reader, the read-done event to record on them

@@ -1,21 +1,29 @@
 """The transfer of bytes, for keys and queues alike: the copy of a put into the broker's
-memory, in-place writes (`create`), and the Tensors of a get with their leases.
+memory, in-place writes (`create`), and the Tensors of a get with their leases, taken from
+the broker or, for a listed object, straight from the directory (Note [directory and lease
+slots] in common/directory.py).
 
 It owns what a client has mapped and opened: the segment cache (host shared memory), the
-`DeviceLink` (CUDA handles, events and streams), and the copier of large host puts. It talks
-to the broker only through its `Connection`.
+directory view and the lease slots, the `DeviceLink` (CUDA handles, events and streams), and
+the copier of large host puts. It talks to the broker only through its `Connection`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
+from ..common import _shm
+from ..common.config import SHM_DIR
 from ..common.cudart import STREAM_LEGACY, device_index, parse_device
 from ..common.descriptors import ObjectDesc, TensorDesc
+from ..common.directory import DirectoryView, decode_desc, map_segment
 from ..common.dtypes import DType
 from ..common.dtypes import dtype as lookup_dtype
 from ..common.errors import BrokerError
@@ -26,9 +34,38 @@ from .copy import Copier
 from .cuda import DeviceLink
 from .shm import SegmentCache
 from .sources import Source, entries
-from .tensor import DeviceLease, Lease, Tensor
+from .tensor import DeviceLease, Lease, SlotLease, Tensor
+
+log = logging.getLogger(__name__)
 
 Item = Tensor | dict[str, Tensor]
+DIRECT_TRIES = 8  # an entry replaced under a get this often in a row: ask the broker
+DESC_CACHE = 4096  # descriptors decoded, by object id
+
+
+class LeaseSlots:
+    """This client's region of lease slots, mapped read-write. Free slots are a list: pop and
+    append are atomic under the GIL, and `give_back` runs from finalisers on any thread. The
+    mapping lives while any SlotLease holds this object."""
+
+    def __init__(self, path: str, offset: int, count: int) -> None:
+        self.size = count * 8
+        self.addr = map_segment(path, self.size, writable=True, offset=offset)
+        self._free = [self.addr + 8 * i for i in range(count - 1, -1, -1)]
+
+    def take(self) -> int | None:
+        try:
+            return self._free.pop()
+        except IndexError:  # every slot holds an object: the broker leases the next ones
+            return None
+
+    def give_back(self, slot: int) -> None:
+        _shm.slot_clear(slot)
+        self._free.append(slot)
+
+    def __del__(self) -> None:
+        if not sys.is_finalizing():
+            _shm.unmap(self.addr, self.size)
 
 
 class Transfer:
@@ -37,6 +74,72 @@ class Transfer:
         self.devices = devices
         self.segments = SegmentCache()
         self.copier = Copier()
+        self.directory: DirectoryView | None = None
+        self.slots: LeaseSlots | None = None
+        self._descs: dict[int, tuple[bool, tuple[TensorDesc, ...]]] = {}
+        shared = conn.shared
+        try:
+            if "directory" in shared:
+                self.directory = DirectoryView(SHM_DIR, *shared["directory"])
+            if "slots" in shared:
+                name, offset, count = shared["slots"]
+                self.slots = LeaseSlots(os.path.join(SHM_DIR, name), offset, count)
+        except (OSError, ValueError) as exc:  # every get asks the broker: slower, not wrong
+            log.warning("cannot map the broker's directory or lease slots (%s)", exc)
+
+    # -- reading without the broker --------------------------------------------------------
+
+    def read_directly(self, key: str) -> Item | None:
+        """The live version of `key` read from the directory, leased through a slot; None
+        when the broker must answer (not listed, no free slot, moved, or replaced under
+        this get too often)."""
+        directory, slots = self.directory, self.slots
+        if directory is None or slots is None:
+            return None
+        self.conn.check_usable()
+        raw = key.encode()
+        for _ in range(DIRECT_TRIES):
+            try:
+                found = directory.find(raw)
+            except OSError:
+                self._reattach()
+                return None
+            if found is None:
+                return None
+            entry, oid, version, desc = found
+            slot = slots.take()
+            if slot is None:
+                return None
+            _shm.slot_publish(slot, oid)
+            if _shm.entry_holds(entry, oid):  # the broker will not free it now
+                break
+            slots.give_back(slot)
+        else:
+            return None
+        try:
+            bundle, tensors = self._desc(oid, desc)
+            lease = SlotLease(self.segments.get(tensors[0].segment), slot, slots)
+        except BaseException:
+            slots.give_back(slot)
+            raise
+        out = {t.name: Tensor(key, version, t, lease) for t in tensors}
+        return out if bundle else out[""]
+
+    def _desc(self, oid: int, desc: bytes) -> tuple[bool, tuple[TensorDesc, ...]]:
+        found = self._descs.get(oid)
+        if found is None:
+            if len(self._descs) >= DESC_CACHE:
+                self._descs.clear()
+            bundle, wires = decode_desc(desc)
+            found = self._descs[oid] = (bundle, tuple(TensorDesc.from_wire(w) for w in wires))
+        return found
+
+    def _reattach(self) -> None:
+        """The directory moved where the view could not follow: ask the broker where."""
+        where = self.conn.call(Op.PING).get("directory")
+        if where is not None and self.directory is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self.directory.attach(*where)
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -180,6 +283,10 @@ class Transfer:
 
     def close(self) -> None:
         """Forget what was mapped and opened (each closes once no array uses it)."""
+        if self.directory is not None:
+            self.directory.close()
+            self.directory = None
+        self.slots = None  # unmapped once no SlotLease holds it
         self.segments.clear()
         self.devices.clear()
         self.copier.close()

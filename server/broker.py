@@ -44,6 +44,7 @@ from ..common.protocol import (
 )
 from .arena import Arena
 from .devices import RECLAIM_POLL, DeviceMemory
+from .directory import Directory, SlotTable
 from .objects import Objects
 from .parking import ParkingLot
 from .queues import Queues
@@ -75,7 +76,15 @@ class Broker:
         self.address = check_address(address)
         self.arena = Arena(capacity, shm_dir=shm_dir)
         self.devices = devices if devices is not None else DeviceMemory(load=cudart.load)
-        self.registry = Registry(self.arena, on_free=self._item_freed, devices=self.devices)
+        self.directory = Directory(shm_dir)
+        self.slots = SlotTable(shm_dir)
+        self.registry = Registry(
+            self.arena,
+            on_free=self._item_freed,
+            devices=self.devices,
+            directory=self.directory,
+            slots=self.slots,
+        )
         self.lot = ParkingLot()
         self._poller = zmq.Poller()
         self.sessions = Sessions(
@@ -193,6 +202,8 @@ class Broker:
         self._wake_r.close()
         self._wake_w.close()
         self.arena.close()
+        self.directory.close()
+        self.slots.close()
         self.devices.close()
 
     def _unlink_socket_file(self) -> None:
@@ -239,6 +250,7 @@ class Broker:
             for w in self.lot.expired(now):
                 self._send(w.route, reply_error(w.request.id, Timeout(w.timeout_message)))
             self.sessions.drop_silent(now)
+            self.registry.reclaim()
             self.devices.reclaim()
             self.objects.retry_device_puts()
             self.queues.admit_putters()
@@ -248,7 +260,7 @@ class Broker:
         deadline = self.lot.next_deadline()
         if deadline is not None:
             timeout = max(0.0, deadline - time.monotonic())
-        if self.devices.quarantine:
+        if self.devices.quarantine or self.registry.scanning:
             timeout = min(timeout if timeout is not None else RECLAIM_POLL, RECLAIM_POLL)
         if self.sessions.unwatched:
             timeout = min(timeout or HEARTBEAT_INTERVAL, HEARTBEAT_INTERVAL)
@@ -341,7 +353,12 @@ class Broker:
         }
 
     def _ping(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "protocol": PROTOCOL_VERSION, "address": self.address}
+        return {
+            "pid": os.getpid(),
+            "protocol": PROTOCOL_VERSION,
+            "address": self.address,
+            **self.sessions.shared(None),
+        }
 
 
 def _nothing(session: Session, route: bytes, req: Request) -> None:

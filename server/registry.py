@@ -44,6 +44,7 @@ from ..common.dtypes import DTYPES
 from ..common.errors import CapacityError, InvalidRequest, NotFound
 from .arena import Arena, Block, ShmExhausted
 from .devices import DEVICE_ALIGN, DeviceArena, DeviceMemory
+from .directory import Directory, SlotTable
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ class StoredObject:
     queue: Any = None  # the queue this item goes to (None: a keyed object)
     device: str = "cpu"  # or "cuda:N": then block is in that device's arena
     events: list[int] | None = None  # a device object's write and read-done events
+    oid: int = 0  # its id, never reused: what lease slots hold
+    listed: bool = False  # in the directory since sealed: readers' slots may hold it
 
     @property
     def nbytes(self) -> int:
@@ -91,6 +94,7 @@ class Session:
     pidfd: int | None = None  # readable when the client process exits
     last_seen: float = 0.0  # for sessions without a pidfd: heartbeats keep them alive
     closed: bool = False  # said bye, kept only for the leases its process still holds
+    region: int | None = None  # its lease-slot region (Note [directory and lease slots])
 
     def __repr__(self) -> str:
         return f"<session {self.token[:8]} pid={self.pid}>"
@@ -117,8 +121,12 @@ class Registry:
         arena: Arena,
         on_free: Callable[[StoredObject], None] | None = None,
         devices: DeviceMemory | None = None,
+        directory: Directory | None = None,
+        slots: SlotTable | None = None,
     ) -> None:
         self.arena = arena
+        self.directory, self.slots = directory, slots  # None: every get asks the broker
+        self._unlisted: dict[int, StoredObject] = {}  # retired, unleased: slots to be scanned
         self.devices = devices if devices is not None else DeviceMemory(load=None)
         self.on_free = on_free  # told of every freed queue item
         self.objects: dict[str, StoredObject] = {}  # key -> live version
@@ -158,6 +166,7 @@ class Registry:
         )
         wire = [t.to_wire() for t in tensors]
         obj = StoredObject(key, bundle, block, wire, queue=queue, device=device)
+        obj.oid = next(self._ids)
         if device != "cpu":
             obj.events = [self.devices.event(device_index(device))[0]]
         put_id = self.lease(session, obj)
@@ -168,6 +177,8 @@ class Registry:
     def _allocate(self, arena: Arena, key: str, size: int, align: int) -> Block:
         try:
             block = arena.allocate(size, align)
+            if block is None and arena is self.arena and self.reclaim():  # scan now, not later
+                block = arena.allocate(size, align)
         except ShmExhausted as exc:
             raise CapacityError(f"cannot store {key!r} ({format_size(size)}): {exc}") from None
         if block is None:
@@ -201,6 +212,13 @@ class Registry:
             self._versions[obj.key] = obj.version
             old = self.objects.get(obj.key)
             self.objects[obj.key] = obj
+            if self.directory is not None:  # listed before the old version can be freed
+                if obj.device == "cpu":
+                    obj.listed = self.directory.publish(
+                        obj.key, obj.oid, obj.version, obj.bundle, obj.wire
+                    )
+                else:
+                    self.directory.remove(obj.key)
             if old is not None:
                 self._retire(old)
         if not keep:
@@ -248,6 +266,8 @@ class Registry:
         obj = self.objects.pop(key, None)
         if obj is None:
             raise NotFound(f"no object {key!r} to delete")
+        if self.directory is not None:
+            self.directory.remove(key)
         self._retire(obj)
 
     # -- reading -------------------------------------------------------------------------
@@ -295,6 +315,15 @@ class Registry:
         if not keep_leases:
             for lease_id in list(session.leases):
                 self.release(session, lease_id)
+            if session.region is not None and self.slots is not None:
+                self.slots.release(session.region)  # what its slots held is free to go
+                session.region = None
+
+    def slotted(self, session: Session) -> bool:
+        """Whether the session's lease slots hold anything."""
+        if session.region is None or self.slots is None:
+            return False
+        return bool(self.slots.held(session.region))
 
     # -- memory --------------------------------------------------------------------------
 
@@ -305,6 +334,9 @@ class Registry:
 
     def _maybe_free(self, obj: StoredObject) -> None:
         if obj.retired and obj.leases == 0 and not obj.freed:
+            if obj.listed:  # a reader's slot may hold it: free it after a scan says not
+                self._unlisted[obj.oid] = obj
+                return
             obj.freed = True
             if obj.device == "cpu":
                 self.arena.free(obj.block)
@@ -317,10 +349,29 @@ class Registry:
         if obj.queue is not None and self.on_free is not None:
             self.on_free(obj)
 
+    @property
+    def scanning(self) -> bool:
+        """Whether retired objects wait for a scan of the lease slots."""
+        return bool(self._unlisted)
+
+    def reclaim(self) -> int:
+        """Free the retired objects no lease slot holds (Note [directory and lease slots]);
+        how many."""
+        if not self._unlisted:
+            return 0
+        held = self.slots.held() if self.slots is not None else {}
+        free = [obj for oid, obj in self._unlisted.items() if oid not in held]
+        for obj in free:
+            del self._unlisted[obj.oid]
+            obj.listed = False
+            self._maybe_free(obj)
+        return len(free)
+
     def stats(self) -> dict[str, int]:
+        slotted = sum(self.slots.held().values()) if self.slots is not None else 0
         return {
             **self.arena.stats(),
             "objects": len(self.objects),
             "pending": len(self.pending),
-            "leases": self.lease_count,
+            "leases": self.lease_count + slotted,
         }

@@ -64,6 +64,8 @@ class Sessions:
                 self._watch_fd(session.pidfd)
             else:
                 self.unwatched.add(session)
+            if self.registry.slots is not None:
+                session.region = self.registry.slots.assign()
             self.by_token[token] = session
             log.debug(
                 "hello from pid %s (%s)", session.pid, "watched" if session.pidfd else "heartbeat"
@@ -80,7 +82,18 @@ class Sessions:
             "start_time": host.start_time(os.getpid()),
             "heartbeat": 0.0 if session.pidfd is not None else HEARTBEAT_INTERVAL,
             "capacity": self.registry.arena.capacity,
+            **self.shared(session),
         }
+
+    def shared(self, session: Session | None) -> dict[str, Any]:
+        """Where a client finds the directory and (if it has one) its lease-slot region."""
+        out: dict[str, Any] = {}
+        directory, slots = self.registry.directory, self.registry.slots
+        if directory is not None:
+            out["directory"] = [directory.name, directory.size]
+        if slots is not None and session is not None and session.region is not None:
+            out["slots"] = [slots.name, session.region * slots.region_bytes, slots.slots]
+        return out
 
     def bye(self, session: Session, req: Request) -> None:
         keep = req.fields.get("keep_leases", False) and session.pidfd is not None
@@ -112,7 +125,9 @@ class Sessions:
         session.routes.clear()
         for w in self.lot.of(session):
             self.lot.unpark(w)
-        keep = keep_leases and (bool(session.leases) or self.registry.writing(session))
+        keep = keep_leases and (
+            bool(session.leases) or self.registry.writing(session) or self.registry.slotted(session)
+        )
         self.registry.drop_session(session, keep_leases=keep)
         session.closed = True
         if keep:

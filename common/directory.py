@@ -1,0 +1,129 @@
+"""The object directory and the lease slots: the state readers need, in shared memory.
+
+Note [directory and lease slots]
+
+    directory segment (the broker's; clients map it read-only)
+    ┌──────────────── header (4096 B) ────────────────┬─ entry 0 ─┬─ entry 1 ─┬ ...
+    │ magic │ entries │ entry_size │ moved │ successor │ seq state keylen oid version hash
+    └─────────────────────────────────────────────────┴ desclen key desc (common/_shm.c)
+
+    slots segment (the broker's): one region of SLOTS u64 per client, written only by it
+    ┌ client 0: oid oid 0 0 oid ... ┬ client 1: ... ┬ ...
+
+Only the broker writes the directory: an open-addressed hash table (linear probing from
+key_hash(key) % entries; a deleted entry keeps probes going, an empty one ends them). Each
+entry has a seqlock: the broker makes seq odd, writes, makes it even (release); a reader
+loads seq (acquire), copies, fences (acquire), and retries while seq was odd or changed. So a
+reader sees an entry whole, before or after a write, never half of each. Entries never move;
+a directory that fills up is replaced by a new one, written whole, then announced in the
+old one's header (`successor`, then `moved` = 1 with release); readers look at `moved` on
+every get and switch.
+
+A get without the broker (client/transfer.py, Transfer.read_directly):
+    1. look the key up: (entry, oid, version, descriptor); absent or torn: ask the broker
+    2. publish oid in a free slot of its own region, then a full fence   (slot_publish)
+    3. read the entry again: still live with that oid? else clear the slot, go to 1
+    4. the object is safe to read until the slot is cleared (the Tensor and its arrays gone)
+A retired object (deleted or replaced, so no longer in the directory) is freed by the broker
+only when no lease holds it and, after a full fence (its directory write before it), no
+slot of a live client holds its oid (`slots_scan`). If a reader published its slot after
+that scan, its step 3 sees the entry changed and it retries: the fences make the two orders
+the only ones possible (this is the hazard-pointer protocol). Object ids are never reused.
+
+All of the ordering is in common/_shm.c; nothing here orders memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any
+
+import msgpack
+
+from . import _shm
+
+MAGIC = 0x31524944_42540000  # "TBDIR1"
+HEADER = 4096
+ENTRY_SIZE = 2048  # a bigger key and descriptor is not listed: its gets ask the broker
+ENTRIES = 4096  # of the first directory; it is rebuilt (twice the size if need be) when full
+SLOTS = 1024  # per client region (8 KiB)
+REGIONS = 256  # client regions in the slots segment: more clients get theirs from the broker
+
+# header words
+H_MAGIC, H_ENTRIES, H_ENTRY_SIZE, H_MOVED, H_SUCCESSOR = 0, 8, 16, 24, 32
+SUCCESSOR_BYTES = 64
+
+EMPTY, LIVE, DELETED = 0, 1, 2
+
+
+def encode_desc(bundle: bool, tensors: list[Any]) -> bytes:
+    """A directory entry's descriptor: the object's bundle flag and tensors (wire form)."""
+    data: bytes = msgpack.packb([bundle, tensors], use_bin_type=True)
+    return data
+
+
+def decode_desc(data: bytes) -> tuple[bool, list[Any]]:
+    bundle, tensors = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    return bool(bundle), tensors
+
+
+def map_segment(path: str, size: int, writable: bool, offset: int = 0) -> int:
+    """Map `size` bytes of the file at `path` from `offset` (a multiple of the page size);
+    the address. The mapping outlives the file's name."""
+    fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+    try:
+        return _shm.map_fd(fd, size, writable, offset)
+    finally:
+        os.close(fd)
+
+
+class DirectoryView:
+    """A client's read-only view of the broker's directory (following it when it moves)."""
+
+    def __init__(self, shm_dir: str, name: str, size: int) -> None:
+        self._dir = shm_dir
+        self._maps: list[tuple[int, int]] = []  # every mapping made, unmapped at close
+        self._attach(name, size)
+
+    def _attach(self, name: str, size: int) -> None:
+        addr = map_segment(os.path.join(self._dir, name), size, writable=False)
+        self._maps.append((addr, size))
+        if _shm.load(addr + H_MAGIC) != MAGIC:
+            raise ValueError(f"{name} is not a tensorbroker directory")
+        self._header = addr
+        self._entries = _shm.load(addr + H_ENTRIES)
+        self._entry_size = _shm.load(addr + H_ENTRY_SIZE)
+        self._base = addr + HEADER
+
+    def _follow(self) -> None:
+        """The broker replaced this directory: map its successor, let go of this one.
+        OSError if the successor is gone too (the broker says which is current: attach)."""
+        raw = ctypes.string_at(self._header + H_SUCCESSOR, SUCCESSOR_BYTES)
+        name = raw.rstrip(b"\0").decode()  # written before `moved` was set (release)
+        self.attach(name, os.stat(os.path.join(self._dir, name)).st_size)
+
+    def attach(self, name: str, size: int) -> None:
+        """Read the directory `name` from now on."""
+        old = self._maps[:]
+        self._attach(name, size)
+        for addr, length in old:
+            _shm.unmap(addr, length)
+        self._maps = self._maps[len(old) :]
+
+    def find(self, key: bytes) -> tuple[int, int, int, bytes] | None:
+        """(entry address, oid, version, descriptor) of the live object under `key`, or
+        None (not listed, or listed while being written: ask the broker). OSError if the
+        directory moved where this view cannot follow."""
+        while _shm.load(self._header + H_MOVED):
+            self._follow()
+        found = _shm.lookup(self._base, self._entries, self._entry_size, key)
+        if not isinstance(found, tuple):
+            return None
+        index, oid, version, desc = found
+        return self._base + index * self._entry_size, oid, version, desc
+
+    def close(self) -> None:
+        maps, self._maps = self._maps, []
+        for addr, size in maps:
+            _shm.unmap(addr, size)

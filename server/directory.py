@@ -1,0 +1,193 @@
+"""The broker's side of Note [directory and lease slots] (common/directory.py): it writes the
+directory, hands out slot regions, and scans them before it frees a retired object."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from ..common import _shm
+from ..common.config import segment_prefix
+from ..common.directory import (
+    DELETED,
+    EMPTY,
+    ENTRIES,
+    ENTRY_SIZE,
+    H_ENTRIES,
+    H_ENTRY_SIZE,
+    H_MAGIC,
+    H_MOVED,
+    H_SUCCESSOR,
+    HEADER,
+    LIVE,
+    MAGIC,
+    REGIONS,
+    SLOTS,
+    SUCCESSOR_BYTES,
+    encode_desc,
+    map_segment,
+)
+from .arena import Segment
+
+log = logging.getLogger(__name__)
+
+
+class _Table:
+    """One directory segment, mapped read-write."""
+
+    def __init__(self, shm_dir: str, entries: int) -> None:
+        self.entries = entries
+        self.size = HEADER + entries * ENTRY_SIZE
+        self.segment = Segment.create(shm_dir, segment_prefix(os.getpid()), self.size)
+        try:
+            self.addr = map_segment(self.segment.path, self.size, writable=True)
+        except BaseException:
+            self.segment.unlink()
+            raise
+        self.states = bytearray(entries)  # EMPTY / LIVE / DELETED, as written
+        self.index: dict[str, int] = {}  # live key -> entry
+        self.used = 0  # entries not empty (live or deleted): probes end at empty ones
+        _shm.store(self.addr + H_ENTRIES, entries)
+        _shm.store(self.addr + H_ENTRY_SIZE, ENTRY_SIZE)
+        _shm.store(self.addr + H_MAGIC, MAGIC)
+
+    def entry(self, i: int) -> int:
+        return self.addr + HEADER + i * ENTRY_SIZE
+
+    def write(self, key: str, oid: int, version: int, desc: bytes) -> bool:
+        """List `key`; False if the table has no room left (a third must stay empty)."""
+        raw = key.encode()
+        i = self.index.get(key)
+        if i is None:
+            if 3 * (self.used + 1) > 2 * self.entries:
+                return False
+            i = _shm.key_hash(raw) % self.entries
+            while self.states[i] == LIVE:
+                i = (i + 1) % self.entries
+            if self.states[i] == EMPTY:
+                self.used += 1
+            self.index[key] = i
+        _shm.entry_write(self.entry(i), ENTRY_SIZE, LIVE, oid, version, raw, desc)
+        self.states[i] = LIVE
+        return True
+
+    def remove(self, key: str) -> None:
+        i = self.index.pop(key, None)
+        if i is not None:
+            _shm.entry_write(self.entry(i), ENTRY_SIZE, DELETED, 0, 0, key.encode(), b"")
+            self.states[i] = DELETED
+
+    def close(self) -> None:
+        _shm.unmap(self.addr, self.size)
+        self.segment.unlink()
+
+
+class Directory:
+    """The directory of sealed host objects under keys (see the Note)."""
+
+    def __init__(self, shm_dir: str, entries: int = ENTRIES) -> None:
+        self._dir = shm_dir
+        self._table = _Table(shm_dir, entries)
+        self._old: list[_Table] = []  # replaced tables: clients may still map them
+        self._listed: dict[str, tuple[int, int, bytes]] = {}  # key -> oid, version, desc
+
+    @property
+    def name(self) -> str:
+        return self._table.segment.name
+
+    @property
+    def size(self) -> int:
+        return self._table.size
+
+    def publish(self, key: str, oid: int, version: int, bundle: bool, tensors: list[Any]) -> bool:
+        """List a newly sealed version of `key` (replacing the one listed). False, and the
+        key unlisted, if it does not fit an entry: its gets then ask the broker."""
+        desc = encode_desc(bundle, tensors)
+        if len(key.encode()) + len(desc) > ENTRY_SIZE - _shm.ENTRY_HEAD:
+            self.remove(key)
+            return False
+        self._listed[key] = (oid, version, desc)
+        if not self._table.write(key, oid, version, desc):
+            self._rebuild()
+        return True
+
+    def remove(self, key: str) -> None:
+        if self._listed.pop(key, None) is not None:
+            self._table.remove(key)
+
+    def _rebuild(self) -> None:
+        """A new table (twice as big if half of the old one is live), written whole, then
+        announced in the old one's header; the old one stays mapped for clients on it."""
+        live = len(self._listed)
+        entries = self._table.entries * (2 if 2 * live > self._table.entries else 1)
+        table = _Table(self._dir, entries)
+        for key, (oid, version, desc) in self._listed.items():
+            table.write(key, oid, version, desc)
+        self._old.append(self._table)
+        self._table = table
+        name = table.segment.name.encode().ljust(SUCCESSOR_BYTES, b"\0")
+        for old in self._old:  # each replaced table names the newest
+            for i in range(0, SUCCESSOR_BYTES, 8):
+                word = int.from_bytes(name[i : i + 8], "little")
+                _shm.store(old.addr + H_SUCCESSOR + i, word)
+            _shm.store(old.addr + H_MOVED, 1)  # after the table and its name (release)
+        while len(self._old) > 1:  # clients that still map it keep their mapping; a client
+            self._old.pop(0).close()  # that cannot follow its name asks the broker (ping)
+        log.info("directory rebuilt: %d entries, %d live", entries, live)
+
+    def close(self) -> None:
+        for table in [self._table, *self._old]:
+            table.close()
+        self._old.clear()
+
+
+class SlotTable:
+    """The lease-slot regions: one per client that has one, written only by that client."""
+
+    def __init__(self, shm_dir: str, regions: int = REGIONS, slots: int = SLOTS) -> None:
+        self.regions, self.slots = regions, slots
+        self.region_bytes = slots * 8
+        self.size = regions * self.region_bytes
+        self.segment = Segment.create(shm_dir, segment_prefix(os.getpid()), self.size)
+        try:
+            self.addr = map_segment(self.segment.path, self.size, writable=True)
+        except BaseException:
+            self.segment.unlink()
+            raise
+        self._free = list(range(regions - 1, -1, -1))
+        self.assigned: set[int] = set()
+
+    @property
+    def name(self) -> str:
+        return self.segment.name
+
+    def assign(self) -> int | None:
+        """A free region (all zero), or None if every one is taken."""
+        if not self._free:
+            return None
+        region = self._free.pop()
+        self.assigned.add(region)
+        return region
+
+    def release(self, region: int) -> None:
+        """Its client is gone: its slots no longer hold anything."""
+        start = self.addr + region * self.region_bytes
+        for i in range(self.slots):
+            _shm.store(start + 8 * i, 0)
+        self.assigned.discard(region)
+        self._free.append(region)
+
+    def held(self, region: int | None = None) -> dict[int, int]:
+        """oid -> slots holding it, in the assigned regions (or one), after a full fence."""
+        if region is not None:
+            return _shm.slots_scan(self.addr + region * self.region_bytes, self.slots)
+        out: dict[int, int] = {}
+        for r in self.assigned:
+            for oid, n in _shm.slots_scan(self.addr + r * self.region_bytes, self.slots).items():
+                out[oid] = out.get(oid, 0) + n
+        return out
+
+    def close(self) -> None:
+        _shm.unmap(self.addr, self.size)
+        self.segment.unlink()
