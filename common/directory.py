@@ -91,37 +91,33 @@ class DirectoryView:
         self._maps.append((addr, size))
         if _shm.load(addr + H_MAGIC) != MAGIC:
             raise ValueError(f"{name} is not a tensorbroker directory")
-        self._header = addr
-        self._entries = _shm.load(addr + H_ENTRIES)
-        self._entry_size = _shm.load(addr + H_ENTRY_SIZE)
-        self._base = addr + HEADER
+        # One assignment: a thread that reads it sees one table whole, never a mix.
+        self._table = (addr, _shm.load(addr + H_ENTRIES), _shm.load(addr + H_ENTRY_SIZE))
 
     def _follow(self) -> None:
         """The broker replaced this directory: map its successor, let go of this one.
         OSError if the successor is gone too (the broker says which is current: attach)."""
-        raw = ctypes.string_at(self._header + H_SUCCESSOR, SUCCESSOR_BYTES)
+        raw = ctypes.string_at(self._table[0] + H_SUCCESSOR, SUCCESSOR_BYTES)
         name = raw.rstrip(b"\0").decode()  # written before `moved` was set (release)
         self.attach(name, os.stat(os.path.join(self._dir, name)).st_size)
 
     def attach(self, name: str, size: int) -> None:
-        """Read the directory `name` from now on."""
-        old = self._maps[:]
+        """Read the directory `name` from now on. The old mappings stay until close: another
+        thread may be reading one."""
         self._attach(name, size)
-        for addr, length in old:
-            _shm.unmap(addr, length)
-        self._maps = self._maps[len(old) :]
 
     def find(self, key: bytes) -> tuple[int, int, int, bytes] | None:
         """(entry address, oid, version, descriptor) of the live object under `key`, or
         None (not listed, or listed while being written: ask the broker). OSError if the
         directory moved where this view cannot follow."""
-        while _shm.load(self._header + H_MOVED):
+        while _shm.load(self._table[0] + H_MOVED):
             self._follow()
-        found = _shm.lookup(self._base, self._entries, self._entry_size, key)
+        header, entries, entry_size = self._table
+        found = _shm.lookup(header + HEADER, entries, entry_size, key)
         if not isinstance(found, tuple):
             return None
         index, oid, version, desc = found
-        return self._base + index * self._entry_size, oid, version, desc
+        return header + HEADER + index * entry_size, oid, version, desc
 
     def close(self) -> None:
         maps, self._maps = self._maps, []

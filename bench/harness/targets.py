@@ -8,7 +8,9 @@ from typing import Any
 from .config import BASELINE, BY_NAME, GiB
 from .plan import LATENCY, THROUGHPUT, Results, Row, format_size
 
-GET_OVER_RTT = 1.3  # get <= 1.3x the raw ZeroMQ round trip, at every size
+GET_OVER_RTT = 0.2  # get <= 0.2x the raw ZeroMQ round trip, at every size (no broker on it)
+GET_OVER_PLASMA = 0.5  # get of 4 KiB <= 0.5x Plasma's
+OPS_OVER_PLASMA = 2.0  # get ops/s with 1, 2 and 4 clients >= 2x Plasma's
 GET_FLAT = 1.3  # "the same time at 1 GiB as at 4 KiB", within this factor (noise)
 PUT_OVER_COPY = 1.2  # put of 1 GiB <= 1.2x one numpy.copyto into touched memory
 OVER_TORCH_QUEUE = 8.0  # handoff of 1 GiB at least 8x faster than torch.mp.Queue
@@ -106,6 +108,25 @@ def check(results: Results, sizes: tuple[int, ...]) -> list[Target]:
         )
     for peer in ("plasma", "ray"):
         out.append(_ahead_everywhere(results, peer))
+    r = _ratio(results, Row("get", small), BASELINE, "plasma")
+    out.append(
+        Target(
+            f"get {format_size(small)} vs Plasma's get",
+            f"<= {GET_OVER_PLASMA}x",
+            f"{r:.2f}x" if r is not None else "n/a",
+            None if r is None else r <= GET_OVER_PLASMA,
+        )
+    )
+    for clients in (1, 2, 4):
+        r = _ratio(results, Row("throughput_get", clients), BASELINE, "plasma")
+        out.append(
+            Target(
+                f"{clients}-client get ops/s vs Plasma's",
+                f">= {OPS_OVER_PLASMA:.0f}x",
+                f"{r:.2f}x" if r is not None else "n/a",
+                None if r is None else r >= OPS_OVER_PLASMA,
+            )
+        )
     r = _ratio(results, Row("throughput_get", 4), BASELINE, "zmq_floor")
     out.append(
         Target(
