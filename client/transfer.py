@@ -39,7 +39,6 @@ from .tensor import DeviceLease, Lease, SlotLease, Tensor
 log = logging.getLogger(__name__)
 
 Item = Tensor | dict[str, Tensor]
-DIRECT_TRIES = 8  # an entry replaced under a get this often in a row: ask the broker
 DESC_CACHE = 4096  # descriptors decoded, by object id
 
 
@@ -49,6 +48,7 @@ class LeaseSlots:
     mapping lives while any SlotLease holds this object."""
 
     def __init__(self, path: str, offset: int, count: int) -> None:
+        self.pid = os.getpid()
         self.size = count * 8
         self.addr = map_segment(path, self.size, writable=True, offset=offset)
         self._free = [self.addr + 8 * i for i in range(count - 1, -1, -1)]
@@ -60,11 +60,13 @@ class LeaseSlots:
             return None
 
     def give_back(self, slot: int) -> None:
+        if os.getpid() != self.pid:  # a forked child's copy: the slot is its parent's
+            return
         _shm.slot_clear(slot)
         self._free.append(slot)
 
     def __del__(self) -> None:
-        if not sys.is_finalizing():
+        if not sys.is_finalizing() and os.getpid() == self.pid:
             _shm.unmap(self.addr, self.size)
 
 
@@ -97,25 +99,14 @@ class Transfer:
         if directory is None or slots is None:
             return None
         self.conn.check_usable()
-        raw = key.encode()
-        for _ in range(DIRECT_TRIES):
-            try:
-                found = directory.find(raw)
-            except OSError:
-                self._reattach()
-                return None
-            if found is None:
-                return None
-            entry, oid, version, desc = found
-            slot = slots.take()
-            if slot is None:
-                return None
-            _shm.slot_publish(slot, oid)
-            if _shm.entry_holds(entry, oid):  # the broker will not free it now
-                break
-            slots.give_back(slot)
-        else:
+        try:
+            leased = directory.lease(key.encode(), slots)
+        except (OSError, ValueError):  # moved where the view cannot follow: ask the broker
+            self._reattach()
             return None
+        if leased is None:
+            return None
+        oid, version, desc, slot = leased
         try:
             bundle, tensors = self._desc(oid, desc)
             lease = SlotLease(self.segments.get(tensors[0].segment), slot, slots)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from typing import Any
 
 import msgpack
@@ -55,6 +56,7 @@ H_MAGIC, H_ENTRIES, H_ENTRY_SIZE, H_MOVED, H_SUCCESSOR = 0, 8, 16, 24, 32
 SUCCESSOR_BYTES = 64
 
 EMPTY, LIVE, DELETED = 0, 1, 2
+DIRECT_TRIES = 8  # an entry replaced under a lease this often in a row: ask the broker
 
 
 def encode_desc(bundle: bool, tensors: list[Any]) -> bytes:
@@ -79,47 +81,102 @@ def map_segment(path: str, size: int, writable: bool, offset: int = 0) -> int:
 
 
 class DirectoryView:
-    """A client's read-only view of the broker's directory (following it when it moves)."""
+    """A client's read-only view of the broker's directory, following it when it moves.
+
+    Threads share it. Tables left behind are unmapped once no lease taken through them is
+    still being checked, and at close once no thread is inside `lease`.
+    """
 
     def __init__(self, shm_dir: str, name: str, size: int) -> None:
         self._dir = shm_dir
-        self._maps: list[tuple[int, int]] = []  # every mapping made, unmapped at close
-        self._attach(name, size)
+        self._lock = threading.Lock()
+        self._inside = 0  # threads in `lease`
+        self._stale: list[tuple[int, int]] = []  # tables left behind, unmapped when idle
+        self._closed = False
+        self._table = self._map(name, size)
 
-    def _attach(self, name: str, size: int) -> None:
+    def _map(self, name: str, size: int) -> tuple[int, int, int, int]:
+        """(header address, entries, entry size, mapping size) of the directory `name`."""
         addr = map_segment(os.path.join(self._dir, name), size, writable=False)
-        self._maps.append((addr, size))
         if _shm.load(addr + H_MAGIC) != MAGIC:
+            _shm.unmap(addr, size)
             raise ValueError(f"{name} is not a tensorbroker directory")
-        # One assignment: a thread that reads it sees one table whole, never a mix.
-        self._table = (addr, _shm.load(addr + H_ENTRIES), _shm.load(addr + H_ENTRY_SIZE))
-
-    def _follow(self) -> None:
-        """The broker replaced this directory: map its successor, let go of this one.
-        OSError if the successor is gone too (the broker says which is current: attach)."""
-        raw = ctypes.string_at(self._table[0] + H_SUCCESSOR, SUCCESSOR_BYTES)
-        name = raw.rstrip(b"\0").decode()  # written before `moved` was set (release)
-        self.attach(name, os.stat(os.path.join(self._dir, name)).st_size)
+        return addr, _shm.load(addr + H_ENTRIES), _shm.load(addr + H_ENTRY_SIZE), size
 
     def attach(self, name: str, size: int) -> None:
-        """Read the directory `name` from now on. The old mappings stay until close: another
-        thread may be reading one."""
-        self._attach(name, size)
+        """Read the directory `name` from now on (the broker says it is the current one)."""
+        table = self._map(name, size)
+        with self._lock:
+            self._stale.append(self._table[0::3])
+            self._table = table
 
-    def find(self, key: bytes) -> tuple[int, int, int, bytes] | None:
-        """(entry address, oid, version, descriptor) of the live object under `key`, or
-        None (not listed, or listed while being written: ask the broker). OSError if the
-        directory moved where this view cannot follow."""
-        while _shm.load(self._table[0] + H_MOVED):
-            self._follow()
-        header, entries, entry_size = self._table
-        found = _shm.lookup(header + HEADER, entries, entry_size, key)
-        if not isinstance(found, tuple):
+    def _follow(self, table: tuple[int, int, int, int]) -> None:
+        """`table` was replaced: map the successor its header names. OSError if that one is
+        gone too (then the broker says which is current: attach)."""
+        raw = ctypes.string_at(table[0] + H_SUCCESSOR, SUCCESSOR_BYTES)
+        name = raw.rstrip(b"\0").decode(errors="replace")  # written before `moved` (release)
+        new = self._map(name, os.stat(os.path.join(self._dir, name)).st_size)
+        with self._lock:
+            if self._table is table:
+                self._stale.append(table[0::3])
+                self._table = new
+                return
+        _shm.unmap(new[0], new[3])  # another thread followed first
+
+    def lease(self, key: bytes, slots: Any) -> tuple[int, int, bytes, int] | None:
+        """Lease the live object under `key` through a slot of `slots` (Note [directory and
+        lease slots], steps 1 to 3): (oid, version, descriptor, slot), or None when the
+        broker must answer (not listed, torn, no free slot, replaced under this lease too
+        often). OSError or ValueError if the directory moved where this view cannot follow."""
+        with self._lock:
+            if self._closed:
+                return None
+            self._inside += 1
+        try:
+            for _ in range(DIRECT_TRIES):
+                table = self._table
+                header, entries, entry_size, _ = table
+                if _shm.load(header + H_MOVED):
+                    self._follow(table)
+                    continue
+                found = _shm.lookup(header + HEADER, entries, entry_size, key)
+                if not isinstance(found, tuple):
+                    return None
+                index, oid, version, desc = found
+                slot = slots.take()
+                if slot is None:
+                    return None
+                _shm.slot_publish(slot, oid)
+                # Still listed, in a table still current: the broker writes `moved` before
+                # it fences and scans, so a lease checked here is seen by its scan.
+                entry = header + HEADER + index * entry_size
+                if _shm.entry_holds(entry, oid) and not _shm.load(header + H_MOVED):
+                    return oid, version, desc, slot
+                slots.give_back(slot)
             return None
-        index, oid, version, desc = found
-        return header + HEADER + index * entry_size, oid, version, desc
+        finally:
+            with self._lock:
+                self._inside -= 1
+                stale = self._release_stale()
+            for addr, size in stale:
+                _shm.unmap(addr, size)
+
+    def _release_stale(self) -> list[tuple[int, int]]:
+        """With the lock held: the mappings nobody can be reading any more."""
+        if self._inside:
+            return []
+        stale, self._stale = self._stale, []
+        if self._closed:
+            stale.append(self._table[0::3])
+            self._table = (0, 0, 0, 0)
+        return stale
 
     def close(self) -> None:
-        maps, self._maps = self._maps, []
-        for addr, size in maps:
+        """Unmap every table, now or when the last thread inside `lease` leaves."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            stale = self._release_stale()
+        for addr, size in stale:
             _shm.unmap(addr, size)

@@ -64,7 +64,10 @@ class Sessions:
                 self._watch_fd(session.pidfd)
             else:
                 self.unwatched.add(session)
-            if self.registry.slots is not None:
+            if self.registry.slots is not None and session.pidfd is not None:
+                # Only a client whose death the broker sees gets lease slots: a region
+                # freed on a missed heartbeat could be handed on while its old owner, only
+                # slow, still holds and later clears slots in it.
                 session.region = self.registry.slots.assign()
             self.by_token[token] = session
             log.debug(

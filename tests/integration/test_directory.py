@@ -6,6 +6,8 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -135,3 +137,33 @@ def test_a_new_version_is_read_at_once_and_the_old_one_kept_for_its_reader(
         else:
             raise AssertionError("a deleted key was still found")
         assert old.numpy()[0] == 1.0  # snapshot: still readable after delete
+
+
+FORK_SCRIPT = """
+import gc, os, sys
+import numpy as np
+import tensorbroker as tb
+with tb.connect(sys.argv[1]) as c:
+    c.put("k", np.full(8, 1.0))
+    a = c.get("k").numpy()
+    pid = os.fork()
+    if pid == 0:  # the child drops its copy of the lease: the parent's slot must stay
+        del a
+        gc.collect()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    c.delete("k")
+    c.put("other", np.full(8, 7.0))  # would land in k's memory if it had been freed
+    print(c.stats()["leases"], a.tolist() == [1.0] * 8)
+"""
+
+
+def test_a_forked_child_letting_go_does_not_end_its_parents_lease(
+    fresh_broker: tb.BrokerProcess,
+) -> None:
+    # In a fresh interpreter: this one has imported JAX, which objects to fork().
+    out = subprocess.run(
+        [sys.executable, "-c", FORK_SCRIPT, fresh_broker.address],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert out.stdout.split() == ["1", "True"], out

@@ -3,12 +3,21 @@ slots]), on a private directory of segments."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tensorbroker.client.transfer import LeaseSlots
 from tensorbroker.common import _shm
-from tensorbroker.common.directory import ENTRY_SIZE, DirectoryView, decode_desc
+from tensorbroker.common.directory import (
+    ENTRY_SIZE,
+    H_MOVED,
+    HEADER,
+    DirectoryView,
+    decode_desc,
+)
 from tensorbroker.server.directory import Directory, SlotTable
 
 
@@ -17,32 +26,62 @@ def shm_dir(tmp_path: Path) -> str:
     return str(tmp_path)
 
 
+@pytest.fixture
+def slots(shm_dir: str) -> Iterator[tuple[SlotTable, LeaseSlots]]:
+    table = SlotTable(shm_dir, regions=2, slots=1024)
+    region = table.assign()
+    assert region is not None
+    client = LeaseSlots(os.path.join(shm_dir, table.name), region * table.region_bytes, 1024)
+    yield table, client
+    del client
+    table.close()
+
+
+class Found:
+    """What a lease saw; its slot given back at once."""
+
+    def __init__(self, view: DirectoryView, slots: LeaseSlots, key: bytes) -> None:
+        leased = view.lease(key, slots)
+        self.ok = leased is not None
+        if leased is not None:
+            self.oid, self.version, self.desc, slot = leased
+            slots.give_back(slot)
+
+
 def _wire(n: int) -> list[object]:
     return [["", "float32", [n], [1], "tb-1-00", 64 * n, "cpu"]]
 
 
-def test_a_client_finds_what_the_broker_listed(shm_dir: str) -> None:
+def test_a_client_finds_what_the_broker_listed(
+    shm_dir: str, slots: tuple[SlotTable, LeaseSlots]
+) -> None:
+    table, client = slots
     d = Directory(shm_dir, entries=64)
     view = DirectoryView(shm_dir, d.name, d.size)
     try:
-        assert view.find(b"x") is None
+        assert not Found(view, client, b"x").ok
         assert d.publish("x", 7, 1, False, _wire(3))
-        found = view.find(b"x")
-        assert found is not None
-        _, oid, version, desc = found
+        leased = view.lease(b"x", client)
+        assert leased is not None
+        oid, version, desc, slot = leased
         assert (oid, version) == (7, 1) and decode_desc(desc) == (False, _wire(3))
+        assert table.held() == {7: 1}  # the slot holds it until given back
+        client.give_back(slot)
+        assert table.held() == {}
         assert d.publish("x", 9, 2, True, _wire(4))  # a new version replaces it in place
-        found = view.find(b"x")
-        assert found is not None and found[1:3] == (9, 2)
-        assert not _shm.entry_holds(found[0], 7) and _shm.entry_holds(found[0], 9)
+        found = Found(view, client, b"x")
+        assert (found.oid, found.version) == (9, 2)
         d.remove("x")
-        assert view.find(b"x") is None and not _shm.entry_holds(found[0], 9)
+        assert not Found(view, client, b"x").ok
     finally:
         view.close()
         d.close()
 
 
-def test_a_full_directory_is_rebuilt_and_readers_follow_it(shm_dir: str) -> None:
+def test_a_full_directory_is_rebuilt_and_readers_follow_it(
+    shm_dir: str, slots: tuple[SlotTable, LeaseSlots]
+) -> None:
+    table, client = slots
     d = Directory(shm_dir, entries=8)
     view = DirectoryView(shm_dir, d.name, d.size)
     first = d.name
@@ -53,29 +92,30 @@ def test_a_full_directory_is_rebuilt_and_readers_follow_it(shm_dir: str) -> None
                 d.remove(f"k{i}")
         assert d.name != first
         try:  # a view left behind by several rebuilds cannot follow: it asks (the broker)
-            view.find(b"k1")
+            Found(view, client, b"k1")
         except OSError:
             view.attach(d.name, d.size)
         for i in range(40):
-            found = view.find(f"k{i}".encode())
-            if i % 3 == 0:
-                assert found is None
-            else:
-                assert found is not None and found[1] == 100 + i
+            found = Found(view, client, f"k{i}".encode())
+            assert found.ok == (i % 3 != 0)
+            assert not found.ok or found.oid == 100 + i
     finally:
         view.close()
         d.close()
-    assert not list(Path(shm_dir).iterdir())  # every table unlinked
+    assert [p.name for p in Path(shm_dir).iterdir()] == [table.name]  # every table unlinked
 
 
-def test_an_entry_too_big_is_not_listed_and_its_older_version_goes(shm_dir: str) -> None:
+def test_an_entry_too_big_is_not_listed_and_its_older_version_goes(
+    shm_dir: str, slots: tuple[SlotTable, LeaseSlots]
+) -> None:
+    _, client = slots
     d = Directory(shm_dir, entries=16)
     view = DirectoryView(shm_dir, d.name, d.size)
     try:
         assert d.publish("b", 1, 1, False, _wire(1))
         huge = [["t" * 100, "float32", [1], [1], "tb-1-00", 0, "cpu"]] * (ENTRY_SIZE // 100)
         assert not d.publish("b", 2, 2, True, huge)
-        assert view.find(b"b") is None  # its gets ask the broker, never see version 1
+        assert not Found(view, client, b"b").ok  # its gets ask the broker, never see v1
     finally:
         view.close()
         d.close()
@@ -100,7 +140,10 @@ def test_slots_are_scanned_and_a_released_region_is_clear(shm_dir: str) -> None:
         slots.close()
 
 
-def test_a_reader_follows_a_rebuild_through_the_old_header(shm_dir: str) -> None:
+def test_a_reader_follows_a_rebuild_through_the_old_header(
+    shm_dir: str, slots: tuple[SlotTable, LeaseSlots]
+) -> None:
+    _, client = slots
     d = Directory(shm_dir, entries=8)
     view = DirectoryView(shm_dir, d.name, d.size)
     first = d.name
@@ -108,7 +151,26 @@ def test_a_reader_follows_a_rebuild_through_the_old_header(shm_dir: str) -> None
         for i in range(6):  # the sixth key does not fit a third-empty table of 8
             assert d.publish(f"k{i}", 1 + i, 1, False, _wire(i))
         assert d.name != first
-        assert [view.find(f"k{i}".encode()) is not None for i in range(6)] == [True] * 6
+        assert [Found(view, client, f"k{i}".encode()).ok for i in range(6)] == [True] * 6
     finally:
         view.close()
+        d.close()
+
+
+def test_an_entry_of_a_replaced_table_never_passes_the_check(shm_dir: str) -> None:
+    """A reader that found its entry in a table the broker then replaced must not trust
+    it: the old entry stays live forever, so the check also asks whether the table moved."""
+    d = Directory(shm_dir, entries=8)
+    try:
+        d.publish("k0", 1, 1, False, _wire(0))
+        old = d._table.addr
+        found = _shm.lookup(old + HEADER, 8, ENTRY_SIZE, b"k0")
+        assert isinstance(found, tuple)
+        entry = old + HEADER + found[0] * ENTRY_SIZE
+        for i in range(1, 6):  # a rebuild; then k0 is replaced in the new table only
+            d.publish(f"k{i}", 1 + i, 1, False, _wire(i))
+        d.publish("k0", 99, 2, False, _wire(0))
+        assert _shm.entry_holds(entry, 1)  # the stale entry alone would pass ...
+        assert _shm.load(old + H_MOVED) == 1  # ... but its table says it was replaced
+    finally:
         d.close()
