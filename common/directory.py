@@ -146,11 +146,16 @@ class DirectoryView:
                 slot = slots.take()
                 if slot is None:
                     return None
-                _shm.slot_publish(slot, oid)
-                # Still listed, in a table still current: the broker writes `moved` before
-                # it fences and scans, so a lease checked here is seen by its scan.
-                entry = header + HEADER + index * entry_size
-                if _shm.entry_holds(entry, oid) and not _shm.load(header + H_MOVED):
+                try:
+                    _shm.slot_publish(slot, oid)
+                    # Still listed, in a table still current: the broker writes `moved`
+                    # before it fences and scans, so a lease checked here is seen by its scan.
+                    entry = header + HEADER + index * entry_size
+                    held = _shm.entry_holds(entry, oid) and not _shm.load(header + H_MOVED)
+                except BaseException:
+                    slots.give_back(slot)
+                    raise
+                if held:
                     return oid, version, desc, slot
                 slots.give_back(slot)
             return None
