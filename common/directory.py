@@ -90,7 +90,10 @@ class DirectoryView:
     def __init__(self, shm_dir: str, name: str, size: int) -> None:
         self._dir = shm_dir
         self._lock = threading.Lock()
-        self._inside = 0  # threads in `lease`
+        # Threads in `lease`: a list, as append and pop are atomic under the GIL. A thread
+        # appends before it reads the current table, so a table left behind when the list
+        # was seen empty (under the lock) is read by nobody.
+        self._inside: list[None] = []
         self._stale: list[tuple[int, int]] = []  # tables left behind, unmapped when idle
         self._closed = False
         self._table = self._map(name, size)
@@ -128,11 +131,10 @@ class DirectoryView:
         lease slots], steps 1 to 3): (oid, version, descriptor, slot), or None when the
         broker must answer (not listed, torn, no free slot, replaced under this lease too
         often). OSError or ValueError if the directory moved where this view cannot follow."""
-        with self._lock:
+        self._inside.append(None)
+        try:
             if self._closed:
                 return None
-            self._inside += 1
-        try:
             for _ in range(DIRECT_TRIES):
                 table = self._table
                 header, entries, entry_size, _ = table
@@ -160,18 +162,19 @@ class DirectoryView:
                 slots.give_back(slot)
             return None
         finally:
-            with self._lock:
-                self._inside -= 1
-                stale = self._release_stale()
-            for addr, size in stale:
-                _shm.unmap(addr, size)
+            self._inside.pop()
+            if self._stale or self._closed:
+                with self._lock:
+                    stale = self._release_stale()
+                for addr, size in stale:
+                    _shm.unmap(addr, size)
 
     def _release_stale(self) -> list[tuple[int, int]]:
         """With the lock held: the mappings nobody can be reading any more."""
         if self._inside:
             return []
         stale, self._stale = self._stale, []
-        if self._closed:
+        if self._closed and self._table[0]:
             stale.append(self._table[0::3])
             self._table = (0, 0, 0, 0)
         return stale
