@@ -33,18 +33,33 @@ from .arena import Segment
 log = logging.getLogger(__name__)
 
 
-class _Table:
-    """One directory segment, mapped read-write."""
+class _Mapped:
+    """A segment of the broker's (created like the arena's), mapped read-write."""
 
-    def __init__(self, shm_dir: str, entries: int) -> None:
-        self.entries = entries
-        self.size = HEADER + entries * ENTRY_SIZE
-        self.segment = Segment.create(shm_dir, segment_prefix(os.getpid()), self.size)
+    def __init__(self, shm_dir: str, size: int) -> None:
+        self.size = size
+        self.segment = Segment.create(shm_dir, segment_prefix(os.getpid()), size)
         try:
-            self.addr = map_segment(self.segment.path, self.size, writable=True)
+            self.addr = map_segment(self.segment.path, size, writable=True)
         except BaseException:
             self.segment.unlink()
             raise
+
+    @property
+    def name(self) -> str:
+        return self.segment.name
+
+    def close(self) -> None:
+        _shm.unmap(self.addr, self.size)
+        self.segment.unlink()
+
+
+class _Table(_Mapped):
+    """One directory segment."""
+
+    def __init__(self, shm_dir: str, entries: int) -> None:
+        super().__init__(shm_dir, HEADER + entries * ENTRY_SIZE)
+        self.entries = entries
         self.states = bytearray(entries)  # EMPTY / LIVE / DELETED, as written
         self.index: dict[str, int] = {}  # live key -> entry
         self.used = 0  # entries not empty (live or deleted): probes end at empty ones
@@ -78,10 +93,6 @@ class _Table:
             _shm.entry_write(self.entry(i), ENTRY_SIZE, DELETED, 0, 0, key.encode(), b"")
             self.states[i] = DELETED
 
-    def close(self) -> None:
-        _shm.unmap(self.addr, self.size)
-        self.segment.unlink()
-
 
 class Directory:
     """The directory of sealed host objects under keys (see the Note)."""
@@ -94,7 +105,7 @@ class Directory:
 
     @property
     def name(self) -> str:
-        return self._table.segment.name
+        return self._table.name
 
     @property
     def size(self) -> int:
@@ -126,7 +137,7 @@ class Directory:
             table.write(key, oid, version, desc)
         self._old.append(self._table)
         self._table = table
-        name = table.segment.name.encode().ljust(SUCCESSOR_BYTES, b"\0")
+        name = table.name.encode().ljust(SUCCESSOR_BYTES, b"\0")
         for old in self._old:  # each replaced table names the newest
             for i in range(0, SUCCESSOR_BYTES, 8):
                 word = int.from_bytes(name[i : i + 8], "little")
@@ -142,25 +153,15 @@ class Directory:
         self._old.clear()
 
 
-class SlotTable:
+class SlotTable(_Mapped):
     """The lease-slot regions: one per client that has one, written only by that client."""
 
     def __init__(self, shm_dir: str, regions: int = REGIONS, slots: int = SLOTS) -> None:
+        super().__init__(shm_dir, regions * slots * 8)
         self.regions, self.slots = regions, slots
         self.region_bytes = slots * 8
-        self.size = regions * self.region_bytes
-        self.segment = Segment.create(shm_dir, segment_prefix(os.getpid()), self.size)
-        try:
-            self.addr = map_segment(self.segment.path, self.size, writable=True)
-        except BaseException:
-            self.segment.unlink()
-            raise
         self._free = list(range(regions - 1, -1, -1))
         self.assigned: set[int] = set()
-
-    @property
-    def name(self) -> str:
-        return self.segment.name
 
     def assign(self) -> int | None:
         """A free region (all zero), or None if every one is taken."""
@@ -187,7 +188,3 @@ class SlotTable:
             for oid, n in _shm.slots_scan(self.addr + r * self.region_bytes, self.slots).items():
                 out[oid] = out.get(oid, 0) + n
         return out
-
-    def close(self) -> None:
-        _shm.unmap(self.addr, self.size)
-        self.segment.unlink()
