@@ -16,7 +16,7 @@ from typing import Any
 from ..common.cudart import parse_device
 from ..common.errors import InvalidRequest
 from ..common.protocol import Op
-from .connection import REQUEST_TIMEOUT, Connection
+from .connection import RECONNECT_TIMEOUT, REQUEST_TIMEOUT, Connection
 from .cuda import DeviceLink
 from .queue import Queue
 from .tensor import Tensor
@@ -30,9 +30,14 @@ class Client:
     _conn: Connection | None = None  # class-level default: a half-built Client can be closed
     _closed = True
 
-    def __init__(self, address: str | None = None, timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        address: str | None = None,
+        timeout: float = 5.0,
+        reconnect_timeout: float = RECONNECT_TIMEOUT,
+    ) -> None:
         devices = DeviceLink()
-        self._conn = Connection(address, timeout, on_idle=devices.settle)
+        self._conn = Connection(address, timeout, devices.settle, reconnect_timeout)
         self._transfer = Transfer(self._conn, devices)
         self.address = self._conn.address
         self._closed = False
@@ -169,9 +174,15 @@ class Client:
         return f"<tb.Client {self.address} {state}>"
 
 
-def connect(address: str | None = None, timeout: float = 5.0) -> Client:
+def connect(
+    address: str | None = None, timeout: float = 5.0, reconnect_timeout: float = RECONNECT_TIMEOUT
+) -> Client:
     """Connect to a broker: `address`, else $TENSORBROKER_ADDRESS, else the default socket.
 
     Raises BrokerUnavailable (naming the address) if no broker answers within `timeout`.
+    If the broker exits, the client waits up to `reconnect_timeout` seconds for a broker to
+    come back at the same address and goes on with it: its arrays stay readable, its leases
+    carry over, and calls in flight are sent again where that is safe (others raise
+    BrokerUnavailable saying what may be lost). 0: a broker that exits breaks the client.
     """
-    return Client(address, timeout)
+    return Client(address, timeout, reconnect_timeout)

@@ -6,6 +6,12 @@ so a `get` parked in the broker never blocks another thread's call. Lease releas
 by finalisers (`releases`) and sent in batches: on the next call, or by the release thread
 when the client is idle (that thread also sends heartbeats to a broker that cannot watch this
 process, and runs `on_idle`).
+
+When the broker exits, the connection waits (up to `reconnect_timeout`) for a broker at the
+same address, says hello again with the same session and the leases this process holds
+(`held`), and sends again the calls that were in flight where that is safe (Note [recovery]
+in server/state.py): the release thread starts this as soon as the broker's pidfd says it
+exited, so that a client that is idle comes back too.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ import logging
 import os
 import queue
 import secrets
+import select
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +40,16 @@ from .transport import BrokerExited, Channel, ChannelPool
 log = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT = 30.0  # for requests the broker answers at once
+RECONNECT_TIMEOUT = 30.0  # how long a client waits for a broker that exited to come back
+HELLO_STEP = 0.5  # each hello to a broker that may not be there yet waits this long
+# Calls sent again to a broker that adopted the state of the one that died: reads, and
+# writes the broker recognises when they come twice (a seal by its put id, a queue get by
+# its request id, a grant's first copy aborted as the client did not claim it).
+RESENT = frozenset(
+    {Op.GET, Op.EXISTS, Op.KEYS, Op.STATS, Op.PING, Op.QINFO, Op.QOPEN, Op.QGET, Op.QCLOSE,
+     Op.PUT, Op.QPUT, Op.SEAL, Op.ABORT}
+)  # fmt: skip
+FRESH_SAFE = frozenset({Op.GET, Op.EXISTS, Op.KEYS, Op.STATS, Op.PING, Op.PUT, Op.QOPEN})
 RELEASE_WINDOW = 0.005  # releases wait at most this long for a request to carry them ...
 RELEASE_IDLE_WINDOW = 0.1  # ... or this long, in a client that has been idle
 
@@ -42,20 +60,31 @@ class Connection:
 
     closed = True  # class-level defaults: a half-built Connection can still be closed
     pid = -1
-    shared: dict[str, Any] = {}  # never mutated: replaced at the first hello
+    shared: dict[str, Any] = {}  # never mutated: replaced at each broker's first hello
     _broker_pidfd: int | None = None
     _flusher: threading.Thread | None = None
 
     def __init__(
-        self, address: str | None, timeout: float, on_idle: Callable[[], None] = lambda: None
+        self,
+        address: str | None,
+        timeout: float,
+        on_idle: Callable[[], None] = lambda: None,
+        reconnect_timeout: float = RECONNECT_TIMEOUT,
     ) -> None:
         self.address = check_address(address or default_address())
         self.pid = os.getpid()
         self.releases: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self.held: dict[int, int] = {}  # lease id -> object id, claimed again after a restart
+        self._calls: set[int] = set()  # ids of the calls waiting for their answers
+        self.reconnect_timeout = reconnect_timeout
+        self.generation = 0  # brokers this connection has said hello to, less one
+        self.resumed = True  # whether the broker of this generation kept the session
         self._session = secrets.token_hex(16)
         self._ids = itertools.count(1)
         self._broken: str | None = None
         self._heartbeat: float | None = None
+        self._old_pidfds: list[int] = []  # of brokers that exited: closed with the client
+        self._reconnecting = threading.Lock()
         self._pool = ChannelPool(self.address)
         self.closed = False
         try:
@@ -69,14 +98,16 @@ class Connection:
         self._stop = threading.Event()
         self._flusher = threading.Thread(
             target=_flush_releases,
-            args=(self.releases, self._stop, self._heartbeat, flusher_channel, self._pool,
-                  on_idle),
+            args=(weakref.ref(self), self.releases, self.held, self._stop, self._heartbeat,
+                  flusher_channel, self._pool, on_idle),
             daemon=True,
             name=f"tensorbroker-release-{self._session[:6]}",
         )  # fmt: skip
         self._flusher.start()
 
-    def _new_channel(self, timeout: float) -> Channel:
+    def _new_channel(self, timeout: float, resume: bool = False) -> Channel:
+        """A socket that has said hello; `resume`: the first to a broker that restarted, with
+        the leases this process holds."""
         channel = self._pool.new()
         hello = {
             "op": Op.HELLO,
@@ -87,8 +118,14 @@ class Connection:
             "boot_id": host.boot_id(),
             "start_time": host.start_time(self.pid),
         }
+        if resume:
+            hello["leases"] = [[lease, oid] for lease, oid in list(self.held.items())]
+            hello["calls"] = list(self._calls)
         try:
             reply = channel.call(hello, timeout)
+        except BrokerExited:  # a broker that restarted, waiting for a hello with leases
+            self._pool.discard(channel)
+            raise
         except BrokerUnavailable:
             self._pool.discard(channel)
             raise BrokerUnavailable(
@@ -99,8 +136,12 @@ class Connection:
             self._pool.discard(channel)
             raise
         self._heartbeat = float(reply.get("heartbeat") or 0.0) or None
-        if not self.shared:  # the directory and this session's slot region
+        if not self.shared or resume:  # the directory and this session's slot region
             self.shared = {k: reply[k] for k in ("directory", "slots") if k in reply}
+        if resume:
+            self.resumed = bool(reply.get("resumed"))
+            for lease in reply.get("lost", []) if self.resumed else list(self.held):
+                self.held.pop(lease, None)
         if self._broker_pidfd is None and reply.get("boot_id") == host.boot_id():
             self._broker_pidfd = host.open_pidfd(reply["pid"], reply.get("start_time"))
         if self._broker_pidfd is not None:
@@ -109,20 +150,112 @@ class Connection:
 
     def call(self, op: str, wait: float | None = REQUEST_TIMEOUT, **fields: Any) -> dict[str, Any]:
         """Send one request (with the releases due) and wait up to `wait` seconds for its
-        reply; the reply's fields, or the broker's error raised."""
+        reply; the reply's fields, or the broker's error raised. If the broker exits
+        meanwhile, wait for it to come back and send the request again where that is safe
+        (RESENT), else raise BrokerUnavailable saying what may be lost."""
         self.check_usable()
         message = {"op": op, "id": next(self._ids), **fields}
-        releases = _drain(self.releases)
+        releases = _drain(self.releases, self.held)
         if releases:
             message["rel"] = releases
-        channel = self._pool.borrow() or self._new_channel(REQUEST_TIMEOUT)
+        self._calls.add(message["id"])
         try:
-            return channel.call(message, wait)
-        except BrokerExited as exc:
-            self._broken = str(exc)
-            raise
+            return self._call(message, op, wait, fields)
         finally:
+            self._calls.discard(message["id"])
+
+    def _call(
+        self, message: dict[str, Any], op: str, wait: float | None, fields: dict[str, Any]
+    ) -> dict[str, Any]:
+        while True:
+            generation = self.generation
+            channel: Channel | None = None
+            try:
+                channel = self._pool.borrow() or self._fresh_channel()
+                return channel.call(message, wait)
+            except BrokerExited:
+                if channel is not None:
+                    self._pool.discard(channel)
+                    channel = None
+            finally:
+                if channel is not None:
+                    self._pool.give_back(channel)
+            self.reconnect(generation)  # the releases go again: claimed at the hello, maybe
+            self._check_resent(op, fields)
+
+    def _fresh_channel(self) -> Channel:
+        """A new socket, once no reconnection is under way (its hello would come first)."""
+        with self._reconnecting:
+            if self._broken:
+                raise BrokerUnavailable(self._broken)
+        return self._new_channel(REQUEST_TIMEOUT)
+
+    def _check_resent(self, op: str, fields: dict[str, Any]) -> None:
+        what = " ".join(str(fields[f]) for f in ("key", "name", "put") if f in fields)
+        what = f"{op} {what!r}" if what else op
+        if not self.resumed and op not in FRESH_SAFE:
+            raise BrokerUnavailable(
+                f"the broker at {self.address} restarted without the state of the one before "
+                f"(started with --reset, or it could not adopt it): {what} was lost with "
+                "everything it held; do it again (a queue: open it again)"
+            )
+        if op not in RESENT:
+            raise BrokerUnavailable(
+                f"the broker at {self.address} restarted during {what}: it may or may not "
+                "have been done; look (exists, keys) and do it again if need be"
+            )
+
+    def broker_exited(self) -> bool:
+        """Whether the broker this connection said hello to has exited (pidfd readable)."""
+        fd = self._broker_pidfd
+        return fd is not None and bool(select.select([fd], [], [], 0)[0])
+
+    def reconnect(self, generation: int) -> None:
+        """The broker of `generation` exited: wait for one at the same address and say hello
+        again with this session (once, whichever thread comes first). BrokerUnavailable if
+        none comes within `reconnect_timeout`; the connection is broken for good then."""
+        with self._reconnecting:
+            if generation != self.generation:
+                return  # another thread has done it
+            if self._broken:
+                raise BrokerUnavailable(self._broken)
+            exited = f"the broker at {self.address} exited"
+            if self.reconnect_timeout <= 0:
+                self._broken = exited
+                raise BrokerUnavailable(exited)
+            log.warning("%s: waiting up to %.0fs for it to come back", exited,
+                        self.reconnect_timeout)  # fmt: skip
+            self._pool.renew()
+            if self._broker_pidfd is not None:  # other threads may still poll it
+                self._old_pidfds.append(self._broker_pidfd)
+                self._broker_pidfd = None
+            deadline = time.monotonic() + self.reconnect_timeout
+            while True:
+                try:
+                    channel = self._new_channel(HELLO_STEP, resume=True)
+                    break
+                except BrokerUnavailable:
+                    if time.monotonic() >= deadline or self.closed:
+                        self._broken = (
+                            f"{exited} and no broker came back within {self.reconnect_timeout:g}s"
+                            f" (connect(reconnect_timeout=...)); start one with `tensorbroker "
+                            f"serve --address {self.address}`, then connect again"
+                        )
+                        raise BrokerUnavailable(self._broken) from None
+            self.generation += 1
             self._pool.give_back(channel)
+            log.warning(
+                "the broker at %s is back; %s", self.address,
+                "this client's leases carried over" if self.resumed else "its state was lost",
+            )  # fmt: skip
+
+    def hold(self, lease: int, oid: int) -> None:
+        """This process holds `lease` on object `oid` (claimed again if the broker restarts);
+        it ends when the lease id is released, or `forget`."""
+        self.held[lease] = oid
+
+    def forget(self, lease: int) -> None:
+        self.held.pop(lease, None)
 
     def check_usable(self) -> None:
         if os.getpid() != self.pid:
@@ -150,29 +283,37 @@ class Connection:
         self.stop_releasing()
         idle = self._pool.close()
         if idle and not self._broken:
-            bye = {"op": Op.BYE, "id": 0, "keep_leases": True, "rel": _drain(self.releases)}
+            releases = _drain(self.releases, self.held)
+            bye = {"op": Op.BYE, "id": 0, "keep_leases": True, "rel": releases}
             with contextlib.suppress(zmq.ZMQError):
                 idle[0].send(bye)
         for channel in idle:
             self._pool.discard(channel)
-        fd, self._broker_pidfd = self._broker_pidfd, None
-        if fd is not None:
+        if self._broker_pidfd is not None:
+            self._old_pidfds.append(self._broker_pidfd)
+            self._broker_pidfd = None
+        for fd in self._old_pidfds:
             os.close(fd)
+        self._old_pidfds.clear()
 
 
-def _drain(releases: queue.SimpleQueue[int]) -> list[int]:
-    """The lease ids queued now."""
+def _drain(releases: queue.SimpleQueue[int], held: dict[int, int]) -> list[int]:
+    """The lease ids queued now (no longer held)."""
     out: list[int] = []
     while not releases.empty():  # cheaper than waiting for queue.Empty on the hot path
         try:
-            out.append(releases.get_nowait())
+            lease = releases.get_nowait()
         except queue.Empty:  # another thread took the last one
             break
+        held.pop(lease, None)
+        out.append(lease)
     return out
 
 
 def _flush_releases(
+    connection: weakref.ref[Connection],
     releases: queue.SimpleQueue[int],
+    held: dict[int, int],
     stop: threading.Event,
     heartbeat: float | None,
     channel: Channel,
@@ -187,13 +328,31 @@ def _flush_releases(
     cost a busy client about 35 us per get.
     """
     delay, last_sent = RELEASE_WINDOW, time.monotonic()
+    generation, exited = 0, False
     try:
         while not stop.wait(delay):
+            conn = connection()
+            if conn is None:
+                break
+            if exited or conn.broker_exited() or conn.generation != generation:
+                try:  # come back now, not at the next call: the new broker waits for us
+                    conn.reconnect(generation)
+                    generation = conn.generation
+                    fresh = conn._new_channel(REQUEST_TIMEOUT)
+                except BrokerExited:  # gone again: the next turn waits for the next one
+                    exited = True
+                    continue
+                except BrokerError as exc:
+                    log.warning("the release thread stopped: %s", exc)
+                    break
+                pool.discard(channel)
+                channel, exited = fresh, False
+            del conn
             try:
                 on_idle()  # device leases: record their read-done events, then release them
             except Exception as exc:
                 log.warning("settling device leases failed: %s", exc)
-            ids, now = _drain(releases), time.monotonic()
+            ids, now = _drain(releases, held), time.monotonic()
             if ids:
                 channel.send({"op": Op.RELEASE, "id": 0, "rel": ids})
                 delay, last_sent = RELEASE_WINDOW, now

@@ -79,15 +79,32 @@ class Transfer:
         self.directory: DirectoryView | None = None
         self.slots: LeaseSlots | None = None
         self._descs: dict[int, tuple[bool, tuple[TensorDesc, ...]]] = {}
-        shared = conn.shared
+        self._shared: dict[str, Any] = {}
+        self._generation = -1
+        self._attach()
+
+    def _attach(self) -> None:
+        """Map the directory and the lease slots the broker named at hello (again after it
+        restarted, if they changed)."""
+        shared, self._generation = self.conn.shared, self.conn.generation
         try:
-            if "directory" in shared:
-                self.directory = DirectoryView(SHM_DIR, *shared["directory"])
-            if "slots" in shared:
-                name, offset, count = shared["slots"]
-                self.slots = LeaseSlots(os.path.join(SHM_DIR, name), offset, count)
+            where = shared.get("directory")
+            if where != self._shared.get("directory"):
+                if self.directory is not None:
+                    self.directory.close()
+                    self.directory = None
+                if where is not None:
+                    self.directory = DirectoryView(SHM_DIR, *where)
+            where = shared.get("slots")
+            if where != self._shared.get("slots"):
+                self.slots = None  # unmapped once no SlotLease holds it
+                if where is not None:
+                    name, offset, count = where
+                    self.slots = LeaseSlots(os.path.join(SHM_DIR, name), offset, count)
+            self._descs.clear()
         except (OSError, ValueError) as exc:  # every get asks the broker: slower, not wrong
             log.warning("cannot map the broker's directory or lease slots (%s)", exc)
+        self._shared = shared
 
     # -- reading without the broker --------------------------------------------------------
 
@@ -95,6 +112,8 @@ class Transfer:
         """The live version of `key` read from the directory, leased through a slot; None
         when the broker must answer (not listed, no free slot, moved, or replaced under
         this get too often)."""
+        if self._generation != self.conn.generation:  # the broker restarted
+            self._attach()
         directory, slots = self.directory, self.slots
         if directory is None or slots is None:
             return None
@@ -137,6 +156,7 @@ class Transfer:
     def read(self, reply: dict[str, Any]) -> Item:
         """The Tensors of an object descriptor the broker sent, with its lease."""
         obj = ObjectDesc.from_wire(reply)
+        self.conn.hold(obj.lease, reply["oid"])
         try:
             lease = self.lease(obj.lease, obj.tensors[0], reply, reader=True)
         except BaseException:
@@ -180,6 +200,7 @@ class Transfer:
             fields["device"] = target
         reply = self.conn.call(op, wait=wait, tensors=specs, bundle=bundle, **fields)
         put_id = reply["put"]
+        self.conn.hold(put_id, reply["oid"])  # a broker that restarts keeps the put
         try:
             if target == "cpu":
                 for (_, src, dt), wire in zip(items, reply["tensors"], strict=True):
@@ -191,8 +212,12 @@ class Transfer:
         except BaseException:
             with contextlib.suppress(BrokerError):
                 self.conn.call(Op.ABORT, put=put_id)
+            self.conn.forget(put_id)
             raise
-        version: int = self.conn.call(Op.SEAL, put=put_id)["version"]
+        try:
+            version: int = self.conn.call(Op.SEAL, put=put_id)["version"]
+        finally:
+            self.conn.forget(put_id)
         return version
 
     def _write_device(self, items: list[tuple[str, Source, DType]], reply: dict[str, Any]) -> None:
@@ -243,6 +268,7 @@ class Transfer:
             fields["device"] = device
         reply = self.conn.call(op, wait=wait, tensors=specs, **fields)
         desc = TensorDesc.from_wire(reply["tensors"][0])
+        self.conn.hold(reply["put"], reply["oid"])
         try:
             lease = self.lease(reply["put"], desc, reply, reader=False)
         except BaseException:

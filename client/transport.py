@@ -11,7 +11,7 @@ from typing import Any
 
 import zmq
 
-from ..common.errors import BrokerUnavailable, error_from_wire
+from ..common.errors import BrokerUnavailable, SessionUnknown, error_from_wire
 from ..common.protocol import decode, encode
 
 MAX_REPLY_BYTES = 256 << 20  # replies can list many keys; requests stay small
@@ -20,15 +20,17 @@ WAIT_GRACE = 5.0  # extra time for the answer to a request that waits in the bro
 
 
 class BrokerExited(BrokerUnavailable):
-    """The broker process this client talked to has exited: the client is broken for good."""
+    """The broker process this client talked to has exited (or no longer knows it): the
+    connection waits for a broker to come back (Connection.reconnect)."""
 
 
 class Channel:
     """One DEALER socket. A call blocks in `recv` (cheaper than a poller on the hot path) in
     steps of WATCH_STEP_MS, and between steps looks whether the broker process has exited."""
 
-    def __init__(self, ctx: zmq.Context[Any], address: str) -> None:
+    def __init__(self, ctx: zmq.Context[Any], address: str, generation: int = 0) -> None:
         self.address = address
+        self.generation = generation  # of the broker it says hello to (ChannelPool.renew)
         self.socket = ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVTIMEO, WATCH_STEP_MS)
@@ -69,6 +71,8 @@ class Channel:
                 break
             # A reply to an earlier request that timed out: drop it and keep waiting.
         if not reply.get("ok"):
+            if reply.get("code") == SessionUnknown.code:  # a broker that restarted
+                raise BrokerExited(f"the broker at {self.address} does not know this client")
             raise error_from_wire(str(reply.get("code")), str(reply.get("error")))
         return reply
 
@@ -96,15 +100,24 @@ class ChannelPool:
         self._lock = threading.Lock()
         self._idle: list[Channel] = []
         self._open = 0
+        self._generation = 0
         self.closed = False
 
     def new(self) -> Channel:
         with self._lock:
             if self._ctx is None:
                 raise BrokerUnavailable(f"the client of {self.address} is closed")
-            channel = Channel(self._ctx, self.address)
+            channel = Channel(self._ctx, self.address, self._generation)
             self._open += 1
         return channel
+
+    def renew(self) -> None:
+        """The broker exited: its channels are closed, now (idle) or when given back."""
+        with self._lock:
+            self._generation += 1
+            idle, self._idle = self._idle, []
+        for channel in idle:
+            self.discard(channel)
 
     def borrow(self) -> Channel | None:
         with self._lock:
@@ -112,7 +125,7 @@ class ChannelPool:
 
     def give_back(self, channel: Channel) -> None:
         with self._lock:
-            if not self.closed:
+            if not self.closed and channel.generation == self._generation:
                 self._idle.append(channel)
                 return
         self.discard(channel)

@@ -28,12 +28,8 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-# Shared-memory segments are named tb-<pid of the broker that made them>-<random hex>.
-SEGMENT_NAME = re.compile(r"tb-(\d+)-[0-9a-f]+")
-
-
-def segment_prefix(pid: int) -> str:
-    return f"tb-{pid}-"
+# Shared-memory segments are named tb-<id of the broker state they belong to>-<random hex>.
+SEGMENT_NAME = re.compile(r"tb-([0-9a-f]+)-[0-9a-f]+")
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -117,6 +113,16 @@ def runtime_dir() -> str:
 def default_address() -> str:
     """$TENSORBROKER_ADDRESS, else the per-user ipc socket."""
     return os.environ.get(ADDRESS_ENV) or f"ipc://{os.path.join(runtime_dir(), SOCKET_NAME)}"
+
+
+def default_state_dir(address: str) -> str:
+    """Where a broker at `address` keeps its state unless told (--state-dir): next to its
+    socket (broker.sock -> broker.state), or for a tcp address in the runtime directory."""
+    path = ipc_path(address)
+    if path is not None:
+        return (path[: -len(".sock")] if path.endswith(".sock") else path) + ".state"
+    where = address[len("tcp://") :].replace(":", "-").replace("/", "-")
+    return os.path.join(runtime_dir(), f"tcp-{where}.state")
 
 
 def ipc_path(address: str) -> str | None:

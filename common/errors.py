@@ -53,6 +53,13 @@ class QueueClosed(BrokerError):
     code = "queue_closed"
 
 
+class SessionUnknown(ProtocolError):
+    """The broker does not know the client's socket: it restarted. The client says hello
+    again (never raised to users)."""
+
+    code = "hello_first"
+
+
 ERRORS_BY_CODE: dict[str, type[BrokerError]] = {
     cls.code: cls
     for cls in (
@@ -64,6 +71,7 @@ ERRORS_BY_CODE: dict[str, type[BrokerError]] = {
         InvalidRequest,
         ProtocolError,
         QueueClosed,
+        SessionUnknown,
     )
 }
 

@@ -175,6 +175,30 @@ def _str(value: Any) -> str:
     return value
 
 
+def _lease_pairs(value: Any) -> list[list[int]]:
+    """The leases a client that comes back holds: [[lease id, object id], ...]."""
+    if (
+        not isinstance(value, list)
+        or len(value) > MAX_MESSAGE_BYTES // 4
+        or not all(
+            isinstance(p, list) and len(p) == 2 and all(type(x) is int and x >= 0 for x in p)
+            for p in value
+        )
+    ):
+        raise InvalidRequest("leases must be a list of [lease id, object id]")
+    return value
+
+
+def _ids(value: Any) -> list[int]:
+    if (
+        not isinstance(value, list)
+        or len(value) > MAX_RELEASES
+        or not all(type(x) is int and x >= 0 for x in value)
+    ):
+        raise InvalidRequest("expected a list of request ids")
+    return value
+
+
 # op -> {field: (validator, required)}
 _Check = Callable[[Any], Any]
 _FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
@@ -184,6 +208,8 @@ _FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
         "pid": (_pid, False),
         "boot_id": (_str, False),
         "start_time": (_opt_start, False),
+        "leases": (_lease_pairs, False),
+        "calls": (_ids, False),
     },
     Op.PUT: {
         "key": (check_key, True),

@@ -10,11 +10,11 @@ import errno
 import logging
 import os
 import secrets
-import stat
 from bisect import bisect_left, insort
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from ..common.config import SEGMENT_NAME, round_up, segment_prefix
+from ..common.config import round_up
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,14 @@ class Segment:
         logger.info("created shm segment %s (%s bytes)", path, size)
         return segment
 
+    @classmethod
+    def existing(cls, shm_dir: str, name: str) -> Segment:
+        """A segment a broker that died made (adopted: Note [recovery] in state.py)."""
+        segment = cls()
+        segment.name, segment.path = name, os.path.join(shm_dir, name)
+        segment.size = os.stat(segment.path).st_size
+        return segment
+
     def unlink(self) -> None:
         """Remove the file; idempotent."""
         if not self.path:
@@ -111,8 +119,9 @@ class Arena:
         capacity: int,
         *,
         shm_dir: str = "/dev/shm",
-        prefix: str | None = None,
+        prefix: str = "tb-0-",
         chunk_size: int = 256 * 2**20,
+        on_segment: Callable[[Segment], None] = lambda segment: None,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1 byte, got {capacity}")
@@ -120,7 +129,8 @@ class Arena:
             raise ValueError(f"chunk_size must be >= 1 byte, got {chunk_size}")
         self._capacity = capacity
         self._shm_dir = shm_dir
-        self._prefix = segment_prefix(os.getpid()) if prefix is None else prefix
+        self._prefix = prefix
+        self._on_segment = on_segment  # told of each new segment (the journal)
         self._chunk_size = round_up(chunk_size, _GRAIN)
         self._segments: list[Segment] = []
         self._seg_index: dict[str, int] = {}
@@ -159,11 +169,35 @@ class Arena:
         if size < need:
             return False
         segment = self._new_segment(size)
-        self._seg_index[segment.name] = len(self._segments)
-        self._segments.append(segment)
-        self._reserved += size
-        self._add_free(len(self._segments) - 1, 0, size)
+        self._on_segment(segment)
+        self._add_segment(segment, [])
         return True
+
+    def _add_segment(self, segment: Segment, blocks: Iterable[Block]) -> None:
+        """Take `segment` in, `blocks` of it allocated and the rest free."""
+        seg = self._seg_index[segment.name] = len(self._segments)
+        self._segments.append(segment)
+        self._reserved += segment.size
+        end = 0
+        for block in sorted(blocks, key=lambda b: b.offset):
+            if block.offset < end or block.offset + block.size > segment.size:
+                raise ValueError(f"{block} overlaps another or lies outside {segment}")
+            if block.offset > end:
+                self._add_free(seg, end, block.offset - end)
+            self._allocated.add(block)
+            self._used += block.size
+            end = block.offset + block.size
+        if segment.size > end:
+            self._add_free(seg, end, segment.size - end)
+
+    def adopt(self, segments: list[Segment], blocks: Iterable[Block]) -> None:
+        """Take over the segments of a broker that died, with the blocks its objects hold
+        (Note [recovery] in state.py); the rest of them is free."""
+        by_segment: dict[str, list[Block]] = {s.name: [] for s in segments}
+        for block in blocks:
+            by_segment[block.segment].append(block)
+        for segment in segments:
+            self._add_segment(segment, by_segment[segment.name])
 
     def _new_segment(self, size: int) -> Segment:
         """Back `size` more bytes (a subclass may back them elsewhere: see DeviceArena)."""
@@ -223,14 +257,16 @@ class Arena:
             end += next_size
         self._add_free(seg, start, end - start)
 
-    def close(self) -> None:
-        """Unlink every segment; idempotent. Outstanding blocks become invalid."""
+    def close(self, unlink: bool = True) -> None:
+        """Unlink every segment (unless the state is kept for the next broker); idempotent.
+        Outstanding blocks become invalid."""
         if self._closed:
             return
         self._closed = True
-        for segment in self._segments:
-            segment.unlink()
-        logger.debug("arena closed, %s segments unlinked", len(self._segments))
+        if unlink:
+            for segment in self._segments:
+                segment.unlink()
+            logger.debug("arena closed, %s segments unlinked", len(self._segments))
         self._segments.clear()
         self._seg_index.clear()
         self._free.clear()
@@ -280,51 +316,3 @@ class Arena:
     @property
     def blocks(self) -> int:
         return len(self._allocated)
-
-    @staticmethod
-    def remove_stale(shm_dir: str = "/dev/shm") -> list[str]:
-        """Unlink this uid's ``tb-<pid>-<hex>`` files whose pid is not a live process.
-
-        Pids are checked in this process's pid namespace: do not share ``shm_dir`` with brokers
-        in other pid namespaces.
-        """
-        uid = os.getuid()
-        removed: list[str] = []
-        try:
-            with os.scandir(shm_dir) as it:
-                entries = list(it)
-        except FileNotFoundError:
-            return removed
-        for entry in entries:
-            match = SEGMENT_NAME.fullmatch(entry.name)
-            if match is None:
-                continue
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
-                continue
-            if _pid_alive(int(match.group(1))):
-                continue
-            try:
-                os.unlink(entry.path)
-            except FileNotFoundError:
-                continue
-            logger.warning("removed stale shm segment %s", entry.path)
-            removed.append(entry.name)
-        return sorted(removed)
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False  # 0 and negatives address process groups, never a broker
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OverflowError:
-        return False
-    return True

@@ -28,8 +28,8 @@ from typing import Any, cast
 import zmq
 
 from ..common import cudart, protocol
-from ..common.config import SHM_DIR, check_address, format_size, ipc_path
-from ..common.errors import BrokerError, ProtocolError, Timeout
+from ..common.config import SHM_DIR, check_address, default_state_dir, format_size, ipc_path
+from ..common.errors import BrokerError, SessionUnknown, Timeout
 from ..common.protocol import (
     MAX_MESSAGE_BYTES,
     NO_REPLY,
@@ -42,7 +42,7 @@ from ..common.protocol import (
     reply_error,
     reply_ok,
 )
-from .arena import Arena
+from .arena import Arena, Block, Segment
 from .devices import RECLAIM_POLL, DeviceMemory
 from .directory import Directory, SlotTable
 from .objects import Objects
@@ -50,6 +50,7 @@ from .parking import ParkingLot
 from .queues import Queues
 from .registry import Registry, Session, StoredObject
 from .sessions import HEARTBEAT_INTERVAL, Sessions
+from .state import Recovered, State
 
 log = logging.getLogger(__name__)
 
@@ -72,18 +73,42 @@ class Broker:
         *,
         shm_dir: str = SHM_DIR,
         devices: DeviceMemory | None = None,
+        state_dir: str | None = None,
+        keep_state: bool = False,
+        reset: bool = False,
     ) -> None:
+        """A broker on the state in `state_dir` (default: next to the socket), adopting the
+        one a broker that died left there (Note [recovery] in state.py) unless `reset`.
+        `keep_state`: a clean stop leaves the state (and the objects) for the next broker.
+        StateError if the state cannot be used."""
         self.address = check_address(address)
-        self.arena = Arena(capacity, shm_dir=shm_dir)
+        self._shm_dir, self.keep_state = shm_dir, keep_state
+        _refuse_if_served(self.address)  # before the state: say who serves the address
+        self.state = state = State(
+            state_dir or default_state_dir(self.address), reset=reset, shm_dir=shm_dir
+        )
+        found = state.recovered
+        try:
+            self.arena = Arena(
+                capacity, shm_dir=shm_dir, prefix=state.prefix,
+                on_segment=lambda seg: state.segment(seg.name, seg.size, "arena"),
+            )  # fmt: skip
+            self.directory = Directory(shm_dir, state.prefix, state)
+            self.slots = SlotTable(
+                shm_dir, state.prefix, state, existing=found.meta.get("slots") if found else None
+            )
+        except BaseException:
+            state.close(keep=found is not None)
+            raise
         self.devices = devices if devices is not None else DeviceMemory(load=cudart.load)
-        self.directory = Directory(shm_dir)
-        self.slots = SlotTable(shm_dir)
         self.registry = Registry(
             self.arena,
             on_free=self._item_freed,
             devices=self.devices,
             directory=self.directory,
             slots=self.slots,
+            journal=state,
+            first_id=int(found.meta.get("next_id", 1)) if found else 1,
         )
         self.lot = ParkingLot()
         self._poller = zmq.Poller()
@@ -121,12 +146,49 @@ class Broker:
             Op.QCLOSE: self.queues.close,
             Op.QINFO: self.queues.info,
         }
+        if found is not None:
+            try:
+                self._adopt(found)
+            except BaseException:
+                self.close(keep=True)  # left as found, for a fix and another try
+                raise
+
+    def _adopt(self, found: Recovered) -> None:
+        """Take over the state of the broker that died (Note [recovery] in state.py)."""
+        arena = [n for n, (_, kind) in found.segments.items() if kind == "arena"]
+        self.arena.adopt(
+            [Segment.existing(self._shm_dir, n) for n in arena],
+            [Block(row.segment, row.offset, row.size) for row in found.objects],
+        )
+        held = self.sessions.adopt(found.sessions)
+        self.queues.adopt(found.queues, found.objects)
+        self.registry.adopt(found.objects, self.sessions.by_token, self.queues.by_id)
+        self.registry.versions(found.versions)
+        for token, oids in held.items():
+            self.registry.hold(self.sessions.by_token[token], oids)
+        self.queues.adopted()
+        old = found.meta.get("directory")
+        if old in found.segments:
+            self.directory.adopt(old)
+        ours = {*self.arena.segments, *self.directory.segments, self.slots.name}
+        for name in os.listdir(self._shm_dir):  # made but not journaled, or replaced
+            if name.startswith(self.state.prefix) and name not in ours:
+                os.unlink(os.path.join(self._shm_dir, name))
+                self.state.segment_gone(name)
+        waiting = sum(s.awaiting for s in self.sessions.by_token.values())
+        log.warning(
+            "adopted the state of a broker that died (%s): %d objects, %d queues, %s used; "
+            "waiting for %d clients to come back",
+            found.owner, len(self.registry.objects), len(self.queues.by_name),
+            format_size(self.arena.used_bytes), waiting,
+        )  # fmt: skip
+        if not waiting:
+            self.registry.settle()
 
     # -- life cycle ------------------------------------------------------------------------
 
     def bind(self) -> None:
         """Bind the address; AddressInUse if another broker answers there."""
-        self._refuse_if_served()
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
@@ -152,24 +214,6 @@ class Broker:
         self.devices.start()
         log.info("serving on %s, capacity %s", self.address, format_size(self.arena.capacity))
 
-    def _refuse_if_served(self) -> None:
-        path = ipc_path(self.address)
-        if path is not None and not os.path.exists(path):
-            return
-        probe = self._ctx.socket(zmq.DEALER)
-        probe.setsockopt(zmq.LINGER, 0)
-        try:
-            probe.connect(self.address)
-            probe.send(encode({"op": Op.PING, "id": 1}))
-            if probe.poll(500):
-                pid = decode(probe.recv()).get("pid")
-                raise AddressInUse(
-                    f"a broker (pid {pid}) already serves {self.address}; stop it "
-                    "(kill it, or systemctl stop) or choose another --address"
-                )
-        finally:
-            probe.close()
-
     def serve(self, ready: Callable[[], None] | None = None) -> None:
         """Run until stop() or SIGINT/SIGTERM; then release everything."""
         if self._router is None:
@@ -191,8 +235,11 @@ class Broker:
         except OSError:
             pass
 
-    def close(self) -> None:
-        """Close sockets and pidfds and unlink every segment. Idempotent."""
+    def close(self, keep: bool | None = None) -> None:
+        """Close sockets and pidfds, and unlink every segment and the state unless it is
+        kept (`keep`, else as made: `keep_state`). Idempotent."""
+        if keep is not None:
+            self.keep_state = keep
         self.sessions.close()
         if self._router is not None:
             self._router.close(linger=0)
@@ -201,9 +248,11 @@ class Broker:
         self._ctx.term()
         self._wake_r.close()
         self._wake_w.close()
-        self.arena.close()
-        self.directory.close()
-        self.slots.close()
+        unlink = not self.keep_state
+        self.arena.close(unlink)
+        self.directory.close(unlink)
+        self.slots.close(unlink)
+        self.state.close(keep=self.keep_state)
         self.devices.close()
 
     def _unlink_socket_file(self) -> None:
@@ -292,7 +341,7 @@ class Broker:
                 return
             session = self.sessions.routes.get(route)
             if session is None:
-                raise ProtocolError(f"{request.op}: say hello first")
+                raise SessionUnknown(f"{request.op}: this broker does not know the client")
             session.last_seen = time.monotonic()
             for lease_id in request.releases:
                 if not self.registry.release(session, lease_id):
@@ -328,6 +377,9 @@ class Broker:
 
     def _on_seal(self, session: Session, route: bytes, req: Request) -> dict[str, Any]:
         put_id, keep = req.fields["put"], req.fields.get("keep", False)
+        done = self.registry.sealed_before(session, put_id)
+        if done is not None:  # sealed by the broker that died; its answer was lost
+            return {"version": done.version}
         queue = self.registry.pending_put(session, put_id, "seal").queue
         if queue is not None:
             return self.queues.seal(session, put_id, keep, queue)
@@ -347,6 +399,7 @@ class Broker:
             **self.queues.stats(),
             "pid": os.getpid(),
             "address": self.address,
+            "state_dir": self.state.path,
             "uptime_s": time.monotonic() - self._started,
             "devices": self.devices.stats(),
             "cuda": self.devices.unavailable if self.devices.runtime is None else "",
@@ -363,3 +416,25 @@ class Broker:
 
 def _nothing(session: Session, route: bytes, req: Request) -> None:
     return None
+
+
+def _refuse_if_served(address: str) -> None:
+    """AddressInUse if a broker answers at `address`."""
+    path = ipc_path(address)
+    if path is not None and not os.path.exists(path):
+        return
+    ctx = zmq.Context()
+    probe = ctx.socket(zmq.DEALER)
+    probe.setsockopt(zmq.LINGER, 0)
+    try:
+        probe.connect(address)
+        probe.send(encode({"op": Op.PING, "id": 1}))
+        if probe.poll(500):
+            pid = decode(probe.recv()).get("pid")
+            raise AddressInUse(
+                f"a broker (pid {pid}) already serves {address}; stop it "
+                "(kill it, or systemctl stop) or choose another --address"
+            )
+    finally:
+        probe.close()
+        ctx.term()

@@ -4,11 +4,9 @@ directory, hands out slot regions, and scans them before it frees a retired obje
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from ..common import _shm
-from ..common.config import segment_prefix
 from ..common.directory import (
     DELETED,
     EMPTY,
@@ -29,36 +27,51 @@ from ..common.directory import (
     map_segment,
 )
 from .arena import Segment
+from .state import Journal
 
 log = logging.getLogger(__name__)
 
 
 class _Mapped:
-    """A segment of the broker's (created like the arena's), mapped read-write."""
+    """A segment of the broker's (created like the arena's, and journaled as `kind`; or
+    one a broker that died made), mapped read-write."""
 
-    def __init__(self, shm_dir: str, size: int) -> None:
+    def __init__(
+        self, shm_dir: str, prefix: str, size: int, journal: Journal, kind: str,
+        existing: str | None = None,
+    ) -> None:  # fmt: skip
+        self.journal = journal
+        if existing is not None:
+            self.segment = Segment.existing(shm_dir, existing)
+            size = self.segment.size
+        else:
+            self.segment = Segment.create(shm_dir, prefix, size)
         self.size = size
-        self.segment = Segment.create(shm_dir, segment_prefix(os.getpid()), size)
         try:
             self.addr = map_segment(self.segment.path, size, writable=True)
+            if existing is None:
+                journal.segment(self.name, size, kind)
         except BaseException:
-            self.segment.unlink()
+            if existing is None:
+                self.segment.unlink()
             raise
 
     @property
     def name(self) -> str:
         return self.segment.name
 
-    def close(self) -> None:
+    def close(self, unlink: bool = True) -> None:
         _shm.unmap(self.addr, self.size)
-        self.segment.unlink()
+        if unlink:
+            self.segment.unlink()
+            self.journal.segment_gone(self.name)
 
 
 class _Table(_Mapped):
     """One directory segment."""
 
-    def __init__(self, shm_dir: str, entries: int) -> None:
-        super().__init__(shm_dir, HEADER + entries * ENTRY_SIZE)
+    def __init__(self, shm_dir: str, prefix: str, journal: Journal, entries: int) -> None:
+        super().__init__(shm_dir, prefix, HEADER + entries * ENTRY_SIZE, journal, "directory")
         self.entries = entries
         self.states = bytearray(entries)  # EMPTY / LIVE / DELETED, as written
         self.index: dict[str, int] = {}  # live key -> entry
@@ -97,11 +110,20 @@ class _Table(_Mapped):
 class Directory:
     """The directory of sealed host objects under keys (see the Note)."""
 
-    def __init__(self, shm_dir: str, entries: int = ENTRIES) -> None:
-        self._dir = shm_dir
-        self._table = _Table(shm_dir, entries)
-        self._old: list[_Table] = []  # replaced tables: clients may still map them
+    def __init__(
+        self, shm_dir: str, prefix: str = "tb-0-", journal: Journal | None = None,
+        entries: int = ENTRIES,
+    ) -> None:  # fmt: skip
+        self._dir, self._prefix = shm_dir, prefix
+        self._journal = journal if journal is not None else Journal()
+        self._table = self._new_table(entries)
+        self._old: list[_Mapped] = []  # replaced tables: clients may still map them
         self._listed: dict[str, tuple[int, int, bytes]] = {}  # key -> oid, version, desc
+
+    def _new_table(self, entries: int) -> _Table:
+        table = _Table(self._dir, self._prefix, self._journal, entries)
+        self._journal.meta("directory", table.name)
+        return table
 
     @property
     def name(self) -> str:
@@ -132,36 +154,72 @@ class Directory:
         announced in the old one's header; the old one stays mapped for clients on it."""
         live = len(self._listed)
         entries = self._table.entries * (2 if 2 * live > self._table.entries else 1)
-        table = _Table(self._dir, entries)
+        table = self._new_table(entries)
         for key, (oid, version, desc) in self._listed.items():
             table.write(key, oid, version, desc)
-        self._old.append(self._table)
-        self._table = table
-        name = table.name.encode().ljust(SUCCESSOR_BYTES, b"\0")
-        for old in self._old:  # each replaced table names the newest
-            for i in range(0, SUCCESSOR_BYTES, 8):
-                word = int.from_bytes(name[i : i + 8], "little")
-                _shm.store(old.addr + H_SUCCESSOR + i, word)
-            _shm.store(old.addr + H_MOVED, 1)  # after the table and its name (release)
-        while len(self._old) > 1:  # clients that still map it keep their mapping; a client
-            self._old.pop(0).close()  # that cannot follow its name asks the broker (ping)
+        old, self._table = self._table, table
+        self._replaced(old)
         log.info("directory rebuilt: %d entries, %d live", entries, live)
 
-    def close(self) -> None:
+    def _replaced(self, old: _Mapped) -> None:
+        """Announce the current table in `old` (and in every table replaced before it)."""
+        self._old.append(old)
+        name = self._table.name.encode().ljust(SUCCESSOR_BYTES, b"\0")
+        for table in self._old:  # each replaced table names the newest
+            for i in range(0, SUCCESSOR_BYTES, 8):
+                word = int.from_bytes(name[i : i + 8], "little")
+                _shm.store(table.addr + H_SUCCESSOR + i, word)
+            _shm.store(table.addr + H_MOVED, 1)  # after the table and its name (release)
+        while len(self._old) > 1:  # clients that still map it keep their mapping; a client
+            self._old.pop(0).close()  # that cannot follow its name asks the broker (ping)
+
+    def adopt(self, name: str) -> None:
+        """Replace the directory of a broker that died (its live objects are published in
+        this one by now): its readers move here (Note [recovery] in state.py)."""
+        old = _Mapped(self._dir, self._prefix, 0, self._journal, "directory", existing=name)
+        if _shm.load(old.addr + H_MAGIC) != MAGIC:
+            old.close(unlink=False)
+            raise ValueError(f"{name} is not a tensorbroker directory")
+        self._replaced(old)
+
+    @property
+    def segments(self) -> list[str]:
+        return [t.name for t in [self._table, *self._old]]
+
+    def close(self, unlink: bool = True) -> None:
         for table in [self._table, *self._old]:
-            table.close()
+            table.close(unlink)
         self._old.clear()
 
 
 class SlotTable(_Mapped):
     """The lease-slot regions: one per client that has one, written only by that client."""
 
-    def __init__(self, shm_dir: str, regions: int = REGIONS, slots: int = SLOTS) -> None:
-        super().__init__(shm_dir, regions * slots * 8)
+    def __init__(
+        self, shm_dir: str, prefix: str = "tb-0-", journal: Journal | None = None,
+        regions: int = REGIONS, slots: int = SLOTS, existing: str | None = None,
+    ) -> None:  # fmt: skip
+        journal = journal if journal is not None else Journal()
+        super().__init__(shm_dir, prefix, regions * slots * 8, journal, "slots", existing)
+        journal.meta("slots", self.name)
         self.regions, self.slots = regions, slots
         self.region_bytes = slots * 8
+        if self.size != regions * self.region_bytes:
+            self.close(unlink=False)
+            raise ValueError(f"{existing} is not a lease-slot segment of {regions} regions")
         self._free = list(range(regions - 1, -1, -1))
         self.assigned: set[int] = set()
+
+    def keep(self, region: int) -> None:
+        """An adopted session whose process lives keeps its region (and what it holds)."""
+        self._free.remove(region)
+        self.assigned.add(region)
+
+    def clear_free(self) -> None:
+        """Zero the regions no live client has (after adoption: those of dead clients)."""
+        for region in self._free:
+            if self.held(region):
+                self._zero(region)
 
     def assign(self) -> int | None:
         """A free region (all zero), or None if every one is taken."""
@@ -173,11 +231,14 @@ class SlotTable(_Mapped):
 
     def release(self, region: int) -> None:
         """Its client is gone: its slots no longer hold anything."""
+        self._zero(region)
+        self.assigned.discard(region)
+        self._free.append(region)
+
+    def _zero(self, region: int) -> None:
         start = self.addr + region * self.region_bytes
         for i in range(self.slots):
             _shm.store(start + 8 * i, 0)
-        self.assigned.discard(region)
-        self._free.append(region)
 
     def held(self, region: int | None = None) -> dict[int, int]:
         """oid -> slots holding it, in the assigned regions (or one), after a full fence."""

@@ -55,7 +55,7 @@ class Objects:
     def granted(self, put_id: int, obj: StoredObject) -> Reply:
         """A put's reply: where to write, and for a device object the chunk's IPC handle and
         the write event to record after the copy."""
-        reply = {"put": put_id, "tensors": obj.wire}
+        reply = {"put": put_id, "tensors": obj.wire, "oid": obj.oid}
         if obj.events is not None:
             reply.update(self._device_fields(obj))
         return reply
@@ -117,7 +117,8 @@ class Objects:
         obj = self.registry.seal(session, put_id, keep)
         for w in self.lot.line(("get", obj.key)):
             if w.request.fields.get("after", 0) < obj.version:
-                self.answer(w, reply_ok(w.request.id, **self.describe(w.session, obj)))
+                reply = self.describe(w.session, obj, w.request.id)
+                self.answer(w, reply_ok(w.request.id, **reply))
         return {"version": obj.version}
 
     def abort(self, session: Session, route: bytes, req: Request) -> Reply:
@@ -126,14 +127,16 @@ class Objects:
 
     # -- reading ---------------------------------------------------------------------------
 
-    def describe(self, session: Session, obj: StoredObject) -> Reply:
+    def describe(self, session: Session, obj: StoredObject, request_id: int) -> Reply:
         """The object as a reader sees it, with a new lease of the reader's on it (a queue
-        item is handed over: the reader's lease is then all that keeps it)."""
+        item is handed over to request `request_id`: the reader's lease is then all that
+        keeps it)."""
         if obj.queue is not None:
-            lease = self.registry.hand_over(session, obj)
+            lease = self.registry.hand_over(session, obj, request_id)
         else:
             lease = self.registry.lease(session, obj, reader=True)
         reply = ObjectDesc.wire(obj.key, obj.version, obj.bundle, obj.wire, lease)
+        reply["oid"] = obj.oid
         if obj.events is not None:  # and the event this reader records when it lets go
             done = session.read_events[lease]
             reply.update(self._device_fields(obj), done=[done, self.devices.handle(done)])
@@ -145,7 +148,7 @@ class Objects:
         key, timeout, after = f["key"], f.get("timeout", 0.0), f.get("after", 0)
         obj = self.registry.objects.get(key)
         if obj is not None and obj.version > after:
-            return self.describe(session, obj)
+            return self.describe(session, obj, req.id)
         if after:
             what = f"no version of {key!r} newer than {after} was sealed"
         else:

@@ -29,6 +29,7 @@ from ..common.protocol import Request, reply_error, reply_ok
 from .objects import Objects
 from .parking import Waiter, secs
 from .registry import Session, StoredObject
+from .state import PENDING, Row
 
 ENDED_QUEUES = 4096  # ended queues remembered, so that a late consumer sees them closed
 
@@ -82,13 +83,15 @@ class Queues:
             q = BrokerQueue(name, next(self._ids), maxsize)
             self.by_name[name] = q
             self.by_id[q.id] = q
+            self.registry.journal.queue(q)
         elif maxsize and q.maxsize and maxsize != q.maxsize:
             raise InvalidRequest(
                 f"queue {name!r} is open with maxsize={q.maxsize}, not {maxsize}: open it with "
                 f"maxsize={q.maxsize}, or with maxsize=0 to take it as it is"
             )
-        elif maxsize:
+        elif maxsize and not q.maxsize:
             q.maxsize = maxsize  # the first bound asked for holds
+            self.registry.journal.queue(q)
         return {"queue": q.id, "maxsize": q.maxsize, "closed": q.closed}
 
     def _queue(self, req: Request) -> BrokerQueue:
@@ -144,15 +147,19 @@ class Queues:
         q.pending -= 1
         if q.getters:  # a consumer is waiting: it takes the item now
             w = q.getters[0]
-            self.objects.answer(w, reply_ok(w.request.id, **self.objects.describe(w.session, obj)))
+            reply = self.objects.describe(w.session, obj, w.request.id)
+            self.objects.answer(w, reply_ok(w.request.id, **reply))
         else:
             q.items.append(obj)
         return {"version": obj.version}
 
     def get(self, session: Session, route: bytes, req: Request) -> Reply | None:
         q = self._queue(req)
+        again = self.registry.retake(session, req.id)
+        if again is not None:  # sent again after a restart: the item it was handed
+            return self.objects.describe(session, again, req.id)
         if q.items:
-            reply = self.objects.describe(session, q.items.popleft())
+            reply = self.objects.describe(session, q.items.popleft(), req.id)
             self._note_if_ended(q)
             return reply
         if q.closed:
@@ -168,6 +175,7 @@ class Queues:
         if q is None or q.closed:
             return {}  # closing a closed queue succeeds
         q.closed = True
+        self.registry.journal.queue(q)
         for w in [*q.getters, *q.putters]:
             closed = QueueClosed(f"queue {q.name!r} was closed")
             self.objects.answer(w, reply_error(w.request.id, closed))
@@ -218,6 +226,26 @@ class Queues:
             old = self._ended.pop(next(iter(self._ended)))
             del self.by_id[old.id]
             del self.by_name[old.name]
+            self.registry.journal.queue_gone(old)
+
+    def adopt(self, rows: list[tuple[int, str, int, bool, int]], objects: list[Row]) -> None:
+        """The queues of a broker that died (Note [recovery] in state.py), each item of the
+        journal holding its slot as before; `settle` orders them once their items are in."""
+        for qid, name, maxsize, closed, sealed in rows:
+            q = BrokerQueue(name, qid, maxsize, closed, sealed=sealed)
+            self.by_name[name] = self.by_id[qid] = q
+        for row in objects:
+            item_of = self.by_id.get(row.queue) if row.queue is not None else None
+            if item_of is not None:
+                item_of.in_flight += 1
+                item_of.pending += row.state == PENDING
+        self._ids = itertools.count(max(self.by_id, default=0) + 1)
+
+    def adopted(self) -> None:
+        """The adopted items are in their queues: put them in order."""
+        for q in list(self.by_name.values()):
+            q.items = deque(sorted(q.items, key=lambda o: o.version))
+            self._note_if_ended(q)
 
     def stats(self) -> Reply:
         return {

@@ -45,6 +45,7 @@ from ..common.errors import CapacityError, InvalidRequest, NotFound
 from .arena import Arena, Block, ShmExhausted
 from .devices import DEVICE_ALIGN, DeviceArena, DeviceMemory
 from .directory import Directory, SlotTable
+from .state import ID_STEP, LIVE, PENDING, Journal, Row
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,8 @@ class Session:
 
     token: str
     pid: int | None
+    boot_id: str | None = None
+    start_time: int | None = None
     leases: dict[int, StoredObject] = field(default_factory=dict)
     pending: set[int] = field(default_factory=set)  # lease ids of its unsealed puts
     read_events: dict[int, int] = field(default_factory=dict)  # device lease -> read-done event
@@ -95,6 +98,7 @@ class Session:
     last_seen: float = 0.0  # for sessions without a pidfd: heartbeats keep them alive
     closed: bool = False  # said bye, kept only for the leases its process still holds
     region: int | None = None  # its lease-slot region (Note [directory and lease slots])
+    awaiting: bool = False  # adopted from a broker that died: not back yet (Note [recovery])
 
     def __repr__(self) -> str:
         return f"<session {self.token[:8]} pid={self.pid}>"
@@ -123,8 +127,11 @@ class Registry:
         devices: DeviceMemory | None = None,
         directory: Directory | None = None,
         slots: SlotTable | None = None,
+        journal: Journal | None = None,
+        first_id: int = 1,
     ) -> None:
         self.arena = arena
+        self.journal = journal if journal is not None else Journal()
         self.directory, self.slots = directory, slots  # None: every get asks the broker
         self._unlisted: dict[int, StoredObject] = {}  # retired, unleased: slots to be scanned
         self.devices = devices if devices is not None else DeviceMemory(load=None)
@@ -132,8 +139,22 @@ class Registry:
         self.objects: dict[str, StoredObject] = {}  # key -> live version
         self.pending: dict[int, StoredObject] = {}  # put lease id -> object
         self._versions: dict[str, int] = {}  # key -> last version sealed
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(first_id)
+        self._id_limit = first_id  # ids below it are reserved in the journal
         self.lease_count = 0
+        # Adopted from a broker that died (Note [recovery] in state.py):
+        self.adopted: dict[int, StoredObject] = {}  # oid -> object, until all are back
+        self._holding: list[StoredObject] = []  # retired: held until every client is back
+        self.taken: dict[tuple[str, int], StoredObject] = {}  # (session, qget id) -> item
+        self._sealed_puts: dict[tuple[str, int], StoredObject] = {}  # (session, put id)
+
+    def _id(self) -> int:
+        """A new object or lease id, never given before (across restarts too)."""
+        i = next(self._ids)
+        if i >= self._id_limit:
+            self._id_limit = i + ID_STEP
+            self.journal.meta("next_id", self._id_limit)
+        return i
 
     # -- writing -------------------------------------------------------------------------
 
@@ -166,12 +187,14 @@ class Registry:
         )
         wire = [t.to_wire() for t in tensors]
         obj = StoredObject(key, bundle, block, wire, queue=queue, device=device)
-        obj.oid = next(self._ids)
+        obj.oid = self._id()
         if device != "cpu":
             obj.events = [self.devices.event(device_index(device))[0]]
         put_id = self.lease(session, obj)
         self.pending[put_id] = obj
         session.pending.add(put_id)
+        if device == "cpu":
+            self.journal.granted(obj, session.token, put_id)
         return put_id, obj
 
     def _allocate(self, arena: Arena, key: str, size: int, align: int) -> Block:
@@ -221,9 +244,15 @@ class Registry:
                     self.directory.remove(obj.key)
             if old is not None:
                 self._retire(old)
+        if obj.device == "cpu":
+            self.journal.sealed(obj)
         if not keep:
             self.release(session, put_id)
         return obj
+
+    def sealed_before(self, session: Session, put_id: int) -> StoredObject | None:
+        """The object a put sealed by the broker that died was, if this seal is sent again."""
+        return self._sealed_puts.get((session.token, put_id))
 
     def abort(self, session: Session, put_id: int, keep: bool) -> None:
         obj = self.pending_put(session, put_id, "abort")
@@ -268,6 +297,7 @@ class Registry:
             raise NotFound(f"no object {key!r} to delete")
         if self.directory is not None:
             self.directory.remove(key)
+        self.journal.key_deleted(key, obj.version)
         self._retire(obj)
 
     # -- reading -------------------------------------------------------------------------
@@ -275,7 +305,7 @@ class Registry:
     def lease(self, session: Session, obj: StoredObject, reader: bool = False) -> int:
         """A new lease of `session` on `obj`. A reader of a device object gets a read-done
         event with it (`session.read_events`), which the object keeps once the lease ends."""
-        lease_id = next(self._ids)
+        lease_id = self._id()
         session.leases[lease_id] = obj
         obj.leases += 1
         self.lease_count += 1
@@ -284,11 +314,11 @@ class Registry:
             session.read_events[lease_id] = self.devices.event(index)[0]
         return lease_id
 
-    def hand_over(self, session: Session, obj: StoredObject) -> int:
-        """Give a queue item to its one consumer: the consumer's lease is now all that
-        keeps it."""
+    def hand_over(self, session: Session, obj: StoredObject, request_id: int) -> int:
+        """Give a queue item to its one consumer (asking by `request_id`): the consumer's
+        lease is now all that keeps it."""
         lease_id = self.lease(session, obj, reader=True)
-        self._retire(obj)
+        self._retire(obj, session.token, request_id)
         return lease_id
 
     def release(self, session: Session, lease_id: int) -> bool:
@@ -310,6 +340,10 @@ class Registry:
 
     def drop_session(self, session: Session, keep_leases: bool = False) -> None:
         """Abort the session's unsealed puts and, unless kept, end all of its leases."""
+        for key in [k for k in self.taken if k[0] == session.token]:
+            obj = self.taken.pop(key)  # handed over when the broker died, never asked again
+            obj.leases -= 1
+            self._maybe_free(obj)
         for put_id in list(session.pending):
             self.abort(session, put_id, keep=True)
         if not keep_leases:
@@ -327,10 +361,12 @@ class Registry:
 
     # -- memory --------------------------------------------------------------------------
 
-    def _retire(self, obj: StoredObject) -> None:
+    def _retire(self, obj: StoredObject, taker: str | None = None, took: int | None = None) -> None:
         obj.live = False
         obj.retired = True
         self._maybe_free(obj)
+        if not obj.freed and obj.device == "cpu":
+            self.journal.retired(obj, taker, took)
 
     def _maybe_free(self, obj: StoredObject) -> None:
         if obj.retired and obj.leases == 0 and not obj.freed:
@@ -340,6 +376,7 @@ class Registry:
             obj.freed = True
             if obj.device == "cpu":
                 self.arena.free(obj.block)
+                self.journal.freed(obj)
                 self._freed(obj)
             else:  # back once the GPU work of its writer and readers is done
                 index = device_index(obj.device)
@@ -366,6 +403,108 @@ class Registry:
             obj.listed = False
             self._maybe_free(obj)
         return len(free)
+
+    # -- adopting the state of a broker that died (Note [recovery] in state.py) -----------
+
+    def adopt(self, rows: list[Row], sessions: dict[str, Session], queues: dict[int, Any]) -> None:
+        """Rebuild the objects of the journal `rows` (their blocks are allocated in the arena
+        already). Live ones are published again; puts of sessions still alive carry over;
+        retired ones are held until `settle`, as leases on them come back with their clients."""
+        for row in rows:
+            q = queues.get(row.queue) if row.queue is not None else None
+            block = Block(row.segment, row.offset, row.size)
+            if row.queue is not None and q is None:  # an item of a queue forgotten since
+                self.arena.free(block)
+                self.journal.freed(row)
+                continue
+            obj = StoredObject(row.key, row.bundle, block, row.wire, row.version, queue=q)
+            obj.oid = row.oid
+            self.adopted[obj.oid] = obj
+            owner = sessions.get(row.session)
+            if row.state == PENDING:
+                if owner is None or owner.closed:  # its writer died with the broker
+                    self._retire(obj)
+                    continue
+                self.pending[row.put] = obj
+                owner.pending.add(row.put)
+                owner.leases[row.put] = obj
+                obj.leases += 1
+                self.lease_count += 1
+                continue
+            self._sealed_puts[row.session, row.put] = obj
+            if row.state == LIVE:
+                obj.live = True
+                self._versions[obj.key] = max(self._versions.get(obj.key, 0), obj.version)
+                if q is not None:
+                    q.items.append(obj)
+                    continue
+                self.objects[obj.key] = obj
+                if self.directory is not None:
+                    obj.listed = self.directory.publish(
+                        obj.key, obj.oid, obj.version, obj.bundle, obj.wire
+                    )
+            else:  # retired: leases or slots may hold it
+                obj.retired = obj.listed = True
+                obj.leases += 1
+                if row.taker is not None and row.took is not None and row.taker in sessions:
+                    self.taken[row.taker, row.took] = obj  # held until the taker asks again
+                else:
+                    self._holding.append(obj)
+
+    def retake(self, session: Session, request_id: int) -> StoredObject | None:
+        """A queue item the broker that died handed to this very request, whose answer was
+        lost: it goes to the request sent again (the hold becomes the consumer's lease)."""
+        obj = self.taken.pop((session.token, request_id), None) if self.taken else None
+        if obj is not None:
+            obj.leases -= 1
+        return obj
+
+    def versions(self, deleted: dict[str, int]) -> None:
+        """The last versions of deleted keys: a key put again goes on from there."""
+        for key, version in deleted.items():
+            self._versions[key] = max(self._versions.get(key, 0), version)
+
+    def claim(self, session: Session, leases: list[list[int]], calls: list[int]) -> list[int]:
+        """A client of the broker that died is back with the leases it holds ([lease id,
+        object id]) and the ids of its calls still waiting for an answer; the leases hold
+        their objects again. Its puts it no longer knows of are aborted, and queue items
+        handed to calls no longer waiting are let go. The lease ids whose objects are gone."""
+        lost, claimed = [], set()
+        for lease_id, oid in leases:
+            claimed.add(lease_id)
+            if lease_id in session.leases:
+                continue  # a put carried over
+            obj = self.adopted.get(oid)
+            if obj is None or obj.freed:
+                lost.append(lease_id)
+                continue
+            session.leases[lease_id] = obj
+            obj.leases += 1
+            self.lease_count += 1
+        for put_id in [p for p in session.pending if p not in claimed]:
+            self.abort(session, put_id, keep=False)
+        waiting = set(calls)
+        for key in [k for k in self.taken if k[0] == session.token and k[1] not in waiting]:
+            obj = self.taken.pop(key)  # its answer came (a lease above holds it) or not needed
+            obj.leases -= 1
+            self._maybe_free(obj)
+        return lost
+
+    def hold(self, session: Session, oids: list[int]) -> None:
+        """Leases of a closed client whose arrays live on, on adopted objects."""
+        for oid in oids:
+            obj = self.adopted.get(oid)
+            if obj is not None and not obj.freed:
+                self.lease(session, obj)
+
+    def settle(self) -> None:
+        """Every client of the broker that died is back or gone: retired objects that no
+        lease came back for are freed (after a scan of the slots)."""
+        holding, self._holding = self._holding, []
+        for obj in holding:
+            obj.leases -= 1
+            self._maybe_free(obj)
+        self.adopted.clear()
 
     def stats(self) -> dict[str, int]:
         slotted = sum(self.slots.held().values()) if self.slots is not None else 0

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..common import host
-from ..common.errors import ProtocolError
+from ..common.errors import ProtocolError, SessionUnknown
 from ..common.protocol import PROTOCOL_VERSION, Request
 from .parking import ParkingLot
 from .registry import Registry, Session, StoredObject
@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL = 0.25  # asked of clients the broker cannot watch
 HEARTBEAT_TIMEOUT = 1.0  # silence after which such a client counts as dead
+RESUME_GRACE = 30.0  # how long an adopted client the broker cannot watch has to come back
 
 
 class Sessions:
@@ -56,9 +57,21 @@ class Sessions:
             )
         token = f["session"]
         session = self.by_token.get(token)
+        resumed: dict[str, Any] = {}
+        if session is not None and session.awaiting and "leases" not in f:
+            raise SessionUnknown(  # its first hello must say which leases it holds
+                "this broker restarted and waits for the client to say hello with its leases"
+            )
+        if session is not None and session.awaiting:  # back after the broker restarted
+            session.awaiting = False
+            lost = self.registry.claim(session, f["leases"], f.get("calls", []))
+            resumed = {"lost": lost}
+            log.info("%s is back (%d leases lost)", session, len(lost))
+            self._settle_if_all_back()
         if session is None:
-            session = Session(token, f.get("pid"), last_seen=time.monotonic())
-            session.pidfd = _pidfd(f.get("pid"), f.get("boot_id"), f.get("start_time"))
+            boot, started = f.get("boot_id"), f.get("start_time")
+            session = Session(token, f.get("pid"), boot, started, last_seen=time.monotonic())
+            session.pidfd = _pidfd(session.pid, boot, started)
             if session.pidfd is not None:
                 self.pidfds[session.pidfd] = session
                 self._watch_fd(session.pidfd)
@@ -70,6 +83,7 @@ class Sessions:
                 # slow, still holds and later clears slots in it.
                 session.region = self.registry.slots.assign()
             self.by_token[token] = session
+            self.registry.journal.session(session)
             log.debug(
                 "hello from pid %s (%s)", session.pid, "watched" if session.pidfd else "heartbeat"
             )
@@ -85,6 +99,8 @@ class Sessions:
             "start_time": host.start_time(os.getpid()),
             "heartbeat": 0.0 if session.pidfd is not None else HEARTBEAT_INTERVAL,
             "capacity": self.registry.arena.capacity,
+            "resumed": bool(resumed) or "leases" not in f,
+            **resumed,
             **self.shared(session),
         }
 
@@ -101,6 +117,9 @@ class Sessions:
     def bye(self, session: Session, req: Request) -> None:
         keep = req.fields.get("keep_leases", False) and session.pidfd is not None
         self.drop(session, keep_leases=keep)
+        if session.closed and session.token in self.by_token:  # kept for its arrays
+            held = [obj.oid for obj in session.leases.values() if obj.device == "cpu"]
+            self.registry.journal.session_closed(session, held)
 
     def exited(self, pidfd: int) -> None:
         """The process behind `pidfd` exited: forget its GPU events, then drop it."""
@@ -142,12 +161,51 @@ class Sessions:
             session.pidfd = None
         self.unwatched.discard(session)
         self.by_token.pop(session.token, None)
+        self.registry.journal.session_gone(session)
+        if session.awaiting:
+            session.awaiting = False
+            self._settle_if_all_back()
+
+    # -- adopting the sessions of a broker that died (Note [recovery] in state.py) ----------
+
+    def adopt(self, rows: list[tuple[Any, ...]]) -> dict[str, list[int]]:
+        """Keep the sessions of a broker that died whose processes still live: their lease
+        slots and puts carry over, and the broker waits for them to come back (hello) with
+        the leases they hold. A session whose process the broker cannot watch gets
+        RESUME_GRACE to come back. The objects each closed session's arrays still hold."""
+        held_by: dict[str, list[int]] = {}
+        for token, pid, boot, started, region, closed, held in rows:
+            session = Session(token, pid, boot, started, last_seen=time.monotonic())
+            session.pidfd = _pidfd(pid, boot, started)
+            if session.pidfd is None and boot == host.boot_id() and pid is not None:
+                self.registry.journal.session_gone(session)  # it died, with the broker
+                continue
+            if session.pidfd is not None:
+                self.pidfds[session.pidfd] = session
+                self._watch_fd(session.pidfd)
+            else:
+                self.unwatched.add(session)
+            if region is not None and self.registry.slots is not None:
+                self.registry.slots.keep(region)
+                session.region = region
+            session.closed, session.awaiting = closed, not closed
+            if closed:
+                held_by[token] = held
+            self.by_token[token] = session
+        if self.registry.slots is not None:
+            self.registry.slots.clear_free()
+        return held_by
+
+    def _settle_if_all_back(self) -> None:
+        if not any(s.awaiting for s in self.by_token.values()):
+            self.registry.settle()
 
     def drop_silent(self, now: float) -> None:
         """Drop the sessions that stopped sending heartbeats."""
         for session in list(self.unwatched):
-            if now - session.last_seen > HEARTBEAT_TIMEOUT:
-                log.info("%s sent no heartbeat for %.1fs: dropping it", session, HEARTBEAT_TIMEOUT)
+            limit = RESUME_GRACE if session.awaiting else HEARTBEAT_TIMEOUT
+            if now - session.last_seen > limit:
+                log.info("%s sent no heartbeat for %.1fs: dropping it", session, limit)
                 self.drop(session)
 
     @property

@@ -26,18 +26,24 @@ log = logging.getLogger("tensorbroker")
 
 def _serve(args: argparse.Namespace) -> int:
     from .common import cudart
-    from .server.arena import Arena
     from .server.broker import Broker
     from .server.devices import DeviceMemory
 
     address = check_address(args.address or default_address())
     devices = DeviceMemory(load=cudart.load, spec=parse_cuda_memory(args.cuda_memory))
-    removed = Arena.remove_stale(SHM_DIR)
-    if removed:
-        log.warning("removed %d segment(s) left by brokers that died: %s", len(removed), removed)
-    available = shm_bytes_available(SHM_DIR)
     capacity = parse_size(args.memory) if args.memory else default_capacity(SHM_DIR)
+    try:
+        broker = Broker(
+            address, capacity, devices=devices, state_dir=args.state_dir,
+            keep_state=args.state_dir is not None, reset=args.reset,
+        )  # fmt: skip
+    except BrokerError as exc:
+        print(f"tensorbroker: {exc}", file=sys.stderr)
+        return 2
+    adopted = broker.state.recovered is not None  # a failed start must not lose its objects
+    available = shm_bytes_available(SHM_DIR) + broker.arena.reserved_bytes
     if capacity > available:
+        broker.close(keep=adopted or None)
         print(
             f"tensorbroker: --memory {format_size(capacity)} does not fit in {SHM_DIR}, which has "
             f"{format_size(available)} free. Lower --memory, or enlarge {SHM_DIR}: "
@@ -47,11 +53,10 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    broker = Broker(address, capacity, devices=devices)
     try:
         broker.bind()
     except BrokerError as exc:
-        broker.close()
+        broker.close(keep=adopted or None)
         print(f"tensorbroker: {exc}", file=sys.stderr)
         return 1
 
@@ -61,7 +66,10 @@ def _serve(args: argparse.Namespace) -> int:
             os.close(args.ready_fd)
 
     broker.serve(ready)
-    log.info("stopped; shared memory released")
+    if broker.keep_state:
+        log.info("stopped; the objects stay in %s for the next broker", broker.state.path)
+    else:
+        log.info("stopped; shared memory released")
     return 0
 
 
@@ -134,6 +142,17 @@ def parser() -> argparse.ArgumentParser:
         "--cuda-memory",
         help="GPU memory to serve, e.g. 0:8GiB,1:8GiB; 'off' for none (default: every GPU "
         "CuPy finds, half of its free memory)",
+    )
+    serve.add_argument(
+        "--state-dir",
+        help="where the broker keeps what a restarted broker needs to adopt its objects. "
+        "Given: a clean stop (SIGTERM) keeps the objects for the next broker. Default: next "
+        "to the socket, and a clean stop removes everything (a crash still leaves it to adopt)",
+    )
+    serve.add_argument(
+        "--reset",
+        action="store_true",
+        help="start empty: remove the state (and the objects) a previous broker left",
     )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)

@@ -14,17 +14,21 @@ import tempfile
 import time
 from typing import ClassVar
 
-from .common.config import SOCKET_NAME, parse_size
-from .common.errors import BrokerUnavailable
+from .common.config import SOCKET_NAME, default_state_dir, parse_size
+from .common.errors import BrokerError, BrokerUnavailable
+from .server.state import discard
 
 
 class BrokerProcess:
     """A running `tensorbroker serve`. `.stop()` (or leaving `with`) ends it and removes its
-    socket; the broker unlinks its shared memory as it exits. A broker started here and never
-    stopped is sent SIGTERM when this interpreter exits."""
+    socket; the broker unlinks its shared memory as it exits (unless given a `state_dir`:
+    then its objects stay there for the next broker). `.restart()` starts a new broker on
+    the same address and state, which adopts what a killed one left. A broker started here
+    and never stopped is sent SIGTERM when this interpreter exits."""
 
     _proc: subprocess.Popen[bytes] | None = None
-    _tmpdir: str | None = None
+    _tmpdir: str | None = None  # the temporary address's directory, until stopped
+    _own_dir: str | None = None
     _unstopped: ClassVar[set[int]] = set()  # pids started by this process and not stopped
 
     @classmethod
@@ -46,12 +50,37 @@ class BrokerProcess:
         ready_timeout: float = 30.0,
         log_level: str = "warning",
         cuda_memory: str | None = None,
+        state_dir: str | None = None,
+        reset: bool = False,
     ) -> None:
         if address is None:
-            self._tmpdir = tempfile.mkdtemp(prefix="tb-")
+            self._tmpdir = self._own_dir = tempfile.mkdtemp(prefix="tb-")
             address = f"ipc://{os.path.join(self._tmpdir, SOCKET_NAME)}"
         self.address = address
         self.memory = parse_size(memory)
+        self.state_dir = state_dir
+        self._options = ["--log-level", log_level]
+        if cuda_memory is not None:
+            self._options += ["--cuda-memory", cuda_memory]
+        if state_dir is not None:
+            self._options += ["--state-dir", state_dir]
+        self._ready_timeout = ready_timeout
+        self._start(["--reset"] if reset else [])
+
+    def restart(self) -> None:
+        """Start a broker again on this address and state (after the last one exited: a
+        crash, say); it adopts what that one left (Note [recovery] in server/state.py)."""
+        if self.alive:
+            raise BrokerUnavailable(f"the broker at {self.address} is still running: stop it first")
+        if self._proc is not None:
+            BrokerProcess._unstopped.discard(self._proc.pid)
+        if self._own_dir is not None and self._tmpdir is None:  # stopped: the address again
+            os.makedirs(self._own_dir, mode=0o700)
+            self._tmpdir = self._own_dir
+        self._start([])
+
+    def _start(self, once: list[str]) -> None:
+        ready_timeout, address = self._ready_timeout, self.address
         log_dir = self._tmpdir or tempfile.gettempdir()
         self.log_path = os.path.join(log_dir, f"broker-{os.getpid()}-{time.monotonic_ns()}.log")
         read_fd, write_fd = os.pipe()
@@ -68,11 +97,10 @@ class BrokerProcess:
                         address,
                         "--memory",
                         str(self.memory),
-                        "--log-level",
-                        log_level,
+                        *self._options,
+                        *once,
                         "--ready-fd",
                         str(write_fd),
-                        *(["--cuda-memory", cuda_memory] if cuda_memory is not None else []),
                     ],
                     pass_fds=(write_fd,),
                     stdout=log,
@@ -129,8 +157,9 @@ class BrokerProcess:
             return "(no log)"
 
     def stop(self, timeout: float = 10.0) -> int | None:
-        """SIGTERM, wait, SIGKILL if need be; remove the temporary address. Idempotent.
-        Returns the broker's exit code."""
+        """SIGTERM, wait, SIGKILL if need be; remove the temporary address, and the objects
+        of a broker that did not stop cleanly (unless it was given a `state_dir`).
+        Idempotent. Returns the broker's exit code."""
         proc, self._proc = self._proc, None
         code = None
         if proc is not None:
@@ -142,6 +171,9 @@ class BrokerProcess:
                 proc.kill()
                 code = proc.wait()
             BrokerProcess._unstopped.discard(proc.pid)
+            if code != 0 and self.state_dir is None:  # killed: it left its state behind
+                with contextlib.suppress(BrokerError):  # unless another broker holds it
+                    discard(default_state_dir(self.address))
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
@@ -165,11 +197,17 @@ def start_broker(
     *,
     log_level: str = "warning",
     cuda_memory: str | None = None,
+    state_dir: str | None = None,
+    reset: bool = False,
 ) -> BrokerProcess:
     """Start `tensorbroker serve` as a subprocess (on a fresh temporary ipc address unless
     one is given) and return once it serves. `cuda_memory` is its --cuda-memory (default:
-    every GPU CuPy finds, half of each one's free memory)."""
-    return BrokerProcess(memory, address, log_level=log_level, cuda_memory=cuda_memory)
+    every GPU CuPy finds, half of each one's free memory); `state_dir` its --state-dir;
+    `reset` starts it empty (--reset)."""
+    return BrokerProcess(
+        memory, address, log_level=log_level, cuda_memory=cuda_memory, state_dir=state_dir,
+        reset=reset,
+    )  # fmt: skip
 
 
 atexit.register(BrokerProcess._stop_forgotten)

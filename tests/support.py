@@ -3,7 +3,10 @@ waiting for a condition."""
 
 from __future__ import annotations
 
+import glob
 import multiprocessing as mp
+import os
+import sqlite3
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,3 +43,13 @@ def seconds_until(cond: Callable[[], bool], timeout: float) -> float:
     start = time.monotonic()
     assert wait_until(cond, timeout), f"condition not met within {timeout}s"
     return time.monotonic() - start
+
+
+def segments_of(state_dir: str) -> list[str]:
+    """The /dev/shm files of the broker state in `state_dir` (stats()["state_dir"])."""
+    db = sqlite3.connect(os.path.join(state_dir, "state.db"))
+    try:
+        (state_id,) = db.execute("select value from meta where name = 'id'").fetchone()
+    finally:
+        db.close()
+    return sorted(glob.glob(f"/dev/shm/tb-{state_id}-*"))

@@ -3,7 +3,6 @@ learn at once that their broker is gone."""
 
 from __future__ import annotations
 
-import glob
 import os
 import signal
 import threading
@@ -14,25 +13,41 @@ import numpy as np
 import pytest
 
 import tensorbroker as tb
+from tests.support import segments_of
 
 
-def test_segments_of_a_killed_broker_are_removed_by_the_next_one() -> None:
-    first = tb.start_broker(memory="16MiB")
+def test_segments_of_a_killed_broker_are_adopted_by_the_next_one_and_then_removed() -> None:
+    broker = tb.start_broker(memory="16MiB")
     try:
-        with tb.connect(first.address) as c:
+        with tb.connect(broker.address, reconnect_timeout=0) as c:
             c.put("x", np.ones(1000))
-        left = glob.glob(f"/dev/shm/tb-{first.pid}-*")
-        assert left, "the broker made no segment"
+            state = c.stats()["state_dir"]
+        left = segments_of(state)
+        assert len(left) >= 3, "the broker made no segments"
         assert all(os.stat(p).st_mode & 0o777 == 0o600 for p in left)
-        first.send_signal(signal.SIGKILL)
-        first.wait(10)
+        broker.send_signal(signal.SIGKILL)
+        broker.wait(10)
         assert all(os.path.exists(p) for p in left)  # SIGKILL: nothing could clean up
-        with tb.start_broker(memory="16MiB") as second:
-            assert not any(os.path.exists(p) for p in left)
-            with tb.connect(second.address) as c:
-                assert c.keys() == []
+        broker.restart()  # the same address, so the same state: adopted
+        with tb.connect(broker.address) as c:
+            assert c.keys() == ["x"] and c.get("x").numpy().sum() == 1000
+        assert broker.stop() == 0
+        assert not any(os.path.exists(p) for p in left)  # nor the ones it made since: the dir
+        assert not os.path.exists(state)
     finally:
-        first.stop()
+        broker.stop()
+
+
+def test_a_killed_broker_that_is_not_restarted_leaves_nothing_after_stop() -> None:
+    broker = tb.start_broker(memory="16MiB")
+    with tb.connect(broker.address, reconnect_timeout=0) as c:
+        c.put("x", np.ones(1000))
+        state = c.stats()["state_dir"]
+    left = segments_of(state)
+    broker.send_signal(signal.SIGKILL)
+    broker.wait(10)
+    broker.stop()  # what a killed broker left, start_broker's stop removes
+    assert left and not any(os.path.exists(p) for p in left)
 
 
 def test_sigterm_unlinks_every_segment_and_the_socket() -> None:
@@ -40,7 +55,7 @@ def test_sigterm_unlinks_every_segment_and_the_socket() -> None:
     path = broker.address[len("ipc://") :]
     with tb.connect(broker.address) as c:
         c.put("x", np.ones(1000))
-    segments = glob.glob(f"/dev/shm/tb-{broker.pid}-*")
+        segments = segments_of(c.stats()["state_dir"])
     assert segments and os.path.exists(path)
     broker.send_signal(signal.SIGTERM)
     assert broker.wait(10) == 0
@@ -52,7 +67,7 @@ def test_sigterm_unlinks_every_segment_and_the_socket() -> None:
 def test_a_parked_get_learns_at_once_that_the_broker_died() -> None:
     broker = tb.start_broker(memory="16MiB")
     try:
-        c = tb.connect(broker.address)
+        c = tb.connect(broker.address, reconnect_timeout=0)  # a broker that exits is final
         outcome: list[Any] = []
 
         def wait() -> None:
@@ -72,6 +87,4 @@ def test_a_parked_get_learns_at_once_that_the_broker_died() -> None:
             c.keys()
         c.close()
     finally:
-        broker.stop()
-        for p in glob.glob(f"/dev/shm/tb-{broker.pid}-*"):
-            os.unlink(p)  # SIGKILL left them; a next broker would remove them
+        broker.stop()  # and what the killed broker left

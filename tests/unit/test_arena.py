@@ -31,7 +31,7 @@ def make_arena(shm_dir: Path) -> Iterator[Any]:
     made: list[Any] = []
 
     def make(capacity: int = 16 * MiB, chunk_size: int = 2 * MiB) -> Any:
-        arena = Arena(capacity, shm_dir=str(shm_dir), chunk_size=chunk_size)
+        arena = Arena(capacity, shm_dir=str(shm_dir), prefix="tb-5eed-", chunk_size=chunk_size)
         made.append(arena)
         return arena
 
@@ -63,7 +63,7 @@ def test_nothing_created_until_first_allocate(make_arena: Any, shm_dir: Path) ->
     assert arena.largest_free == 16 * MiB
     arena.allocate(1)
     assert _files(shm_dir) == arena.segments
-    assert arena.segments[0].startswith(f"tb-{os.getpid()}-")
+    assert arena.segments[0].startswith("tb-5eed-")
 
 
 @pytest.mark.parametrize("align", [64, 4096])
@@ -289,29 +289,41 @@ def test_arena_propagates_shm_exhausted_without_leaking(
     assert arena.allocate(KiB) is not None
 
 
-# -- remove_stale -----------------------------------------------------------------------------
+# -- adopting the segments of a broker that died ----------------------------------------------
 
 
-def test_remove_stale_removes_dead_pids_only(shm_dir: Path) -> None:
-    dead = f"tb-{_dead_pid()}-0123456789abcdef"
-    alive = f"tb-{os.getpid()}-fedcba9876543210"
-    others = ["tb-notapid-00", "something-else", f"tb-{os.getpid()}-"]
-    for name in [dead, alive, *others]:
-        (shm_dir / name).write_bytes(b"x")
-    (shm_dir / f"tb-{_dead_pid()}-abcd").mkdir()  # not a regular file: left alone
-    assert Arena.remove_stale(str(shm_dir)) == [dead]
-    assert dead not in _files(shm_dir) and alive in _files(shm_dir)
-    assert Arena.remove_stale(str(shm_dir)) == []
-
-
-def test_remove_stale_keeps_live_arena_and_tolerates_missing_dir(
-    make_arena: Any, tmp_path: Path, shm_dir: Path
+def test_an_adopted_arena_keeps_the_blocks_in_use_and_frees_the_rest(
+    make_arena: Any, shm_dir: Path
 ) -> None:
-    arena = make_arena()
-    arena.allocate(64)
-    assert Arena.remove_stale(str(shm_dir)) == []
-    assert _files(shm_dir) == arena.segments
-    assert Arena.remove_stale(str(tmp_path / "missing")) == []
+    first = make_arena(capacity=8 * MiB, chunk_size=2 * MiB)
+    blocks = [first.allocate(100 * KiB) for _ in range(6)]
+    assert all(blocks)
+    kept = [b for i, b in enumerate(blocks) if i % 2 == 0]  # the objects still live
+    segments = [Segment.existing(str(shm_dir), name) for name in first.segments]
+
+    second = Arena(8 * MiB, shm_dir=str(shm_dir), prefix="tb-5eed-", chunk_size=2 * MiB)
+    second.adopt(segments, kept)
+    assert second.segments == first.segments and second.reserved_bytes == first.reserved_bytes
+    assert second.used_bytes == sum(b.size for b in kept) and second.blocks == len(kept)
+    new = [second.allocate(100 * KiB) for _ in range(3)]  # the holes of the freed ones
+    taken = sorted((b.segment, b.offset, b.offset + b.size) for b in [*kept, *new] if b)
+    assert all(a[0] != b[0] or a[2] <= b[1] for a, b in zip(taken, taken[1:], strict=False)), taken
+    for b in [*kept, *new]:
+        assert b is not None
+        second.free(b)
+    assert second.used_bytes == 0 and second.largest_free == 6 * MiB  # all coalesced
+    second.close(unlink=False)
+    assert _files(shm_dir) == sorted(first.segments)  # the state was kept: still there
+
+
+def test_adopting_blocks_that_overlap_is_refused(make_arena: Any, shm_dir: Path) -> None:
+    first = make_arena()
+    block = first.allocate(4 * KiB)
+    assert block is not None
+    second = Arena(16 * MiB, shm_dir=str(shm_dir), prefix="tb-5eed-")
+    overlapping = Block(block.segment, block.offset + 64, block.size)
+    with pytest.raises(ValueError, match="overlaps"):
+        second.adopt([Segment.existing(str(shm_dir), block.segment)], [block, overlapping])
 
 
 # -- randomized -------------------------------------------------------------------------------

@@ -1,0 +1,272 @@
+"""A broker that dies loses nothing: a broker restarted on its state adopts it, and clients
+come back to it with their sessions and leases (Note [recovery] in server/state.py)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tensorbroker as tb
+from tensorbroker.server.state import discard
+from tests.integration import chaos
+from tests.support import SPAWN, join_all, wait_until
+
+MiB = 2**20
+
+
+def _crash(broker: tb.BrokerProcess) -> None:
+    broker.send_signal(signal.SIGKILL)
+    broker.wait(10)
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-P", "-m", "tensorbroker", "serve", "--memory", "16MiB", *args],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def crashable() -> Iterator[tb.BrokerProcess]:
+    """A broker on the default state dir (next to its socket) that tests kill and restart."""
+    with tb.start_broker(memory="64MiB") as b:
+        yield b
+
+
+def test_objects_queues_and_versions_survive_a_kill(crashable: tb.BrokerProcess) -> None:
+    with tb.connect(crashable.address) as c:
+        c.put("x", np.arange(1000.0))
+        c.put("x", np.arange(1000.0) * 2)  # v2
+        c.put("bundle", {"w": np.ones((3, 4), np.float32), "b": np.arange(4)})
+        c.put("gone", np.ones(3))
+        c.delete("gone")  # its version goes on after the restart
+        q = c.queue("frames", maxsize=4)
+        for i in range(3):
+            q.put(np.full(10, i))
+        assert q.get().numpy().tolist() == [0] * 10
+        _crash(crashable)
+        crashable.restart()
+
+        x = c.get("x")
+        assert x.version == 2 and x.numpy().tolist() == (np.arange(1000.0) * 2).tolist()
+        bundle = c.get("bundle")
+        assert bundle["w"].numpy().tolist() == np.ones((3, 4)).tolist()
+        assert sorted(c.keys()) == ["bundle", "x"]
+        assert c.put("gone", np.ones(3)) == 2
+        assert [q.get(timeout=5).numpy()[0] for _ in range(2)] == [1, 2]
+        assert q.put(np.full(10, 3)) == 4  # the stream goes on
+        assert q.maxsize == 4 and q.in_flight() == 1
+        assert q.get().numpy()[0] == 3
+        del x, bundle
+        for key in c.keys():
+            c.delete(key)
+        q.close()
+        assert wait_until(lambda: c.stats()["used_bytes"] == 0, 5)
+
+
+def test_a_parked_get_resumes_on_the_new_broker(crashable: tb.BrokerProcess) -> None:
+    with tb.connect(crashable.address) as c, tb.connect(crashable.address) as writer:
+        got: list[Any] = []
+
+        def wait() -> None:
+            got.append(c.get("late", timeout=30))  # noqa: F821 (ruff misreads the closure)
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(0.2)
+        _crash(crashable)
+        crashable.restart()
+        writer.put("late", np.full(4, 9))
+        waiter.join(30)
+        assert not waiter.is_alive() and got[0].numpy().tolist() == [9] * 4
+        del got
+        writer.delete("late")
+
+
+def test_reader_keeps_its_arrays_and_leases_across_a_kill() -> None:
+    """Its arrays keep their values and the new broker does not reuse their memory while
+    other clients fill it."""
+    with tb.start_broker(memory="8MiB") as broker, tb.connect(broker.address) as c:
+        c.put("a", np.ones(MiB, np.uint8))
+        c.put("b", np.full(MiB, 2, np.uint8))
+        ready, go, out = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
+        reader = SPAWN.Process(target=chaos.hold_through, args=(broker.address, ready, go, out))
+        reader.start()
+        assert ready.wait(60)
+        _crash(broker)
+        broker.restart()
+        filled = 0
+        while True:  # every free byte, in objects of the same size as theirs
+            try:
+                c.put(f"fill{filled}", np.full(MiB, 7, np.uint8))
+            except tb.CapacityError:
+                break
+            filled += 1
+        assert filled >= 3
+        go.set()
+        first = out.get(timeout=60)
+        assert first["same"] and first["leases"] >= 2
+        join_all([reader])
+        for key in c.keys():
+            c.delete(key)
+        assert wait_until(lambda: c.stats()["used_bytes"] == 0, 5)
+
+
+def test_a_put_in_place_when_the_broker_dies_is_sealed_after_it_comes_back(
+    crashable: tb.BrokerProcess,
+) -> None:
+    ready, go, out = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
+    writer = SPAWN.Process(
+        target=chaos.create_and_wait, args=(crashable.address, 16 * MiB, ready, go, out)
+    )
+    writer.start()
+    assert ready.wait(60)
+    _crash(crashable)
+    crashable.restart()
+    go.set()
+    assert out.get(timeout=60) == {"version": 1, "ok": True}
+    join_all([writer])
+    with tb.connect(crashable.address) as c:
+        c.delete("big")
+        assert wait_until(lambda: c.stats()["used_bytes"] == 0, 5)
+
+
+def test_memory_of_a_put_whose_writer_died_with_the_broker_is_freed() -> None:
+    with tb.start_broker(memory="600MiB") as broker:
+        ready, go, out = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
+        writer = SPAWN.Process(
+            target=chaos.create_and_wait, args=(broker.address, 256 * MiB, ready, go, out)
+        )
+        writer.start()
+        assert ready.wait(60)
+        with tb.connect(broker.address, reconnect_timeout=0) as c:
+            assert c.stats()["used_bytes"] >= 256 * MiB
+        _crash(broker)
+        writer.kill()
+        writer.join()
+        broker.restart()
+        with tb.connect(broker.address) as c:
+            assert c.stats()["used_bytes"] == 0 and c.keys() == []
+            c.put("fits", np.zeros(300 * MiB, np.uint8))  # the memory really is free
+            c.delete("fits")
+
+
+def test_clients_and_the_broker_survive_twenty_kills() -> None:
+    """The chaos test: four clients put, replace, delete, read and use a queue while the
+    broker is SIGKILLed and restarted 20 times at random moments."""
+    rng = random.Random(12)
+    with tb.start_broker(memory="128MiB") as broker:
+        stop, out = SPAWN.Event(), SPAWN.Queue()
+        address = broker.address
+        procs = [
+            SPAWN.Process(target=chaos.keyed, args=(address, 0, stop, out), name="keyed0"),
+            SPAWN.Process(target=chaos.keyed, args=(address, 1, stop, out), name="keyed1"),
+            SPAWN.Process(target=chaos.produce, args=(address, 2, stop, out), name="producer"),
+            SPAWN.Process(target=chaos.consume, args=(address, 3, out), name="consumer"),
+        ]
+        for p in procs:
+            p.start()
+        with tb.connect(address) as c:
+            assert wait_until(lambda: len(c.keys()) >= 6, 60)
+        for _ in range(20):
+            time.sleep(rng.uniform(0.05, 0.4))
+            _crash(broker)
+            broker.restart()
+        time.sleep(0.5)
+        stop.set()
+        reports = {}
+        for _ in range(3):
+            r = out.get(timeout=120)
+            reports[r["worker"]] = r
+        with tb.connect(address) as c:
+            c.queue("chaos").close()  # the consumer drains what is left, then ends
+            reports[3] = out.get(timeout=120)
+            join_all(procs)
+            assert all(not r["errors"] for r in reports.values()), reports
+            assert all(reports[w]["puts"] > 20 and reports[w]["verified"] > 20 for w in (0, 1))
+            sent, taken = reports[2]["sent"], Counter(reports[3]["taken"])
+            assert len(sent) > 20
+            assert not [t for t, n in taken.items() if n > 1], "an item was delivered twice"
+            assert not [t for t in sent if t not in taken], "an item that was put was lost"
+            for key in c.keys():
+                c.delete(key)
+            assert wait_until(lambda: c.stats()["used_bytes"] == 0, 10), c.stats()
+
+
+def test_a_clean_stop_keeps_the_objects_with_an_explicit_state_dir(tmp_path: Path) -> None:
+    state = str(tmp_path / "state")
+    before = _segments()
+    with tb.start_broker(memory="16MiB", state_dir=state) as broker:
+        with tb.connect(broker.address) as c:
+            c.put("kept", np.arange(5))
+        assert broker.stop() == 0
+        assert _segments() - before  # still there, for the next broker
+        broker.restart()
+        with tb.connect(broker.address) as c:
+            assert c.get("kept").numpy().tolist() == list(range(5))
+    with tb.start_broker(memory="16MiB", state_dir=state, reset=True) as broker:
+        with tb.connect(broker.address) as c:
+            assert c.keys() == []
+    discard(state)  # what --reset does
+    assert _segments() - before == set() and not os.path.exists(state)
+
+
+def test_refusals_of_a_state_say_what_to_do(tmp_path: Path) -> None:
+    address = f"ipc://{tmp_path}/b.sock"
+    state = str(tmp_path / "state")
+    with tb.start_broker(memory="16MiB", address=address, state_dir=state):
+        with tb.connect(address) as c:
+            c.put("x", np.ones(10))
+        other = _serve("--address", f"ipc://{tmp_path}/other.sock", "--state-dir", state)
+        assert other.returncode == 2 and "belongs to a running broker" in other.stderr
+    db = sqlite3.connect(os.path.join(state, "state.db"))
+    db.execute("update meta set value = 999 where name = 'layout'")
+    db.commit()
+    db.close()
+    refused = _serve("--address", address, "--state-dir", state)
+    assert refused.returncode == 2 and "layout 999" in refused.stderr
+    assert "--reset" in refused.stderr and "Traceback" not in refused.stderr
+    with tb.start_broker(memory="16MiB", address=address, state_dir=state, reset=True) as b:
+        with tb.connect(b.address) as c:
+            assert c.keys() == []
+    discard(state)
+    not_dir = tmp_path / "file"
+    not_dir.write_text("")
+    bad = _serve("--address", f"ipc://{tmp_path}/c.sock", "--state-dir", f"{not_dir}/state")
+    assert bad.returncode == 2 and "cannot use the state dir" in bad.stderr
+
+
+def test_a_state_whose_segments_were_removed_is_refused(tmp_path: Path) -> None:
+    address = f"ipc://{tmp_path}/b.sock"
+    state = str(tmp_path / "state")
+    with tb.start_broker(memory="16MiB", address=address, state_dir=state):
+        with tb.connect(address) as c:
+            c.put("x", np.ones(10))
+    db = sqlite3.connect(os.path.join(state, "state.db"))
+    names = [n for (n,) in db.execute("select name from segments")]
+    db.close()
+    os.unlink(f"/dev/shm/{names[0]}")
+    refused = _serve("--address", address, "--state-dir", state)
+    assert refused.returncode == 2 and "removed by hand" in refused.stderr
+    assert "--reset" in refused.stderr and "Traceback" not in refused.stderr
+    with tb.start_broker(memory="16MiB", address=address, state_dir=state, reset=True):
+        assert not any(os.path.exists(f"/dev/shm/{n}") for n in names)  # the rest, gone
+    discard(state)
+
+
+def _segments() -> set[str]:
+    return set(glob.glob("/dev/shm/tb-*"))
