@@ -127,6 +127,7 @@ class Broker:
         self._router: zmq.Socket[bytes] | None = None
         self._ipc_inode: int | None = None
         self._wake_r, self._wake_w = socket.socketpair()
+        self._outbox: list[tuple[bytes, bytes]] | None = None  # replies held for a commit
         self._wake_w.setblocking(False)
         self._handlers: dict[str, Handler] = {
             Op.PUT: self.objects.put,
@@ -316,16 +317,26 @@ class Broker:
         return -1 if timeout is None else int(min(timeout, MAX_POLL_S) * 1000) + 1
 
     def _drain(self, router: zmq.Socket[bytes]) -> None:
-        for _ in range(DRAIN_BATCH):
-            # Asking for the socket's events is cheaper than a recv that raises zmq.Again.
-            if not cast(int, router.getsockopt(_EVENTS)) & _POLLIN:
-                return
-            frames = router.recv_multipart(copy=True)
-            if len(frames) != 2:
-                log.warning("dropped a message of %d frames (expected 2)", len(frames))
-                continue
-            self._handle(frames[0], frames[1])
-            self.queues.admit_putters()
+        """Handle the requests waiting, up to DRAIN_BATCH, as one journal transaction: the
+        replies go out once it is committed (Note [recovery] in state.py)."""
+        self._outbox = []
+        self.state.begin()
+        try:
+            for _ in range(DRAIN_BATCH):
+                # Asking for the socket's events is cheaper than a recv that raises zmq.Again.
+                if not cast(int, router.getsockopt(_EVENTS)) & _POLLIN:
+                    break
+                frames = router.recv_multipart(copy=True)
+                if len(frames) != 2:
+                    log.warning("dropped a message of %d frames (expected 2)", len(frames))
+                    continue
+                self._handle(frames[0], frames[1])
+                self.queues.admit_putters()
+        finally:
+            self.state.commit()
+            outbox, self._outbox = self._outbox, None
+            for route, payload in outbox:
+                self._send(route, payload)
 
     def _handle(self, route: bytes, payload: bytes) -> None:
         request_id = 0
@@ -365,6 +376,9 @@ class Broker:
         self._send(route, reply_error(request_id, exc))
 
     def _send(self, route: bytes, payload: bytes) -> None:
+        if self._outbox is not None:  # after the batch's journal commit
+            self._outbox.append((route, payload))
+            return
         router = self._router
         if router is None:
             return

@@ -107,6 +107,8 @@ class Journal:
     """What the broker tells its state as it changes. This base keeps nothing (a registry
     made without a state, in unit tests); `State` writes it down."""
 
+    def begin(self) -> None: ...
+    def commit(self) -> None: ...
     def segment(self, name: str, size: int, kind: str) -> None: ...
     def segment_gone(self, name: str) -> None: ...
     def meta(self, name: str, value: Any) -> None: ...
@@ -257,6 +259,15 @@ class State(Journal):
         return db
 
     # -- the journal -----------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Group the writes up to `commit` into one transaction (a batch of requests)."""
+        assert self._db is not None
+        self._db.execute("begin")
+
+    def commit(self) -> None:
+        assert self._db is not None
+        self._db.execute("commit")
 
     def _x(self, sql: str, args: tuple[Any, ...] = ()) -> None:
         assert self._db is not None
