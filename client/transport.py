@@ -17,6 +17,7 @@ from ..common.protocol import decode, encode
 MAX_REPLY_BYTES = 256 << 20  # replies can list many keys; requests stay small
 WATCH_STEP_MS = 100  # how often a waiting call looks whether the broker has exited
 WAIT_GRACE = 5.0  # extra time for the answer to a request that waits in the broker
+EXIT_GRACE_MS = 20  # a broker that exited may have sent a reply still on its way
 
 
 class BrokerExited(BrokerUnavailable):
@@ -58,6 +59,8 @@ class Channel:
                 frame = self.socket.recv()
             except zmq.Again:
                 if self._broker is not None and self._broker.poll(0):
+                    if self.socket.poll(EXIT_GRACE_MS):  # a reply sent before it died
+                        continue
                     raise BrokerExited(f"the broker at {self.address} exited") from None
                 if deadline is None or time.monotonic() < deadline:
                     continue

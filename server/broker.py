@@ -393,7 +393,7 @@ class Broker:
         put_id, keep = req.fields["put"], req.fields.get("keep", False)
         done = self.registry.sealed_before(session, put_id)
         if done is not None:  # sealed by the broker that died; its answer was lost
-            return {"version": done.version}
+            return {"version": done[0]}
         queue = self.registry.pending_put(session, put_id, "seal").queue
         if queue is not None:
             return self.queues.seal(session, put_id, keep, queue)

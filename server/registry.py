@@ -140,6 +140,7 @@ class Registry:
         self.pending: dict[int, StoredObject] = {}  # put lease id -> object
         self._versions: dict[str, int] = {}  # key -> last version sealed
         self._ids = itertools.count(first_id)
+        self.first_id = first_id  # ids below it were given by a broker that died
         self._id_limit = first_id  # ids below it are reserved in the journal
         self.lease_count = 0
         # Adopted from a broker that died (Note [recovery] in state.py):
@@ -250,9 +251,16 @@ class Registry:
             self.release(session, put_id)
         return obj
 
-    def sealed_before(self, session: Session, put_id: int) -> StoredObject | None:
-        """The object a put sealed by the broker that died was, if this seal is sent again."""
-        return self._sealed_puts.get((session.token, put_id))
+    def sealed_before(self, session: Session, put_id: int) -> tuple[int] | None:
+        """(version,) of a put the broker that died sealed, if this seal is sent again. A put
+        it granted that is neither pending nor journaled was sealed and freed since (a put
+        the client aborted is never sealed): its version is not known, (0,)."""
+        obj = self._sealed_puts.get((session.token, put_id))
+        if obj is not None:
+            return (obj.version,)
+        if put_id < self.first_id and put_id not in self.pending:
+            return (0,)
+        return None
 
     def abort(self, session: Session, put_id: int, keep: bool) -> None:
         obj = self.pending_put(session, put_id, "abort")
