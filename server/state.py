@@ -18,10 +18,10 @@ the kernel; a host crash loses /dev/shm anyway.
 Who owns a state is decided by the lock alone, never by pids (a pid means nothing in
 another container's namespace): a starting broker takes the lock or refuses to start, and
 only the lock holder touches the state's segments. A broker that takes the lock of a state
-whose owner died adopts it (server/adopt.py): it maps the segments, rebuilds the registry,
-the allocator and the queues from the rows, keeps the sessions whose processes still live
-(so their lease slots and their puts carry over), and waits for them to say hello again
-with the leases they hold before it frees anything retired.
+whose owner died adopts it (Broker._adopt in broker.py): it maps the segments, rebuilds
+the registry, the allocator and the queues from the rows, keeps the sessions whose
+processes still live (so their lease slots and their puts carry over), and waits for
+them to say hello again with the leases they hold before it frees anything retired.
 
 What is not journaled: leases (each client says which it holds when it comes back; the
 slots of direct reads are in shared memory already) and device objects (their memory dies
@@ -38,6 +38,8 @@ import secrets
 import sqlite3
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgpack
 
 from ..common import host
 from ..common.errors import BrokerError
@@ -122,12 +124,6 @@ class Journal:
     def session(self, s: Any) -> None: ...
     def session_closed(self, s: Any, held: list[int]) -> None: ...
     def session_gone(self, s: Any) -> None: ...
-
-
-def _msgpack() -> Any:
-    import msgpack
-
-    return msgpack
 
 
 class State(Journal):
@@ -215,7 +211,7 @@ class State(Journal):
                     f"{len(missing)} of its {len(segments)} shared-memory segments are gone from "
                     f"{self.shm_dir} (removed by hand, or /dev/shm was not kept: {missing[0]}, ...)"
                 )
-            unpack = _msgpack().unpackb
+            unpack = msgpack.unpackb
             out = Recovered(str(meta.get("owner", "?")), segments, meta)
             for r in db.execute("select * from objects order by oid"):
                 out.objects.append(
@@ -287,7 +283,7 @@ class State(Journal):
         self._x(
             "insert into objects values (?, ?, 0, 0, ?, ?, ?, ?, ?, ?, ?, ?, null, null)",
             (obj.oid, obj.key, obj.bundle, b.segment, b.offset, b.size,
-             _msgpack().packb(obj.wire), obj.queue.id if obj.queue is not None else None,
+             msgpack.packb(obj.wire), obj.queue.id if obj.queue is not None else None,
              token, put),
         )  # fmt: skip
 
@@ -326,7 +322,7 @@ class State(Journal):
     def session_closed(self, s: Any, held: list[int]) -> None:
         self._x(
             "update sessions set closed = 1, held = ? where token = ?",
-            (_msgpack().packb(held), s.token),
+            (msgpack.packb(held), s.token),
         )
 
     def session_gone(self, s: Any) -> None:
