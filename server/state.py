@@ -5,15 +5,23 @@ Note [recovery]
 
     state dir (--state-dir; default: next to the socket)      /dev/shm
     ├── lock       flock'ed by the live broker; "pid start"   ├── tb-<id>-<hex>  arena segments
-    └── state.db   SQLite: meta, segments, objects, queues,   ├── tb-<id>-<hex>  directory
-                   sessions, versions                         └── tb-<id>-<hex>  lease slots
+    └── journal    msgpack records: meta, segments, objects,  ├── tb-<id>-<hex>  directory
+                   queues, sessions, versions                 └── tb-<id>-<hex>  lease slots
 
 The bytes of every object are in shared memory, which outlives the broker; the journal says
-what they are. The broker writes a row before it answers the request that made the change
+what they are. The broker writes a record before it answers the request that made the change
 (a grant, a seal, a delete, a queue hand-over, a free), so whatever a client was told is in
-the journal when the broker dies, and whatever is not there was never acknowledged.
-SQLite runs with synchronous=OFF: a killed process loses nothing that write() handed to
-the kernel; a host crash loses /dev/shm anyway.
+the journal when the broker dies, and whatever is not there was never acknowledged. The
+records of one batch of requests go out in one write() (Broker._drain), and the replies
+after it: a killed process loses nothing that write() handed to the kernel (a host crash
+loses /dev/shm anyway), and a record cut short by a kill ends the journal where it starts.
+
+Each record states a row as it now is (or that it is gone), so reading the journal back is
+replaying it, and replaying a record twice changes nothing. The broker keeps the rows it
+wrote; when the journal has grown to 4x what they take, it writes them as a new journal
+aside and renames it over the old one (`_compact`), so a crash leaves one whole journal.
+(SQLite cost 60-90 us per small put here, in three statements and a commit; a record
+costs a few.)
 
 Who owns a state is decided by the lock alone, never by pids (a pid means nothing in
 another container's namespace): a starting broker takes the lock or refuses to start, and
@@ -35,7 +43,6 @@ import fcntl
 import logging
 import os
 import secrets
-import sqlite3
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,22 +53,11 @@ from ..common.errors import BrokerError
 
 log = logging.getLogger(__name__)
 
-LAYOUT = 1  # of the journal and of the shared-memory structures it names
+LAYOUT = 2  # of the journal and of the shared-memory structures it names
+JOURNAL = "journal"
+COMPACT_FROM = 8 << 20  # the journal is rewritten once it is this big and 4x its rows
 ID_STEP = 1 << 20  # ids are reserved in the journal this many at a time
 PENDING, LIVE, RETIRED = 0, 1, 2  # an object row's state
-
-_SCHEMA = """
-create table meta(name text primary key, value);
-create table segments(name text primary key, size integer, kind text);
-create table objects(oid integer primary key, key text, version integer, state integer,
-    bundle integer, segment text, offset integer, size integer, wire blob, queue integer,
-    session text, put integer, taker text, took integer);
-create table queues(id integer primary key, name text, maxsize integer, closed integer,
-    sealed integer);
-create table sessions(token text primary key, pid integer, boot_id text, start_time integer,
-    region integer, closed integer, held blob);
-create table versions(key text primary key, version integer);
-"""
 
 
 class StateError(BrokerError):
@@ -126,6 +122,59 @@ class Journal:
     def session_gone(self, s: Any) -> None: ...
 
 
+def read_journal(path: str) -> Recovered | None:
+    """Replay the journal in the state dir `path` (None: there is none). ValueError if it
+    cannot be read."""
+    try:
+        with open(os.path.join(path, JOURNAL), "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=len(data) + 1)
+    unpacker.feed(data)
+    meta: dict[str, Any] = {}
+    segments: dict[str, tuple[int, str]] = {}
+    rows: dict[int, list[Any]] = {}
+    queues: dict[int, list[Any]] = {}
+    sessions: dict[str, list[Any]] = {}
+    versions: dict[str, int] = {}
+    try:
+        for record in unpacker:  # a record cut short at the end stops the loop
+            kind = record[0]
+            if kind == "obj":
+                rows[record[1][0]] = record[1]
+            elif kind == "obj-":
+                rows.pop(record[1], None)
+            elif kind == "q":
+                queues[record[1][0]] = record[1]
+            elif kind == "q-":
+                queues.pop(record[1], None)
+            elif kind == "ses":
+                sessions[record[1][0]] = record[1]
+            elif kind == "ses-":
+                sessions.pop(record[1], None)
+            elif kind == "seg":
+                segments[record[1]] = (record[2], record[3])
+            elif kind == "seg-":
+                segments.pop(record[1], None)
+            elif kind == "meta":
+                meta[record[1]] = record[2]
+            elif kind == "ver":
+                versions[record[1]] = record[2]
+            elif kind == "head":
+                meta["layout"], meta["id"] = record[1], record[2]
+            else:
+                raise ValueError(f"unknown record {kind!r:.40}")
+    except (ValueError, TypeError, IndexError, KeyError) as exc:  # msgpack's are ValueErrors
+        raise ValueError(f"record {len(rows)}: {type(exc).__name__}: {exc}") from None
+    out = Recovered(str(meta.get("owner", "?")), segments, meta)
+    out.objects = [Row(*rows[oid]) for oid in sorted(rows)]
+    out.queues = [(i, n, m, bool(c), s) for i, n, m, c, s in queues.values()]
+    out.sessions = [(t, p, b, st, rg, bool(c), h) for t, p, b, st, rg, c, h in sessions.values()]
+    out.versions = versions
+    return out
+
+
 class State(Journal):
     """The state dir `path`, locked for this process's life. `recovered` is what a broker
     that died left there (None: a new state). StateError says why it cannot be used."""
@@ -133,23 +182,38 @@ class State(Journal):
     def __init__(self, path: str, *, reset: bool = False, shm_dir: str = "/dev/shm") -> None:
         self.path = path
         self.shm_dir = shm_dir
-        self._lock_fd = -1
-        self._db: sqlite3.Connection | None = None
+        self._lock_fd = self._fd = -1
         self.recovered: Recovered | None = None
+        self._pack = msgpack.Packer(use_bin_type=True).pack
+        self._out: list[tuple[Any, ...]] = []  # records not written yet
+        self._batching = False
+        self._written = self._snapshot = 0  # bytes: the journal, and it when last rewritten
+        # The rows as they are now: what a rewrite of the journal writes.
+        self._meta: dict[str, Any] = {}
+        self._segments: dict[str, tuple[int, str]] = {}
+        self._rows: dict[int, list[Any]] = {}
+        self._queues: dict[int, tuple[Any, ...]] = {}
+        self._sessions: dict[str, tuple[Any, ...]] = {}
+        self._versions: dict[str, int] = {}
         self._lock()
         try:
-            db_path = os.path.join(path, "state.db")
             if reset:
                 discard(path, shm_dir, locked=True, keep_lock=True)
-            elif os.path.exists(db_path):
-                self.recovered = self._read(db_path)
-            if self.recovered is None:
-                self.id = secrets.token_hex(4)
-                self._db = self._create(db_path)
             else:
-                self.id = str(self.recovered.meta["id"])
-                self._db = self._open(db_path)
-            self.meta("owner", f"pid {os.getpid()}")
+                self.recovered = self._read()
+            found = self.recovered
+            if found is None:
+                self.id = secrets.token_hex(4)
+                self._meta = {"layout": LAYOUT, "id": self.id}
+            else:
+                self.id = str(found.meta["id"])
+                self._meta, self._segments = dict(found.meta), dict(found.segments)
+                self._rows = {r.oid: list(vars(r).values()) for r in found.objects}
+                self._queues = {q[0]: q for q in found.queues}
+                self._sessions = {s[0]: s for s in found.sessions}
+                self._versions = dict(found.versions)
+            self._meta["owner"] = f"pid {os.getpid()}"
+            self._compact()  # a journal of this broker's own, from what was found
         except BaseException:
             self.close(keep=True)
             raise
@@ -192,45 +256,29 @@ class State(Journal):
 
     # -- reading back ----------------------------------------------------------------------
 
-    def _read(self, db_path: str) -> Recovered:
+    def _read(self) -> Recovered | None:
         try:
-            db = sqlite3.connect(db_path, isolation_level=None)
-        except sqlite3.Error as exc:
-            raise self._unusable(f"its journal cannot be opened ({exc})") from None
-        try:
-            meta = dict(db.execute("select name, value from meta"))
-            if meta.get("layout") != LAYOUT:
-                raise self._unusable(
-                    f"it was written by layout {meta.get('layout')!r} and this broker reads "
-                    f"layout {LAYOUT} (another tensorbroker version)"
-                )
-            segments = {n: (s, k) for n, s, k in db.execute("select * from segments")}
-            missing = [n for n in segments if not os.path.exists(os.path.join(self.shm_dir, n))]
-            if missing:
-                raise self._unusable(
-                    f"{len(missing)} of its {len(segments)} shared-memory segments are gone from "
-                    f"{self.shm_dir} (removed by hand, or /dev/shm was not kept: {missing[0]}, ...)"
-                )
-            unpack = msgpack.unpackb
-            out = Recovered(str(meta.get("owner", "?")), segments, meta)
-            for r in db.execute("select * from objects order by oid"):
-                out.objects.append(
-                    Row(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6], r[7], unpack(r[8]),
-                        r[9], r[10], r[11], r[12], r[13])
-                )  # fmt: skip
-            out.queues = [
-                (i, n, m, bool(c), s) for i, n, m, c, s in db.execute("select * from queues")
-            ]
-            out.sessions = [
-                (t, p, b, st, rg, bool(c), unpack(h) if h else [])
-                for t, p, b, st, rg, c, h in db.execute("select * from sessions")
-            ]
-            out.versions = dict(db.execute("select key, version from versions"))
-            return out
-        except sqlite3.Error as exc:
+            found = read_journal(self.path)
+        except (OSError, ValueError) as exc:
             raise self._unusable(f"its journal cannot be read ({exc})") from None
-        finally:
-            db.close()
+        if found is None:
+            if os.path.exists(os.path.join(self.path, "state.db")):
+                raise self._unusable("it was written by layout 1 (an older tensorbroker)")
+            return None
+        layout = found.meta.get("layout")
+        if layout != LAYOUT:
+            raise self._unusable(
+                f"it was written by layout {layout!r} and this broker reads "
+                f"layout {LAYOUT} (another tensorbroker version)"
+            )
+        segments = found.segments
+        missing = [n for n in segments if not os.path.exists(os.path.join(self.shm_dir, n))]
+        if missing:
+            raise self._unusable(
+                f"{len(missing)} of its {len(segments)} shared-memory segments are gone from "
+                f"{self.shm_dir} (removed by hand, or /dev/shm was not kept: {missing[0]}, ...)"
+            )
+        return found
 
     def _unusable(self, why: str) -> StateError:
         return StateError(
@@ -238,104 +286,135 @@ class State(Journal):
             "(its objects are lost), or point --state-dir elsewhere"
         )
 
-    def _create(self, db_path: str) -> sqlite3.Connection:
-        for suffix in ("", "-wal", "-shm"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(db_path + suffix)
-        db = self._open(db_path)
-        db.executescript(_SCHEMA)
-        db.executemany("insert into meta values (?, ?)", [("layout", LAYOUT), ("id", self.id)])
-        return db
-
-    @staticmethod
-    def _open(db_path: str) -> sqlite3.Connection:
-        db = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
-        db.execute("pragma journal_mode=wal")
-        db.execute("pragma synchronous=off")  # a killed process loses nothing written
-        return db
-
-    # -- the journal -----------------------------------------------------------------------
+    # -- the journal ---------------------------------------------------------------------
 
     def begin(self) -> None:
-        """Group the writes up to `commit` into one transaction (a batch of requests)."""
-        assert self._db is not None
-        self._db.execute("begin")
+        """Group the records up to `commit` into one write (a batch of requests)."""
+        self._batching = True
 
     def commit(self) -> None:
-        assert self._db is not None
-        self._db.execute("commit")
+        self._batching = False
+        if self._out:
+            self._flush()
 
-    def _x(self, sql: str, args: tuple[Any, ...] = ()) -> None:
-        assert self._db is not None
-        self._db.execute(sql, args)
+    def _put(self, record: tuple[Any, ...]) -> None:
+        self._out.append(record)
+        if not self._batching:
+            self._flush()
+
+    def _flush(self) -> None:
+        pack = self._pack
+        data = b"".join([pack(r) for r in self._out])
+        self._out.clear()
+        os.write(self._fd, data)
+        self._written += len(data)
+        if self._written > max(COMPACT_FROM, 4 * self._snapshot):
+            self._compact()
 
     def segment(self, name: str, size: int, kind: str) -> None:
-        self._x("insert or replace into segments values (?, ?, ?)", (name, size, kind))
+        self._segments[name] = (size, kind)
+        self._put(("seg", name, size, kind))
 
     def segment_gone(self, name: str) -> None:
-        self._x("delete from segments where name = ?", (name,))
+        self._segments.pop(name, None)
+        self._put(("seg-", name))
 
     def meta(self, name: str, value: Any) -> None:
-        self._x("insert or replace into meta values (?, ?)", (name, value))
+        self._meta[name] = value
+        self._put(("meta", name, value))
 
     def granted(self, obj: Any, token: str, put: int) -> None:
-        b = obj.block
-        self._x(
-            "insert into objects values (?, ?, 0, 0, ?, ?, ?, ?, ?, ?, ?, ?, null, null)",
-            (obj.oid, obj.key, obj.bundle, b.segment, b.offset, b.size,
-             msgpack.packb(obj.wire), obj.queue.id if obj.queue is not None else None,
-             token, put),
-        )  # fmt: skip
+        b, q = obj.block, obj.queue
+        row = [obj.oid, obj.key, 0, PENDING, obj.bundle, b.segment, b.offset, b.size, obj.wire,
+               q.id if q is not None else None, token, put, None, None]  # fmt: skip
+        self._rows[obj.oid] = row
+        self._put(("obj", row))
 
     def sealed(self, obj: Any) -> None:
-        self._x("update objects set state = 1, version = ? where oid = ?", (obj.version, obj.oid))
-        if obj.queue is not None:
-            self._x("update queues set sealed = ? where id = ?", (obj.queue.sealed, obj.queue.id))
+        row = self._rows[obj.oid]  # key, tensors and queue as sealed (a grant has none before)
+        q = obj.queue
+        row[1:5] = [obj.key, obj.version, LIVE, obj.bundle]
+        row[8:10] = [obj.wire, q.id if q is not None else None]
+        self._put(("obj", row))
+        if q is not None:
+            self._queue_row(q)
 
     def retired(self, obj: Any, taker: str | None = None, took: int | None = None) -> None:
-        self._x(
-            "update objects set state = 2, taker = ?, took = ? where oid = ?",
-            (taker, took, obj.oid),
-        )
+        row = self._rows[obj.oid]
+        row[3], row[12], row[13] = RETIRED, taker, took
+        self._put(("obj", row))
 
     def freed(self, obj: Any) -> None:
-        self._x("delete from objects where oid = ?", (obj.oid,))
+        if self._rows.pop(obj.oid, None) is not None:
+            self._put(("obj-", obj.oid))
 
     def key_deleted(self, key: str, version: int) -> None:
-        self._x("insert or replace into versions values (?, ?)", (key, version))
+        self._versions[key] = version
+        self._put(("ver", key, version))
 
     def queue(self, q: Any) -> None:
-        self._x(
-            "insert or replace into queues values (?, ?, ?, ?, ?)",
-            (q.id, q.name, q.maxsize, q.closed, q.sealed),
-        )
+        self._queue_row(q)
+
+    def _queue_row(self, q: Any) -> None:
+        row = (q.id, q.name, q.maxsize, q.closed, q.sealed)
+        self._queues[q.id] = row
+        self._put(("q", row))
 
     def queue_gone(self, q: Any) -> None:
-        self._x("delete from queues where id = ?", (q.id,))
+        self._queues.pop(q.id, None)
+        self._put(("q-", q.id))
 
     def session(self, s: Any) -> None:
-        self._x(
-            "insert or replace into sessions values (?, ?, ?, ?, ?, 0, null)",
-            (s.token, s.pid, s.boot_id, s.start_time, s.region),
-        )
+        self._session_row((s.token, s.pid, s.boot_id, s.start_time, s.region, False, []))
 
     def session_closed(self, s: Any, held: list[int]) -> None:
-        self._x(
-            "update sessions set closed = 1, held = ? where token = ?",
-            (msgpack.packb(held), s.token),
-        )
+        old = self._sessions.get(s.token)
+        if old is not None:
+            self._session_row((*old[:5], True, held))
+
+    def _session_row(self, row: tuple[Any, ...]) -> None:
+        self._sessions[row[0]] = row
+        self._put(("ses", row))
 
     def session_gone(self, s: Any) -> None:
-        self._x("delete from sessions where token = ?", (s.token,))
+        if self._sessions.pop(s.token, None) is not None:
+            self._put(("ses-", s.token))
+
+    def _compact(self) -> None:
+        """Rewrite the journal as the records of the state now (the old one has every
+        change since): written aside, then renamed over it, so a crash keeps one whole."""
+        records: list[tuple[Any, ...]] = [("head", LAYOUT, self.id)]
+        records += [("meta", n, v) for n, v in self._meta.items()]
+        records += [("seg", n, size, kind) for n, (size, kind) in self._segments.items()]
+        records += [("obj", row) for row in self._rows.values()]
+        records += [("q", row) for row in self._queues.values()]
+        records += [("ses", row) for row in self._sessions.values()]
+        records += [("ver", k, v) for k, v in self._versions.items()]
+        data = b"".join(self._pack(r) for r in records)
+        journal = os.path.join(self.path, JOURNAL)
+        aside = journal + ".new"
+        fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        try:
+            os.write(fd, data)
+            os.rename(aside, journal)
+        except BaseException:
+            os.close(fd)
+            raise
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._fd, self._written, self._snapshot = fd, len(data), len(data)
 
     # -- closing ---------------------------------------------------------------------------
 
     def close(self, keep: bool) -> None:
         """Close the journal and let go of the lock; unless `keep`, remove the state (the
         caller unlinked its segments). Idempotent."""
-        if self._db is not None:
-            self._db.close()
-            self._db = None
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                if self._out:
+                    self._flush()
+            os.close(self._fd)
+            self._fd = -1
         if self._lock_fd >= 0:
             if not keep:
                 discard(self.path, self.shm_dir, locked=True)
@@ -363,18 +442,13 @@ def discard(
             raise StateError(f"the state dir {path} belongs to a running broker") from None
     removed: list[str] = []
     try:
-        db_path = os.path.join(path, "state.db")
         names: list[str] = []
         prefix = ""
-        if os.path.exists(db_path):
-            with contextlib.suppress(sqlite3.Error):
-                db = sqlite3.connect(db_path)
-                try:
-                    names = [n for (n,) in db.execute("select name from segments")]
-                    row = db.execute("select value from meta where name = 'id'").fetchone()
-                    prefix = f"tb-{row[0]}-" if row else ""
-                finally:
-                    db.close()
+        with contextlib.suppress(OSError, ValueError):
+            found = read_journal(path)
+            if found is not None:
+                names = list(found.segments)
+                prefix = f"tb-{found.meta['id']}-" if "id" in found.meta else ""
         if prefix:  # and the ones made but not journaled when it died
             with contextlib.suppress(FileNotFoundError):
                 names += [n for n in os.listdir(shm_dir) if n.startswith(prefix)]
@@ -382,7 +456,7 @@ def discard(
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(shm_dir, name))
                 removed.append(name)
-        for name in ("state.db", "state.db-wal", "state.db-shm", *(() if keep_lock else ("lock",))):
+        for name in (JOURNAL, JOURNAL + ".new", *(() if keep_lock else ("lock",))):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(path, name))
         if not keep_lock:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import glob
 import multiprocessing as mp
-import os
-import sqlite3
 import time
 from collections.abc import Callable
 from typing import Any
+
+from tensorbroker.server.state import read_journal
 
 SPAWN = mp.get_context("spawn")
 
@@ -47,9 +47,6 @@ def seconds_until(cond: Callable[[], bool], timeout: float) -> float:
 
 def segments_of(state_dir: str) -> list[str]:
     """The /dev/shm files of the broker state in `state_dir` (stats()["state_dir"])."""
-    db = sqlite3.connect(os.path.join(state_dir, "state.db"))
-    try:
-        (state_id,) = db.execute("select value from meta where name = 'id'").fetchone()
-    finally:
-        db.close()
-    return sorted(glob.glob(f"/dev/shm/tb-{state_id}-*"))
+    found = read_journal(state_dir)
+    assert found is not None, f"no broker state in {state_dir}"
+    return sorted(glob.glob(f"/dev/shm/tb-{found.meta['id']}-*"))

@@ -7,7 +7,6 @@ import glob
 import os
 import random
 import signal
-import sqlite3
 import subprocess
 import sys
 import threading
@@ -17,11 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 
 import tensorbroker as tb
-from tensorbroker.server.state import discard
+from tensorbroker.server.state import discard, read_journal
 from tests.integration import chaos
 from tests.support import SPAWN, join_all, wait_until
 
@@ -233,10 +233,8 @@ def test_refusals_of_a_state_say_what_to_do(tmp_path: Path) -> None:
             c.put("x", np.ones(10))
         other = _serve("--address", f"ipc://{tmp_path}/other.sock", "--state-dir", state)
         assert other.returncode == 2 and "belongs to a running broker" in other.stderr
-    db = sqlite3.connect(os.path.join(state, "state.db"))
-    db.execute("update meta set value = 999 where name = 'layout'")
-    db.commit()
-    db.close()
+    with open(os.path.join(state, "journal"), "ab") as journal:  # as a later version writes
+        journal.write(msgpack.packb(("meta", "layout", 999)))
     refused = _serve("--address", address, "--state-dir", state)
     assert refused.returncode == 2 and "layout 999" in refused.stderr
     assert "--reset" in refused.stderr and "Traceback" not in refused.stderr
@@ -256,9 +254,9 @@ def test_a_state_whose_segments_were_removed_is_refused(tmp_path: Path) -> None:
     with tb.start_broker(memory="16MiB", address=address, state_dir=state):
         with tb.connect(address) as c:
             c.put("x", np.ones(10))
-    db = sqlite3.connect(os.path.join(state, "state.db"))
-    names = [n for (n,) in db.execute("select name from segments")]
-    db.close()
+    found = read_journal(state)
+    assert found is not None
+    names = list(found.segments)
     os.unlink(f"/dev/shm/{names[0]}")
     refused = _serve("--address", address, "--state-dir", state)
     assert refused.returncode == 2 and "removed by hand" in refused.stderr
