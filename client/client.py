@@ -8,13 +8,14 @@ writes, Tensors and their leases). `Queue` uses the same two layers.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 from ..common.cudart import parse_device
-from ..common.errors import InvalidRequest
+from ..common.errors import BrokerError, BrokerUnavailable, InvalidRequest
 from ..common.protocol import Op
 from .connection import RECONNECT_TIMEOUT, REQUEST_TIMEOUT, Connection
 from .cuda import DeviceLink
@@ -22,6 +23,8 @@ from .queue import Queue
 from .tensor import Tensor
 from .transfer import Item, Transfer
 from .transport import waits
+
+log = logging.getLogger(__name__)
 
 
 class Client:
@@ -44,15 +47,43 @@ class Client:
 
     # -- the public API --------------------------------------------------------------------
 
-    def put(self, key: str, value: Any, *, device: Any = None, copy: bool = False) -> int:
+    @overload
+    def put(
+        self,
+        key: str,
+        value: Any,
+        *,
+        device: Any = ...,
+        copy: bool = ...,
+        wait: Literal[True] = ...,
+    ) -> int: ...
+    @overload
+    def put(
+        self, key: str, value: Any, *, device: Any = ..., copy: bool = ..., wait: bool
+    ) -> int | None: ...
+    def put(
+        self, key: str, value: Any, *, device: Any = None, copy: bool = False, wait: bool = True
+    ) -> int | None:
         """Store a tensor, or a bundle (a dict of name -> tensor), under `key`; return its
         version. One copy into the broker's memory; readers of an older version keep theirs.
+
+        wait=False returns None once the copy is done and the seal is sent, without waiting
+        for the broker: this client's puts still apply in the order they were made, a later
+        get, exists or delete of `key` by this client sees it, and an error of it (with the
+        key) is raised by this client's next call, or by `flush()`.
 
         The object is stored on its tensors' device: host shared memory, or GPU memory for
         CUDA tensors (then put returns once the copy is enqueued on the tensor's stream, not
         finished). `device=` stores it elsewhere ('cpu', 'cuda:N'), only with copy=True.
         """
-        return self._transfer.write(key, value, Op.PUT, REQUEST_TIMEOUT, device, copy, key=key)
+        return self._transfer.write(
+            key, value, Op.PUT, REQUEST_TIMEOUT, device, copy, wait, key=key
+        )
+
+    def flush(self) -> None:
+        """Wait until every put of this client is applied; raise the first error of one that
+        did not wait (with its key)."""
+        self._transfer.writes.flush()
 
     def get(
         self, key: str, timeout: float | None = 0.0, *, device: Any = None, copy: bool = False
@@ -67,6 +98,7 @@ class Client:
         """
         timeout, wait = waits(timeout)
         want = None if device is None else parse_device(device, f"get {key!r}")
+        self._transfer.writes.settle(key)  # this client's put of it, if still on its way
         result = self._transfer.read_directly(key)
         if result is None:  # not listed (or not yet there): the broker answers, or waits
             result = self._transfer.read(self._call(Op.GET, key=key, timeout=timeout, wait=wait))
@@ -81,6 +113,7 @@ class Client:
         Timeout); None waits as long as it takes. Each item is a `get`: zero copy, leased.
         """
         timeout, wait = waits(timeout)
+        self._transfer.writes.settle(key)
         seen = 0
         while True:
             reply = self._call(Op.GET, key=key, timeout=timeout, after=seen, wait=wait)
@@ -113,9 +146,11 @@ class Client:
 
     def delete(self, key: str) -> None:
         """Remove `key`; NotFound if absent. Readers keep their bytes until they let go."""
+        self._transfer.writes.settle(key)
         self._call(Op.DELETE, key=key)
 
     def exists(self, key: str) -> bool:
+        self._transfer.writes.settle(key)
         return bool(self._call(Op.EXISTS, key=key)["exists"])
 
     def keys(self) -> list[str]:
@@ -150,10 +185,27 @@ class Client:
                 conn.close()  # a half-built Client: its sockets
             return
         self._closed = True
+        failed: BrokerError | None = None
+        writes = self._transfer.writes
+        try:
+            if not conn.broker_exited():  # before bye, which another socket carries
+                writes.flush()
+        except BrokerUnavailable:
+            pass
+        except BrokerError as exc:
+            failed = exc
+        if writes.outstanding:
+            log.warning(
+                "%d puts that did not wait may be lost: the broker at %s exited before it "
+                "answered them", writes.outstanding, self.address,
+            )  # fmt: skip
         conn.stop_releasing()
         self._transfer.finish()
+        self._transfer.writes.close()
         conn.close()
         self._transfer.close()
+        if failed is not None:  # a put that did not wait failed: say so, once closed
+            raise failed
 
     def __enter__(self) -> Client:
         return self

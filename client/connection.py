@@ -47,9 +47,11 @@ HELLO_STEP = 0.5  # each hello to a broker that may not be there yet waits this 
 # its request id, a grant's first copy aborted as the client did not claim it).
 RESENT = frozenset(
     {Op.GET, Op.EXISTS, Op.KEYS, Op.STATS, Op.PING, Op.QINFO, Op.QOPEN, Op.QGET, Op.QCLOSE,
-     Op.PUT, Op.QPUT, Op.SEAL, Op.ABORT}
+     Op.PUT, Op.QPUT, Op.SEAL, Op.ABORT, Op.GRANT, Op.QCREDIT}
 )  # fmt: skip
-FRESH_SAFE = frozenset({Op.GET, Op.EXISTS, Op.KEYS, Op.STATS, Op.PING, Op.PUT, Op.QOPEN})
+FRESH_SAFE = frozenset(
+    {Op.GET, Op.EXISTS, Op.KEYS, Op.STATS, Op.PING, Op.PUT, Op.QOPEN, Op.GRANT}
+)  # fmt: skip
 RELEASE_WINDOW = 0.005  # releases wait at most this long for a request to carry them ...
 RELEASE_IDLE_WINDOW = 0.1  # ... or this long, in a client that has been idle
 
@@ -76,6 +78,8 @@ class Connection:
         self.releases: queue.SimpleQueue[int] = queue.SimpleQueue()
         self.held: dict[int, int] = {}  # lease id -> object id, claimed again after a restart
         self._calls: set[int] = set()  # ids of the calls waiting for their answers
+        self._failed: list[BrokerError] = []  # errors of puts that did not wait, to raise
+        self.poll_writes: Callable[[], None] = lambda: None  # reads their replies (writes.py)
         self.reconnect_timeout = reconnect_timeout
         self.generation = 0  # brokers this connection has said hello to, less one
         self.resumed = True  # whether the broker of this generation kept the session
@@ -147,6 +151,20 @@ class Connection:
         if self._broker_pidfd is not None:
             channel.watch_broker(self._broker_pidfd)
         return channel
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def open_channel(self) -> Channel:
+        """A socket of its own that has said hello (a caller that needs one: writes.py)."""
+        return self._fresh_channel()
+
+    def discard_channel(self, channel: Channel) -> None:
+        self._pool.discard(channel)
+
+    def fail_later(self, error: BrokerError) -> None:
+        """An error of a put that did not wait: raised by the next call (check_usable)."""
+        self._failed.append(error)
 
     def call(self, op: str, wait: float | None = REQUEST_TIMEOUT, **fields: Any) -> dict[str, Any]:
         """Send one request (with the releases due) and wait up to `wait` seconds for its
@@ -267,6 +285,13 @@ class Connection:
             raise BrokerError(f"this Client of {self.address} is closed")
         if self._broken:
             raise BrokerUnavailable(self._broken)
+        self.poll_writes()
+        if self._failed:
+            failed, self._failed = self._failed, []
+            if len(failed) > 1:
+                more = "; ".join(str(e) for e in failed[1:4])
+                failed[0].add_note(f"and {len(failed) - 1} more puts that did not wait: {more}")
+            raise failed[0]
 
     def stop_releasing(self) -> None:
         """Stop the release thread (the first step of closing)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 from ..common.errors import QueueClosed
 from ..common.protocol import Op
@@ -35,16 +35,47 @@ class Queue:
         self._transfer = transfer
         self._id = queue_id
 
+    @overload
     def put(
-        self, value: Any, timeout: float | None = None, *, device: Any = None, copy: bool = False
-    ) -> int:
+        self,
+        value: Any,
+        timeout: float | None = ...,
+        *,
+        device: Any = ...,
+        copy: bool = ...,
+        wait: Literal[True] = ...,
+    ) -> int: ...
+    @overload
+    def put(
+        self,
+        value: Any,
+        timeout: float | None = ...,
+        *,
+        device: Any = ...,
+        copy: bool = ...,
+        wait: bool,
+    ) -> int | None: ...
+    def put(
+        self,
+        value: Any,
+        timeout: float | None = None,
+        *,
+        device: Any = None,
+        copy: bool = False,
+        wait: bool = True,
+    ) -> int | None:
         """Add a tensor or a bundle (a dict of tensors); return its place in the stream
         (1, 2, ...). Waits up to `timeout` seconds for a free slot (None: as long as it
         takes), then Timeout. QueueClosed if the queue is closed. A CUDA tensor's item is
-        stored on its GPU; `device=` and `copy=` as for `Client.put`."""
-        timeout, wait = waits(timeout)
+        stored on its GPU; `device=` and `copy=` as for `Client.put`.
+
+        wait=False returns None once the item is written and sent, without waiting for the
+        broker (a slot credited ahead, or one waited for, holds it): this client's items go
+        in the order they were put, and an error (a closed queue) is raised by the client's
+        next call or `flush()`."""
+        timeout, until = waits(timeout)
         return self._transfer.write(
-            self.name, value, Op.QPUT, wait, device, copy,
+            self.name, value, Op.QPUT, until, device, copy, wait,
             queue=self._id, name=self.name, timeout=timeout,
         )  # fmt: skip
 
@@ -72,7 +103,9 @@ class Queue:
 
     def close(self) -> None:
         """End the stream: no more puts (waiting ones raise QueueClosed); consumers get what
-        is left, then QueueClosed. Closing a closed queue does nothing."""
+        is left, then QueueClosed. Closing a closed queue does nothing. This client's puts
+        that did not wait go first."""
+        self._transfer.writes.flush()
         self._transfer.conn.call(Op.QCLOSE, queue=self._id, name=self.name)
 
     @property

@@ -22,7 +22,7 @@ import numpy as np
 from ..common import _shm
 from ..common.config import SHM_DIR
 from ..common.cudart import STREAM_LEGACY, device_index, parse_device
-from ..common.descriptors import ObjectDesc, TensorDesc
+from ..common.descriptors import ObjectDesc, TensorDesc, layout
 from ..common.directory import DirectoryView, decode_desc, map_segment
 from ..common.dtypes import DType
 from ..common.dtypes import dtype as lookup_dtype
@@ -35,6 +35,7 @@ from .cuda import DeviceLink
 from .shm import SegmentCache
 from .sources import Source, entries
 from .tensor import DeviceLease, Lease, SlotLease, Tensor
+from .writes import Grant, Writes
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class Transfer:
         self.conn = conn
         self.devices = devices
         self.segments = SegmentCache()
+        self.writes = Writes(conn)
         self.copier = Copier()
         self.directory: DirectoryView | None = None
         self.slots: LeaseSlots | None = None
@@ -190,12 +192,23 @@ class Transfer:
         wait: float | None,
         device: Any = None,
         copy: bool = False,
+        block: bool = True,
         **fields: Any,
-    ) -> int:
-        """Put `value` through `op` (a put or a queue put): one copy, then seal; the version."""
+    ) -> int | None:
+        """Put `value` through `op` (a put, or a queue put with `queue` in `fields`): one
+        copy, then the seal, after this client's earlier ones (Note [writes] in writes.py).
+        The version, or None at once if not `block`. A small host put writes into a block
+        granted ahead and seals it in one trip (Note [grants] in server/registry.py)."""
         items, bundle = entries(label, value)
         target, items = placement.place(self.devices, label, items, device, copy)
         specs = [[name, dt.name, list(src.shape)] for name, src, dt in items]
+        key = fields.get("key")
+        if target == "cpu":
+            offsets, size, _ = layout([(n, dt.name, tuple(src.shape)) for n, src, dt in items])
+            grant = self.writes.take_grant(size)
+            if grant is not None:
+                return self._write_granted(grant, items, specs, offsets, bundle, wait, block,
+                                           fields)  # fmt: skip
         if target != "cpu":
             fields["device"] = target
         reply = self.conn.call(op, wait=wait, tensors=specs, bundle=bundle, **fields)
@@ -214,11 +227,47 @@ class Transfer:
                 self.conn.call(Op.ABORT, put=put_id)
             self.conn.forget(put_id)
             raise
+        what = f"put {label!r}" if key is not None else f"put to queue {label!r}"
+        sealed = self.writes.seal({"op": Op.SEAL, "put": put_id}, key, what, put_id, block)
+        return None if sealed is None else int(sealed["version"])
+
+    def _write_granted(
+        self,
+        grant: Grant,
+        items: list[tuple[str, Source, DType]],
+        specs: list[list[Any]],
+        offsets: list[int],
+        bundle: bool,
+        wait: float | None,
+        block: bool,
+        fields: dict[str, Any],
+    ) -> int | None:
+        queue = fields.get("queue")
+        credited = False
         try:
-            version: int = self.conn.call(Op.SEAL, put=put_id)["version"]
-        finally:
-            self.conn.forget(put_id)
-        return version
+            if queue is not None:
+                credited = self.writes.take_credit(queue, fields.get("timeout"), wait)
+            mapping = self.segments.get(grant.segment)
+            for (_, src, dt), offset in zip(items, offsets, strict=True):
+                assert isinstance(src, np.ndarray)  # placed on the host
+                count = src.size
+                dst = np.frombuffer(
+                    mapping.mmap, np.dtype(dt.typestr), count, grant.offset + offset
+                )
+                self.copier.copy(dst.reshape(src.shape), src)
+        except BaseException:
+            self.writes.give_back(grant)
+            if credited and queue is not None:
+                self.writes.return_credit(queue)
+            raise
+        message = {"op": Op.WRITE, "put": grant.put, "tensors": specs, "bundle": bundle}
+        for name in ("key", "queue", "name"):
+            if name in fields:
+                message[name] = fields[name]
+        key = fields.get("key")
+        label = f"put {key!r}" if key is not None else f"put to queue {fields.get('name')!r}"
+        sealed = self.writes.seal(message, key, label, grant.put, block)
+        return None if sealed is None else int(sealed["version"])
 
     def _write_device(self, items: list[tuple[str, Source, DType]], reply: dict[str, Any]) -> None:
         """Enqueue the copies into device memory on the sources' streams and record the
@@ -287,7 +336,11 @@ class Transfer:
                 with contextlib.suppress(BrokerError):
                     self.conn.call(Op.ABORT, put=lease.id, keep=True)
             raise
-        buffer.version = self.conn.call(Op.SEAL, put=lease.id, keep=True)["version"]
+        sealed = self.writes.seal(
+            {"op": Op.SEAL, "put": lease.id, "keep": True}, fields.get("key"), label, None, True
+        )
+        assert sealed is not None
+        buffer.version = sealed["version"]
 
     # -- closing ---------------------------------------------------------------------------
 
@@ -300,6 +353,7 @@ class Transfer:
 
     def close(self) -> None:
         """Forget what was mapped and opened (each closes once no array uses it)."""
+        self.writes.close()
         if self.directory is not None:
             self.directory.close()
             self.directory = None

@@ -55,13 +55,8 @@ class Channel:
         request_id = message["id"]
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            try:
-                frame = self.socket.recv()
-            except zmq.Again:
-                if self._broker is not None and self._broker.poll(0):
-                    if self.socket.poll(EXIT_GRACE_MS):  # a reply sent before it died
-                        continue
-                    raise BrokerExited(f"the broker at {self.address} exited") from None
+            reply = self.receive()
+            if reply is None:
                 if deadline is None or time.monotonic() < deadline:
                     continue
                 raise BrokerUnavailable(
@@ -69,10 +64,25 @@ class Channel:
                     f"(op {message['op']!r}); is it running? Try `tensorbroker ping --address "
                     f"{self.address}`"
                 ) from None
-            reply = decode(frame, MAX_REPLY_BYTES)
             if reply.get("id") == request_id:
-                break
+                return self.check(reply)
             # A reply to an earlier request that timed out: drop it and keep waiting.
+
+    def receive(self, block: bool = True) -> dict[str, Any] | None:
+        """The next reply, waiting at most WATCH_STEP_MS (`block`) or not at all; None if
+        none came. BrokerExited once the broker process has exited."""
+        try:
+            frame = self.socket.recv(0 if block else zmq.NOBLOCK)
+        except zmq.Again:
+            if block and self._broker is not None and self._broker.poll(0):
+                if self.socket.poll(EXIT_GRACE_MS):  # a reply sent before it died
+                    return self.receive()
+                raise BrokerExited(f"the broker at {self.address} exited") from None
+            return None
+        return decode(frame, MAX_REPLY_BYTES)
+
+    def check(self, reply: dict[str, Any]) -> dict[str, Any]:
+        """`reply`, or the error it carries raised."""
         if not reply.get("ok"):
             if reply.get("code") == SessionUnknown.code:  # a broker that restarted
                 raise BrokerExited(f"the broker at {self.address} does not know this client")

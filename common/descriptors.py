@@ -6,7 +6,38 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .config import round_up
 from .dtypes import DTYPES
+
+MIN_ALIGN = 64  # JAX copies silently below 64-byte alignment
+PAGE = 4096
+PAGE_ALIGN_FROM = 64 * 1024  # tensors of this size and up start on a page
+# Blocks granted ahead (Note [grants] in server/registry.py) come in these sizes, a page to
+# 1 MiB by powers of two; larger puts ask for their block (the copy dominates there).
+GRANT_MIN, GRANT_MAX = PAGE, 1 << 20
+
+
+def layout(
+    specs: list[tuple[str, str, tuple[int, ...]]], min_align: int = MIN_ALIGN
+) -> tuple[list[int], int, int]:
+    """Byte offsets of each tensor inside one block, the block size and its alignment: the
+    broker and a client writing into a block granted ahead compute them alike."""
+    offsets, end, block_align = [], 0, min_align
+    for _, dtype, shape in specs:
+        size = DTYPES[dtype].nbytes(shape)
+        align = PAGE if size >= PAGE_ALIGN_FROM else min_align
+        block_align = max(block_align, align)
+        start = round_up(end, align)
+        offsets.append(start)
+        end = start + size
+    return offsets, max(end, 1), block_align
+
+
+def grant_class(size: int) -> int | None:
+    """The size of the granted blocks a block of `size` bytes is taken from (None: too big)."""
+    if size > GRANT_MAX:
+        return None
+    return max(GRANT_MIN, 1 << (size - 1).bit_length())
 
 
 def compact_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

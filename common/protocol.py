@@ -39,6 +39,10 @@ class Op:
     # handle]; a get's adds the reader's read-done event as "done")
     SEAL = "seal"  # put, keep -> version (and the put's lease ends unless keep)
     ABORT = "abort"  # put
+    GRANT = "grant"  # size -> grants [[put id, object id, segment, offset, size], ...]
+    WRITE = "write"  # put (a block granted ahead), key or queue, tensors, bundle -> version,
+    # grants (refills of that size), credits (a queue's slots granted ahead)
+    QCREDIT = "qcredit"  # queue, timeout -> credits (waits, as a qput, for a free slot)
     GET = "get"  # key, timeout (None: wait forever), after -> object descriptor with a lease
     DELETE = "delete"  # key
     EXISTS = "exists"  # key -> exists
@@ -219,6 +223,15 @@ _FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
     },
     Op.SEAL: {"put": (_int, True), "keep": (_bool, False)},
     Op.ABORT: {"put": (_int, True), "keep": (_bool, False)},
+    Op.GRANT: {"size": (_int, True)},
+    Op.WRITE: {
+        "put": (_int, True),
+        "key": (check_key, False),
+        "queue": (_int, False),
+        "name": (check_key, False),
+        "tensors": (check_tensor_specs, True),
+        "bundle": (_bool, False),
+    },
     Op.GET: {
         "key": (check_key, True),
         "timeout": (check_timeout, False),
@@ -243,6 +256,11 @@ _FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
         "device": (check_device, False),
     },
     Op.QGET: {"queue": (_int, True), "name": (check_key, False), "timeout": (check_timeout, False)},
+    Op.QCREDIT: {
+        "queue": (_int, True),
+        "name": (check_key, False),
+        "timeout": (check_timeout, False),
+    },
     Op.QCLOSE: {"queue": (_int, True), "name": (check_key, False)},
     Op.QINFO: {"queue": (_int, True), "name": (check_key, False)},
 }

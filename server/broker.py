@@ -121,6 +121,7 @@ class Broker:
         self.objects = Objects(self.registry, self.lot, self._send)
         self.devices.on_free = self.objects.memory_back
         self.queues = Queues(self.objects)
+        self.sessions.on_drop = self.queues.session_gone
         self._stopping = False
         self._started = time.monotonic()
         self._ctx = zmq.Context()
@@ -133,6 +134,9 @@ class Broker:
             Op.PUT: self.objects.put,
             Op.SEAL: self._on_seal,
             Op.ABORT: self.objects.abort,
+            Op.GRANT: self.objects.grant,
+            Op.WRITE: self._on_write,
+            Op.QCREDIT: self.queues.credit,
             Op.GET: self.objects.get,
             Op.DELETE: self.objects.delete,
             Op.EXISTS: self.objects.exists,
@@ -398,6 +402,15 @@ class Broker:
         if queue is not None:
             return self.queues.seal(session, put_id, keep, queue)
         return self.objects.seal(session, put_id, keep)
+
+    def _on_write(self, session: Session, route: bytes, req: Request) -> dict[str, Any]:
+        """A block granted ahead, written: sealed as a put of its key, or a queue item."""
+        done = self.registry.sealed_before(session, req.fields["put"])
+        if done is not None:  # sealed by the broker that died; its answer was lost
+            return {"version": done[0]}
+        if "queue" in req.fields:
+            return self.queues.write(session, req)
+        return self.objects.write(session, req)
 
     def _on_bye(self, session: Session, route: bytes, req: Request) -> None:
         self.sessions.bye(session, req)

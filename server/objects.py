@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..common.descriptors import ObjectDesc
-from ..common.errors import BrokerError, CapacityError, NotFound, Timeout
+from ..common.descriptors import ObjectDesc, grant_class
+from ..common.errors import BrokerError, CapacityError, InvalidRequest, NotFound, Timeout
 from ..common.protocol import Request, reply_error, reply_ok
 from .parking import ParkingLot, Waiter, secs
 from .registry import Registry, Session, StoredObject
@@ -51,6 +51,36 @@ class Objects:
             return self.granted(put_id, obj)
 
         return self.grant_or_wait(session, route, req, grant)
+
+    def grant(self, session: Session, route: bytes, req: Request) -> Reply:
+        """Blocks granted ahead for puts of up to `size` bytes (Note [grants] in
+        registry.py); none if that size has none, or the arena is too full to spare them."""
+        size_class = grant_class(req.fields["size"])
+        return {"grants": self.registry.grant(session, size_class) if size_class else []}
+
+    def write(self, session: Session, req: Request) -> Reply:
+        """A block granted ahead, written: sealed as the next version of its key; the reply
+        tops up the client's grants of its size."""
+        f = req.fields
+        if "key" not in f:
+            raise InvalidRequest("write: a write names a key or a queue")
+        put_id = f["put"]
+        try:
+            obj = self.registry.fill(
+                session, put_id, f["key"], f["tensors"], f.get("bundle", False)
+            )
+        except BrokerError:
+            self.drop_grant(session, put_id)
+            raise
+        reply = self.seal(session, put_id, keep=False)
+        reply["grants"] = self.registry.grant(session, obj.block.size)
+        return reply
+
+    def drop_grant(self, session: Session, put_id: int) -> None:
+        """A write that failed: its block goes back (whatever the reply, a write's block is
+        the client's no more)."""
+        if put_id in session.pending:
+            self.registry.abort(session, put_id, keep=False)
 
     def granted(self, put_id: int, obj: StoredObject) -> Reply:
         """A put's reply: where to write, and for a device object the chunk's IPC handle and

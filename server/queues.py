@@ -15,22 +15,32 @@ memory and gives it back when its memory is freed, after its consumer let go of 
 queue never holds more than `maxsize` items' worth of shared memory, whatever its
 consumers are slow at. A consumer that keeps items alive keeps their slots: with
 `maxsize=1`, drop an item before asking for the next one.
+
+Credits are slots granted ahead to a producer (`credit`, and the reply of each `write`), so
+that its next puts need not ask: a credited slot counts as in flight (`full`), and at most
+half of a queue's slots are credited ahead at a time (`credit_room`), so a producer that
+holds credits and goes quiet can never starve the others. An unbounded queue needs none.
+A producer that closes or dies gives its credits back.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..common.errors import BrokerError, InvalidRequest, QueueClosed, Timeout
-from ..common.protocol import Request, reply_error, reply_ok
+from ..common.protocol import Op, Request, reply_error, reply_ok
 from .objects import Objects
 from .parking import Waiter, secs
 from .registry import Session, StoredObject
 from .state import PENDING, Row
 
+log = logging.getLogger(__name__)
+
+CREDITS_AHEAD = 8  # slots of a bounded queue a producer may hold ahead, at most
 ENDED_QUEUES = 4096  # ended queues remembered, so that a late consumer sees them closed
 
 Reply = dict[str, Any]
@@ -48,10 +58,16 @@ class BrokerQueue:
     in_flight: int = 0  # items given memory and not yet freed
     pending: int = 0  # of those, items not sealed yet
     sealed: int = 0  # items numbered so far: an item's version is its place in the stream
+    credited: int = 0  # slots granted ahead to producers, not yet used
 
     @property
     def full(self) -> bool:
-        return self.maxsize > 0 and self.in_flight >= self.maxsize
+        return self.maxsize > 0 and self.in_flight + self.credited >= self.maxsize
+
+    @property
+    def credit_room(self) -> bool:
+        """Whether one more slot may be granted ahead, beyond what producers wait for."""
+        return not self.full and not self.putters and self.credited < self.maxsize // 2
 
     @property
     def ended(self) -> bool:
@@ -113,6 +129,74 @@ class Queues:
         self.lot.wait(session, route, req, timeout, q.putters, Timeout(f"{q.describe()} is full"),
                       message)  # fmt: skip
         return None
+
+    def write(self, session: Session, req: Request) -> Reply:
+        """An item written into a block granted ahead, on a slot credited ahead (an unbounded
+        queue needs none): sealed at once; the reply tops up the producer's credits."""
+        f, put_id = req.fields, req.fields["put"]
+        try:
+            q = self._queue(req)
+            self._check_open(q)
+            self._use_credit(session, q)
+            obj = self.registry.fill(
+                session, put_id, q.name, f["tensors"], f.get("bundle", False), queue=q
+            )
+        except BrokerError:
+            self.objects.drop_grant(session, put_id)
+            raise
+        q.in_flight += 1
+        q.pending += 1
+        reply = self.seal(session, put_id, False, q)
+        reply["grants"] = self.registry.grant(session, obj.block.size)
+        credits = self._credit_ahead(session, q, 0)
+        if credits:
+            reply["credits"] = credits
+        return reply
+
+    def _use_credit(self, session: Session, q: BrokerQueue) -> None:
+        have = session.credits.get(q.id, 0)
+        if have:
+            session.credits[q.id] = have - 1
+            q.credited -= 1
+        elif q.maxsize:  # credits were lost with a broker that died: the slot is taken as is
+            log.info("%s wrote an item of %s without a credit", session, q.describe())
+
+    def credit(self, session: Session, route: bytes, req: Request) -> Reply | None:
+        """Slots granted ahead to a producer of a bounded queue: one as soon as a slot is
+        free (waiting for it as a put does), and more if there is room."""
+        q = self._queue(req)
+        self._check_open(q)
+        if not q.maxsize:
+            return {"credits": 0}  # nothing to wait for
+        if not q.full and not q.putters:
+            return {"credits": self._credit_ahead(session, q, 1)}
+        timeout = req.fields.get("timeout")
+        message = f"{q.describe()} stayed full for {secs(timeout)}: is a consumer keeping up?"
+        self.lot.wait(session, route, req, timeout, q.putters, Timeout(f"{q.describe()} is full"),
+                      message)  # fmt: skip
+        return None
+
+    def _credit_ahead(self, session: Session, q: BrokerQueue, due: int) -> int:
+        """Grant `session` the `due` slots it waited for, and more while there is room."""
+        if not q.maxsize:
+            return 0
+        q.credited += due
+        given = due
+        while given < CREDITS_AHEAD and q.credit_room:
+            given += 1
+            q.credited += 1
+        if given:
+            session.credits[q.id] = session.credits.get(q.id, 0) + given
+        return given
+
+    def session_gone(self, session: Session) -> None:
+        """A producer closed or died: its credits go back to their queues."""
+        for qid, n in session.credits.items():
+            q = self.by_id.get(qid)
+            if q is not None and n:
+                q.credited -= n
+                self._roomy.add(q)
+        session.credits.clear()
 
     @staticmethod
     def _check_open(q: BrokerQueue) -> None:
@@ -208,7 +292,11 @@ class Queues:
             while q.putters and not q.full:
                 w = q.putters[0]
                 try:
-                    result = self._grant(w.session, q, w.request)
+                    if w.request.op == Op.QCREDIT:
+                        self.lot.unpark(w)  # before counting the room left for others
+                        result = {"credits": self._credit_ahead(w.session, q, 1)}
+                    else:
+                        result = self._grant(w.session, q, w.request)
                 except BrokerError as exc:
                     self.objects.answer(w, reply_error(w.request.id, exc))
                 else:

@@ -27,6 +27,21 @@ broker keeps watching a closed client's pidfd while any remain, and when the pro
 an object before the death still waits on the GPU forever; no broker can undo a stream
 wait. A client that closes normally first waits for its copies (`DeviceLink.drain`), so a
 producer that puts and exits loses nothing.
+
+Note [grants]
+
+A small put would take two round trips, one for its memory and one for its seal. So the
+broker grants each writing client blocks ahead, per size class (a page to 1 MiB by powers
+of two, `grant_class`): a pending put with no key yet (`StoredObject.granted`), held by the
+client as a put lease, journaled like any put. The client lays its tensors out in a block
+of the class that fits (`layout`, which both ends compute alike), copies, and sends one
+`write` naming the block; the broker checks that the block is that client's grant and
+that the layout fits, then seals it as any put. The reply tops the client's grants of that
+class back up to `grant_depth`, so refills cost no extra trip. Grants are real allocations
+(they count in `stats()["granted_bytes"]` and never let the arena go past its capacity),
+and are made only while a quarter of the arena stays free: a put that finds no grant asks
+for its block as before. A client that dies, closes, or loses its broker lets them go
+like any unsealed put.
 """
 
 from __future__ import annotations
@@ -37,10 +52,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..common.config import format_size, round_up
+from ..common.config import format_size
 from ..common.cudart import device_index
-from ..common.descriptors import TensorDesc, compact_strides
-from ..common.dtypes import DTYPES
+from ..common.descriptors import MIN_ALIGN, PAGE, TensorDesc, compact_strides, layout
 from ..common.errors import CapacityError, InvalidRequest, NotFound
 from .arena import Arena, Block, ShmExhausted
 from .devices import DEVICE_ALIGN, DeviceArena, DeviceMemory
@@ -49,9 +63,14 @@ from .state import ID_STEP, LIVE, PENDING, Journal, Row
 
 log = logging.getLogger(__name__)
 
-MIN_ALIGN = 64  # JAX copies silently below 64-byte alignment
-PAGE = 4096
-PAGE_ALIGN_FROM = 64 * 1024  # tensors of this size and up start on a page
+GRANT_AHEAD_BYTES = 1 << 20  # a client is granted about this much of one size class ahead,
+GRANT_DEPTH = (2, 8)  # and at least 2 blocks of it, at most 8
+GRANT_FREE_SHARE = 4  # grants ahead only while more than 1/4 of the arena stays free
+
+
+def grant_depth(size_class: int) -> int:
+    """Blocks of `size_class` a client is granted ahead."""
+    return max(GRANT_DEPTH[0], min(GRANT_DEPTH[1], GRANT_AHEAD_BYTES // size_class))
 
 
 @dataclass(eq=False, slots=True)
@@ -70,6 +89,7 @@ class StoredObject:
     events: list[int] | None = None  # a device object's write and read-done events
     oid: int = 0  # its id, never reused: what lease slots hold
     listed: bool = False  # in the directory since sealed: readers' slots may hold it
+    granted: bool = False  # a block granted ahead, not yet written (Note [grants])
 
     @property
     def nbytes(self) -> int:
@@ -99,24 +119,11 @@ class Session:
     closed: bool = False  # said bye, kept only for the leases its process still holds
     region: int | None = None  # its lease-slot region (Note [directory and lease slots])
     awaiting: bool = False  # adopted from a broker that died: not back yet (Note [recovery])
+    grants: dict[int, int] = field(default_factory=dict)  # size class -> blocks granted ahead
+    credits: dict[int, int] = field(default_factory=dict)  # queue id -> slots granted ahead
 
     def __repr__(self) -> str:
         return f"<session {self.token[:8]} pid={self.pid}>"
-
-
-def layout(
-    specs: list[tuple[str, str, tuple[int, ...]]], min_align: int = MIN_ALIGN
-) -> tuple[list[int], int, int]:
-    """Byte offsets of each tensor inside one block, the block size and its alignment."""
-    offsets, end, block_align = [], 0, min_align
-    for _, dtype, shape in specs:
-        size = DTYPES[dtype].nbytes(shape)
-        align = PAGE if size >= PAGE_ALIGN_FROM else min_align
-        block_align = max(block_align, align)
-        start = round_up(end, align)
-        offsets.append(start)
-        end = start + size
-    return offsets, max(end, 1), block_align
 
 
 class Registry:
@@ -143,6 +150,7 @@ class Registry:
         self.first_id = first_id  # ids below it were given by a broker that died
         self._id_limit = first_id  # ids below it are reserved in the journal
         self.lease_count = 0
+        self.granted_bytes = self.granted_blocks = 0  # granted ahead (Note [grants])
         # Adopted from a broker that died (Note [recovery] in state.py):
         self.adopted: dict[int, StoredObject] = {}  # oid -> object, until all are back
         self._holding: list[StoredObject] = []  # retired: held until every client is back
@@ -174,19 +182,7 @@ class Registry:
         arena = self.arena if device == "cpu" else self.devices.arena(device)
         offsets, size, align = layout(specs, MIN_ALIGN if device == "cpu" else DEVICE_ALIGN)
         block = self._allocate(arena, key, size, align)
-        tensors = tuple(
-            TensorDesc(
-                name,
-                dtype,
-                shape,
-                compact_strides(shape),
-                block.segment,
-                block.offset + off,
-                device,
-            )
-            for (name, dtype, shape), off in zip(specs, offsets, strict=True)
-        )
-        wire = [t.to_wire() for t in tensors]
+        wire = _wire(specs, offsets, block, device)
         obj = StoredObject(key, bundle, block, wire, queue=queue, device=device)
         obj.oid = self._id()
         if device != "cpu":
@@ -197,6 +193,73 @@ class Registry:
         if device == "cpu":
             self.journal.granted(obj, session.token, put_id)
         return put_id, obj
+
+    def grant(self, session: Session, size_class: int) -> list[list[Any]]:
+        """Blocks of `size_class` bytes granted ahead to `session`, up to its depth (fewer,
+        or none, once the arena is three quarters full): [[put id, object id, segment,
+        offset, size], ...] (Note [grants])."""
+        have = session.grants.get(size_class, 0)
+        out: list[list[Any]] = []
+        arena = self.arena
+        for _ in range(grant_depth(size_class) - have):
+            if arena.free_bytes - size_class < arena.capacity // GRANT_FREE_SHARE:
+                break
+            block = arena.allocate(size_class, PAGE)
+            if block is None:
+                break
+            obj = StoredObject("", False, block, [], granted=True)
+            obj.oid = self._id()
+            put_id = self.lease(session, obj)
+            self.pending[put_id] = obj
+            session.pending.add(put_id)
+            self.journal.granted(obj, session.token, put_id)
+            out.append([put_id, obj.oid, block.segment, block.offset, block.size])
+        if out:
+            session.grants[size_class] = have + len(out)
+            self.granted_bytes += size_class * len(out)
+            self.granted_blocks += len(out)
+        return out
+
+    def fill(
+        self,
+        session: Session,
+        put_id: int,
+        key: str,
+        specs: list[tuple[str, str, tuple[int, ...]]],
+        bundle: bool,
+        queue: Any = None,
+    ) -> StoredObject:
+        """A block granted ahead, written by its client: now a put of `key` (or an item of
+        `queue`) laid out as `specs`, ready to seal."""
+        obj = self.pending_put(session, put_id, "write")
+        if not obj.granted:
+            raise InvalidRequest(f"write {key!r}: put {put_id} is not a block granted ahead")
+        if not bundle and (len(specs) != 1 or specs[0][0] != ""):
+            raise InvalidRequest(f"write {key!r}: a plain object holds one unnamed tensor")
+        offsets, size, _ = layout(specs)
+        if size > obj.block.size:
+            raise InvalidRequest(
+                f"write {key!r}: its tensors take {size} bytes, and block {put_id} has "
+                f"{obj.block.size}"
+            )
+        self._ungrant(session, obj)
+        obj.key, obj.bundle, obj.queue = key, bundle, queue
+        obj.wire = _wire(specs, offsets, obj.block, "cpu")
+        return obj
+
+    def _ungrant(self, session: Session, obj: StoredObject) -> None:
+        if obj.granted:
+            obj.granted = False
+            session.grants[obj.block.size] -= 1
+            self.granted_bytes -= obj.block.size
+            self.granted_blocks -= 1
+
+    def _unpend(self, session: Session, put_id: int) -> StoredObject:
+        """A pending put ends (sealed, aborted, or let go)."""
+        obj = self.pending.pop(put_id)
+        session.pending.discard(put_id)
+        self._ungrant(session, obj)
+        return obj
 
     def _allocate(self, arena: Arena, key: str, size: int, align: int) -> Block:
         try:
@@ -222,9 +285,8 @@ class Registry:
     ) -> StoredObject:
         """Publish a pending put: as the next version of its key, or (a queue item, whose
         version the queue numbers) live and unkeyed, for the queue to hand over."""
-        obj = self.pending_put(session, put_id, "seal")
-        del self.pending[put_id]
-        session.pending.discard(put_id)
+        self.pending_put(session, put_id, "seal")
+        obj = self._unpend(session, put_id)
         obj.live = True
         if obj.events is not None:  # forget the finished ones: the list stays short
             session.writing = [o for o in session.writing if not self._written(o)]
@@ -263,9 +325,8 @@ class Registry:
         return None
 
     def abort(self, session: Session, put_id: int, keep: bool) -> None:
-        obj = self.pending_put(session, put_id, "abort")
-        del self.pending[put_id]
-        session.pending.discard(put_id)
+        self.pending_put(session, put_id, "abort")
+        obj = self._unpend(session, put_id)
         self._retire(obj)
         if not keep:
             self.release(session, put_id)
@@ -338,8 +399,7 @@ class Registry:
         if read_done is not None and obj.events is not None:
             self.devices.settle(obj.events, read_done)
         if lease_id in session.pending:  # the putter let go before sealing: abort
-            session.pending.discard(lease_id)
-            del self.pending[lease_id]
+            self._unpend(session, lease_id)
             self._retire(obj)
         obj.leases -= 1
         self.lease_count -= 1
@@ -435,6 +495,11 @@ class Registry:
                     continue
                 self.pending[row.put] = obj
                 owner.pending.add(row.put)
+                if not row.wire:  # a block granted ahead, not yet written
+                    obj.granted = True
+                    owner.grants[row.size] = owner.grants.get(row.size, 0) + 1
+                    self.granted_bytes += row.size
+                    self.granted_blocks += 1
                 owner.leases[row.put] = obj
                 obj.leases += 1
                 self.lease_count += 1
@@ -516,9 +581,24 @@ class Registry:
 
     def stats(self) -> dict[str, int]:
         slotted = sum(self.slots.held().values()) if self.slots is not None else 0
+        arena = self.arena.stats()
         return {
-            **self.arena.stats(),
+            **arena,
+            "used_bytes": arena["used_bytes"] - self.granted_bytes,  # by objects
             "objects": len(self.objects),
-            "pending": len(self.pending),
-            "leases": self.lease_count + slotted,
+            "pending": len(self.pending) - self.granted_blocks,  # puts being written
+            "granted_bytes": self.granted_bytes,  # blocks granted ahead, not yet written
+            "leases": self.lease_count - self.granted_blocks + slotted,
         }
+
+
+def _wire(
+    specs: list[tuple[str, str, tuple[int, ...]]], offsets: list[int], block: Block, device: str
+) -> list[Any]:
+    """The wire form of the tensors of `specs` laid out at `offsets` in `block`."""
+    return [
+        TensorDesc(
+            name, dtype, shape, compact_strides(shape), block.segment, block.offset + off, device
+        ).to_wire()
+        for (name, dtype, shape), off in zip(specs, offsets, strict=True)
+    ]

@@ -47,6 +47,7 @@ class Sessions:
         self.routes: dict[bytes, Session] = {}
         self.pidfds: dict[int, Session] = {}
         self.unwatched: set[Session] = set()  # kept alive by heartbeats
+        self.on_drop: Callable[[Session], None] = lambda session: None  # before its puts end
 
     def hello(self, route: bytes, req: Request) -> dict[str, Any]:
         f = req.fields
@@ -150,6 +151,7 @@ class Sessions:
         keep = keep_leases and (
             bool(session.leases) or self.registry.writing(session) or self.registry.slotted(session)
         )
+        self.on_drop(session)
         self.registry.drop_session(session, keep_leases=keep)
         session.closed = True
         if keep:

@@ -108,14 +108,14 @@ def closing_producer(address: str, queue: str, count: int, report: Any) -> None:
 
 
 def timed_producer(
-    address: str, queue: str, maxsize: int, count: int, nbytes: int, report: Any
+    address: str, queue: str, maxsize: int, count: int, nbytes: int, report: Any, wait: bool = True
 ) -> None:
     """Put `count` items of `nbytes`; report when each put returned (CLOCK_MONOTONIC)."""
     returned = []
     with tb.connect(address) as c:
         q = c.queue(queue, maxsize=maxsize)
         for i in range(count):
-            q.put(np.full(nbytes, i % 251, np.uint8), timeout=60)
+            q.put(np.full(nbytes, i % 251, np.uint8), timeout=60, wait=wait)
             returned.append(time.monotonic())
         q.close()
     report.put(("producer", returned))

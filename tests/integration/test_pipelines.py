@@ -8,6 +8,7 @@ import threading
 from collections import Counter
 from typing import Any
 
+import pytest
 import stages
 from support import SPAWN, join_all, wait_until
 
@@ -84,8 +85,9 @@ def test_two_producers_three_consumers_deliver_each_item_once(
             assert mine == sorted(mine)
 
 
+@pytest.mark.parametrize("wait", [True, False], ids=["put-waits", "put-does-not-wait"])
 def test_backpressure_bounds_memory_and_blocks_the_producer(
-    fresh_broker: tb.BrokerProcess,
+    fresh_broker: tb.BrokerProcess, wait: bool
 ) -> None:
     maxsize, count, address = 4, 24, fresh_broker.address
     report = SPAWN.Queue()
@@ -108,6 +110,7 @@ def test_backpressure_bounds_memory_and_blocks_the_producer(
                 count,
                 MiB,
                 report,
+                wait,
                 name="producer",
             ),  # fmt: skip
             start(stages.slow_consumer, address, "frames", 0.05, report, name="consumer"),

@@ -109,14 +109,16 @@ def test_a_full_queue_blocks_put_until_a_consumer_lets_go(c: tb.Client) -> None:
     assert q.in_flight() == 2
 
 
-def test_many_items_through_a_small_queue_keep_memory_bounded(c: tb.Client) -> None:
+@pytest.mark.parametrize("wait", [True, False], ids=["put-waits", "put-does-not-wait"])
+def test_many_items_through_a_small_queue_keep_memory_bounded(c: tb.Client, wait: bool) -> None:
     q = c.queue("frames", maxsize=3)
-    item_bytes = MiB
+    item_bytes = MiB  # granted ahead, on credited slots, when the put does not wait
     peak = 0
 
     def produce() -> None:
         for i in range(30):
-            q.put(np.full(item_bytes // 4, i, np.float32))
+            q.put(np.full(item_bytes // 4, i, np.float32), wait=wait)
+        c.flush()
         q.close()
 
     thread, out = in_thread(produce)

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from tensorbroker.common.config import format_size
+from tensorbroker.common.descriptors import MIN_ALIGN, PAGE, PAGE_ALIGN_FROM
 from tensorbroker.common.dtypes import DTYPES
 from tensorbroker.common.errors import CapacityError, InvalidRequest, NotFound
 from tensorbroker.server.arena import Arena
-from tensorbroker.server.registry import MIN_ALIGN, PAGE, PAGE_ALIGN_FROM, Registry, Session
+from tensorbroker.server.registry import Registry, Session
 
 KiB = 2**10
 MiB = 2**20

@@ -1,0 +1,164 @@
+"""Small puts in one trip (Note [grants] in server/registry.py) and puts that do not wait
+(Note [writes] in client/writes.py): read your writes, errors raised later with their key,
+a writer killed with grants and seals on their way, and queues with credits."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tensorbroker as tb
+from tests.support import SPAWN, join_all, seconds_until
+
+MiB = 1 << 20
+
+
+def test_a_put_that_waits_takes_one_trip_once_granted(fresh_broker: tb.BrokerProcess) -> None:
+    with tb.connect(fresh_broker.address) as c:
+        c.put("x", np.zeros(1024, np.float32))  # asks for grants of 4 KiB
+        granted = c.stats()["granted_bytes"]
+        assert granted > 0 and c.stats()["used_bytes"] == 4096
+        for i in range(1, 50):
+            assert c.put("x", np.full(1024, i, np.float32)) == i + 1
+        assert c.stats()["granted_bytes"] == granted  # each write's reply refilled
+        assert (c.get("x").numpy() == 49).all()
+    with tb.connect(fresh_broker.address) as c:  # a client that closed gave them back
+        assert c.stats()["granted_bytes"] == 0 and c.stats()["pending"] == 0
+
+
+def test_read_your_writes_from_several_threads(fresh_broker: tb.BrokerProcess) -> None:
+    errors: list[BaseException] = []
+    with tb.connect(fresh_broker.address) as c:
+
+        def writer(t: int) -> None:
+            try:
+                for i in range(200):
+                    shape = (1 + i % 7, 64)  # several size classes and shapes
+                    assert c.put(f"k{t}", np.full(shape, i, np.int32), wait=False) is None
+                    got = c.get(f"k{t}").numpy()
+                    assert got.shape == shape and (got == i).all(), (t, i)
+                    assert c.exists(f"k{t}")
+                c.put(f"k{t}", np.zeros(1), wait=False)
+                c.delete(f"k{t}")  # after the put before it
+                assert not c.exists(f"k{t}")
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=writer, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors[0]
+        c.flush()
+        assert c.keys() == []
+
+
+def test_errors_of_puts_that_did_not_wait_come_with_their_key(
+    fresh_broker: tb.BrokerProcess,
+) -> None:
+    with tb.connect(fresh_broker.address) as c, tb.connect(fresh_broker.address) as other:
+        q = c.queue("frames")
+        q.put(np.ones(16), wait=False)
+        other.queue("frames").close()
+        q.put(np.full(16, 2.0), wait=False)  # refused by the broker, after this returned
+        time.sleep(0.2)  # the broker has answered by now
+        with pytest.raises(tb.QueueClosed, match="put to queue 'frames'.*did not wait"):
+            c.exists("anything")  # the next call
+        c.exists("anything")  # raised once
+        q.put(np.full(16, 3.0), wait=False)
+        with pytest.raises(tb.QueueClosed, match="'frames'"):
+            c.flush()
+        assert [float(item.numpy()[0]) for item in other.queue("frames")] == [1.0]  # not half
+        with pytest.raises(tb.CapacityError, match="'huge'"):  # asked before the copy
+            c.put("huge", np.zeros(64 * MiB, np.uint8), wait=False)
+        assert c.keys() == [] and c.stats()["pending"] == 0
+
+
+def test_a_writer_killed_with_grants_and_seals_on_their_way(
+    fresh_broker: tb.BrokerProcess,
+) -> None:
+    ready = SPAWN.Event()
+    writer = SPAWN.Process(target=_write_forever, args=(fresh_broker.address, ready))
+    writer.start()
+    try:
+        assert ready.wait(60)
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.join(10)
+        with tb.connect(fresh_broker.address) as c:
+
+            def back() -> bool:
+                s = c.stats()
+                return s["granted_bytes"] == 0 and s["pending"] == 0 and s["clients"] == 1
+
+            assert seconds_until(back, 1.0) < 1.0
+            keys = c.keys()
+            assert keys, "the writer put nothing before it was killed"
+            for key in keys:  # no half object: each holds one value throughout
+                a = c.get(key).numpy()
+                assert a.shape == (512,) and (a == a[0]).all(), key
+            del a
+            for key in keys:
+                c.delete(key)
+            assert seconds_until(lambda: c.stats()["used_bytes"] == 0, 5.0) < 5.0
+    finally:
+        if writer.is_alive():
+            writer.kill()
+            writer.join()
+
+
+def test_exactly_once_in_order_with_two_producers_and_three_consumers_not_waiting(
+    fresh_broker: tb.BrokerProcess,
+) -> None:
+    address, count = fresh_broker.address, 400
+    out = SPAWN.Queue()
+    with tb.connect(address) as c:
+        q = c.queue("work", maxsize=8)
+        consumers = [SPAWN.Process(target=_consume, args=(address, out)) for _ in range(3)]
+        producers = [SPAWN.Process(target=_produce, args=(address, p, count)) for p in range(2)]
+        for p in [*consumers, *producers]:
+            p.start()
+        join_all(producers)
+        q.close()
+        seen = [out.get(timeout=60) for _ in consumers]
+        join_all(consumers)
+    items = [item for got in seen for item in got]
+    assert sorted(items) == [(p, i) for p in range(2) for i in range(count)]  # exactly once
+    for got in seen:  # each consumer saw each producer's items in the order they were put
+        for p in range(2):
+            mine = [i for q_, i in got if q_ == p]
+            assert mine == sorted(mine)
+
+
+def _write_forever(address: str, ready: Any) -> None:
+    with tb.connect(address) as c:
+        i = 0
+        while True:
+            c.put(f"k{i % 40}", np.full(512, i, np.float64), wait=False)
+            i += 1
+            if i == 200:
+                ready.set()
+
+
+def _produce(address: str, producer: int, count: int) -> None:
+    with tb.connect(address) as c:
+        q = c.queue("work")
+        for i in range(count):
+            q.put(np.array([producer, i], np.int64), wait=False)
+        c.flush()
+
+
+def _consume(address: str, out: Any) -> None:
+    got = []
+    with tb.connect(address) as c:
+        for item in c.queue("work"):
+            p, i = item.numpy()
+            got.append((int(p), int(i)))
+            del item
+    out.put(got)
