@@ -1,23 +1,32 @@
-"""Sockets to the broker. One `Channel` is one DEALER socket that has said hello; a Client
-keeps a small pool of them so that threads never share a socket."""
+"""Sockets to the broker. One `Channel` is one socket that has said hello: a lane (a Unix
+stream socket beside an ipc:// address, Note [lanes] in server/lanes.py) where the broker has
+one, else a ZeroMQ DEALER. A Client keeps a small pool of them so that threads never share one.
+"""
 
 from __future__ import annotations
 
 import math
+import os
 import select
+import socket
+import struct
 import threading
 import time
 from typing import Any
 
+import msgpack
 import zmq
 
-from ..common.errors import BrokerUnavailable, SessionUnknown, error_from_wire
+from ..common.config import lane_path
+from ..common.errors import BrokerUnavailable, ProtocolError, SessionUnknown, error_from_wire
 from ..common.protocol import decode, encode
 
 MAX_REPLY_BYTES = 256 << 20  # replies can list many keys; requests stay small
 WATCH_STEP_MS = 100  # how often a waiting call looks whether the broker has exited
 WAIT_GRACE = 5.0  # extra time for the answer to a request that waits in the broker
 EXIT_GRACE_MS = 20  # a broker that exited may have sent a reply still on its way
+LANES_ENV = "TENSORBROKER_LANES"  # "off": ZeroMQ only
+LANE_READ_BYTES = 256 << 10
 
 
 class BrokerExited(BrokerUnavailable):
@@ -26,25 +35,25 @@ class BrokerExited(BrokerUnavailable):
 
 
 class Channel:
-    """One DEALER socket. A call blocks in `recv` (cheaper than a poller on the hot path) in
-    steps of WATCH_STEP_MS, and between steps looks whether the broker process has exited."""
+    """One socket that has said hello. A call blocks in a receive (cheaper than a poller on
+    the hot path) in steps of WATCH_STEP_MS, so that a deadline is seen."""
 
-    def __init__(self, ctx: zmq.Context[Any], address: str, generation: int = 0) -> None:
-        self.address = address
-        self.generation = generation  # of the broker it says hello to (ChannelPool.renew)
-        self.socket = ctx.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.RCVTIMEO, WATCH_STEP_MS)
-        self.socket.connect(address)
-        self._broker: select.poll | None = None
+    address: str
+    generation: int  # of the broker it says hello to (ChannelPool.renew)
+
+    def send(self, message: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def receive(self, block: bool = True) -> dict[str, Any] | None:
+        """The next reply, waiting at most WATCH_STEP_MS (`block`) or not at all; None if
+        none came. BrokerExited once the broker process has exited."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
 
     def watch_broker(self, pidfd: int) -> None:
         """Fail a waiting call when the broker process exits (pidfd readable)."""
-        self._broker = select.poll()
-        self._broker.register(pidfd, select.POLLIN)
-
-    def send(self, message: dict[str, Any]) -> None:
-        self.socket.send(encode(message), copy=True)
 
     def call(self, message: dict[str, Any], timeout: float | None) -> dict[str, Any]:
         """Send a request and wait for the reply with its id; raise the error it carries.
@@ -68,9 +77,34 @@ class Channel:
                 return self.check(reply)
             # A reply to an earlier request that timed out: drop it and keep waiting.
 
+    def check(self, reply: dict[str, Any]) -> dict[str, Any]:
+        """`reply`, or the error it carries raised."""
+        if not reply.get("ok"):
+            if reply.get("code") == SessionUnknown.code:  # a broker that restarted
+                raise BrokerExited(f"the broker at {self.address} does not know this client")
+            raise error_from_wire(str(reply.get("code")), str(reply.get("error")))
+        return reply
+
+
+class ZmqChannel(Channel):
+    """A DEALER socket; between steps it looks whether the broker process has exited."""
+
+    def __init__(self, ctx: zmq.Context[Any], address: str, generation: int = 0) -> None:
+        self.address, self.generation = address, generation
+        self.socket = ctx.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.RCVTIMEO, WATCH_STEP_MS)
+        self.socket.connect(address)
+        self._broker: select.poll | None = None
+
+    def watch_broker(self, pidfd: int) -> None:
+        self._broker = select.poll()
+        self._broker.register(pidfd, select.POLLIN)
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.socket.send(encode(message), copy=True)
+
     def receive(self, block: bool = True) -> dict[str, Any] | None:
-        """The next reply, waiting at most WATCH_STEP_MS (`block`) or not at all; None if
-        none came. BrokerExited once the broker process has exited."""
         try:
             frame = self.socket.recv(0 if block else zmq.NOBLOCK)
         except zmq.Again:
@@ -81,16 +115,74 @@ class Channel:
             return None
         return decode(frame, MAX_REPLY_BYTES)
 
-    def check(self, reply: dict[str, Any]) -> dict[str, Any]:
-        """`reply`, or the error it carries raised."""
-        if not reply.get("ok"):
-            if reply.get("code") == SessionUnknown.code:  # a broker that restarted
-                raise BrokerExited(f"the broker at {self.address} does not know this client")
-            raise error_from_wire(str(reply.get("code")), str(reply.get("error")))
-        return reply
-
     def close(self) -> None:
         self.socket.close(linger=0)
+
+
+class LaneChannel(Channel):
+    """A Unix stream socket to the broker's lane; msgpack frames the messages. The broker's
+    end closes when it exits, so the replies it sent are read first, then end of file."""
+
+    def __init__(self, path: str, address: str, generation: int = 0) -> None:
+        """OSError if no broker listens at `path`."""
+        self.address, self.generation = address, generation
+        self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.socket.connect(path)
+        except BaseException:
+            self.socket.close()
+            raise
+        # A kernel timeout, not socket.settimeout (which polls before every recv).
+        step = struct.pack("ll", 0, WATCH_STEP_MS * 1000)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, step)
+        self._unpacker = msgpack.Unpacker(
+            raw=False, strict_map_key=True, max_buffer_size=MAX_REPLY_BYTES
+        )
+
+    def send(self, message: dict[str, Any]) -> None:
+        try:
+            self.socket.sendall(encode(message), socket.MSG_NOSIGNAL)
+        except OSError:  # EPIPE, ECONNRESET: the broker is gone, and the next receive says so
+            pass
+
+    def receive(self, block: bool = True) -> dict[str, Any] | None:
+        unpacker = self._unpacker
+        while True:
+            try:
+                reply = next(unpacker)
+            except StopIteration:
+                pass
+            else:
+                if not isinstance(reply, dict):
+                    raise ProtocolError(f"the broker sent a {type(reply).__name__}, not a map")
+                return reply
+            try:
+                data = self.socket.recv(LANE_READ_BYTES, 0 if block else socket.MSG_DONTWAIT)
+            except BlockingIOError:  # the step passed, or nothing there
+                return None
+            except OSError as exc:
+                data, why = b"", f" ({exc})"
+            else:
+                why = ""
+            if not data:  # the end stays: a look that does not wait leaves it to a wait
+                if not block:
+                    return None
+                raise BrokerExited(f"the broker at {self.address} exited{why}")
+            unpacker.feed(data)
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+def open_channel(ctx: zmq.Context[Any], address: str, generation: int, lanes: bool) -> Channel:
+    """A lane where the broker at `address` has one (and `lanes`), else a DEALER."""
+    path = lane_path(address) if lanes else None
+    if path is not None:
+        try:
+            return LaneChannel(path, address, generation)
+        except OSError:  # not there (yet): the DEALER waits for a broker to bind
+            pass
+    return ZmqChannel(ctx, address, generation)
 
 
 def waits(timeout: float | None) -> tuple[float | None, float | None]:
@@ -114,13 +206,14 @@ class ChannelPool:
         self._idle: list[Channel] = []
         self._open = 0
         self._generation = 0
+        self._lanes = os.environ.get(LANES_ENV, "").lower() not in ("off", "0", "no", "false")
         self.closed = False
 
     def new(self) -> Channel:
         with self._lock:
             if self._ctx is None:
                 raise BrokerUnavailable(f"the client of {self.address} is closed")
-            channel = Channel(self._ctx, self.address, self._generation)
+            channel = open_channel(self._ctx, self.address, self._generation, self._lanes)
             self._open += 1
         return channel
 

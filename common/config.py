@@ -11,6 +11,7 @@ ADDRESS_ENV = "TENSORBROKER_ADDRESS"
 SHM_DIR = "/dev/shm"
 SOCKET_NAME = "broker.sock"
 IPC_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
+LANE_SUFFIX = ".lane"
 
 _UNITS = {
     "": 1,
@@ -128,6 +129,15 @@ def default_state_dir(address: str) -> str:
 def ipc_path(address: str) -> str | None:
     """The socket file of an ipc:// address; None for any other address."""
     return address[len("ipc://") :] if address.startswith("ipc://") else None
+
+
+def lane_path(address: str) -> str | None:
+    """The lane beside an ipc:// address (Note [lanes] in server/lanes.py); None for any
+    other address, or where the path would be too long for a Unix socket."""
+    path = ipc_path(address)
+    if path is None or len(path.encode()) + len(LANE_SUFFIX) > IPC_PATH_MAX:
+        return None
+    return path + LANE_SUFFIX
 
 
 def check_address(address: str) -> str:

@@ -274,15 +274,17 @@ class Request:
     releases: list[int]
 
 
-def request_id(message: dict[str, Any]) -> int | None:
+def request_id(message: Any) -> int | None:
     """The message's request id if it is a valid one (an int in [0, 2**63)), else None."""
-    value = message.get("id", 0)
+    value = message.get("id", 0) if isinstance(message, dict) else 0
     return value if type(value) is int and 0 <= value < 1 << 63 else None
 
 
 def parse_request(message: dict[str, Any]) -> Request:
     """Validate a decoded request. ProtocolError when it cannot be answered by id at all is
     impossible to avoid; otherwise the error carries the request id for the reply."""
+    if not isinstance(message, dict):
+        raise ProtocolError(f"a message must be a msgpack map, got {type(message).__name__}")
     op, req_id = message.get("op"), request_id(message)
     if req_id is None:
         raise ProtocolError(

@@ -28,8 +28,15 @@ from typing import Any, cast
 import zmq
 
 from ..common import cudart, protocol
-from ..common.config import SHM_DIR, check_address, default_state_dir, format_size, ipc_path
-from ..common.errors import BrokerError, SessionUnknown, Timeout
+from ..common.config import (
+    SHM_DIR,
+    check_address,
+    default_state_dir,
+    format_size,
+    ipc_path,
+    lane_path,
+)
+from ..common.errors import BrokerError, ProtocolError, SessionUnknown, Timeout
 from ..common.protocol import (
     MAX_MESSAGE_BYTES,
     NO_REPLY,
@@ -45,6 +52,7 @@ from ..common.protocol import (
 from .arena import Arena, Block, Segment
 from .devices import RECLAIM_POLL, DeviceMemory
 from .directory import Directory, SlotTable
+from .lanes import Lanes
 from .objects import Objects
 from .parking import ParkingLot
 from .queues import Queues
@@ -56,7 +64,8 @@ log = logging.getLogger(__name__)
 
 MAX_POLL_S = 3600.0  # a far deadline is waited for in steps zmq can take
 DRAIN_BATCH = 512  # requests handled before the loop looks at timers and pidfds again
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: enum arithmetic costs
+# plain ints: enum arithmetic costs
+_EVENTS, _POLLIN, _POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
 
 Handler = Callable[[Session, bytes, Request], "dict[str, Any] | None"]
 
@@ -127,6 +136,7 @@ class Broker:
         self._ctx = zmq.Context()
         self._router: zmq.Socket[bytes] | None = None
         self._ipc_inode: int | None = None
+        self.lanes: Lanes | None = None
         self._wake_r, self._wake_w = socket.socketpair()
         self._outbox: list[tuple[bytes, bytes]] | None = None  # replies held for a commit
         self._wake_w.setblocking(False)
@@ -211,6 +221,10 @@ class Broker:
         path = ipc_path(self.address)
         if path is not None:  # zmq leaves the socket file: remove it at close
             self._ipc_inode = os.stat(path).st_ino
+        lane = lane_path(self.address)
+        if lane is not None:
+            self.lanes = Lanes(lane, self._watch, self._poller.unregister, self.sessions.route_gone)
+            self.lanes.listen()
         self._poller.register(router, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
         first = self.arena.allocate(1)  # create and back the first chunk now, not at first put
@@ -246,6 +260,9 @@ class Broker:
         if keep is not None:
             self.keep_state = keep
         self.sessions.close()
+        if self.lanes is not None:
+            self.lanes.close()
+            self.lanes = None
         if self._router is not None:
             self._router.close(linger=0)
             self._router = None
@@ -293,13 +310,20 @@ class Broker:
         assert router is not None  # bound by serve()
         pidfds = self.sessions.pidfds
         while not self._stopping:
-            for item, _ in self._poller.poll(self._poll_timeout_ms()):
-                if item is router:
-                    self._drain(router)
-                elif item is self._wake_r:
-                    self._wake_r.recv(4096)
-                elif isinstance(item, int) and item in pidfds:
-                    self.sessions.exited(item)
+            events = self._poller.poll(self._poll_timeout_ms())
+            self._begin()
+            try:
+                for item, flags in events:
+                    if item is router:
+                        self._drain(router)
+                    elif item is self._wake_r:
+                        self._wake_r.recv(4096)
+                    elif item in pidfds:
+                        self.sessions.exited(item)
+                    elif self.lanes is not None:
+                        self._lane_ready(self.lanes, item, flags)
+            finally:
+                self._commit()
             now = time.monotonic()
             for w in self.lot.expired(now):
                 self._send(w.route, reply_error(w.request.id, Timeout(w.timeout_message)))
@@ -320,56 +344,71 @@ class Broker:
             timeout = min(timeout or HEARTBEAT_INTERVAL, HEARTBEAT_INTERVAL)
         return -1 if timeout is None else int(min(timeout, MAX_POLL_S) * 1000) + 1
 
-    def _drain(self, router: zmq.Socket[bytes]) -> None:
-        """Handle the requests waiting, up to DRAIN_BATCH, as one journal transaction: the
-        replies go out once it is committed (Note [recovery] in state.py)."""
+    def _begin(self) -> None:
+        """What the loop handles next is one journal transaction: replies wait in the outbox
+        until it is committed (Note [recovery] in state.py)."""
         self._outbox = []
         self.state.begin()
-        try:
-            for _ in range(DRAIN_BATCH):
-                # Asking for the socket's events is cheaper than a recv that raises zmq.Again.
-                if not cast(int, router.getsockopt(_EVENTS)) & _POLLIN:
-                    break
-                frames = router.recv_multipart(copy=True)
-                if len(frames) != 2:
-                    log.warning("dropped a message of %d frames (expected 2)", len(frames))
-                    continue
-                self._handle(frames[0], frames[1])
-                self.queues.admit_putters()
-        finally:
-            self.state.commit()
-            outbox, self._outbox = self._outbox, None
-            for route, payload in outbox:
-                self._send(route, payload)
 
-    def _handle(self, route: bytes, payload: bytes) -> None:
-        request_id = 0
-        try:
-            message = decode(payload)
-            request_id = protocol.request_id(message) or 0
-            request = parse_request(message)
-            if request.op == Op.HELLO:
-                self._reply(route, request, self.sessions.hello(route, request))
-                return
-            if request.op == Op.PING:
-                self._reply(route, request, self._ping())
-                return
-            session = self.sessions.routes.get(route)
-            if session is None:
-                raise SessionUnknown(f"{request.op}: this broker does not know the client")
-            session.last_seen = time.monotonic()
-            for lease_id in request.releases:
-                if not self.registry.release(session, lease_id):
-                    log.warning("%s released lease %s it does not hold", session, lease_id)
-            result = self._handlers[request.op](session, route, request)
-        except Exception as exc:
-            self._fail(route, request_id, exc)
+    def _commit(self) -> None:
+        self.state.commit()
+        outbox, self._outbox = self._outbox, None
+        for route, payload in outbox or ():
+            self._send(route, payload)
+
+    def _drain(self, router: zmq.Socket[bytes]) -> None:
+        """Handle the requests waiting on the ZeroMQ socket, up to DRAIN_BATCH."""
+        for _ in range(DRAIN_BATCH):
+            # Asking for the socket's events is cheaper than a recv that raises zmq.Again.
+            if not cast(int, router.getsockopt(_EVENTS)) & _POLLIN:
+                break
+            frames = router.recv_multipart(copy=True)
+            if len(frames) != 2:
+                log.warning("dropped a message of %d frames (expected 2)", len(frames))
+                continue
+            try:
+                message = decode(frames[1])
+            except ProtocolError as exc:
+                self._fail(frames[0], 0, exc)
+                continue
+            self._handle(frames[0], message)
+
+    def _lane_ready(self, lanes: Lanes, fd: int, flags: int) -> None:
+        if lanes.is_listener(fd):
+            lanes.accept()
             return
-        self._reply(route, request, result)
+        if flags & _POLLOUT:
+            lanes.write(fd)
+        if flags & _POLLIN and fd in lanes.by_fd:
+            lanes.read(fd, self._handle)
 
-    def _reply(self, route: bytes, request: Request, result: dict[str, Any] | None) -> None:
-        if result is not None and request.op not in NO_REPLY:
-            self._send(route, reply_ok(request.id, **result))
+    def _watch(self, fd: int, writable: bool) -> None:
+        self._poller.register(fd, _POLLIN | _POLLOUT if writable else _POLLIN)
+
+    def _handle(self, route: bytes, message: Any) -> None:
+        try:
+            request = parse_request(message)
+            result = self._dispatch(route, request)
+        except Exception as exc:
+            self._fail(route, protocol.request_id(message) or 0, exc)
+        else:
+            if result is not None and request.op not in NO_REPLY:
+                self._send(route, reply_ok(request.id, **result))
+        self.queues.admit_putters()
+
+    def _dispatch(self, route: bytes, request: Request) -> dict[str, Any] | None:
+        if request.op == Op.HELLO:
+            return self.sessions.hello(route, request)
+        if request.op == Op.PING:
+            return self._ping()
+        session = self.sessions.routes.get(route)
+        if session is None:
+            raise SessionUnknown(f"{request.op}: this broker does not know the client")
+        session.last_seen = time.monotonic()
+        for lease_id in request.releases:
+            if not self.registry.release(session, lease_id):
+                log.warning("%s released lease %s it does not hold", session, lease_id)
+        return self._handlers[request.op](session, route, request)
 
     def _fail(self, route: bytes, request_id: int, exc: Exception) -> None:
         if isinstance(exc, BrokerError):
@@ -382,6 +421,8 @@ class Broker:
     def _send(self, route: bytes, payload: bytes) -> None:
         if self._outbox is not None:  # after the batch's journal commit
             self._outbox.append((route, payload))
+            return
+        if self.lanes is not None and self.lanes.send(route, payload):
             return
         router = self._router
         if router is None:
@@ -422,6 +463,7 @@ class Broker:
         return {
             **self.registry.stats(),
             "clients": self.sessions.clients,
+            "lanes": 0 if self.lanes is None else len(self.lanes.by_fd),
             "waiters": len(self.lot),
             **self.queues.stats(),
             "pid": os.getpid(),

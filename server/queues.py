@@ -66,8 +66,10 @@ class BrokerQueue:
 
     @property
     def credit_room(self) -> bool:
-        """Whether one more slot may be granted ahead, beyond what producers wait for."""
-        return not self.full and not self.putters and self.credited < self.maxsize // 2
+        """Whether one more slot may be granted ahead, beyond what producers wait for: only
+        while the queue stays at most half full with it, so that slots held ahead by a quiet
+        producer never keep another from a queue that is not backed up."""
+        return not self.putters and self.in_flight + self.credited < self.maxsize // 2
 
     @property
     def ended(self) -> bool:

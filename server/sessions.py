@@ -140,6 +140,16 @@ class Sessions:
             self.registry.devices.forget(events)
         self.drop(session)
 
+    def route_gone(self, route: bytes) -> None:
+        """A lane closed (Note [lanes] in lanes.py): its waiting requests can get no answer."""
+        session = self.routes.pop(route, None)
+        if session is None:
+            return
+        session.routes.discard(route)
+        for w in self.lot.of(session):
+            if w.route == route:
+                self.lot.unpark(w)
+
     def drop(self, session: Session, keep_leases: bool = False) -> None:
         """End a session: its routes, its waiting requests, its puts and (unless kept until
         its process exits) its leases."""

@@ -47,7 +47,19 @@ def broker() -> Iterator[tb.BrokerProcess]:
     with tb.start_broker(memory="256MiB") as b:
         yield b
         assert b.alive, f"the broker died during the tests (exit code {b.returncode})"
-    assert not os.path.exists(b.address[len("ipc://") :])
+    path = b.address[len("ipc://") :]
+    assert not os.path.exists(path) and not os.path.exists(path + ".lane")
+
+
+@pytest.fixture(params=["lanes", "zeromq"])
+def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test twice: with clients on lanes (Note [lanes] in server/lanes.py), and with
+    ZeroMQ only, in this process and in the workers it spawns."""
+    if request.param == "zeromq":
+        monkeypatch.setenv("TENSORBROKER_LANES", "off")
+    else:
+        monkeypatch.delenv("TENSORBROKER_LANES", raising=False)
+    return str(request.param)
 
 
 @pytest.fixture

@@ -25,6 +25,8 @@ from tensorbroker.server.state import discard, read_journal
 from tests.integration import chaos
 from tests.support import SPAWN, join_all, wait_until
 
+pytestmark = pytest.mark.usefixtures("transport")  # lanes and ZeroMQ both
+
 MiB = 2**20
 
 

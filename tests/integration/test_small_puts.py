@@ -16,6 +16,8 @@ import pytest
 import tensorbroker as tb
 from tests.support import SPAWN, join_all, seconds_until
 
+pytestmark = pytest.mark.usefixtures("transport")  # lanes and ZeroMQ both
+
 MiB = 1 << 20
 
 
