@@ -90,7 +90,8 @@ class Writes:
                     if key is not None:
                         self._keys[key] = rid
                     channel.send(message)
-                    self._take_ready(channel)
+                    if not wait:  # a seal waited for reads the replies before its own
+                        self._take_ready(channel)
                     stale = self._stale
                     break
             self._broker_exited(generation)
