@@ -127,7 +127,7 @@ class Broker:
             lambda fd: self._poller.register(fd, zmq.POLLIN),
             self._poller.unregister,
         )
-        self.objects = Objects(self.registry, self.lot, self._send)
+        self.objects = Objects(self.registry, self.lot, self._answer)
         self.devices.on_free = self.objects.memory_back
         self.queues = Queues(self.objects)
         self.sessions.on_drop = self.queues.session_gone
@@ -355,6 +355,17 @@ class Broker:
         outbox, self._outbox = self._outbox, None
         for route, payload in outbox or ():
             self._send(route, payload)
+
+    def _answer(self, route: bytes, payload: bytes) -> None:
+        """The reply to a request that waited (a consumer parked on a queue, say): it goes
+        out at once, after the journal records so far, not at the end of the batch, so that
+        the work left (refilling the producer's grants) is not on the consumer's path."""
+        if self._outbox is None:
+            self._send(route, payload)
+            return
+        self._outbox.append((route, payload))
+        self._commit()
+        self._begin()
 
     def _drain(self, router: zmq.Socket[bytes]) -> None:
         """Handle the requests waiting on the ZeroMQ socket, up to DRAIN_BATCH."""
