@@ -10,7 +10,7 @@ from typing import Any
 from .config import Settings
 
 SMALL = 4096
-LATENCY = ("put", "get", "handoff")
+LATENCY = ("put", "put_nowait", "get", "handoff")
 THROUGHPUT = ("throughput_get", "throughput_putget")
 MEMORY_METRICS = ("shm_idle", "shm_per_object", "rss_idle", "rss_per_object")
 

@@ -6,7 +6,9 @@ import os
 from typing import Any
 
 from .config import SYSTEMS
-from .plan import LATENCY, Results, format_size
+from .plan import Results, format_size
+
+PANELS = ("put", "get", "handoff")  # put_nowait is drawn on the put panel
 
 STYLE: dict[str, dict[str, Any]] = {
     "tensorbroker": {"color": "tab:red", "linewidth": 2.5, "marker": "o", "zorder": 5},
@@ -43,8 +45,8 @@ def _draw(results: Results, path: str, bandwidth: bool, subtitle: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(LATENCY), figsize=(16, 5.2), constrained_layout=True)
-    for ax, scenario in zip(axes, LATENCY, strict=True):
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(16, 5.2), constrained_layout=True)
+    for ax, scenario in zip(axes, PANELS, strict=True):
         ticks: set[int] = set()
         for spec in SYSTEMS:
             sizes, values = _series(results, scenario, spec.name)
@@ -53,6 +55,12 @@ def _draw(results: Results, path: str, bandwidth: bool, subtitle: str) -> None:
             ticks.update(sizes)
             ys = [s / v / 1e9 for s, v in zip(sizes, values, strict=True)] if bandwidth else values
             ax.plot(sizes, ys, label=spec.label, **STYLE.get(spec.name, {}))
+        sizes, values = _series(results, "put_nowait", "tensorbroker")
+        if scenario == "put" and sizes:
+            ys = [s / v / 1e9 for s, v in zip(sizes, values, strict=True)] if bandwidth else values
+            ticks.update(sizes)
+            ax.plot(sizes, ys, label="tensorbroker, wait=False",
+                    **{**STYLE["tensorbroker"], "linestyle": "--", "marker": "o"})  # fmt: skip
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(sorted(ticks), [_tick(t) for t in sorted(ticks)])
@@ -69,7 +77,7 @@ def _draw(results: Results, path: str, bandwidth: bool, subtitle: str) -> None:
 
 def write(results: Results, out_dir: str, subtitle: str) -> list[str]:
     """Draw both figures; return their paths (none when there is nothing to draw)."""
-    if not any(results.rows(scenario) for scenario in LATENCY):
+    if not any(results.rows(scenario) for scenario in PANELS):
         return []
     paths = []
     for name, bandwidth in (("latency.png", False), ("bandwidth.png", True)):

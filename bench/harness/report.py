@@ -12,9 +12,11 @@ from .targets import SCENARIO_TITLES, Target
 
 TITLES = {
     "put": "put latency: `put(key, array)` returns (lower is better)",
+    "put_nowait": "put latency, not waiting: `put(key, array, wait=False)` returns (lower is "
+    "better)",
     "get": "get latency: an existing object, as a NumPy array (lower is better)",
     "handoff": "handoff latency: producer has the array, until a consumer process holds it "
-    "(lower is better)",
+    "(tensorbroker: through a queue; lower is better)",
     "throughput_get": "4 KiB get ops/s by client processes (higher is better)",
     "throughput_putget": "4 KiB put+get cycles/s by client processes (higher is better)",
     "memory": "memory: 1000 stored 4 KiB objects (lower is better)",

@@ -16,6 +16,10 @@ PUT_OVER_COPY = 1.2  # put of 1 GiB <= 1.2x one numpy.copyto into touched memory
 OVER_TORCH_QUEUE = 8.0  # handoff of 1 GiB at least 8x faster than torch.mp.Queue
 OVER_MP_QUEUE = 50.0  # ... and 50x faster than multiprocessing.Queue
 OVER_ECHO = 0.5  # 4-client get ops/s at least half of the raw ZeroMQ echo broker's
+PUT_OVER_RTT = 1.15  # put of 4 KiB that waits <= 1.15x the raw ZeroMQ round trip
+PUT_NOWAIT_OVER_RTT = 0.2  # ... that does not wait <= 0.2x
+HANDOFF_OVER_MP_QUEUE = 0.8  # handoff of 4 KiB through a queue <= 0.8x multiprocessing.Queue's
+PUTGET_OVER_PLASMA = 1.0  # 4 KiB put+get cycles/s with 1, 2 and 4 clients ahead of Plasma's
 
 
 @dataclass
@@ -136,6 +140,49 @@ def check(results: Results, sizes: tuple[int, ...]) -> list[Target]:
             None if r is None else r >= OVER_ECHO,
         )
     )
+    out.extend(_small_ops(results, small))
+    return out
+
+
+def _small_ops(results: Results, small: int) -> list[Target]:
+    """Small puts and handoffs in one trip (issue 13)."""
+    at = format_size(small)
+    out = []
+    for scenario, goal, what in (
+        ("put", PUT_OVER_RTT, "that waits"),
+        ("put_nowait", PUT_NOWAIT_OVER_RTT, "that does not wait"),
+    ):
+        rtt = results.median(Row("get", small), "zmq_floor")
+        ours = results.median(Row(scenario, small), BASELINE)
+        r = ours / rtt if ours is not None and rtt else None
+        out.append(
+            Target(
+                f"put {at} {what} vs raw ZeroMQ msgpack round trip",
+                f"<= {goal}x",
+                f"{r:.2f}x" if r is not None else "n/a",
+                None if r is None else r <= goal,
+            )
+        )
+    for peer, goal in (("mp_queue", HANDOFF_OVER_MP_QUEUE), ("plasma", 1.0)):
+        r = _ratio(results, Row("handoff", small), BASELINE, peer)
+        out.append(
+            Target(
+                f"handoff {at} through a queue vs {BY_NAME[peer].label}",
+                f"<= {goal}x" if goal != 1.0 else "< 1x",
+                f"{r:.2f}x" if r is not None else "n/a",
+                None if r is None else (r <= goal if goal != 1.0 else r < goal),
+            )
+        )
+    for clients in (1, 2, 4):
+        r = _ratio(results, Row("throughput_putget", clients), BASELINE, "plasma")
+        out.append(
+            Target(
+                f"{clients}-client {at} put+get cycles/s vs Plasma's",
+                f">= {PUTGET_OVER_PLASMA:.0f}x",
+                f"{r:.2f}x" if r is not None else "n/a",
+                None if r is None else r >= PUTGET_OVER_PLASMA,
+            )
+        )
     return out
 
 
@@ -163,6 +210,7 @@ def _ahead_everywhere(results: Results, peer: str) -> Target:
 
 SCENARIO_TITLES = {
     "put": "put",
+    "put_nowait": "put (wait=False)",
     "get": "get",
     "handoff": "handoff",
     "throughput_get": "get ops/s",

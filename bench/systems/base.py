@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-LATENCY_SCENARIOS = ("put", "get", "handoff")
+LATENCY_SCENARIOS = ("put", "put_nowait", "get", "handoff")
 THROUGHPUT_SCENARIOS = ("throughput_get", "throughput_putget")
 SMALL = 4096  # bytes of the objects in throughput and memory runs
 POOL_SIZE = 4  # client processes kept for throughput runs (runs use 1, 2 or 4)
@@ -74,6 +74,10 @@ class System:
     def put_once(self, array: np.ndarray[Any, Any]) -> float:
         raise NotImplementedError
 
+    def put_nowait_once(self, array: np.ndarray[Any, Any]) -> float:
+        """A put that returns once it is sent (tensorbroker's `wait=False`)."""
+        raise NotImplementedError
+
     def prepare_get(self, array: np.ndarray[Any, Any]) -> None:
         raise NotImplementedError
 
@@ -108,6 +112,8 @@ class System:
         array = self.array(req.size)
         if req.scenario == "put":
             samples = timed_loop(lambda: self.put_once(array), req.budget, req.max_iters)
+        elif req.scenario == "put_nowait":
+            samples = timed_loop(lambda: self.put_nowait_once(array), req.budget, req.max_iters)
         elif req.scenario == "handoff":
             samples = timed_loop(lambda: self.handoff_once(array), req.budget, req.max_iters)
         else:

@@ -1,8 +1,10 @@
 """tensorbroker: a broker from `tb.start_broker`, driven through the public client API.
 
 put: `c.put(key, array)` to a fresh key (deleted afterwards, untimed).
+put_nowait: `c.put(key, array, wait=False)`: returns once the seal is sent.
 get: `c.get(key)` + `numpy.from_dlpack` of an existing object.
-handoff: the consumer is parked in `c.get(key, timeout=...)` when the producer puts.
+handoff: through a queue: the consumer is parked in `q.get(timeout=...)` when the producer
+calls `q.put(array)`, and the clock stops when it holds the item as a NumPy array.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ from .base import (
 )
 
 MEMORY = "4GiB"
+HANDOFF_QUEUE = "handoff"
 
 
 class TensorBroker(System):
     name = "tensorbroker"
     scenarios = frozenset(
-        {"put", "get", "handoff", "throughput_get", "throughput_putget", "memory"}
+        {"put", "put_nowait", "get", "handoff", "throughput_get", "throughput_putget", "memory"}
     )
 
     def __init__(self) -> None:
@@ -44,12 +47,14 @@ class TensorBroker(System):
         self._client: tb.Client | None = None
         self._consumer: Consumer | None = None
         self._pool: ClientPool | None = None
+        self._queue: tb.Queue | None = None
         self._keys = itertools.count()
 
     def setup(self) -> dict[str, Any]:
         self._broker = tb.start_broker(memory=MEMORY)
         self._client = tb.connect(self._broker.address)
         address = self._broker.address
+        self._queue = self._client.queue(HANDOFF_QUEUE)
         self._consumer = Consumer(_consumer, (address,))
         self._pool = ClientPool("systems.tb:PoolClient", (address,), POOL_SIZE)
         return {"tensorbroker": tb.__version__, "broker_pid": self._broker.pid, "memory": MEMORY}
@@ -82,6 +87,14 @@ class TensorBroker(System):
         self.client.delete(key)
         return elapsed
 
+    def put_nowait_once(self, array: np.ndarray[Any, Any]) -> float:
+        key = f"put-{next(self._keys)}"
+        t0 = time.perf_counter()
+        self.client.put(key, array, wait=False)
+        elapsed = time.perf_counter() - t0
+        self.client.delete(key)  # after its seal is answered
+        return elapsed
+
     def prepare_get(self, array: np.ndarray[Any, Any]) -> None:
         self.client.put("get", array)
 
@@ -97,14 +110,11 @@ class TensorBroker(System):
         self.client.delete("get")
 
     def handoff_once(self, array: np.ndarray[Any, Any]) -> float:
-        assert self._consumer is not None
-        key = f"handoff-{next(self._keys)}"
-        self._consumer.arm(key)
+        assert self._consumer is not None and self._queue is not None
+        self._consumer.arm(array.nbytes)
         t0 = time.perf_counter()
-        self.client.put(key, array)
-        elapsed = self._consumer.received_at() - t0
-        self.client.delete(key)
-        return elapsed
+        self._queue.put(array)
+        return self._consumer.received_at() - t0
 
     def throughput(self, mode: str, clients: int, duration: float) -> float:
         assert self._pool is not None
@@ -148,13 +158,14 @@ def _arena_backed(broker_pid: int) -> int:
 
 def _consumer(conn: Connection, address: str) -> None:
     with tb.connect(address) as client:
+        queue = client.queue(HANDOFF_QUEUE)
         conn.send("ready")
-        while (key := conn.recv()) is not None:
+        while conn.recv() is not None:
             conn.send("armed")
-            tensor = client.get(key, timeout=60.0)
-            view = np.from_dlpack(tensor)
+            item = queue.get(timeout=60.0)
+            view = np.from_dlpack(item)
             received = time.perf_counter()
-            del view, tensor
+            del view, item
             conn.send(received)
 
 
