@@ -9,7 +9,6 @@ calls `q.put(array)`, and the clock stops when it holds the item as a NumPy arra
 
 from __future__ import annotations
 
-import glob
 import itertools
 import os
 import time
@@ -19,6 +18,7 @@ from typing import Any
 import numpy as np
 
 import tensorbroker as tb
+from tensorbroker.server.state import read_journal
 
 from .base import (
     POOL_SIZE,
@@ -74,10 +74,7 @@ class TensorBroker(System):
         if client is not None:
             client.close()
         if broker is not None:
-            pid = broker.pid
-            broker.stop()
-            for path in glob.glob(f"/dev/shm/tb-{pid}-*"):  # left only by a broker that died
-                os.unlink(path)
+            broker.stop()  # a broker that died leaves its segments: stop() discards them
 
     def put_once(self, array: np.ndarray[Any, Any]) -> float:
         key = f"put-{next(self._keys)}"
@@ -124,7 +121,7 @@ class TensorBroker(System):
         """Shared memory per object is the arena's accounting (the arena itself is backed
         when it grows, in large chunks)."""
         assert self._broker is not None
-        pid = self._broker.pid
+        pid, state_dir = self._broker.pid, str(self.client.stats()["state_dir"])
         array = np.full(nbytes // 4, 1.0, dtype=np.float32)
         keys: list[str] = []
 
@@ -139,18 +136,20 @@ class TensorBroker(System):
                 lambda: float(self.client.stats()["used_bytes"]),
                 lambda: float(private_rss(pid)),
                 count,
-            ) | {"shm_idle": float(_arena_backed(pid))}
+            ) | {"shm_idle": float(_backed(state_dir))}
         finally:
             for key in keys:
                 self.client.delete(key)
 
 
-def _arena_backed(broker_pid: int) -> int:
-    """tmpfs bytes backing the broker's segments (the arena is backed when it grows)."""
+def _backed(state_dir: str) -> int:
+    """tmpfs bytes backing the broker's segments (named in its journal): the arena, backed
+    as it grows, the directory and the lease slots."""
+    found = read_journal(state_dir)
     total = 0
-    for path in glob.glob(f"/dev/shm/tb-{broker_pid}-*"):
+    for name in found.segments if found is not None else ():
         try:
-            total += os.stat(path).st_blocks * 512
+            total += os.stat(os.path.join("/dev/shm", name)).st_blocks * 512
         except OSError:
             continue
     return total
