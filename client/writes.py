@@ -179,6 +179,8 @@ class Writes:
         queue = out.message.get("queue")
         if credits and queue is not None:
             self.credits[queue] = self.credits.get(queue, 0) + credits
+        if reply.get("maxsize") and queue is not None:  # bounded since it was found not to be
+            self._unbounded.discard(queue)
         if out.wait:
             self._answers[rid] = reply  # type: ignore[index]
         elif not reply.get("ok"):

@@ -139,7 +139,7 @@ class Queues:
         try:
             q = self._queue(req)
             self._check_open(q)
-            self._use_credit(session, q)
+            credited = self._use_credit(session, q)
             obj = self.registry.fill(
                 session, put_id, q.name, f["tensors"], f.get("bundle", False), queue=q
             )
@@ -153,15 +153,23 @@ class Queues:
         credits = self._credit_ahead(session, q, 0)
         if credits:
             reply["credits"] = credits
+        if not credited and q.maxsize:  # the producer takes credits from now on
+            reply["maxsize"] = q.maxsize
         return reply
 
-    def _use_credit(self, session: Session, q: BrokerQueue) -> None:
+    def _use_credit(self, session: Session, q: BrokerQueue) -> bool:
+        """Spend one of the producer's credits; False if it had none."""
         have = session.credits.get(q.id, 0)
         if have:
             session.credits[q.id] = have - 1
             q.credited -= 1
-        elif q.maxsize:  # credits were lost with a broker that died: the slot is taken as is
+            return True
+        if q.maxsize:
+            # Its credits were lost with a broker that died, or the queue was bounded after
+            # the producer found it unbounded: the writes already sent take their slots (a
+            # few over maxsize at most), and the reply tells the producer to take credits.
             log.info("%s wrote an item of %s without a credit", session, q.describe())
+        return False
 
     def credit(self, session: Session, route: bytes, req: Request) -> Reply | None:
         """Slots granted ahead to a producer of a bounded queue: one as soon as a slot is

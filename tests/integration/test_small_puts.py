@@ -83,6 +83,21 @@ def test_errors_of_puts_that_did_not_wait_come_with_their_key(
         assert c.keys() == [] and c.stats()["pending"] == 0
 
 
+def test_a_producer_that_found_a_queue_unbounded_heeds_a_bound_set_later(
+    fresh_broker: tb.BrokerProcess,
+) -> None:
+    with tb.connect(fresh_broker.address) as c, tb.connect(fresh_broker.address) as other:
+        q = c.queue("late")
+        q.put(np.ones(4))  # unbounded: no credit needed, and none asked for again
+        bounded = other.queue("late", maxsize=2)
+        q.put(np.ones(4))  # written without a credit; its reply says the queue is bounded
+        with pytest.raises(tb.Timeout, match="'late'"):
+            q.put(np.ones(4), timeout=0.3)  # 2 of 2 in flight: waits for a slot
+        assert len(bounded) == 2
+        bounded.get().numpy()  # dropped at once: a slot is free again
+        q.put(np.ones(4), timeout=5)
+
+
 def test_a_writer_killed_with_grants_and_seals_on_their_way(
     fresh_broker: tb.BrokerProcess,
 ) -> None:
