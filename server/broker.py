@@ -16,6 +16,7 @@ that has not said hello is refused before any handler runs.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import socket
@@ -328,6 +329,8 @@ class Broker:
             for w in self.lot.expired(now):
                 self._send(w.route, reply_error(w.request.id, Timeout(w.timeout_message)))
             self.sessions.drop_silent(now)
+            if self.lanes is not None:
+                self.lanes.resume(now)
             self.registry.reclaim()
             self.devices.reclaim()
             self.objects.retry_device_puts()
@@ -336,6 +339,8 @@ class Broker:
     def _poll_timeout_ms(self) -> int:
         timeout = None
         deadline = self.lot.next_deadline()
+        if self.lanes is not None and self.lanes.paused_until is not None:
+            deadline = min(deadline or math.inf, self.lanes.paused_until)
         if deadline is not None:
             timeout = max(0.0, deadline - time.monotonic())
         if self.devices.quarantine or self.registry.scanning:

@@ -28,6 +28,7 @@ import itertools
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 
 READ_BYTES = 256 << 10  # read per readable lane, then the loop moves on
 LANE_BACKLOG = 64 << 20  # unread replies after which a client is cut off
+ACCEPT_PAUSE = 1.0  # seconds the listener rests after an accept failed
 ROUTE_PREFIX = b"lane"  # ZeroMQ's own routing ids are 5 bytes starting with a zero byte
 
 Dispatch = Callable[[bytes, Any], None]  # route, one decoded message
@@ -77,6 +79,7 @@ class Lanes:
         self._ids = itertools.count(1)
         self._listener: socket.socket | None = None
         self._inode: int | None = None
+        self.paused_until: float | None = None  # accepts rest until then (accept)
 
     def is_listener(self, fd: int) -> bool:
         return self._listener is not None and fd == self._listener.fileno()
@@ -105,14 +108,25 @@ class Lanes:
                 sock, _ = self._listener.accept()
             except BlockingIOError:
                 return
-            except OSError as exc:  # out of descriptors, say: refuse this one, serve the rest
-                log.warning("could not accept a lane: %s", exc)
+            except OSError as exc:  # out of descriptors, say: the listener would stay
+                # readable and the loop spin, so it rests; connections wait in the backlog
+                log.warning(
+                    "could not accept a lane (%s): trying again in %.0fs", exc, ACCEPT_PAUSE
+                )
+                self._unwatch(self._listener.fileno())
+                self.paused_until = time.monotonic() + ACCEPT_PAUSE
                 return
             sock.setblocking(False)
             lane = Lane(sock, ROUTE_PREFIX + next(self._ids).to_bytes(8, "little"))
             self.by_fd[sock.fileno()] = lane
             self.by_route[lane.route] = lane
             self._watch(sock.fileno(), False)
+
+    def resume(self, now: float) -> None:
+        """Listen again once a pause after a failed accept is over."""
+        if self.paused_until is not None and now >= self.paused_until and self._listener:
+            self.paused_until = None
+            self._watch(self._listener.fileno(), False)
 
     def read(self, fd: int, dispatch: Dispatch) -> None:
         """Read what one lane has and dispatch each whole message in it."""
@@ -189,7 +203,8 @@ class Lanes:
         for lane in list(self.by_fd.values()):
             self._close(lane)
         if self._listener is not None:
-            self._unwatch(self._listener.fileno())
+            if self.paused_until is None:
+                self._unwatch(self._listener.fileno())
             self._listener.close()
             self._listener = None
             try:
