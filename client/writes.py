@@ -18,6 +18,7 @@ already by its put id); the grants and credits held are let go.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from typing import Any, NamedTuple
 from ..common.descriptors import grant_class
 from ..common.errors import BrokerError, BrokerUnavailable, error_from_wire
 from ..common.protocol import Op
-from .connection import Connection
+from .connection import REQUEST_TIMEOUT, Connection
 from .transport import BrokerExited, Channel
 
 NO_GRANTS_BACKOFF = 1.0  # seconds a size class is not asked for again after a refusal
@@ -165,6 +166,8 @@ class Writes:
         rid = reply.get("id")
         out = self._out.get(rid) if isinstance(rid, int) else None
         if out is None:
+            if rid == 0 and reply.get("ok"):  # grants topped up after a write's reply
+                self.add_grants(reply.get("grants", ()))
             return
         if not reply.get("ok") and reply.get("code") == "hello_first":
             self._stale = True  # a broker that restarted: sent again once it knows us
@@ -207,6 +210,19 @@ class Writes:
         for out in self._out.values():
             channel.send(out.message)
         return channel
+
+    def _read_to_end(self, channel: Channel) -> None:
+        """Read every message the broker sent so far (the top-ups of grants come after the
+        replies): a ping's answer comes after them all."""
+        rid = self.conn.next_id()
+        channel.send({"op": Op.PING, "id": rid})
+        deadline = time.monotonic() + REQUEST_TIMEOUT
+        while time.monotonic() < deadline:
+            reply = channel.receive()
+            if reply is not None and reply.get("id") == rid:
+                return
+            if reply is not None:
+                self._take(reply)
 
     def _broker_exited(self, generation: int) -> None:
         try:
@@ -256,7 +272,7 @@ class Writes:
             with self._lock:
                 self._ready()
         stock = self.grants.get(size_class)
-        if not stock and self._out:  # the replies still out bring some
+        if not stock:  # the top-ups on their way, and the replies still out, bring some
             self._refill()
             stock = self.grants.get(size_class)
         if not stock:
@@ -273,8 +289,10 @@ class Writes:
             return self.take_grant(size)
 
     def _refill(self) -> None:
-        """Read the replies still out, and the refills they bring."""
+        """Read the top-ups already there, and wait for the replies still out."""
         with self._lock:
+            if self._channel is not None and self._generation == self.conn.generation:
+                self._take_ready(self._channel)
             last = next(reversed(self._out), None)
         if last is not None:
             self._wait(last, take=False)
@@ -311,6 +329,10 @@ class Writes:
     def close(self) -> None:
         """Let go of the grants (the caller flushed first) and close the socket."""
         with self._lock:
+            channel = self._channel
+            if channel is not None and self._generation == self.conn.generation:
+                with contextlib.suppress(BrokerError):
+                    self._read_to_end(channel)
             for stock in self.grants.values():
                 for grant in stock:
                     self.conn.releases.put(grant.put)

@@ -325,6 +325,8 @@ class Broker:
                         self._lane_ready(self.lanes, item, flags)
             finally:
                 self._commit()
+            if self.objects.refills:
+                self._refill()
             now = time.monotonic()
             for w in self.lot.expired(now):
                 self._send(w.route, reply_error(w.request.id, Timeout(w.timeout_message)))
@@ -371,6 +373,24 @@ class Broker:
         self._outbox.append((route, payload))
         self._commit()
         self._begin()
+
+    def _refill(self) -> None:
+        """Top up the grants the writes of the last batch used (Note [grants] in
+        registry.py), now that their replies are out: one message per writer's socket."""
+        refills, self.objects.refills = self.objects.refills, []
+        due: dict[tuple[bytes, Session], set[int]] = {}
+        for session, route, size_class in refills:
+            due.setdefault((route, session), set()).add(size_class)
+        self._begin()
+        try:
+            for (route, session), classes in due.items():
+                if session.closed or route not in session.routes:
+                    continue
+                grants = [g for c in sorted(classes) for g in self.registry.grant(session, c)]
+                if grants:
+                    self._send(route, reply_ok(0, grants=grants))
+        finally:
+            self._commit()
 
     def _drain(self, router: zmq.Socket[bytes]) -> None:
         """Handle the requests waiting on the ZeroMQ socket, up to DRAIN_BATCH."""
@@ -466,8 +486,8 @@ class Broker:
         if done is not None:  # sealed by the broker that died; its answer was lost
             return {"version": done[0]}
         if "queue" in req.fields:
-            return self.queues.write(session, req)
-        return self.objects.write(session, req)
+            return self.queues.write(session, route, req)
+        return self.objects.write(session, route, req)
 
     def _on_bye(self, session: Session, route: bytes, req: Request) -> None:
         self.sessions.bye(session, req)

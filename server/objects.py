@@ -33,6 +33,7 @@ class Objects:
     ) -> None:
         self.registry, self.devices, self.lot, self._send = registry, registry.devices, lot, send
         self._memory_back = False  # device memory was freed since device puts last tried
+        self.refills: list[tuple[Session, bytes, int]] = []  # grants to top up (refill_later)
 
     def answer(self, w: Waiter, payload: bytes) -> None:
         self.lot.unpark(w)
@@ -58,7 +59,7 @@ class Objects:
         size_class = grant_class(req.fields["size"])
         return {"grants": self.registry.grant(session, size_class) if size_class else []}
 
-    def write(self, session: Session, req: Request) -> Reply:
+    def write(self, session: Session, route: bytes, req: Request) -> Reply:
         """A block granted ahead, written: sealed as the next version of its key; the reply
         tops up the client's grants of its size."""
         f = req.fields
@@ -73,8 +74,13 @@ class Objects:
             self.drop_grant(session, put_id)
             raise
         reply = self.seal(session, put_id, keep=False)
-        reply["grants"] = self.registry.grant(session, obj.block.size)
+        self.refill_later(session, route, obj.block.size)
         return reply
+
+    def refill_later(self, session: Session, route: bytes, size_class: int) -> None:
+        """Top up `session`'s grants of `size_class` once the replies of this batch are
+        out, in a message of their own (Broker._refill): not on the writer's path."""
+        self.refills.append((session, route, size_class))
 
     def drop_grant(self, session: Session, put_id: int) -> None:
         """A write that failed: its block goes back (whatever the reply, a write's block is

@@ -132,7 +132,7 @@ class Queues:
                       message)  # fmt: skip
         return None
 
-    def write(self, session: Session, req: Request) -> Reply:
+    def write(self, session: Session, route: bytes, req: Request) -> Reply:
         """An item written into a block granted ahead, on a slot credited ahead (an unbounded
         queue needs none): sealed at once; the reply tops up the producer's credits."""
         f, put_id = req.fields, req.fields["put"]
@@ -149,7 +149,7 @@ class Queues:
         q.in_flight += 1
         q.pending += 1
         reply = self.seal(session, put_id, False, q)
-        reply["grants"] = self.registry.grant(session, obj.block.size)
+        self.objects.refill_later(session, route, obj.block.size)
         credits = self._credit_ahead(session, q, 0)
         if credits:
             reply["credits"] = credits

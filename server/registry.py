@@ -36,8 +36,10 @@ of two, `grant_class`): a pending put with no key yet (`StoredObject.granted`), 
 client as a put lease, journaled like any put. The client lays its tensors out in a block
 of the class that fits (`layout`, which both ends compute alike), copies, and sends one
 `write` naming the block; the broker checks that the block is that client's grant and
-that the layout fits, then seals it as any put. The reply tops the client's grants of that
-class back up to `grant_depth`, so refills cost no extra trip. Grants are real allocations
+that the layout fits, then seals it as any put. Once the batch's replies are out, the
+broker tops the client's grants of that class back up to `grant_depth` and sends them in a
+message of their own (id 0, on the socket of the write), which the client reads with its
+next reply: refills cost no trip, and are not on the writer's path. Grants are real allocations
 (they count in `stats()["granted_bytes"]` and never let the arena go past its capacity),
 and are made only while a quarter of the arena stays free: a put that finds no grant asks
 for its block as before. A client that dies, closes, or loses its broker lets them go
