@@ -90,9 +90,7 @@ class Writes:
                     self._out[rid] = _Out(message, key, label, put, wait)
                     if key is not None:
                         self._keys[key] = rid
-                    channel.send(message)
-                    if not wait:  # a seal waited for reads the replies before its own
-                        self._take_ready(channel)
+                    channel.send(message)  # the replies already there were read first
                     stale = self._stale
                     break
             self._broker_exited(generation)
