@@ -415,7 +415,7 @@ class Broker:
             return
         if flags & _POLLOUT:
             lanes.write(fd)
-        if flags & _POLLIN and fd in lanes.by_fd:
+        if flags & ~_POLLOUT and fd in lanes.by_fd:  # readable, or an error a read reports
             lanes.read(fd, self._handle)
 
     def _watch(self, fd: int, writable: bool) -> None:
