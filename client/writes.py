@@ -268,7 +268,10 @@ class Writes:
             return None
         if self.conn.generation != self._generation:
             with self._lock:
-                self._ready()
+                try:
+                    self._ready()
+                except BrokerExited:  # gone again: the put asks, and waits for it to be back
+                    return None
         stock = self.grants.get(size_class)
         if not stock:  # the top-ups on their way, and the replies still out, bring some
             self._refill()
