@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -91,10 +92,20 @@ def reply_error(request_id: int, error: BrokerError) -> bytes:
 
 # -- field validation ---------------------------------------------------------------------
 
+_REPR = reprlib.Repr()  # a value a client sent, in an error message: bounded in depth and size
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """`value` for an error message: never more than `limit` characters, and never a repr of
+    all of it (a list nested 1,000 deep must not cost a RecursionError)."""
+    return _REPR.repr(value)[:limit]
+
 
 def check_key(value: Any) -> str:
     if not isinstance(value, str) or not value:
-        raise InvalidRequest(f"a key must be a non-empty string, got {value!r:.80}")
+        raise InvalidRequest(f"a key must be a non-empty string, got {shown(value)}")
     size = len(value.encode("utf-8", "surrogatepass"))
     if size > MAX_KEY_BYTES:
         raise InvalidRequest(
@@ -108,15 +119,17 @@ def check_timeout(value: Any) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-        raise InvalidRequest(f"timeout must be None or a number >= 0, got {value!r:.80}")
+        raise InvalidRequest(f"timeout must be None or a number >= 0, got {shown(value)}")
     return None if math.isinf(value) else float(value)
 
 
 def check_shape(value: Any) -> tuple[int, ...]:
     if not isinstance(value, list | tuple) or len(value) > MAX_NDIM:
-        raise InvalidRequest(f"shape must be a list of at most {MAX_NDIM} sizes, got {value!r:.80}")
+        raise InvalidRequest(
+            f"shape must be a list of at most {MAX_NDIM} sizes, got {shown(value)}"
+        )
     if not all(type(d) is int and 0 <= d < 1 << 48 for d in value):
-        raise InvalidRequest(f"shape must hold sizes in [0, 2**48), got {value!r:.80}")
+        raise InvalidRequest(f"shape must hold sizes in [0, 2**48), got {shown(value)}")
     return tuple(value)
 
 
@@ -127,14 +140,16 @@ def check_tensor_specs(value: Any) -> list[tuple[str, str, tuple[int, ...]]]:
     specs = []
     for item in value:
         if not (isinstance(item, list) and len(item) == 3):
-            raise InvalidRequest(f"each tensor must be [name, dtype, shape], got {item!r:.80}")
+            raise InvalidRequest(f"each tensor must be [name, dtype, shape], got {shown(item)}")
         name, dtype, shape = item
         if not isinstance(name, str) or len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
             raise InvalidRequest(
                 f"a tensor name must be a string of at most {MAX_NAME_BYTES} bytes"
             )
         if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise InvalidRequest(f"unsupported dtype {dtype!r:.40}; supported: {', '.join(DTYPES)}")
+            raise InvalidRequest(
+                f"unsupported dtype {shown(dtype)}; supported: {', '.join(DTYPES)}"
+            )
         specs.append((name, dtype, check_shape(shape)))
     if len({s[0] for s in specs}) != len(specs):
         raise InvalidRequest("tensor names in a bundle must be unique")
@@ -148,24 +163,24 @@ def check_device(value: Any) -> str:
             if parse_device(value, "device") == value:
                 if value == "cpu" or device_index(value) < MAX_DEVICES:
                     return value
-    raise InvalidRequest(f"device must be 'cpu' or 'cuda:N', got {value!r:.80}")
+    raise InvalidRequest(f"device must be 'cpu' or 'cuda:N', got {shown(value)}")
 
 
 def _int(value: Any) -> int:
     if type(value) is not int or value < 0:
-        raise InvalidRequest(f"expected a non-negative integer, got {value!r:.80}")
+        raise InvalidRequest(f"expected a non-negative integer, got {shown(value)}")
     return value
 
 
 def _bool(value: Any) -> bool:
     if not isinstance(value, bool):
-        raise InvalidRequest(f"expected true or false, got {value!r:.80}")
+        raise InvalidRequest(f"expected true or false, got {shown(value)}")
     return value
 
 
 def _pid(value: Any) -> int | None:
     if value is not None and (type(value) is not int or not 0 < value < 1 << 31):
-        raise InvalidRequest(f"expected a process id, got {value!r:.80}")
+        raise InvalidRequest(f"expected a process id, got {shown(value)}")
     return value
 
 
@@ -175,7 +190,7 @@ def _opt_start(value: Any) -> int | None:
 
 def _str(value: Any) -> str:
     if not isinstance(value, str) or len(value) > 256:
-        raise InvalidRequest(f"expected a short string, got {value!r:.80}")
+        raise InvalidRequest(f"expected a short string, got {shown(value)}")
     return value
 
 
@@ -288,11 +303,11 @@ def parse_request(message: dict[str, Any]) -> Request:
     op, req_id = message.get("op"), request_id(message)
     if req_id is None:
         raise ProtocolError(
-            f"request id must be a non-negative integer, got {message.get('id')!r:.40}"
+            f"request id must be a non-negative integer, got {shown(message.get('id'))}"
         )
     spec = _FIELDS.get(op) if isinstance(op, str) else None
     if spec is None:
-        raise ProtocolError(f"unknown op {op!r:.40}; this broker speaks {', '.join(_FIELDS)}")
+        raise ProtocolError(f"unknown op {shown(op)}; this broker speaks {', '.join(_FIELDS)}")
     fields: dict[str, Any] = {}
     for name, (check, required) in spec.items():
         if name in message:

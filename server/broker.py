@@ -441,9 +441,13 @@ class Broker:
         if session is None:
             raise SessionUnknown(f"{request.op}: this broker does not know the client")
         session.last_seen = time.monotonic()
-        for lease_id in request.releases:
-            if not self.registry.release(session, lease_id):
-                log.warning("%s released lease %s it does not hold", session, lease_id)
+        if request.releases:
+            release = self.registry.release
+            unknown = [lease for lease in request.releases if not release(session, lease)]
+            if unknown:  # one line per request, however many (a flood must not fill the log)
+                log.warning("%s released %d leases it does not hold (%s%s)", session,
+                            len(unknown), ", ".join(map(str, unknown[:5])),
+                            ", ..." if len(unknown) > 5 else "")  # fmt: skip
         return self._handlers[request.op](session, route, request)
 
     def _fail(self, route: bytes, request_id: int, exc: Exception) -> None:

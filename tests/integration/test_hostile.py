@@ -359,3 +359,42 @@ def test_get_with_a_very_long_timeout_does_not_kill_the_broker(
     assert not died, f"the broker exited with code {fresh_broker.returncode}"
     assert answered and decode(sock.recv())["id"] == 3
     assert_serves(fresh_broker)
+
+
+# -- issue 14: every input bounded ------------------------------------------------------------
+
+
+def _nested(depth: int) -> Any:
+    value: Any = "k"
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("op", ["get", "exists", "delete", "put", "qopen"])
+def test_a_value_nested_a_thousand_deep_is_refused_not_an_internal_error(
+    broker: tb.BrokerProcess, raw: Callable[..., Any], op: str
+) -> None:
+    sock = raw(broker.address)
+    assert hello(sock)["ok"]
+    deep = _nested(1000)
+    fields = {"name": deep} if op == "qopen" else {"key": deep}
+    if op == "put":
+        fields["tensors"] = [["", "float32", [1]]]
+    reply = call(sock, {"op": op, "id": 3, **fields})
+    sock.send(encode({"op": "bye"}))
+    assert_error(reply, "invalid")
+    assert "internal error" not in reply["error"] and len(reply["error"]) < 300, reply
+
+
+def test_releasing_many_leases_never_held_writes_one_log_line(
+    fresh_broker: tb.BrokerProcess, raw: Callable[..., Any]
+) -> None:
+    sock = raw(fresh_broker.address)
+    assert hello(sock)["ok"]
+    before = os.path.getsize(fresh_broker.log_path)
+    reply = call(sock, {"op": "stats", "id": 4, "rel": list(range(10**9, 10**9 + 65536))})
+    sock.send(encode({"op": "bye"}))
+    assert reply["ok"]
+    grew = os.path.getsize(fresh_broker.log_path) - before
+    assert grew < 1000, f"the broker's log grew by {grew} bytes for one request"
