@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import tempfile
 from fractions import Fraction
+
+from .errors import BrokerError
 
 ADDRESS_ENV = "TENSORBROKER_ADDRESS"
 SHM_DIR = "/dev/shm"
@@ -93,21 +96,31 @@ def format_size(n: int | float) -> str:
 
 def runtime_dir() -> str:
     """A per-user directory for the default socket: $XDG_RUNTIME_DIR/tensorbroker, else
-    /tmp/tensorbroker-UID. Created with mode 0700; refuses one owned by someone else."""
+    /tmp/tensorbroker-UID. Created with mode 0700 and checked without following links: a
+    symbolic link, or a directory someone else owns, is refused (BrokerError, saying what
+    to do), since /tmp lets anyone plant either."""
     base = os.environ.get("XDG_RUNTIME_DIR")
     path = (
         os.path.join(base, "tensorbroker")
         if base and os.path.isdir(base)
         else os.path.join(tempfile.gettempdir(), f"tensorbroker-{os.getuid()}")
     )
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    info = os.stat(path)
-    if info.st_uid != os.getuid():
-        raise PermissionError(
-            f"{path} belongs to uid {info.st_uid}, not to you; set ${ADDRESS_ENV} or pass --address"
-        )
-    if info.st_mode & 0o077:
-        os.chmod(path, 0o700)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    fix = f"remove it, or set ${ADDRESS_ENV} (or pass --address) to a socket in a folder of yours"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        kind = "a symbolic link" if os.path.islink(path) else f"not a usable folder ({exc})"
+        raise BrokerError(f"{path} is {kind}: {fix}") from None
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != os.getuid():
+            raise BrokerError(f"{path} belongs to uid {info.st_uid}, not to you: {fix}")
+        if info.st_mode & 0o077:
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
     return path
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import resource
 import signal
 import socket
 import threading
@@ -205,6 +206,7 @@ class Broker:
 
     def bind(self) -> None:
         """Bind the address; AddressInUse if another broker answers there."""
+        _raise_fd_limit()
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
@@ -521,6 +523,19 @@ class Broker:
             "address": self.address,
             **self.sessions.shared(None),
         }
+
+
+def _raise_fd_limit() -> None:
+    """Each client's sockets and pidfd are descriptors of this process: take all the kernel
+    allows (the soft limit, often 1024, up to the hard one)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:  # the kernel takes at most fs.nr_open
+        hard = 1 << 20
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-files limit from %d to %d: %s", soft, hard, exc)
 
 
 def _nothing(session: Session, route: bytes, req: Request) -> None:

@@ -4,6 +4,7 @@ learn at once that their broker is gone."""
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import threading
 import time
@@ -88,3 +89,20 @@ def test_a_parked_get_learns_at_once_that_the_broker_died() -> None:
         c.close()
     finally:
         broker.stop()  # and what the killed broker left
+
+
+def test_the_broker_takes_every_descriptor_the_kernel_allows() -> None:
+    """Each client's sockets and pidfd are descriptors of the broker (issue 14, item 6)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 1024:
+        pytest.skip(f"the hard limit is {hard}: nothing to raise")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))  # as systemd starts services
+    try:
+        broker = tb.start_broker(memory="16MiB")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    with broker:
+        with open(f"/proc/{broker.pid}/limits") as f:
+            line = next(line for line in f if line.startswith("Max open files"))
+        broker_soft, broker_hard = line.split()[3:5]
+        assert broker_soft == broker_hard != "1024", line

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from tensorbroker.common.config import (
     parse_size,
     shm_bytes_available,
 )
+from tensorbroker.common.errors import BrokerError
 
 # -- parse_size -----------------------------------------------------------------------------
 
@@ -198,3 +201,41 @@ def test_default_capacity_fits_in_shared_memory() -> None:
 def test_default_capacity_follows_the_shm_dir(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(config, "shm_bytes_available", lambda shm_dir=config.SHM_DIR: 10 * 2**20)
     assert default_capacity() == int(10 * 2**20 * 0.9)
+
+
+def test_a_planted_symlink_is_refused_and_its_target_left_alone(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv(ADDRESS_ENV, raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o755)
+    os.chmod(target, 0o755)
+    (tmp_path / "tensorbroker").symlink_to(target)
+    with pytest.raises(BrokerError, match="symbolic link.*TENSORBROKER_ADDRESS"):
+        default_address()
+    assert stat.S_IMODE(target.stat().st_mode) == 0o755  # not made ours
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a folder to another user takes root")
+def test_a_folder_of_another_user_is_refused_with_what_to_do(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv(ADDRESS_ENV, raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    (tmp_path / "tensorbroker").mkdir(mode=0o777)
+    os.chown(tmp_path / "tensorbroker", 65534, 65534)
+    with pytest.raises(BrokerError, match="belongs to uid 65534.*--address"):
+        default_address()
+
+
+def test_the_cli_says_so_without_a_traceback(tmp_path: Path) -> None:
+    (tmp_path / "tensorbroker").symlink_to(tmp_path)
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
+    env.pop(ADDRESS_ENV, None)
+    done = subprocess.run(
+        [sys.executable, "-m", "tensorbroker", "ping"], env=env, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "symbolic link" in done.stderr and "Traceback" not in done.stderr, done.stderr
