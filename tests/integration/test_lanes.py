@@ -64,6 +64,12 @@ class RawLane:
         return True
 
 
+@pytest.fixture(autouse=True)
+def _lanes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about lanes, also in a run with TENSORBROKER_LANES=off."""
+    monkeypatch.delenv("TENSORBROKER_LANES", raising=False)
+
+
 @pytest.fixture
 def lanes(fresh_broker: tb.BrokerProcess) -> Iterator[list[RawLane]]:
     made: list[RawLane] = []
