@@ -436,7 +436,8 @@ class Broker:
 
     def _dispatch(self, route: bytes, request: Request) -> dict[str, Any] | None:
         if request.op == Op.HELLO:
-            return self.sessions.hello(route, request)
+            peer = None if self.lanes is None else self.lanes.peer_pid(route)
+            return self.sessions.hello(route, request, peer)
         if request.op == Op.PING:
             return self._ping()
         session = self.sessions.routes.get(route)

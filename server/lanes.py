@@ -28,6 +28,7 @@ import itertools
 import logging
 import os
 import socket
+import struct
 import time
 from collections.abc import Callable
 from typing import Any
@@ -49,10 +50,14 @@ Dispatch = Callable[[bytes, Any], None]  # route, one decoded message
 class Lane:
     """One client connection: its route, its unpacker and the replies not yet written."""
 
-    __slots__ = ("sock", "route", "unpacker", "out")
+    __slots__ = ("sock", "route", "unpacker", "out", "peer_pid")
 
     def __init__(self, sock: socket.socket, route: bytes) -> None:
         self.sock, self.route = sock, route
+        # The kernel's word for the process at the other end (SO_PEERCRED, at connect), in
+        # this broker's pid namespace; None where it cannot say (another namespace: 0).
+        pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+        self.peer_pid: int | None = pid or None
         # Twice the largest message: one partly received plus the next read fit.
         self.unpacker = msgpack.Unpacker(
             raw=False, strict_map_key=True, max_buffer_size=2 * MAX_MESSAGE_BYTES
@@ -121,6 +126,12 @@ class Lanes:
             self.by_fd[sock.fileno()] = lane
             self.by_route[lane.route] = lane
             self._watch(sock.fileno(), False)
+
+    def peer_pid(self, route: bytes) -> int | None:
+        """The pid of the process behind a lane's route, as the kernel says; None for a
+        ZeroMQ route, or where the kernel cannot say."""
+        lane = self.by_route.get(route)
+        return None if lane is None else lane.peer_pid
 
     def resume(self, now: float) -> None:
         """Listen again once a pause after a failed accept is over."""

@@ -49,7 +49,9 @@ class Sessions:
         self.unwatched: set[Session] = set()  # kept alive by heartbeats
         self.on_drop: Callable[[Session], None] = lambda session: None  # before its puts end
 
-    def hello(self, route: bytes, req: Request) -> dict[str, Any]:
+    def hello(self, route: bytes, req: Request, peer_pid: int | None = None) -> dict[str, Any]:
+        """`peer_pid`: the kernel's word for the process that sent it (a lane), which a new
+        session takes over the pid the client claims."""
         f = req.fields
         if f["version"] != PROTOCOL_VERSION:
             raise ProtocolError(
@@ -70,8 +72,12 @@ class Sessions:
             log.info("%s is back (%d leases lost)", session, len(lost))
             self._settle_if_all_back()
         if session is None:
-            boot, started = f.get("boot_id"), f.get("start_time")
-            session = Session(token, f.get("pid"), boot, started, last_seen=time.monotonic())
+            pid, boot, started = f.get("pid"), f.get("boot_id"), f.get("start_time")
+            if peer_pid is not None:  # the kernel's word, not the client's claim
+                if pid != peer_pid:
+                    log.info("hello claims pid %s; the kernel says %s", pid, peer_pid)
+                pid, boot, started = peer_pid, host.boot_id(), host.start_time(peer_pid)
+            session = Session(token, pid, boot, started, last_seen=time.monotonic())
             session.pidfd = _pidfd(session.pid, boot, started)
             if session.pidfd is not None:
                 self.pidfds[session.pidfd] = session
