@@ -126,10 +126,7 @@ class Queues:
             return self.objects.grant_or_wait(
                 session, route, req, lambda: self._grant_open(session, q, req)
             )
-        timeout = req.fields.get("timeout")
-        message = f"{q.describe()} stayed full for {secs(timeout)}: is a consumer keeping up?"
-        self.lot.wait(session, route, req, timeout, q.putters, Timeout(f"{q.describe()} is full"),
-                      message)  # fmt: skip
+        self._wait_for_slot(session, route, req, q)
         return None
 
     def write(self, session: Session, route: bytes, req: Request) -> Reply:
@@ -180,11 +177,16 @@ class Queues:
             return {"credits": 0}  # nothing to wait for
         if not q.full and not q.putters:
             return {"credits": self._credit_ahead(session, q, 1)}
+        self._wait_for_slot(session, route, req, q)
+        return None
+
+    def _wait_for_slot(self, session: Session, route: bytes, req: Request, q: BrokerQueue) -> None:
+        """Park a put or a credit request until a slot is free (admit_putters) or its
+        timeout passes."""
         timeout = req.fields.get("timeout")
         message = f"{q.describe()} stayed full for {secs(timeout)}: is a consumer keeping up?"
         self.lot.wait(session, route, req, timeout, q.putters, Timeout(f"{q.describe()} is full"),
                       message)  # fmt: skip
-        return None
 
     def _credit_ahead(self, session: Session, q: BrokerQueue, due: int) -> int:
         """Grant `session` the `due` slots it waited for, and more while there is room."""

@@ -123,14 +123,9 @@ def check(results: Results, sizes: tuple[int, ...]) -> list[Target]:
     )
     for clients in (1, 2, 4):
         r = _ratio(results, Row("throughput_get", clients), BASELINE, "plasma")
-        out.append(
-            Target(
-                f"{clients}-client get ops/s vs Plasma's",
-                f">= {OPS_OVER_PLASMA:.0f}x",
-                f"{r:.2f}x" if r is not None else "n/a",
-                None if r is None else r >= OPS_OVER_PLASMA,
-            )
-        )
+        out.append(_ratio_target(f"{clients}-client get ops/s vs Plasma's",
+                                 f">= {OPS_OVER_PLASMA:.0f}x", r,
+                                 r is not None and r >= OPS_OVER_PLASMA))  # fmt: skip
     r = _ratio(results, Row("throughput_get", 4), BASELINE, "zmq_floor")
     out.append(
         Target(
@@ -144,45 +139,37 @@ def check(results: Results, sizes: tuple[int, ...]) -> list[Target]:
     return out
 
 
+def _ratio_target(name: str, goal: str, r: float | None, met: bool) -> Target:
+    """A target on a ratio `r` (None: not measured in this run)."""
+    return Target(name, goal, f"{r:.2f}x" if r is not None else "n/a", None if r is None else met)
+
+
 def _small_ops(results: Results, small: int) -> list[Target]:
     """Small puts and handoffs in one trip (issue 13)."""
     at = format_size(small)
+    rtt = results.median(Row("get", small), "zmq_floor")
     out = []
     for scenario, goal, what in (
         ("put", PUT_OVER_RTT, "that waits"),
         ("put_nowait", PUT_NOWAIT_OVER_RTT, "that does not wait"),
     ):
-        rtt = results.median(Row("get", small), "zmq_floor")
         ours = results.median(Row(scenario, small), BASELINE)
         r = ours / rtt if ours is not None and rtt else None
-        out.append(
-            Target(
-                f"put {at} {what} vs raw ZeroMQ msgpack round trip",
-                f"<= {goal}x",
-                f"{r:.2f}x" if r is not None else "n/a",
-                None if r is None else r <= goal,
-            )
-        )
-    for peer, goal in (("mp_queue", HANDOFF_OVER_MP_QUEUE), ("plasma", 1.0)):
-        r = _ratio(results, Row("handoff", small), BASELINE, peer)
-        out.append(
-            Target(
-                f"handoff {at} through a queue vs {BY_NAME[peer].label}",
-                f"<= {goal}x" if goal != 1.0 else "< 1x",
-                f"{r:.2f}x" if r is not None else "n/a",
-                None if r is None else (r <= goal if goal != 1.0 else r < goal),
-            )
-        )
+        out.append(_ratio_target(f"put {at} {what} vs raw ZeroMQ msgpack round trip",
+                                 f"<= {goal}x", r, r is not None and r <= goal))  # fmt: skip
+    handoff = Row("handoff", small)
+    r = _ratio(results, handoff, BASELINE, "mp_queue")
+    out.append(_ratio_target(f"handoff {at} through a queue vs {BY_NAME['mp_queue'].label}",
+                             f"<= {HANDOFF_OVER_MP_QUEUE}x", r,
+                             r is not None and r <= HANDOFF_OVER_MP_QUEUE))  # fmt: skip
+    r = _ratio(results, handoff, BASELINE, "plasma")
+    out.append(_ratio_target(f"handoff {at} through a queue vs {BY_NAME['plasma'].label}",
+                             "< 1x", r, r is not None and r < 1.0))  # fmt: skip
     for clients in (1, 2, 4):
         r = _ratio(results, Row("throughput_putget", clients), BASELINE, "plasma")
-        out.append(
-            Target(
-                f"{clients}-client {at} put+get cycles/s vs Plasma's",
-                f">= {PUTGET_OVER_PLASMA:.0f}x",
-                f"{r:.2f}x" if r is not None else "n/a",
-                None if r is None else r >= PUTGET_OVER_PLASMA,
-            )
-        )
+        out.append(_ratio_target(f"{clients}-client {at} put+get cycles/s vs Plasma's",
+                                 f">= {PUTGET_OVER_PLASMA:.0f}x", r,
+                                 r is not None and r >= PUTGET_OVER_PLASMA))  # fmt: skip
     return out
 
 
