@@ -34,7 +34,7 @@ import zmq
 from ..common import host
 from ..common.config import check_address, default_address
 from ..common.errors import BrokerError, BrokerUnavailable
-from ..common.protocol import PROTOCOL_VERSION, Op
+from ..common.protocol import MAX_RELEASES, PROTOCOL_VERSION, Op
 from .transport import BrokerExited, Channel, ChannelPool
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ class Connection:
             "start_time": host.start_time(self.pid),
         }
         if resume:
-            hello["leases"] = [[lease, oid] for lease, oid in list(self.held.items())]
+            hello["leases"] = [n for pair in list(self.held.items()) for n in pair]  # flat
             hello["calls"] = list(self._calls)
         try:
             reply = channel.call(hello, timeout)
@@ -308,10 +308,10 @@ class Connection:
         self.stop_releasing()
         idle = self._pool.close()
         if idle and not self._broken:
-            releases = _drain(self.releases, self.held)
-            bye = {"op": Op.BYE, "id": 0, "keep_leases": True, "rel": releases}
             with contextlib.suppress(zmq.ZMQError):
-                idle[0].send(bye)
+                while len(releases := _drain(self.releases, self.held)) == MAX_RELEASES:
+                    idle[0].send({"op": Op.RELEASE, "id": 0, "rel": releases})
+                idle[0].send({"op": Op.BYE, "id": 0, "keep_leases": True, "rel": releases})
         for channel in idle:
             self._pool.discard(channel)
         if self._broker_pidfd is not None:
@@ -323,9 +323,10 @@ class Connection:
 
 
 def _drain(releases: queue.SimpleQueue[int], held: dict[int, int]) -> list[int]:
-    """The lease ids queued now (no longer held)."""
+    """The lease ids queued now (no longer held), as many as one message may carry: the rest
+    go with the next."""
     out: list[int] = []
-    while not releases.empty():  # cheaper than waiting for queue.Empty on the hot path
+    while not releases.empty() and len(out) < MAX_RELEASES:  # empty(): cheaper than Empty
         try:
             lease = releases.get_nowait()
         except queue.Empty:  # another thread took the last one

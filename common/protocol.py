@@ -31,6 +31,11 @@ MAX_TENSORS = 4096  # tensors in one bundle
 MAX_NAME_BYTES = 1024
 MAX_DEVICES = 1024  # device indices a request may name
 MAX_RELEASES = 65536  # lease ids in one message
+# What msgpack may build of one request, bounded before it builds it (decode_request, Budget):
+MAX_CONTAINERS = 2 * MAX_TENSORS + 64  # maps and arrays: a bundle's specs and their shapes
+MAX_ARRAY = 2 * MAX_RELEASES  # the longest array: a hello's leases, [lease, object, ...]
+MAX_STRING = 64 << 10  # bytes of one string or bin (a longer key is still answered by id)
+MAX_FIELDS = 64  # entries of one map
 
 
 class Op:
@@ -75,6 +80,56 @@ def decode(frame: bytes, limit: int = MAX_MESSAGE_BYTES) -> dict[str, Any]:
     try:
         # unpackb bounds every string, array and map by the frame's own length.
         message = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types on bad input
+        raise ProtocolError(f"undecodable message ({type(exc).__name__}: {exc})") from None
+    if not isinstance(message, dict):
+        raise ProtocolError(f"a message must be a msgpack map, got {type(message).__name__}")
+    return message
+
+
+class Budget:
+    """The limits a request's unpacking keeps to: how long an array, map or string may be
+    (msgpack's own checks) and how many maps and arrays it may build in all (`hook`, called
+    by msgpack for each one it built). A million empty arrays in one 1 MiB frame would take
+    the broker 400 ms to build; past MAX_CONTAINERS it stops at once. `reset` before each
+    message."""
+
+    __slots__ = ("left", "options")
+
+    def __init__(self) -> None:
+        self.left = MAX_CONTAINERS
+        # keyword arguments for msgpack.unpackb or msgpack.Unpacker
+        self.options: dict[str, Any] = {
+            "raw": False,
+            "strict_map_key": True,
+            "max_array_len": MAX_ARRAY,
+            "max_map_len": MAX_FIELDS,
+            "max_str_len": MAX_STRING,
+            "max_bin_len": MAX_STRING,
+            "max_ext_len": 0,
+            "list_hook": self.hook,
+            "object_hook": self.hook,
+        }
+
+    def reset(self) -> None:
+        self.left = MAX_CONTAINERS
+
+    def hook(self, value: Any) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise ProtocolError(f"a request may hold at most {MAX_CONTAINERS} maps and arrays")
+        return value
+
+
+def decode_request(frame: bytes, budget: Budget) -> dict[str, Any]:
+    """Unpack one request within `budget`'s limits; ProtocolError for anything else."""
+    if len(frame) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    budget.reset()
+    try:
+        message = msgpack.unpackb(frame, **budget.options)
+    except ProtocolError:
+        raise
     except Exception as exc:  # msgpack raises several unrelated types on bad input
         raise ProtocolError(f"undecodable message ({type(exc).__name__}: {exc})") from None
     if not isinstance(message, dict):
@@ -194,18 +249,16 @@ def _str(value: Any) -> str:
     return value
 
 
-def _lease_pairs(value: Any) -> list[list[int]]:
-    """The leases a client that comes back holds: [[lease id, object id], ...]."""
+def _lease_pairs(value: Any) -> list[tuple[int, int]]:
+    """The leases a client that comes back holds, flat: [lease id, object id, ...] (one
+    array, not an array per lease: Budget)."""
     if (
         not isinstance(value, list)
-        or len(value) > MAX_MESSAGE_BYTES // 4
-        or not all(
-            isinstance(p, list) and len(p) == 2 and all(type(x) is int and x >= 0 for x in p)
-            for p in value
-        )
+        or len(value) % 2
+        or not all(type(x) is int and x >= 0 for x in value)
     ):
-        raise InvalidRequest("leases must be a list of [lease id, object id]")
-    return value
+        raise InvalidRequest("leases must be a flat list of lease id, object id, ...")
+    return list(zip(value[::2], value[1::2], strict=True))
 
 
 def _ids(value: Any) -> list[int]:

@@ -43,14 +43,17 @@ from ..common.protocol import (
     MAX_MESSAGE_BYTES,
     NO_REPLY,
     PROTOCOL_VERSION,
+    Budget,
     Op,
     Request,
     decode,
+    decode_request,
     encode,
     parse_request,
     reply_error,
     reply_ok,
 )
+from . import backlog
 from .arena import Arena, Block, Segment
 from .devices import RECLAIM_POLL, DeviceMemory
 from .directory import Directory, SlotTable
@@ -123,6 +126,7 @@ class Broker:
         )
         self.lot = ParkingLot()
         self._poller = zmq.Poller()
+        self._budget = Budget()
         self.sessions = Sessions(
             self.registry,
             self.lot,
@@ -137,7 +141,9 @@ class Broker:
         self._started = time.monotonic()
         self._ctx = zmq.Context()
         self._router: zmq.Socket[bytes] | None = None
+        self._backlogs: backlog.Backlogs | None = None  # replies the router would not take yet
         self._ipc_inode: int | None = None
+        self._ipc = False  # serving an ipc:// address, where the kernel names each peer
         self.lanes: Lanes | None = None
         self._wake_r, self._wake_w = socket.socketpair()
         self._outbox: list[tuple[bytes, bytes]] | None = None  # replies held for a commit
@@ -210,7 +216,8 @@ class Broker:
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        router.setsockopt(zmq.SNDHWM, 100_000)
+        router.setsockopt(zmq.SNDHWM, backlog.SNDHWM)  # the rest wait in Backlogs
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue raises zmq.Again
         router.setsockopt(zmq.RCVHWM, 100_000)
         try:
             router.bind(self.address)
@@ -221,9 +228,10 @@ class Broker:
                 "Stop it or choose another --address."
             ) from None
         self._router = router
+        self._backlogs = backlog.Backlogs(router, self.sessions.route_gone)
         path = ipc_path(self.address)
         if path is not None:  # zmq leaves the socket file: remove it at close
-            self._ipc_inode = os.stat(path).st_ino
+            self._ipc_inode, self._ipc = os.stat(path).st_ino, True
         lane = lane_path(self.address)
         if lane is not None:
             self.lanes = Lanes(lane, self._watch, self._poller.unregister, self.sessions.route_gone)
@@ -268,7 +276,7 @@ class Broker:
             self.lanes = None
         if self._router is not None:
             self._router.close(linger=0)
-            self._router = None
+            self._router = self._backlogs = None
             self._unlink_socket_file()
         self._ctx.term()
         self._wake_r.close()
@@ -329,6 +337,8 @@ class Broker:
                 self._commit()
             if self.objects.refills:
                 self._refill()
+            if self._backlogs:
+                self._backlogs.flush()
             now = time.monotonic()
             for w in self.lot.expired(now):
                 self._send(w.route, reply_error(w.request.id, Timeout(w.timeout_message)))
@@ -351,6 +361,8 @@ class Broker:
             timeout = min(timeout if timeout is not None else RECLAIM_POLL, RECLAIM_POLL)
         if self.sessions.unwatched:
             timeout = min(timeout or HEARTBEAT_INTERVAL, HEARTBEAT_INTERVAL)
+        if self._backlogs:
+            timeout = min(timeout or backlog.RETRY_S, backlog.RETRY_S)
         return -1 if timeout is None else int(min(timeout, MAX_POLL_S) * 1000) + 1
 
     def _begin(self) -> None:
@@ -400,16 +412,17 @@ class Broker:
             # Asking for the socket's events is cheaper than a recv that raises zmq.Again.
             if not cast(int, router.getsockopt(_EVENTS)) & _POLLIN:
                 break
-            frames = router.recv_multipart(copy=True)
+            frames = router.recv_multipart(copy=False)  # a Frame carries its sender's pid
             if len(frames) != 2:
                 log.warning("dropped a message of %d frames (expected 2)", len(frames))
                 continue
+            route = frames[0].bytes
             try:
-                message = decode(frames[1])
+                message = decode_request(frames[1].bytes, self._budget)
             except ProtocolError as exc:
-                self._fail(frames[0], 0, exc)
+                self._fail(route, 0, exc)
                 continue
-            self._handle(frames[0], message)
+            self._handle(route, message, frames[1])
 
     def _lane_ready(self, lanes: Lanes, fd: int, flags: int) -> None:
         if lanes.is_listener(fd):
@@ -423,10 +436,11 @@ class Broker:
     def _watch(self, fd: int, writable: bool) -> None:
         self._poller.register(fd, _POLLIN | _POLLOUT if writable else _POLLIN)
 
-    def _handle(self, route: bytes, message: Any) -> None:
+    def _handle(self, route: bytes, message: Any, frame: zmq.Frame | None = None) -> None:
+        """Answer one request; `frame`: the ZeroMQ frame it came in (None: a lane's)."""
         try:
             request = parse_request(message)
-            result = self._dispatch(route, request)
+            result = self._dispatch(route, request, frame)
         except Exception as exc:
             self._fail(route, protocol.request_id(message) or 0, exc)
         else:
@@ -434,9 +448,14 @@ class Broker:
                 self._send(route, reply_ok(request.id, **result))
         self.queues.admit_putters()
 
-    def _dispatch(self, route: bytes, request: Request) -> dict[str, Any] | None:
+    def _dispatch(
+        self, route: bytes, request: Request, frame: zmq.Frame | None
+    ) -> dict[str, Any] | None:
         if request.op == Op.HELLO:
-            peer = None if self.lanes is None else self.lanes.peer_pid(route)
+            if frame is not None:
+                peer = frame_peer_pid(frame) if self._ipc else None  # tcp: no pid
+            else:
+                peer = None if self.lanes is None else self.lanes.peer_pid(route)
             return self.sessions.hello(route, request, peer)
         if request.op == Op.PING:
             return self._ping()
@@ -467,13 +486,8 @@ class Broker:
             return
         if self.lanes is not None and self.lanes.send(route, payload):
             return
-        router = self._router
-        if router is None:
-            return
-        try:
-            router.send_multipart([route, payload], zmq.NOBLOCK)
-        except zmq.Again:
-            log.warning("dropped a reply: the client's queue is full")
+        if self._backlogs is not None:
+            self._backlogs.send(route, payload)
 
     # -- the few handlers that span concerns -------------------------------------------------
 
@@ -524,6 +538,17 @@ class Broker:
             "address": self.address,
             **self.sessions.shared(None),
         }
+
+
+def frame_peer_pid(frame: zmq.Frame) -> int | None:
+    """The pid of the process that sent `frame` over an ipc:// connection, as the kernel gave
+    it to ZeroMQ (SO_PEERCRED, which libzmq appends to the peer's address: "...:uid:gid:pid");
+    None where the kernel cannot say (a process in another pid namespace: 0)."""
+    address = frame.get("Peer-Address")
+    ids = address.split(":")[-3:] if isinstance(address, str) else []
+    if len(ids) != 3 or not all(part.isdigit() for part in ids):
+        return None
+    return int(ids[2]) or None
 
 
 def _raise_fd_limit() -> None:

@@ -35,7 +35,8 @@ from typing import Any
 
 import msgpack
 
-from ..common.protocol import MAX_MESSAGE_BYTES
+from ..common.errors import ProtocolError
+from ..common.protocol import MAX_MESSAGE_BYTES, Budget
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ Dispatch = Callable[[bytes, Any], None]  # route, one decoded message
 class Lane:
     """One client connection: its route, its unpacker and the replies not yet written."""
 
-    __slots__ = ("sock", "route", "unpacker", "out", "peer_pid")
+    __slots__ = ("sock", "route", "budget", "unpacker", "out", "peer_pid")
 
     def __init__(self, sock: socket.socket, route: bytes) -> None:
         self.sock, self.route = sock, route
@@ -58,9 +59,11 @@ class Lane:
         # this broker's pid namespace; None where it cannot say (another namespace: 0).
         pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
         self.peer_pid: int | None = pid or None
-        # Twice the largest message: one partly received plus the next read fit.
+        # Each message is unpacked within the limits of a request (`budget`, reset after each
+        # one); the buffer holds twice the largest: one partly received plus the next read.
+        self.budget = Budget()
         self.unpacker = msgpack.Unpacker(
-            raw=False, strict_map_key=True, max_buffer_size=2 * MAX_MESSAGE_BYTES
+            max_buffer_size=2 * MAX_MESSAGE_BYTES, **self.budget.options
         )
         self.out = bytearray()
 
@@ -155,8 +158,9 @@ class Lanes:
         try:
             lane.unpacker.feed(data)
             for message in lane.unpacker:
+                lane.budget.reset()
                 dispatch(lane.route, message)
-        except (ValueError, msgpack.UnpackException) as exc:  # BufferFull, bad bytes
+        except (ValueError, msgpack.UnpackException, ProtocolError) as exc:  # BufferFull, ...
             log.warning("closed a lane that sent an undecodable message: %s", exc)
             self._close(lane)
 

@@ -539,7 +539,7 @@ class Registry:
         for key, version in deleted.items():
             self._versions[key] = max(self._versions.get(key, 0), version)
 
-    def claim(self, session: Session, leases: list[list[int]], calls: list[int]) -> list[int]:
+    def claim(self, session: Session, leases: list[tuple[int, int]], calls: list[int]) -> list[int]:
         """A client of the broker that died is back with the leases it holds ([lease id,
         object id]) and the ids of its calls still waiting for an answer; the leases hold
         their objects again. Its puts it no longer knows of are aborted, and queue items

@@ -1,12 +1,12 @@
 """Sessions: who the broker's clients are, and how it learns that one is gone.
 
-A client says hello on each of its sockets with a session token, its pid, the host's boot id
-and its process's start time. If that is provably a process on this host, the broker opens a
-pidfd for it (readable when the process exits, even by SIGKILL); otherwise (another pid
-namespace, another host over tcp) the client must send heartbeats, and a session silent for
-HEARTBEAT_TIMEOUT counts as dead. A dead session's leases end, its unsealed puts abort, its
-waiting requests are dropped, and its GPU events are forgotten (Note [events of dead
-processes] in devices.py).
+A client says hello on each of its sockets with a session token. The broker asks the kernel
+which process is at the other end (SO_PEERCRED, on a lane or an ipc:// ZeroMQ connection) and
+opens a pidfd for it (readable when the process exits, even by SIGKILL); the pid a client
+claims is never trusted. Where the kernel cannot say (another pid namespace, tcp://), the
+client must send heartbeats, and a session silent for HEARTBEAT_TIMEOUT counts as dead. A
+dead session's leases end, its unsealed puts abort, its waiting requests are dropped, and its
+GPU events are forgotten (Note [events of dead processes] in devices.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..common import host
-from ..common.errors import ProtocolError, SessionUnknown
+from ..common.errors import CapacityError, ProtocolError, SessionUnknown
 from ..common.protocol import PROTOCOL_VERSION, Request
 from .parking import ParkingLot
 from .registry import Registry, Session, StoredObject
@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL = 0.25  # asked of clients the broker cannot watch
 HEARTBEAT_TIMEOUT = 1.0  # silence after which such a client counts as dead
 RESUME_GRACE = 30.0  # how long an adopted client the broker cannot watch has to come back
+MAX_SESSIONS = 16384  # sessions at once (closed ones kept for their arrays count)
+MAX_SESSIONS_PER_PROCESS = 1024  # of those, sessions of one process
 
 
 class Sessions:
@@ -45,7 +47,9 @@ class Sessions:
         self._watch_fd, self._unwatch_fd = watch_fd, unwatch_fd
         self.by_token: dict[str, Session] = {}
         self.routes: dict[bytes, Session] = {}
-        self.pidfds: dict[int, Session] = {}
+        # One pidfd per process, however many sessions it has: pidfd -> its sessions.
+        self.pidfds: dict[int, set[Session]] = {}
+        self._pidfd_of: dict[tuple[int, int | None], int] = {}  # (pid, start time) -> pidfd
         self.unwatched: set[Session] = set()  # kept alive by heartbeats
         self.on_drop: Callable[[Session], None] = lambda session: None  # before its puts end
 
@@ -72,17 +76,16 @@ class Sessions:
             log.info("%s is back (%d leases lost)", session, len(lost))
             self._settle_if_all_back()
         if session is None:
-            pid, boot, started = f.get("pid"), f.get("boot_id"), f.get("start_time")
-            if peer_pid is not None:  # the kernel's word, not the client's claim
-                if pid != peer_pid:
-                    log.info("hello claims pid %s; the kernel says %s", pid, peer_pid)
+            self._check_room(peer_pid)
+            # The kernel's word for the process, never the client's claim: a session the
+            # kernel cannot name (tcp://, another pid namespace) is kept by heartbeats.
+            pid, boot, started = None, None, None
+            if peer_pid is not None:
+                if f.get("pid") != peer_pid:
+                    log.info("hello claims pid %s; the kernel says %s", f.get("pid"), peer_pid)
                 pid, boot, started = peer_pid, host.boot_id(), host.start_time(peer_pid)
             session = Session(token, pid, boot, started, last_seen=time.monotonic())
-            session.pidfd = _pidfd(session.pid, boot, started)
-            if session.pidfd is not None:
-                self.pidfds[session.pidfd] = session
-                self._watch_fd(session.pidfd)
-            else:
+            if not self._watch(session):
                 self.unwatched.add(session)
             if self.registry.slots is not None and session.pidfd is not None:
                 # Only a client whose death the broker sees gets lease slots: a region
@@ -111,6 +114,50 @@ class Sessions:
             **self.shared(session),
         }
 
+    def _check_room(self, pid: int | None) -> None:
+        """CapacityError if a new session (of process `pid`, if the kernel named one) would
+        be one too many."""
+        if len(self.by_token) >= MAX_SESSIONS:
+            raise CapacityError(
+                f"this broker has {len(self.by_token)} sessions, its limit: close the clients "
+                "you no longer use (Client.close, or `with tb.connect() as c`)"
+            )
+        pidfd = None if pid is None else self._pidfd_of.get((pid, host.start_time(pid)))
+        if pidfd is not None and len(self.pidfds[pidfd]) >= MAX_SESSIONS_PER_PROCESS:
+            raise CapacityError(
+                f"process {pid} has {MAX_SESSIONS_PER_PROCESS} sessions open, the limit for "
+                "one process: share one client between threads, or close the ones you no "
+                "longer use"
+            )
+
+    def _watch(self, session: Session) -> bool:
+        """Watch the session's process through its pidfd (one per process); False if it is
+        not provably a live process on this host (then heartbeats must keep it)."""
+        process = (session.pid or 0, session.start_time)
+        pidfd = self._pidfd_of.get(process)
+        if pidfd is None:
+            pidfd = _pidfd(session.pid, session.boot_id, session.start_time)
+            if pidfd is None:
+                return False
+            self._pidfd_of[process] = pidfd
+            self.pidfds[pidfd] = set()
+            self._watch_fd(pidfd)
+        session.pidfd = pidfd
+        self.pidfds[pidfd].add(session)
+        return True
+
+    def _unwatch(self, session: Session) -> None:
+        self.unwatched.discard(session)
+        pidfd, session.pidfd = session.pidfd, None
+        if pidfd is None:
+            return
+        sessions = self.pidfds[pidfd]
+        sessions.discard(session)
+        if not sessions:  # the process's last session
+            self._unwatch_fd(pidfd)
+            del self.pidfds[pidfd], self._pidfd_of[(session.pid or 0, session.start_time)]
+            os.close(pidfd)
+
     def shared(self, session: Session | None) -> dict[str, Any]:
         """Where a client finds the directory and (if it has one) its lease-slot region."""
         out: dict[str, Any] = {}
@@ -129,8 +176,12 @@ class Sessions:
             self.registry.journal.session_closed(session, held)
 
     def exited(self, pidfd: int) -> None:
-        """The process behind `pidfd` exited: forget its GPU events, then drop it."""
-        session = self.pidfds[pidfd]
+        """The process behind `pidfd` exited: drop each of its sessions."""
+        for session in list(self.pidfds.get(pidfd, ())):
+            self._exited(session)
+
+    def _exited(self, session: Session) -> None:
+        """Forget the GPU events of a session whose process exited, then drop it."""
         log.info("client pid %s exited: dropping %s", session.pid, session)
         for lost in self.registry.lose_unwritten(session):
             log.warning(
@@ -147,7 +198,8 @@ class Sessions:
         self.drop(session)
 
     def route_gone(self, route: bytes) -> None:
-        """A lane closed (Note [lanes] in lanes.py): its waiting requests can get no answer."""
+        """A lane closed (Note [lanes] in lanes.py), or a client was cut off for leaving its
+        replies unread: the route's waiting requests can get no answer."""
         session = self.routes.pop(route, None)
         if session is None:
             return
@@ -172,12 +224,7 @@ class Sessions:
         session.closed = True
         if keep:
             return  # the pidfd drops the leases (and lost copies) when the process exits
-        if session.pidfd is not None:
-            self._unwatch_fd(session.pidfd)
-            self.pidfds.pop(session.pidfd, None)
-            os.close(session.pidfd)
-            session.pidfd = None
-        self.unwatched.discard(session)
+        self._unwatch(session)
         self.by_token.pop(session.token, None)
         self.registry.journal.session_gone(session)
         if session.awaiting:
@@ -194,14 +241,10 @@ class Sessions:
         held_by: dict[str, list[int]] = {}
         for token, pid, boot, started, region, closed, held in rows:
             session = Session(token, pid, boot, started, last_seen=time.monotonic())
-            session.pidfd = _pidfd(pid, boot, started)
-            if session.pidfd is None and boot == host.boot_id() and pid is not None:
-                self.registry.journal.session_gone(session)  # it died, with the broker
-                continue
-            if session.pidfd is not None:
-                self.pidfds[session.pidfd] = session
-                self._watch_fd(session.pidfd)
-            else:
+            if not self._watch(session):
+                if boot == host.boot_id() and pid is not None:
+                    self.registry.journal.session_gone(session)  # it died, with the broker
+                    continue
                 self.unwatched.add(session)
             if region is not None and self.registry.slots is not None:
                 self.registry.slots.keep(region)
@@ -234,6 +277,7 @@ class Sessions:
         for fd in list(self.pidfds):
             os.close(fd)
         self.pidfds.clear()
+        self._pidfd_of.clear()
 
 
 def _pidfd(pid: int | None, boot: str | None, started: int | None) -> int | None:

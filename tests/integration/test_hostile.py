@@ -8,6 +8,9 @@ import os
 import random
 import re
 import secrets
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -293,11 +296,28 @@ def test_put_larger_than_capacity(broker: tb.BrokerProcess, raw: Callable[..., A
     assert_serves(broker)
 
 
+@pytest.fixture
+def tcp_broker() -> Iterator[tb.BrokerProcess]:
+    """A broker on 127.0.0.1, where the kernel cannot name a client's process."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with tb.start_broker("64MiB", f"tcp://127.0.0.1:{port}") as b:
+        yield b
+
+
+@pytest.fixture
+def tcp_client(tcp_broker: tb.BrokerProcess) -> Iterator[tb.Client]:
+    with tb.connect(tcp_broker.address) as c:
+        yield c
+
+
 def test_silent_session_without_pid_is_dropped(
-    broker: tb.BrokerProcess, client: tb.Client, raw: Callable[..., Any]
+    tcp_broker: tb.BrokerProcess, tcp_client: tb.Client, raw: Callable[..., Any]
 ) -> None:
+    client = tcp_client
     before = client.stats()["clients"]
-    sock = raw(broker.address)
+    sock = raw(tcp_broker.address)
     reply = hello(sock, watched=False)
     said_hello = time.monotonic()
     assert reply["ok"] and reply["heartbeat"] > 0  # the broker asks for heartbeats
@@ -309,10 +329,11 @@ def test_silent_session_without_pid_is_dropped(
 
 
 def test_heartbeats_keep_a_session_without_pid(
-    broker: tb.BrokerProcess, client: tb.Client, raw: Callable[..., Any]
+    tcp_broker: tb.BrokerProcess, tcp_client: tb.Client, raw: Callable[..., Any]
 ) -> None:
+    client = tcp_client
     before = client.stats()["clients"]
-    sock = raw(broker.address)
+    sock = raw(tcp_broker.address)
     reply = hello(sock, watched=False)
     interval = reply["heartbeat"]
     end = time.monotonic() + 1.4
@@ -398,3 +419,181 @@ def test_releasing_many_leases_never_held_writes_one_log_line(
     assert reply["ok"]
     grew = os.path.getsize(fresh_broker.log_path) - before
     assert grew < 1000, f"the broker's log grew by {grew} bytes for one request"
+
+
+# -- bounds on what one client can make the broker do -------------------------------------
+
+
+@pytest.mark.parametrize(
+    "tensors",
+    [[[]] * 1_000_000, [[[]] * 65_535] * 15],  # one long array; many shorter ones
+    ids=["one-array", "fifteen-arrays"],
+)
+def test_a_frame_of_a_million_arrays_is_refused_before_it_is_built(
+    broker: tb.BrokerProcess, raw: Callable[..., Any], tensors: list[Any]
+) -> None:
+    """Issue 14, item 2: a 1 MiB frame of a million empty arrays kept the broker busy 400 ms
+    building them, then was refused for holding too many tensors. Now msgpack stops at the
+    request's limits, before building it, and says so."""
+    sock = raw(broker.address)
+    assert hello(sock)["ok"]
+    frame = encode({"op": "put", "id": 2, "key": "k", "tensors": tensors})
+    assert len(frame) <= MAX_MESSAGE_BYTES
+    sock.send(frame)
+    reply = recv(sock)
+    assert_error(reply, "protocol")
+    assert re.search(r"max_array_len|maps and arrays", reply["error"]), reply
+    assert_serves(broker)
+    sock.send(encode({"op": "bye"}))
+
+
+def test_a_zeromq_client_that_never_reads_its_replies_is_cut_off(
+    fresh_broker: tb.BrokerProcess, raw: Callable[..., Any]
+) -> None:
+    """Issue 14, item 5: 2,000 `keys` requests (200 long keys each) whose replies are never
+    read took the broker from 39 to 188 MiB. Now it holds at most 64 MiB of replies for one
+    client, then cuts that client off, and serves the others."""
+    with tb.connect(fresh_broker.address) as c:
+        for i in range(200):
+            c.put(f"{i:04d}-" + "k" * 900, np.zeros(1, np.uint8))
+        before = _status_mib(fresh_broker.pid, "VmRSS")
+        sock = raw(fresh_broker.address)
+        sock.setsockopt(zmq.RCVHWM, 1)  # this end holds almost nothing either
+        assert hello(sock)["ok"]
+        for i in range(2000):  # 360 MiB of replies asked for, none read
+            sock.send(encode({"op": "keys", "id": 10 + i}))
+        assert _until_idle(fresh_broker.pid, 60), "the broker was still busy after 60 s"
+        peak = _status_mib(fresh_broker.pid, "VmHWM")
+        assert peak - before < 128, f"the broker grew by {peak - before} MiB for one client"
+        assert len(c.keys()) == 200  # the others are served
+        replies = []
+        while sock.poll(1000):
+            replies.append(decode(sock.recv()))
+        assert len(replies) < 2000
+        assert replies[-1]["ok"] is False and replies[-1]["code"] == "hello_first", replies[-1]
+
+
+def _until_idle(pid: int, timeout: float) -> bool:
+    """Wait until process `pid` used no CPU for half a second."""
+
+    def cpu() -> int:
+        with open(f"/proc/{pid}/stat") as f:
+            utime, stime = f.read().rsplit(")", 1)[1].split()[11:13]
+        return int(utime) + int(stime)
+
+    deadline, last = time.monotonic() + timeout, -1
+    while time.monotonic() < deadline:
+        now = cpu()
+        if now == last:
+            return True
+        last = now
+        time.sleep(0.5)
+    return False
+
+
+def _status_mib(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) >> 10 for line in f if line.startswith(field + ":"))
+
+
+def test_sessions_share_one_pidfd_per_process_and_are_bounded(
+    fresh_broker: tb.BrokerProcess, raw: Callable[..., Any]
+) -> None:
+    """Issue 14, item 6: one process said hello 1,100 times and the broker, with a pidfd per
+    session, ran out of file descriptors and aborted. Now a process's sessions share one
+    pidfd, and past MAX_SESSIONS_PER_PROCESS a hello is refused, saying what to do."""
+    from tensorbroker.server.sessions import MAX_SESSIONS_PER_PROCESS
+
+    fds_before = len(os.listdir(f"/proc/{fresh_broker.pid}/fd"))
+    sock = raw(fresh_broker.address)
+    for i in range(MAX_SESSIONS_PER_PROCESS):
+        assert hello(sock)["ok"], f"hello {i} refused"
+    assert len(os.listdir(f"/proc/{fresh_broker.pid}/fd")) <= fds_before + 2
+    reply = hello(sock)
+    assert_error(reply, "capacity")
+    assert f"process {os.getpid()}" in reply["error"] and "close" in reply["error"], reply
+    other = subprocess.run(  # another process is served
+        [sys.executable, "-c", OTHER_CLIENT, fresh_broker.address],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert other.returncode == 0, other.stderr
+    assert other.stdout == f"served, clients: {MAX_SESSIONS_PER_PROCESS + 1}\n"
+
+
+OTHER_CLIENT = """
+import sys, numpy as np, tensorbroker as tb
+with tb.connect(sys.argv[1]) as c:
+    c.put("k", np.arange(10))
+    assert (np.asarray(c.get("k")) == np.arange(10)).all()
+    print("served, clients:", c.stats()["clients"])
+"""
+
+
+# -- whose process a session is: the kernel's word, never the client's ----------------------
+
+CLAIMER = """
+import secrets, socket, sys, time, msgpack, zmq
+from tensorbroker.common import host
+from tensorbroker.common.protocol import PROTOCOL_VERSION
+transport, address, claimed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if transport == "lane":
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(address)
+    send, u = lambda m: s.sendall(msgpack.packb(m)), msgpack.Unpacker(raw=False)
+    def receive():
+        while True:
+            for r in u:
+                return r
+            u.feed(s.recv(1 << 16))
+else:
+    z = zmq.Context().socket(zmq.DEALER)
+    z.connect(address)
+    send, receive = lambda m: z.send(msgpack.packb(m)), lambda: msgpack.unpackb(z.recv())
+send({"op": "hello", "id": 1, "version": PROTOCOL_VERSION, "session": secrets.token_hex(16),
+      "pid": claimed, "boot_id": host.boot_id(), "start_time": host.start_time(claimed)})
+heartbeat = receive()["heartbeat"]
+send({"op": "put", "id": 2, "key": "k", "tensors": [["", "uint8", [1 << 20]]]})
+assert receive()["ok"]
+print("holding", flush=True)
+while heartbeat:  # if the broker asked for them, until killed
+    send({"op": "hb"})
+    time.sleep(heartbeat)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("transport", ["lane", "zeromq", "tcp"])
+def test_a_client_cannot_tie_its_memory_to_another_process(
+    transport: str, fresh_broker: tb.BrokerProcess, tcp_broker: tb.BrokerProcess
+) -> None:
+    """Issue 14, item 4: a client claims a live bystander's pid at hello and holds an unsealed
+    put. The bystander exits: the claimer's put is kept (it still lives). The claimer is
+    SIGKILLed: its memory comes back (over tcp, where the kernel cannot say who it is, by its
+    missing heartbeats)."""
+    broker = tcp_broker if transport == "tcp" else fresh_broker
+    address = broker.address
+    if transport == "lane":
+        address = address[len("ipc://") :] + ".lane"
+    with (
+        subprocess.Popen(["sleep", "60"]) as bystander,
+        subprocess.Popen(
+            [sys.executable, "-c", CLAIMER, transport, address, str(bystander.pid)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        ) as claimer,
+        tb.connect(broker.address) as c,
+    ):  # fmt: skip
+        try:
+            assert claimer.stdout is not None
+            assert claimer.stdout.readline() == "holding\n"
+            assert c.stats()["pending"] == 1
+            bystander.kill()
+            bystander.wait()
+            time.sleep(1.5)  # over tcp, longer than a silent session is kept
+            assert c.stats()["pending"] == 1, "dropped when the process it named exited"
+            claimer.kill()
+            claimer.wait()
+            assert wait_until(lambda: c.stats()["pending"] == 0, 3), "held for the bystander"
+            assert c.stats()["used_bytes"] == 0
+        finally:
+            claimer.kill()
+            bystander.kill()
