@@ -68,6 +68,9 @@ from .state import Recovered, State
 log = logging.getLogger(__name__)
 
 MAX_POLL_S = 3600.0  # a far deadline is waited for in steps zmq can take
+# Requests ZeroMQ reads ahead per client: one that sends faster than the broker answers waits
+# in its own socket (nothing is dropped), and holds at most RCVHWM frames here.
+RCVHWM = 128
 DRAIN_BATCH = 512  # requests handled before the loop looks at timers and pidfds again
 # plain ints: enum arithmetic costs
 _EVENTS, _POLLIN, _POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
@@ -218,7 +221,7 @@ class Broker:
         router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         router.setsockopt(zmq.SNDHWM, backlog.SNDHWM)  # the rest wait in Backlogs
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue raises zmq.Again
-        router.setsockopt(zmq.RCVHWM, 100_000)
+        router.setsockopt(zmq.RCVHWM, RCVHWM)
         try:
             router.bind(self.address)
         except zmq.ZMQError as exc:

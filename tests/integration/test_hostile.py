@@ -473,6 +473,34 @@ def test_a_zeromq_client_that_never_reads_its_replies_is_cut_off(
         assert replies[-1]["ok"] is False and replies[-1]["code"] == "hello_first", replies[-1]
 
 
+def test_a_zeromq_client_that_floods_the_broker_waits_in_its_own_socket(
+    fresh_broker: tb.BrokerProcess, raw: Callable[..., Any]
+) -> None:
+    """A client that sends 1 MiB requests faster than the broker handles them (each names
+    4,096 tensors, the last of a dtype that does not exist): ZeroMQ reads ahead at most
+    RCVHWM of them per client; the rest wait on the client's side."""
+    before = _status_mib(fresh_broker.pid, "VmRSS")
+    sock = raw(fresh_broker.address)
+    sock.setsockopt(zmq.SNDHWM, 8)
+    assert hello(sock)["ok"]
+    specs = [[f"{i:0200d}", "uint8", [1]] for i in range(4096)]
+    specs[-1][1] = "uint9"
+    frame = encode({"op": "put", "id": 7, "key": "k", "bundle": True, "tensors": specs})
+    assert MAX_MESSAGE_BYTES // 2 < len(frame) <= MAX_MESSAGE_BYTES
+    sent = 0
+    deadline = time.monotonic() + 10
+    while sent < 600 and time.monotonic() < deadline:
+        try:
+            sock.send(frame, zmq.NOBLOCK)
+            sent += 1
+        except zmq.Again:
+            time.sleep(0.001)
+    assert _until_idle(fresh_broker.pid, 60)
+    peak = _status_mib(fresh_broker.pid, "VmHWM")
+    assert peak - before < 256, f"the broker grew by {peak - before} MiB reading ahead"
+    assert_serves(fresh_broker)
+
+
 def _until_idle(pid: int, timeout: float) -> bool:
     """Wait until process `pid` used no CPU for half a second."""
 
