@@ -38,9 +38,10 @@ class Client:
         address: str | None = None,
         timeout: float = 5.0,
         reconnect_timeout: float = RECONNECT_TIMEOUT,
+        server_key: str | None = None,
     ) -> None:
         devices = DeviceLink()
-        self._conn = Connection(address, timeout, devices.settle, reconnect_timeout)
+        self._conn = Connection(address, timeout, devices.settle, reconnect_timeout, server_key)
         self._transfer = Transfer(self._conn, devices)
         self.address = self._conn.address
         self._closed = False
@@ -227,9 +228,14 @@ class Client:
 
 
 def connect(
-    address: str | None = None, timeout: float = 5.0, reconnect_timeout: float = RECONNECT_TIMEOUT
+    address: str | None = None,
+    timeout: float = 5.0,
+    reconnect_timeout: float = RECONNECT_TIMEOUT,
+    server_key: str | None = None,
 ) -> Client:
     """Connect to a broker: `address`, else $TENSORBROKER_ADDRESS, else the default socket.
+    A tcp:// broker that serves with keys needs its public key: `server_key` (40 characters,
+    or the path of its .key file), else $TENSORBROKER_SERVER_KEY (common/curve.py).
 
     Raises BrokerUnavailable (naming the address) if no broker answers within `timeout`.
     If the broker exits, the client waits up to `reconnect_timeout` seconds for a broker to
@@ -237,4 +243,4 @@ def connect(
     carry over, and calls in flight are sent again where that is safe (others raise
     BrokerUnavailable saying what may be lost). 0: a broker that exits breaks the client.
     """
-    return Client(address, timeout, reconnect_timeout)
+    return Client(address, timeout, reconnect_timeout, server_key)

@@ -33,6 +33,7 @@ import zmq
 
 from ..common import host
 from ..common.config import check_address, default_address
+from ..common.curve import client_keys
 from ..common.errors import BrokerError, BrokerUnavailable
 from ..common.protocol import MAX_RELEASES, PROTOCOL_VERSION, Op
 from .transport import BrokerExited, Channel, ChannelPool
@@ -52,6 +53,13 @@ RESENT = frozenset(
 FRESH_SAFE = frozenset(
     {Op.GET, Op.EXISTS, Op.KEYS, Op.STATS, Op.PING, Op.PUT, Op.QOPEN, Op.GRANT}
 )  # fmt: skip
+# A CURVE handshake that fails (a wrong key, or none) looks like no broker at all.
+_KEYS_HINT = (
+    ". A broker that serves with keys answers only a client that has its public key: pass "
+    "server_key= (or $TENSORBROKER_SERVER_KEY) as `tensorbroker keys` made it; one that lets "
+    "in only some clients (--curve-clients) also needs this client's key in "
+    "$TENSORBROKER_CLIENT_KEY"
+)
 RELEASE_WINDOW = 0.005  # releases wait at most this long for a request to carry them ...
 RELEASE_IDLE_WINDOW = 0.1  # ... or this long, in a client that has been idle
 
@@ -72,8 +80,10 @@ class Connection:
         timeout: float,
         on_idle: Callable[[], None] = lambda: None,
         reconnect_timeout: float = RECONNECT_TIMEOUT,
+        server_key: str | None = None,
     ) -> None:
         self.address = check_address(address or default_address())
+        keys = client_keys(self.address, server_key)
         self.pid = os.getpid()
         self.releases: queue.SimpleQueue[int] = queue.SimpleQueue()
         self.held: dict[int, int] = {}  # lease id -> object id, claimed again after a restart
@@ -89,7 +99,7 @@ class Connection:
         self._heartbeat: float | None = None
         self._old_pidfds: list[int] = []  # of brokers that exited: closed with the client
         self._reconnecting = threading.Lock()
-        self._pool = ChannelPool(self.address)
+        self._pool = ChannelPool(self.address, keys)
         self.closed = False
         try:
             self._pool.give_back(self._new_channel(timeout))
@@ -135,6 +145,7 @@ class Connection:
             raise BrokerUnavailable(
                 f"no broker answers at {self.address} (waited {timeout:.1f}s): start one with "
                 f"`tensorbroker serve --address {self.address}`, or set $TENSORBROKER_ADDRESS"
+                + (_KEYS_HINT if self.address.startswith("tcp://") else "")
             ) from None
         except BaseException:
             self._pool.discard(channel)

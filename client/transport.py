@@ -18,6 +18,7 @@ import msgpack
 import zmq
 
 from ..common.config import lane_path
+from ..common.curve import ClientKeys
 from ..common.errors import BrokerUnavailable, ProtocolError, SessionUnknown, error_from_wire
 from ..common.protocol import decode, encode
 
@@ -89,11 +90,19 @@ class Channel:
 class ZmqChannel(Channel):
     """A DEALER socket; between steps it looks whether the broker process has exited."""
 
-    def __init__(self, ctx: zmq.Context[Any], address: str, generation: int = 0) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context[Any],
+        address: str,
+        generation: int = 0,
+        keys: ClientKeys | None = None,
+    ) -> None:
         self.address, self.generation = address, generation
         self.socket = ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVTIMEO, WATCH_STEP_MS)
+        if keys is not None:
+            keys.apply(self.socket)
         self.socket.connect(address)
         self._broker: select.poll | None = None
 
@@ -174,15 +183,22 @@ class LaneChannel(Channel):
         self.socket.close()
 
 
-def open_channel(ctx: zmq.Context[Any], address: str, generation: int, lanes: bool) -> Channel:
-    """A lane where the broker at `address` has one (and `lanes`), else a DEALER."""
+def open_channel(
+    ctx: zmq.Context[Any],
+    address: str,
+    generation: int,
+    lanes: bool,
+    keys: ClientKeys | None = None,
+) -> Channel:
+    """A lane where the broker at `address` has one (and `lanes`), else a DEALER (a CURVE
+    client with `keys`)."""
     path = lane_path(address) if lanes else None
     if path is not None:
         try:
             return LaneChannel(path, address, generation)
         except OSError:  # not there (yet): the DEALER waits for a broker to bind
             pass
-    return ZmqChannel(ctx, address, generation)
+    return ZmqChannel(ctx, address, generation, keys)
 
 
 def waits(timeout: float | None) -> tuple[float | None, float | None]:
@@ -199,8 +215,8 @@ class ChannelPool:
     It outlives the Client's last channel: the ZeroMQ context ends with the last socket.
     """
 
-    def __init__(self, address: str) -> None:
-        self.address = address
+    def __init__(self, address: str, keys: ClientKeys | None = None) -> None:
+        self.address, self._keys = address, keys
         self._ctx: zmq.Context[Any] | None = zmq.Context()
         self._lock = threading.Lock()
         self._idle: list[Channel] = []
@@ -213,7 +229,9 @@ class ChannelPool:
         with self._lock:
             if self._ctx is None:
                 raise BrokerUnavailable(f"the client of {self.address} is closed")
-            channel = open_channel(self._ctx, self.address, self._generation, self._lanes)
+            channel = open_channel(
+                self._ctx, self.address, self._generation, self._lanes, self._keys
+            )
             self._open += 1
         return channel
 

@@ -5,8 +5,9 @@ so, with zmq.Again, instead of dropping the reply). A client that is only slow, 
 a burst of requests, has the rest of its replies held here, in order, and sent as its socket
 takes them (`flush`, each turn of the broker's loop). A client that leaves REPLY_BACKLOG bytes
 unread is cut off, as a lane is (Note [lanes] in lanes.py): the broker drops its replies and
-ends its route. So a client that never reads costs the broker at most SNDHWM replies plus
-REPLY_BACKLOG bytes, however much it asks.
+ends its route, and drops what it would send it later while its socket stays full. So a
+client that never reads costs the broker at most SNDHWM replies plus REPLY_BACKLOG bytes,
+however much it asks.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class Backlogs:
         self._router, self._cut_off = router, cut_off
         self._held: dict[bytes, deque[bytes]] = {}
         self._bytes: dict[bytes, int] = {}
+        self._cut: set[bytes] = set()  # routes cut off, until their socket takes a reply
 
     def __bool__(self) -> bool:
         return bool(self._held)
@@ -40,8 +42,12 @@ class Backlogs:
         if held is None:
             try:
                 self._router.send_multipart([route, payload], zmq.NOBLOCK)
+                if self._cut:
+                    self._cut.discard(route)
                 return
             except zmq.Again:
+                if route in self._cut:
+                    return  # still not reading
                 held = self._held[route] = deque()
                 self._bytes[route] = 0
             except zmq.ZMQError as exc:  # EHOSTUNREACH: the client disconnected
@@ -52,6 +58,7 @@ class Backlogs:
         if self._bytes[route] > REPLY_BACKLOG:
             log.warning("cut off a client that left %d bytes of replies unread", self._bytes[route])
             self._forget(route)
+            self._cut.add(route)
             self._cut_off(route)
 
     def flush(self) -> None:

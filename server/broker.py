@@ -28,8 +28,9 @@ from types import FrameType
 from typing import Any, cast
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
-from ..common import cudart, protocol
+from ..common import cudart, curve, protocol
 from ..common.config import (
     SHM_DIR,
     check_address,
@@ -93,12 +94,20 @@ class Broker:
         state_dir: str | None = None,
         keep_state: bool = False,
         reset: bool = False,
+        curve_secret: str | None = None,
+        curve_clients: str | None = None,
+        insecure_tcp: bool = False,
     ) -> None:
         """A broker on the state in `state_dir` (default: next to the socket), adopting the
         one a broker that died left there (Note [recovery] in state.py) unless `reset`.
         `keep_state`: a clean stop leaves the state (and the objects) for the next broker.
-        StateError if the state cannot be used."""
+        StateError if the state cannot be used. On tcp:// it serves with the keys in the
+        file `curve_secret` (and only to the clients whose public keys are in the folder
+        `curve_clients`, if given), or without keys on loopback if `insecure_tcp`
+        (common/curve.py); InvalidRequest otherwise."""
         self.address = check_address(address)
+        self._keys = curve.server_keys(self.address, curve_secret, curve_clients, insecure_tcp)
+        self._authenticator: ThreadAuthenticator | None = None
         self._shm_dir, self.keep_state = shm_dir, keep_state
         _refuse_if_served(self.address)  # before the state: say who serves the address
         self.state = state = State(
@@ -222,6 +231,18 @@ class Broker:
         router.setsockopt(zmq.SNDHWM, backlog.SNDHWM)  # the rest wait in Backlogs
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue raises zmq.Again
         router.setsockopt(zmq.RCVHWM, RCVHWM)
+        if self._keys is not None:
+            self._keys.apply(router)
+            if self._keys.clients is not None:  # ZeroMQ asks this thread about each client
+                self._authenticator = ThreadAuthenticator(self._ctx, log=log)
+                self._authenticator.start()
+                self._authenticator.configure_curve(domain="*", location=self._keys.clients)
+        elif self.address.startswith("tcp://"):
+            log.warning(
+                "serving %s WITHOUT KEYS (--insecure-tcp): every local user can read, write "
+                "and delete every tensor here; use --curve-secret for anything else",
+                self.address,
+            )
         try:
             router.bind(self.address)
         except zmq.ZMQError as exc:
@@ -281,6 +302,9 @@ class Broker:
             self._router.close(linger=0)
             self._router = self._backlogs = None
             self._unlink_socket_file()
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
         self._ctx.term()
         self._wake_r.close()
         self._wake_w.close()

@@ -36,6 +36,8 @@ def _serve(args: argparse.Namespace) -> int:
         broker = Broker(
             address, capacity, devices=devices, state_dir=args.state_dir,
             keep_state=args.state_dir is not None, reset=args.reset,
+            curve_secret=args.curve_secret, curve_clients=args.curve_clients,
+            insecure_tcp=args.insecure_tcp,
         )  # fmt: skip
     except BrokerError as exc:
         print(f"tensorbroker: {exc}", file=sys.stderr)
@@ -73,10 +75,19 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _keys(args: argparse.Namespace) -> int:
+    from .common.curve import make_keys
+
+    public, secret = make_keys(args.out, args.name)
+    print(f"public key: {public}   (give it to the clients: $TENSORBROKER_SERVER_KEY)")
+    print(f"secret key: {secret}   (keep it private: serve --curve-secret {secret})")
+    return 0
+
+
 def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from .client.client import connect
 
-    return connect(args.address, timeout=args.timeout)
+    return connect(args.address, timeout=args.timeout, server_key=args.server_key)
 
 
 def _ping(args: argparse.Namespace) -> int:
@@ -154,6 +165,22 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="start empty: remove the state (and the objects) a previous broker left",
     )
+    serve.add_argument(
+        "--curve-secret",
+        metavar="FILE",
+        help="on tcp://, encrypt and authenticate with this secret key (`tensorbroker keys`)",
+    )
+    serve.add_argument(
+        "--curve-clients",
+        metavar="DIR",
+        help="with --curve-secret, let in only the clients whose public keys are in DIR",
+    )
+    serve.add_argument(
+        "--insecure-tcp",
+        action="store_true",
+        help="serve tcp:// without keys, on a loopback address only (anyone on this host can "
+        "read and delete every tensor)",
+    )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     serve.set_defaults(run=_serve)
@@ -165,11 +192,24 @@ def parser() -> argparse.ArgumentParser:
     ):
         sp = command(name, help)
         sp.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
+        sp.add_argument(
+            "--server-key",
+            help="a tcp:// broker's public key (40 characters, or its .key file; default: "
+            "$TENSORBROKER_SERVER_KEY)",
+        )
         sp.set_defaults(run=run, log_level="warning")
         if name == "stat":
             sp.add_argument("--json", action="store_true", help="print JSON")
         if name == "rm":
             sp.add_argument("keys", nargs="+", metavar="KEY")
+    keys = sub.add_parser(
+        "keys",
+        help="make a key pair for a tcp:// broker (or a client of one)",
+        description="make a CurveZMQ key pair: NAME.key (public) and NAME.key_secret",
+    )
+    keys.add_argument("--out", default=".", help="the folder to write them in (default: here)")
+    keys.add_argument("--name", default="broker", help="their file name (default: broker)")
+    keys.set_defaults(run=_keys, log_level="warning")
     return p
 
 

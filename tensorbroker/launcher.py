@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import ClassVar
 
 from .common.config import SOCKET_NAME, default_state_dir, parse_size
@@ -52,6 +53,7 @@ class BrokerProcess:
         cuda_memory: str | None = None,
         state_dir: str | None = None,
         reset: bool = False,
+        options: Sequence[str] = (),
     ) -> None:
         if address is None:
             self._tmpdir = self._own_dir = tempfile.mkdtemp(prefix="tb-")
@@ -64,6 +66,7 @@ class BrokerProcess:
             self._options += ["--cuda-memory", cuda_memory]
         if state_dir is not None:
             self._options += ["--state-dir", state_dir]
+        self._options += options
         self._ready_timeout = ready_timeout
         self._start(["--reset"] if reset else [])
 
@@ -199,14 +202,16 @@ def start_broker(
     cuda_memory: str | None = None,
     state_dir: str | None = None,
     reset: bool = False,
+    options: Sequence[str] = (),
 ) -> BrokerProcess:
     """Start `tensorbroker serve` as a subprocess (on a fresh temporary ipc address unless
     one is given) and return once it serves. `cuda_memory` is its --cuda-memory (default:
     every GPU CuPy finds, half of each one's free memory); `state_dir` its --state-dir;
-    `reset` starts it empty (--reset)."""
+    `reset` starts it empty (--reset); `options`: more of its options, such as
+    ["--insecure-tcp"] or ["--curve-secret", FILE]."""
     return BrokerProcess(
         memory, address, log_level=log_level, cuda_memory=cuda_memory, state_dir=state_dir,
-        reset=reset,
+        reset=reset, options=options,
     )  # fmt: skip
 
 

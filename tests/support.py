@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import multiprocessing as mp
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -50,3 +51,10 @@ def segments_of(state_dir: str) -> list[str]:
     found = read_journal(state_dir)
     assert found is not None, f"no broker state in {state_dir}"
     return sorted(glob.glob(f"/dev/shm/tb-{found.meta['id']}-*"))
+
+
+def free_tcp_address() -> str:
+    """tcp://127.0.0.1:PORT with a port no one listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
