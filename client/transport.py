@@ -196,6 +196,12 @@ def open_channel(
     if path is not None:
         try:
             return LaneChannel(path, address, generation)
+        except PermissionError:
+            raise BrokerUnavailable(
+                f"the broker at {address} is not open to this user (uid {os.getuid()}): a "
+                "broker serves its own user, and the members of the group it serves "
+                "(`tensorbroker serve --group NAME`): ask for that, and join the group"
+            ) from None
         except OSError:  # not there (yet): the DEALER waits for a broker to bind
             pass
     return ZmqChannel(ctx, address, generation, keys)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import grp
 import os
 import re
 import tempfile
@@ -96,7 +97,8 @@ def format_size(n: int | float) -> str:
 
 def runtime_dir() -> str:
     """A per-user directory for the default socket: $XDG_RUNTIME_DIR/tensorbroker, else
-    /tmp/tensorbroker-UID. Created with mode 0700 and checked without following links: a
+    /tmp/tensorbroker-UID. Created with mode 0700 (a broker serving a group opens it to
+    that group, read-only: 0750) and checked without following links: a
     symbolic link, or a directory someone else owns, is refused (BrokerError, saying what
     to do), since /tmp lets anyone plant either."""
     base = os.environ.get("XDG_RUNTIME_DIR")
@@ -117,11 +119,21 @@ def runtime_dir() -> str:
         info = os.fstat(fd)
         if info.st_uid != os.getuid():
             raise BrokerError(f"{path} belongs to uid {info.st_uid}, not to you: {fix}")
-        if info.st_mode & 0o077:
-            os.fchmod(fd, 0o700)
+        if info.st_mode & 0o027:  # a group may be let in, read-only (serve --group)
+            os.fchmod(fd, info.st_mode & 0o750)
     finally:
         os.close(fd)
     return path
+
+
+def group_id(name: str) -> int:
+    """The id of the group `name` (or a number); BrokerError if there is none."""
+    try:
+        return int(name) if name.isdigit() else grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise BrokerError(
+            f"no group {name!r} on this host: create it (groupadd), or name another"
+        ) from None
 
 
 def default_address() -> str:

@@ -47,8 +47,11 @@ class Segment:
     size: int = 0
 
     @classmethod
-    def create(cls, shm_dir: str, prefix: str, size: int) -> Segment:
-        """Create ``shm_dir/<prefix><16 hex>`` (mode 0600) with every page backed now."""
+    def create(
+        cls, shm_dir: str, prefix: str, size: int, group: int | None = None, mode: int = 0o660
+    ) -> Segment:
+        """Create ``shm_dir/<prefix><16 hex>`` (mode 0600) with every page backed now; with
+        `group`, that group's members may map it too (`mode`: 0660, or 0640 read-only)."""
         if size < 1:
             raise ValueError(f"segment size must be >= 1 byte, got {size}")
         segment = cls()
@@ -62,6 +65,9 @@ class Segment:
             break
         segment.name, segment.path = name, path
         try:
+            if group is not None:
+                os.fchown(fd, -1, group)
+                os.fchmod(fd, mode)
             os.ftruncate(fd, size)
             try:
                 # Back every page now: a lazily-filled tmpfs would SIGBUS clients later.
@@ -122,7 +128,10 @@ class Arena:
         prefix: str = "tb-0-",
         chunk_size: int = 256 * 2**20,
         on_segment: Callable[[Segment], None] = lambda segment: None,
+        group: int | None = None,
     ) -> None:
+        """`group`: a group whose members may map the segments too (serve --group)."""
+        self._group = group
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1 byte, got {capacity}")
         if chunk_size < 1:
@@ -201,7 +210,7 @@ class Arena:
 
     def _new_segment(self, size: int) -> Segment:
         """Back `size` more bytes (a subclass may back them elsewhere: see DeviceArena)."""
-        return Segment.create(self._shm_dir, self._prefix, size)
+        return Segment.create(self._shm_dir, self._prefix, size, self._group)
 
     # -- public API --------------------------------------------------------------------------
 

@@ -36,6 +36,7 @@ from ..common.config import (
     check_address,
     default_state_dir,
     format_size,
+    group_id,
     ipc_path,
     lane_path,
 )
@@ -62,7 +63,7 @@ from .lanes import Lanes
 from .objects import Objects
 from .parking import ParkingLot
 from .queues import Queues
-from .registry import Registry, Session, StoredObject
+from .registry import Peer, Registry, Session, StoredObject
 from .sessions import HEARTBEAT_INTERVAL, Sessions
 from .state import Recovered, State
 
@@ -97,6 +98,7 @@ class Broker:
         curve_secret: str | None = None,
         curve_clients: str | None = None,
         insecure_tcp: bool = False,
+        group: str | None = None,
     ) -> None:
         """A broker on the state in `state_dir` (default: next to the socket), adopting the
         one a broker that died left there (Note [recovery] in state.py) unless `reset`.
@@ -104,8 +106,10 @@ class Broker:
         StateError if the state cannot be used. On tcp:// it serves with the keys in the
         file `curve_secret` (and only to the clients whose public keys are in the folder
         `curve_clients`, if given), or without keys on loopback if `insecure_tcp`
-        (common/curve.py); InvalidRequest otherwise."""
+        (common/curve.py); InvalidRequest otherwise. `group`: a group whose members may
+        connect and map the memory too (folder, sockets and segments group-accessible)."""
         self.address = check_address(address)
+        self._gid = None if group is None else group_id(group)
         self._keys = curve.server_keys(self.address, curve_secret, curve_clients, insecure_tcp)
         self._authenticator: ThreadAuthenticator | None = None
         self._shm_dir, self.keep_state = shm_dir, keep_state
@@ -118,11 +122,13 @@ class Broker:
             self.arena = Arena(
                 capacity, shm_dir=shm_dir, prefix=state.prefix,
                 on_segment=lambda seg: state.segment(seg.name, seg.size, "arena"),
+                group=self._gid,
             )  # fmt: skip
-            self.directory = Directory(shm_dir, state.prefix, state)
+            self.directory = Directory(shm_dir, state.prefix, state, group=self._gid)
             self.slots = SlotTable(
-                shm_dir, state.prefix, state, existing=found.meta.get("slots") if found else None
-            )
+                shm_dir, state.prefix, state,
+                existing=found.meta.get("slots") if found else None, group=self._gid,
+            )  # fmt: skip
         except BaseException:
             state.close(keep=found is not None)
             raise
@@ -260,6 +266,8 @@ class Broker:
         if lane is not None:
             self.lanes = Lanes(lane, self._watch, self._poller.unregister, self.sessions.route_gone)
             self.lanes.listen()
+        if path is not None and self._gid is not None:
+            share_sockets(self._gid, path, lane)
         self._poller.register(router, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
         first = self.arena.allocate(1)  # create and back the first chunk now, not at first put
@@ -480,9 +488,9 @@ class Broker:
     ) -> dict[str, Any] | None:
         if request.op == Op.HELLO:
             if frame is not None:
-                peer = frame_peer_pid(frame) if self._ipc else None  # tcp: no pid
+                peer = frame_peer(frame) if self._ipc else None  # tcp: the kernel cannot say
             else:
-                peer = None if self.lanes is None else self.lanes.peer_pid(route)
+                peer = None if self.lanes is None else self.lanes.peer(route)
             return self.sessions.hello(route, request, peer)
         if request.op == Op.PING:
             return self._ping()
@@ -547,6 +555,7 @@ class Broker:
         return {
             **self.registry.stats(),
             "clients": self.sessions.clients,
+            "clients_by_uid": self.sessions.by_uid(),
             "lanes": 0 if self.lanes is None else len(self.lanes.by_fd),
             "waiters": len(self.lot),
             **self.queues.stats(),
@@ -567,15 +576,36 @@ class Broker:
         }
 
 
-def frame_peer_pid(frame: zmq.Frame) -> int | None:
-    """The pid of the process that sent `frame` over an ipc:// connection, as the kernel gave
-    it to ZeroMQ (SO_PEERCRED, which libzmq appends to the peer's address: "...:uid:gid:pid");
-    None where the kernel cannot say (a process in another pid namespace: 0)."""
+def share_sockets(gid: int, *paths: str | None) -> None:
+    """Let the members of group `gid` connect to the sockets at `paths` (mode 0660), and into
+    their folder (0750: in, but not to write there), which must be this user's own."""
+    sockets = [p for p in paths if p is not None]
+    folder = os.path.dirname(sockets[0])
+    if os.lstat(folder).st_uid != os.getuid() or os.path.islink(folder):
+        raise BrokerError(
+            f"--group: {folder} is not a folder of yours, so the broker will not open it to "
+            "the group: serve at an address in a folder of yours"
+        )
+    try:
+        for path, mode in ((folder, 0o750), *((p, 0o660) for p in sockets)):
+            os.chown(path, -1, gid)
+            os.chmod(path, mode)
+    except PermissionError as exc:
+        raise BrokerError(
+            f"--group: cannot give {exc.filename} to group {gid}: this user must be a member "
+            "of the group"
+        ) from None
+
+
+def frame_peer(frame: zmq.Frame) -> Peer | None:
+    """The process that sent `frame` over an ipc:// connection, as the kernel gave it to
+    ZeroMQ (SO_PEERCRED, which libzmq appends to the peer's address: "...:uid:gid:pid"); no
+    pid where the kernel cannot say (a process in another pid namespace: 0)."""
     address = frame.get("Peer-Address")
     ids = address.split(":")[-3:] if isinstance(address, str) else []
     if len(ids) != 3 or not all(part.isdigit() for part in ids):
         return None
-    return int(ids[2]) or None
+    return Peer(int(ids[2]) or None, int(ids[0]))
 
 
 def _raise_fd_limit() -> None:

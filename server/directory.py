@@ -38,14 +38,14 @@ class _Mapped:
 
     def __init__(
         self, shm_dir: str, prefix: str, size: int, journal: Journal, kind: str,
-        existing: str | None = None,
+        existing: str | None = None, group: int | None = None, mode: int = 0o660,
     ) -> None:  # fmt: skip
         self.journal = journal
         if existing is not None:
             self.segment = Segment.existing(shm_dir, existing)
             size = self.segment.size
         else:
-            self.segment = Segment.create(shm_dir, prefix, size)
+            self.segment = Segment.create(shm_dir, prefix, size, group, mode)
         self.size = size
         try:
             self.addr = map_segment(self.segment.path, size, writable=True)
@@ -70,8 +70,11 @@ class _Mapped:
 class _Table(_Mapped):
     """One directory segment."""
 
-    def __init__(self, shm_dir: str, prefix: str, journal: Journal, entries: int) -> None:
-        super().__init__(shm_dir, prefix, HEADER + entries * ENTRY_SIZE, journal, "directory")
+    def __init__(
+        self, shm_dir: str, prefix: str, journal: Journal, entries: int, group: int | None
+    ) -> None:
+        size = HEADER + entries * ENTRY_SIZE  # clients only read it:
+        super().__init__(shm_dir, prefix, size, journal, "directory", None, group, 0o640)
         self.entries = entries
         self.states = bytearray(entries)  # EMPTY / LIVE / DELETED, as written
         self.index: dict[str, int] = {}  # live key -> entry
@@ -112,16 +115,16 @@ class Directory:
 
     def __init__(
         self, shm_dir: str, prefix: str = "tb-0-", journal: Journal | None = None,
-        entries: int = ENTRIES,
+        entries: int = ENTRIES, group: int | None = None,
     ) -> None:  # fmt: skip
-        self._dir, self._prefix = shm_dir, prefix
+        self._dir, self._prefix, self._group = shm_dir, prefix, group
         self._journal = journal if journal is not None else Journal()
         self._table = self._new_table(entries)
         self._old: list[_Mapped] = []  # replaced tables: clients may still map them
         self._listed: dict[str, tuple[int, int, bytes]] = {}  # key -> oid, version, desc
 
     def _new_table(self, entries: int) -> _Table:
-        table = _Table(self._dir, self._prefix, self._journal, entries)
+        table = _Table(self._dir, self._prefix, self._journal, entries, self._group)
         self._journal.meta("directory", table.name)
         return table
 
@@ -198,9 +201,11 @@ class SlotTable(_Mapped):
     def __init__(
         self, shm_dir: str, prefix: str = "tb-0-", journal: Journal | None = None,
         regions: int = REGIONS, slots: int = SLOTS, existing: str | None = None,
+        group: int | None = None,
     ) -> None:  # fmt: skip
         journal = journal if journal is not None else Journal()
-        super().__init__(shm_dir, prefix, regions * slots * 8, journal, "slots", existing)
+        size = regions * slots * 8
+        super().__init__(shm_dir, prefix, size, journal, "slots", existing, group)
         journal.meta("slots", self.name)
         self.regions, self.slots = regions, slots
         self.region_bytes = slots * 8

@@ -37,6 +37,7 @@ import msgpack
 
 from ..common.errors import ProtocolError
 from ..common.protocol import MAX_MESSAGE_BYTES, Budget
+from .registry import Peer
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +52,15 @@ Dispatch = Callable[[bytes, Any], None]  # route, one decoded message
 class Lane:
     """One client connection: its route, its unpacker and the replies not yet written."""
 
-    __slots__ = ("sock", "route", "budget", "unpacker", "out", "peer_pid")
+    __slots__ = ("sock", "route", "budget", "unpacker", "out", "peer")
 
     def __init__(self, sock: socket.socket, route: bytes) -> None:
         self.sock, self.route = sock, route
         # The kernel's word for the process at the other end (SO_PEERCRED, at connect), in
-        # this broker's pid namespace; None where it cannot say (another namespace: 0).
-        pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
-        self.peer_pid: int | None = pid or None
+        # this broker's namespaces; no pid where it cannot say (another namespace: 0).
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+        pid, uid, _ = struct.unpack("3i", creds)
+        self.peer = Peer(pid or None, uid)
         # Each message is unpacked within the limits of a request (`budget`, reset after each
         # one); the buffer holds twice the largest: one partly received plus the next read.
         self.budget = Budget()
@@ -130,11 +132,10 @@ class Lanes:
             self.by_route[lane.route] = lane
             self._watch(sock.fileno(), False)
 
-    def peer_pid(self, route: bytes) -> int | None:
-        """The pid of the process behind a lane's route, as the kernel says; None for a
-        ZeroMQ route, or where the kernel cannot say."""
+    def peer(self, route: bytes) -> Peer | None:
+        """The process behind a lane's route, as the kernel says; None for a ZeroMQ route."""
         lane = self.by_route.get(route)
-        return None if lane is None else lane.peer_pid
+        return None if lane is None else lane.peer
 
     def resume(self, now: float) -> None:
         """Listen again once a pause after a failed accept is over."""

@@ -52,7 +52,7 @@ import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..common.config import format_size
 from ..common.cudart import device_index
@@ -102,6 +102,13 @@ class StoredObject:
         return tuple(TensorDesc.from_wire(w) for w in self.wire)
 
 
+class Peer(NamedTuple):
+    """The process at the other end of a socket, as the kernel says (SO_PEERCRED)."""
+
+    pid: int | None  # None where the kernel cannot say (another pid namespace)
+    uid: int | None
+
+
 @dataclass(eq=False, slots=True)
 class Session:
     """One client (all the sockets of one `Client`), known from its hello."""
@@ -123,9 +130,10 @@ class Session:
     awaiting: bool = False  # adopted from a broker that died: not back yet (Note [recovery])
     grants: dict[int, int] = field(default_factory=dict)  # size class -> blocks granted ahead
     credits: dict[int, int] = field(default_factory=dict)  # queue id -> slots granted ahead
+    uid: int | None = None  # the kernel's word for the user it runs as (None: tcp://)
 
     def __repr__(self) -> str:
-        return f"<session {self.token[:8]} pid={self.pid}>"
+        return f"<session {self.token[:8]} pid={self.pid} uid={self.uid}>"
 
 
 class Registry:

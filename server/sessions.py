@@ -21,7 +21,7 @@ from ..common import host
 from ..common.errors import CapacityError, ProtocolError, SessionUnknown
 from ..common.protocol import PROTOCOL_VERSION, Request
 from .parking import ParkingLot
-from .registry import Registry, Session, StoredObject
+from .registry import Peer, Registry, Session, StoredObject
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +53,8 @@ class Sessions:
         self.unwatched: set[Session] = set()  # kept alive by heartbeats
         self.on_drop: Callable[[Session], None] = lambda session: None  # before its puts end
 
-    def hello(self, route: bytes, req: Request, peer_pid: int | None = None) -> dict[str, Any]:
-        """`peer_pid`: the kernel's word for the process that sent it (a lane), which a new
-        session takes over the pid the client claims."""
+    def hello(self, route: bytes, req: Request, peer: Peer | None = None) -> dict[str, Any]:
+        """`peer`: the kernel's word for the process that sent it (None: it cannot say)."""
         f = req.fields
         if f["version"] != PROTOCOL_VERSION:
             raise ProtocolError(
@@ -76,15 +75,17 @@ class Sessions:
             log.info("%s is back (%d leases lost)", session, len(lost))
             self._settle_if_all_back()
         if session is None:
-            self._check_room(peer_pid)
+            pid = None if peer is None else peer.pid
+            self._check_room(pid)
             # The kernel's word for the process, never the client's claim: a session the
             # kernel cannot name (tcp://, another pid namespace) is kept by heartbeats.
-            pid, boot, started = None, None, None
-            if peer_pid is not None:
-                if f.get("pid") != peer_pid:
-                    log.info("hello claims pid %s; the kernel says %s", f.get("pid"), peer_pid)
-                pid, boot, started = peer_pid, host.boot_id(), host.start_time(peer_pid)
+            boot, started = None, None
+            if pid is not None:
+                if f.get("pid") != pid:
+                    log.info("hello claims pid %s; the kernel says %s", f.get("pid"), pid)
+                boot, started = host.boot_id(), host.start_time(pid)
             session = Session(token, pid, boot, started, last_seen=time.monotonic())
+            session.uid = None if peer is None else peer.uid
             if not self._watch(session):
                 self.unwatched.add(session)
             if self.registry.slots is not None and session.pidfd is not None:
@@ -95,8 +96,9 @@ class Sessions:
             self.by_token[token] = session
             self.registry.journal.session(session)
             log.debug(
-                "hello from pid %s (%s)", session.pid, "watched" if session.pidfd else "heartbeat"
-            )
+                "hello from pid %s, uid %s (%s)", session.pid, session.uid,
+                "watched" if session.pidfd else "heartbeat",
+            )  # fmt: skip
         old = self.routes.get(route)
         if old is not None and old is not session:
             old.routes.discard(route)
@@ -272,6 +274,15 @@ class Sessions:
     @property
     def clients(self) -> int:
         return sum(1 for s in self.by_token.values() if not s.closed)
+
+    def by_uid(self) -> dict[str, int]:
+        """Open sessions by the kernel's uid of their process ("?" where it cannot say)."""
+        counts: dict[str, int] = {}
+        for s in self.by_token.values():
+            if not s.closed:
+                uid = "?" if s.uid is None else str(s.uid)
+                counts[uid] = counts.get(uid, 0) + 1
+        return counts
 
     def close(self) -> None:
         for fd in list(self.pidfds):

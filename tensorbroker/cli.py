@@ -37,7 +37,7 @@ def _serve(args: argparse.Namespace) -> int:
             address, capacity, devices=devices, state_dir=args.state_dir,
             keep_state=args.state_dir is not None, reset=args.reset,
             curve_secret=args.curve_secret, curve_clients=args.curve_clients,
-            insecure_tcp=args.insecure_tcp,
+            insecure_tcp=args.insecure_tcp, group=args.group,
         )  # fmt: skip
     except BrokerError as exc:
         print(f"tensorbroker: {exc}", file=sys.stderr)
@@ -180,6 +180,12 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve tcp:// without keys, on a loopback address only (anyone on this host can "
         "read and delete every tensor)",
+    )
+    serve.add_argument(
+        "--group",
+        metavar="NAME",
+        help="let the members of this group connect and map the memory too (the socket's "
+        "folder, the sockets and the segments become group-accessible)",
     )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)

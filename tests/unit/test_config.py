@@ -163,8 +163,8 @@ def test_default_address_tightens_a_loose_directory(
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     (tmp_path / "tensorbroker").mkdir(mode=0o755)
     os.chmod(tmp_path / "tensorbroker", 0o777)
-    default_address()
-    assert stat.S_IMODE((tmp_path / "tensorbroker").stat().st_mode) == 0o700
+    default_address()  # no one else, and the group (serve --group) only into it
+    assert stat.S_IMODE((tmp_path / "tensorbroker").stat().st_mode) == 0o750
 
 
 def test_empty_address_variable_means_the_default(
