@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Literal, overload
 
 from ..common.cudart import parse_device
-from ..common.errors import BrokerError, BrokerUnavailable, InvalidRequest
+from ..common.errors import BrokerError, BrokerUnavailable, InvalidRequest, NotFound, Timeout
 from ..common.protocol import Op
 from .connection import RECONNECT_TIMEOUT, REQUEST_TIMEOUT, Connection
 from .cuda import DeviceLink
@@ -104,6 +104,60 @@ class Client:
         if result is None:  # not listed (or not yet there): the broker answers, or waits
             result = self._transfer.read(self._call(Op.GET, key=key, timeout=timeout, wait=wait))
         return self._transfer.move(key, result, want, copy)
+
+    def get_many(self, keys: Sequence[str], timeout: float | None = 0.0) -> dict[str, Item]:
+        """The current version of each of `keys`, as `get` gives them: key -> Tensor (or dict
+        of them for a bundle). Keys listed in the broker's directory are read without asking
+        it; the rest take one request, which waits up to `timeout` seconds (None: as long as
+        it takes) for all of them. Raises NotFound (timeout=0) or Timeout naming the keys
+        missing."""
+        keys = list(keys)
+        if len(set(keys)) != len(keys):
+            raise InvalidRequest(f"get_many: keys must be distinct, got {keys!r:.200}")
+        items: dict[str, Item] = {}
+        missing = []
+        for key in keys:
+            self._transfer.writes.settle(key)
+            item = self._transfer.read_directly(key)
+            if item is None:
+                missing.append(key)
+            else:
+                items[key] = item
+        if missing and timeout != 0.0:
+            self.wait(missing, timeout=timeout)
+        for key in missing:
+            item = self._transfer.read_directly(key)
+            if item is None:  # not listed: its descriptor is too big, or it went again
+                with contextlib.suppress(NotFound):
+                    reply = self._call(Op.GET, key=key, timeout=0.0)
+                    item = self._transfer.move(key, self._transfer.read(reply), None, False)
+            if item is not None:
+                items[key] = item
+        absent = [k for k in keys if k not in items]
+        if absent:
+            shown = ", ".join(map(repr, absent[:10])) + (", ..." if len(absent) > 10 else "")
+            if timeout == 0.0:
+                raise NotFound(f"get_many: no object {shown} ({len(absent)} of {len(keys)})")
+            raise Timeout(
+                f"get_many: {shown} ({len(absent)} of {len(keys)}) not put within {timeout}s"
+            )
+        return {key: items[key] for key in keys}
+
+    def wait(
+        self, keys: Sequence[str], num: int | None = None, timeout: float | None = None
+    ) -> list[str]:
+        """Wait until `num` of `keys` (default: all of them) exist, or `timeout` seconds pass
+        (None: as long as it takes); return the keys that exist then, in the order given.
+        Never raises Timeout: fewer than `num` keys come back instead. One request."""
+        keys = list(keys)
+        num = len(keys) if num is None else num
+        if not keys:
+            return []
+        timeout, wait = waits(timeout)
+        for key in keys:
+            self._transfer.writes.settle(key)
+        reply = self._call(Op.WAIT, keys=keys, num=num, timeout=timeout, wait=wait)
+        return list(reply["keys"])
 
     def watch(self, key: str, timeout: float | None = None) -> Iterator[Item]:
         """Follow `key`: yield its current version (once it exists), then each newer one as

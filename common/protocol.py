@@ -31,6 +31,7 @@ MAX_TENSORS = 4096  # tensors in one bundle
 MAX_NAME_BYTES = 1024
 MAX_DEVICES = 1024  # device indices a request may name
 MAX_RELEASES = 65536  # lease ids in one message
+MAX_WAIT_KEYS = 4096  # keys one wait names
 # What msgpack may build of one request, bounded before it builds it (decode_request, Budget):
 MAX_CONTAINERS = 2 * MAX_TENSORS + 64  # maps and arrays: a bundle's specs and their shapes
 MAX_ARRAY = 2 * MAX_RELEASES  # the longest array: a hello's leases, [lease, object, ...]
@@ -50,6 +51,7 @@ class Op:
     # grants (refills of that size), credits (a queue's slots granted ahead)
     QCREDIT = "qcredit"  # queue, timeout -> credits (waits, as a qput, for a free slot)
     GET = "get"  # key, timeout (None: wait forever), after -> object descriptor with a lease
+    WAIT = "wait"  # keys, num, timeout -> keys: those that exist once `num` do, or at timeout
     DELETE = "delete"  # key
     EXISTS = "exists"  # key -> exists
     KEYS = "keys"  # -> keys
@@ -221,6 +223,16 @@ def check_device(value: Any) -> str:
     raise InvalidRequest(f"device must be 'cpu' or 'cuda:N', got {shown(value)}")
 
 
+def check_keys(value: Any) -> list[str]:
+    """1 to MAX_WAIT_KEYS distinct keys."""
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_WAIT_KEYS:
+        raise InvalidRequest(f"keys must be a list of 1 to {MAX_WAIT_KEYS} keys")
+    keys = [check_key(k) for k in value]
+    if len(set(keys)) != len(keys):
+        raise InvalidRequest("keys must be distinct")
+    return keys
+
+
 def _int(value: Any) -> int:
     if type(value) is not int or value < 0:
         raise InvalidRequest(f"expected a non-negative integer, got {shown(value)}")
@@ -305,6 +317,7 @@ _FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
         "timeout": (check_timeout, False),
         "after": (_int, False),
     },
+    Op.WAIT: {"keys": (check_keys, True), "num": (_int, True), "timeout": (check_timeout, False)},
     Op.DELETE: {"key": (check_key, True)},
     Op.EXISTS: {"key": (check_key, True)},
     Op.KEYS: {},

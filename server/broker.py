@@ -174,6 +174,7 @@ class Broker:
             Op.WRITE: self._on_write,
             Op.QCREDIT: self.queues.credit,
             Op.GET: self.objects.get,
+            Op.WAIT: self.objects.wait,
             Op.DELETE: self.objects.delete,
             Op.EXISTS: self.objects.exists,
             Op.KEYS: self.objects.keys,
@@ -376,7 +377,10 @@ class Broker:
                 self._backlogs.flush()
             now = time.monotonic()
             for w in self.lot.expired(now):
-                self._send(w.route, reply_error(w.request.id, Timeout(w.timeout_message)))
+                if w.at_deadline is not None:
+                    self._send(w.route, w.at_deadline())
+                else:
+                    self._send(w.route, reply_error(w.request.id, Timeout(w.timeout_message)))
             self.sessions.drop_silent(now)
             if self.lanes is not None:
                 self.lanes.resume(now)

@@ -10,6 +10,7 @@ up to DEVICE_WAIT from its first try; queue puts use the same waiting (`wait_for
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,7 @@ class Objects:
         self.registry, self.devices, self.lot, self._send = registry, registry.devices, lot, send
         self._memory_back = False  # device memory was freed since device puts last tried
         self.refills: list[tuple[Session, bytes, int]] = []  # grants to top up (refill_later)
+        self._waits: dict[str, set[Waiter]] = {}  # key -> waits for many keys that name it
 
     def answer(self, w: Waiter, payload: bytes) -> None:
         self.lot.unpark(w)
@@ -155,6 +157,10 @@ class Objects:
             if w.request.fields.get("after", 0) < obj.version:
                 reply = self.describe(w.session, obj, w.request.id)
                 self.answer(w, reply_ok(w.request.id, **reply))
+        for w in list(self._waits.get(obj.key, ())):
+            present = self._present(w.request)
+            if len(present) >= w.request.fields["num"]:
+                self.answer(w, reply_ok(w.request.id, keys=present))
         return {"version": obj.version}
 
     def abort(self, session: Session, route: bytes, req: Request) -> Reply:
@@ -195,6 +201,37 @@ class Objects:
         message = f"{what} within {secs(timeout)}"
         self.lot.wait(session, route, req, timeout, ("get", key), now, message)
         return None
+
+    def wait(self, session: Session, route: bytes, req: Request) -> Reply | None:
+        """The keys of `keys` that exist, once `num` of them do, or when the timeout passes
+        (then however many do: no error)."""
+        keys, num = req.fields["keys"], req.fields["num"]
+        if not 1 <= num <= len(keys):
+            raise InvalidRequest(f"wait: num must be 1 to the {len(keys)} keys named, not {num}")
+        present = self._present(req)
+        timeout = req.fields.get("timeout", 0.0)
+        if len(present) >= num or timeout == 0.0:
+            return {"keys": present}
+        missing = [k for k in keys if k not in self.registry.objects]
+        w = self.lot.park(session, route, req, timeout, deque(), "")
+
+        def leave() -> None:
+            for key in missing:
+                waits = self._waits.get(key)
+                if waits is not None:
+                    waits.discard(w)
+                    if not waits:
+                        del self._waits[key]
+
+        w.at_deadline = lambda: reply_ok(req.id, keys=self._present(req))
+        w.on_leave = leave
+        for key in missing:
+            self._waits.setdefault(key, set()).add(w)
+        return None
+
+    def _present(self, req: Request) -> list[str]:
+        objects = self.registry.objects
+        return [k for k in req.fields["keys"] if k in objects]
 
     def delete(self, session: Session, route: bytes, req: Request) -> Reply:
         self.registry.delete(req.fields["key"])

@@ -36,6 +36,10 @@ class Waiter:
     retry: Callable[[], dict[str, Any]] | None = None  # what a device put tries again
     line_name: Hashable = None  # the lot's own line it waits in (None: its owner's)
     done: bool = False
+    # Its answer when the deadline passes (None: a Timeout error), and what to tidy when it
+    # leaves, however it leaves (a wait for many keys is indexed under each of them).
+    at_deadline: Callable[[], bytes] | None = None
+    on_leave: Callable[[], None] | None = None
 
 
 class ParkingLot:
@@ -98,6 +102,8 @@ class ParkingLot:
         """Take a waiter out of its line, to be answered now (or never: its client is gone)."""
         w.done = True
         self.parked.discard(w)
+        if w.on_leave is not None:
+            w.on_leave()
         try:
             w.line.remove(w)
         except ValueError:

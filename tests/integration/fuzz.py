@@ -56,6 +56,8 @@ def valid(rng: random.Random, field: str) -> Any:
         "start_time": [host.start_time(os.getpid())],
         "leases": [[rng.randrange(100), rng.randrange(100)]],
         "calls": [[rng.randrange(100)]],
+        "keys": [[f"k{i}" for i in range(rng.randrange(1, 9))], ["q", "q"]],
+        "num": [1, 2, 9],
     }
     return rng.choice(choices.get(field, [0]))
 
