@@ -12,7 +12,7 @@ import logging
 import os
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal, overload
+from typing import Any, Literal, NamedTuple, overload
 
 from ..common.cudart import parse_device
 from ..common.errors import BrokerError, BrokerUnavailable, InvalidRequest, NotFound, Timeout
@@ -25,6 +25,14 @@ from .transfer import Item, Transfer
 from .transport import waits
 
 log = logging.getLogger(__name__)
+
+
+class KeyEvent(NamedTuple):
+    """What `watch_prefix` yields: a put or a delete of a key, or that some were missed."""
+
+    event: str  # "put", "delete" or "overflowed"
+    key: str | None
+    version: int | None
 
 
 class Client:
@@ -174,6 +182,29 @@ class Client:
             reply = self._call(Op.GET, key=key, timeout=timeout, after=seen, wait=wait)
             seen = reply["version"]
             yield self._transfer.read(reply)
+
+    def watch_prefix(self, prefix: str, timeout: float | None = None) -> Iterator[KeyEvent]:
+        """Follow every put and delete of a key starting with `prefix` ("" for all), from
+        now: yields KeyEvent("put" or "delete", key, version), in the order the broker
+        applied them. A watcher that keeps up misses none; one that falls far behind (or
+        whose broker restarted) gets KeyEvent("overflowed", None, None) and goes on from
+        then. `timeout` bounds each wait for the next event (then Timeout); None waits as
+        long as it takes. Where "now" is, is fixed before this returns."""
+        timeout, wait = waits(timeout)
+        start = self._call(Op.WATCH_PREFIX, prefix=prefix)["next"]
+
+        def follow(after: int) -> Iterator[KeyEvent]:
+            while True:
+                reply = self._call(
+                    Op.WATCH_PREFIX, prefix=prefix, after=after, timeout=timeout, wait=wait
+                )
+                if reply.get("overflowed"):
+                    yield KeyEvent("overflowed", None, None)
+                for _, event, key, version in reply["events"]:
+                    yield KeyEvent(event, key, version)
+                after = reply["next"]
+
+        return follow(start)
 
     def queue(self, name: str, maxsize: int = 0) -> Queue:
         """The pipeline queue `name`, made if it does not exist: FIFO, each item to one

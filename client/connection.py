@@ -48,10 +48,11 @@ HELLO_STEP = 0.5  # each hello to a broker that may not be there yet waits this 
 # its request id, a grant's first copy aborted as the client did not claim it).
 RESENT = frozenset(
     {Op.GET, Op.EXISTS, Op.KEYS, Op.STATS, Op.PING, Op.QINFO, Op.QOPEN, Op.QGET, Op.QCLOSE,
-     Op.PUT, Op.QPUT, Op.SEAL, Op.ABORT, Op.GRANT, Op.QCREDIT}
+     Op.PUT, Op.QPUT, Op.SEAL, Op.ABORT, Op.GRANT, Op.QCREDIT, Op.WAIT, Op.WATCH_PREFIX}
 )  # fmt: skip
 FRESH_SAFE = frozenset(
-    {Op.GET, Op.EXISTS, Op.KEYS, Op.STATS, Op.PING, Op.PUT, Op.QOPEN, Op.GRANT}
+    {Op.GET, Op.EXISTS, Op.KEYS, Op.STATS, Op.PING, Op.PUT, Op.QOPEN, Op.GRANT, Op.WAIT,
+     Op.WATCH_PREFIX}  # a watcher of a broker that restarted is told it overflowed
 )  # fmt: skip
 # A CURVE handshake that fails (a wrong key, or none) looks like no broker at all.
 _KEYS_HINT = (

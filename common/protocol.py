@@ -52,6 +52,8 @@ class Op:
     QCREDIT = "qcredit"  # queue, timeout -> credits (waits, as a qput, for a free slot)
     GET = "get"  # key, timeout (None: wait forever), after -> object descriptor with a lease
     WAIT = "wait"  # keys, num, timeout -> keys: those that exist once `num` do, or at timeout
+    WATCH_PREFIX = "watchp"  # prefix, after, timeout -> events [[n, kind, key, version], ...],
+    # next (the number to ask after next), overflowed (events were missed)
     DELETE = "delete"  # key
     EXISTS = "exists"  # key -> exists
     KEYS = "keys"  # -> keys
@@ -223,6 +225,11 @@ def check_device(value: Any) -> str:
     raise InvalidRequest(f"device must be 'cpu' or 'cuda:N', got {shown(value)}")
 
 
+def check_prefix(value: Any) -> str:
+    """A key prefix: "" (every key) or a key's start."""
+    return "" if value == "" else check_key(value)
+
+
 def check_keys(value: Any) -> list[str]:
     """1 to MAX_WAIT_KEYS distinct keys."""
     if not isinstance(value, list) or not 1 <= len(value) <= MAX_WAIT_KEYS:
@@ -318,6 +325,11 @@ _FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
         "after": (_int, False),
     },
     Op.WAIT: {"keys": (check_keys, True), "num": (_int, True), "timeout": (check_timeout, False)},
+    Op.WATCH_PREFIX: {
+        "prefix": (check_prefix, True),
+        "after": (_int, False),
+        "timeout": (check_timeout, False),
+    },
     Op.DELETE: {"key": (check_key, True)},
     Op.EXISTS: {"key": (check_key, True)},
     Op.KEYS: {},

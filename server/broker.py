@@ -175,6 +175,7 @@ class Broker:
             Op.QCREDIT: self.queues.credit,
             Op.GET: self.objects.get,
             Op.WAIT: self.objects.wait,
+            Op.WATCH_PREFIX: self.objects.events.watch,
             Op.DELETE: self.objects.delete,
             Op.EXISTS: self.objects.exists,
             Op.KEYS: self.objects.keys,

@@ -17,6 +17,7 @@ from typing import Any
 from ..common.descriptors import ObjectDesc, grant_class
 from ..common.errors import BrokerError, CapacityError, InvalidRequest, NotFound, Timeout
 from ..common.protocol import Request, reply_error, reply_ok
+from .events import EventLog
 from .parking import ParkingLot, Waiter, secs
 from .registry import Registry, Session, StoredObject
 
@@ -36,6 +37,7 @@ class Objects:
         self._memory_back = False  # device memory was freed since device puts last tried
         self.refills: list[tuple[Session, bytes, int]] = []  # grants to top up (refill_later)
         self._waits: dict[str, set[Waiter]] = {}  # key -> waits for many keys that name it
+        self.events = EventLog(lot, send)  # every put and delete, for watch_prefix
 
     def answer(self, w: Waiter, payload: bytes) -> None:
         self.lot.unpark(w)
@@ -161,6 +163,7 @@ class Objects:
             present = self._present(w.request)
             if len(present) >= w.request.fields["num"]:
                 self.answer(w, reply_ok(w.request.id, keys=present))
+        self.events.record("put", obj.key, obj.version)
         return {"version": obj.version}
 
     def abort(self, session: Session, route: bytes, req: Request) -> Reply:
@@ -234,7 +237,9 @@ class Objects:
         return [k for k in req.fields["keys"] if k in objects]
 
     def delete(self, session: Session, route: bytes, req: Request) -> Reply:
-        self.registry.delete(req.fields["key"])
+        key = req.fields["key"]
+        version = self.registry.delete(key)
+        self.events.record("delete", key, version)
         return {}
 
     def exists(self, session: Session, route: bytes, req: Request) -> Reply:

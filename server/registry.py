@@ -370,7 +370,8 @@ class Registry:
             self._retire(obj)
         return lost
 
-    def delete(self, key: str) -> None:
+    def delete(self, key: str) -> int:
+        """Delete `key`; the version it had."""
         obj = self.objects.pop(key, None)
         if obj is None:
             raise NotFound(f"no object {key!r} to delete")
@@ -378,6 +379,7 @@ class Registry:
             self.directory.remove(key)
         self.journal.key_deleted(key, obj.version)
         self._retire(obj)
+        return obj.version
 
     # -- reading -------------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ _WHERE = {
     "start_broker": ".launcher",
     "Client": ".client.client",
     "connect": ".client.client",
+    "KeyEvent": ".client.client",
     "Queue": ".client.queue",
     "Tensor": ".client.tensor",
 }
@@ -64,6 +65,7 @@ __all__ = [
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr__ below
     from .client.client import Client as Client
+    from .client.client import KeyEvent as KeyEvent
     from .client.client import connect as connect
     from .client.queue import Queue as Queue
     from .client.tensor import Tensor as Tensor

@@ -58,6 +58,7 @@ def valid(rng: random.Random, field: str) -> Any:
         "calls": [[rng.randrange(100)]],
         "keys": [[f"k{i}" for i in range(rng.randrange(1, 9))], ["q", "q"]],
         "num": [1, 2, 9],
+        "prefix": ["", "k", "frames/"],
     }
     return rng.choice(choices.get(field, [0]))
 
