@@ -65,13 +65,28 @@ class Client:
         device: Any = ...,
         copy: bool = ...,
         wait: Literal[True] = ...,
+        evictable: bool = ...,
     ) -> int: ...
     @overload
     def put(
-        self, key: str, value: Any, *, device: Any = ..., copy: bool = ..., wait: bool
+        self,
+        key: str,
+        value: Any,
+        *,
+        device: Any = ...,
+        copy: bool = ...,
+        wait: bool,
+        evictable: bool = ...,
     ) -> int | None: ...
     def put(
-        self, key: str, value: Any, *, device: Any = None, copy: bool = False, wait: bool = True
+        self,
+        key: str,
+        value: Any,
+        *,
+        device: Any = None,
+        copy: bool = False,
+        wait: bool = True,
+        evictable: bool = False,
     ) -> int | None:
         """Store a tensor, or a bundle (a dict of name -> tensor), under `key`; return its
         version. One copy into the broker's memory; readers of an older version keep theirs.
@@ -84,9 +99,13 @@ class Client:
         The object is stored on its tensors' device: host shared memory, or GPU memory for
         CUDA tensors (then put returns once the copy is enqueued on the tensor's stream, not
         finished). `device=` stores it elsewhere ('cpu', 'cuda:N'), only with copy=True.
+
+        evictable=True lets the broker delete it to make room when its memory is full, least
+        recently used first and never while someone holds it (host objects only).
         """
+        more = {"evictable": True} if evictable else {}
         return self._transfer.write(
-            key, value, Op.PUT, REQUEST_TIMEOUT, device, copy, wait, key=key
+            key, value, Op.PUT, REQUEST_TIMEOUT, device, copy, wait, key=key, **more
         )
 
     def flush(self) -> None:

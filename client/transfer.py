@@ -261,7 +261,7 @@ class Transfer:
                 self.writes.return_credit(queue)
             raise
         message = {"op": Op.WRITE, "put": grant.put, "tensors": specs, "bundle": bundle}
-        for name in ("key", "queue", "name"):
+        for name in ("key", "queue", "name", "evictable"):
             if name in fields:
                 message[name] = fields[name]
         key = fields.get("key")

@@ -41,7 +41,8 @@ MAX_FIELDS = 64  # entries of one map
 
 class Op:
     HELLO = "hello"  # pid, session, boot_id, start_time, version -> broker facts
-    PUT = "put"  # key, tensors [[name, dtype, shape], ...], bundle, device -> put id, descriptors
+    PUT = "put"  # key, tensors [[name, dtype, shape], ...], bundle, device, evictable -> put id,
+    # descriptors
     # (a device object's replies add its chunk's IPC "handle" and its write "event" [id,
     # handle]; a get's adds the reader's read-done event as "done")
     SEAL = "seal"  # put, keep -> version (and the put's lease ends unless keep)
@@ -307,6 +308,7 @@ _FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
         "tensors": (check_tensor_specs, True),
         "bundle": (_bool, False),
         "device": (check_device, False),
+        "evictable": (_bool, False),
     },
     Op.SEAL: {"put": (_int, True), "keep": (_bool, False)},
     Op.ABORT: {"put": (_int, True), "keep": (_bool, False)},
@@ -318,6 +320,7 @@ _FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
         "name": (check_key, False),
         "tensors": (check_tensor_specs, True),
         "bundle": (_bool, False),
+        "evictable": (_bool, False),
     },
     Op.GET: {
         "key": (check_key, True),

@@ -40,7 +40,7 @@ from ..common.config import (
     ipc_path,
     lane_path,
 )
-from ..common.errors import BrokerError, ProtocolError, SessionUnknown, Timeout
+from ..common.errors import BrokerError, InvalidRequest, ProtocolError, SessionUnknown, Timeout
 from ..common.protocol import (
     MAX_MESSAGE_BYTES,
     NO_REPLY,
@@ -99,6 +99,7 @@ class Broker:
         curve_clients: str | None = None,
         insecure_tcp: bool = False,
         group: str | None = None,
+        evict: str | None = None,
     ) -> None:
         """A broker on the state in `state_dir` (default: next to the socket), adopting the
         one a broker that died left there (Note [recovery] in state.py) unless `reset`.
@@ -107,7 +108,10 @@ class Broker:
         file `curve_secret` (and only to the clients whose public keys are in the folder
         `curve_clients`, if given), or without keys on loopback if `insecure_tcp`
         (common/curve.py); InvalidRequest otherwise. `group`: a group whose members may
-        connect and map the memory too (folder, sockets and segments group-accessible)."""
+        connect and map the memory too (folder, sockets and segments group-accessible).
+        `evict`: "lru" makes every keyed host object evictable (eviction.py)."""
+        if evict not in (None, "none", "lru"):
+            raise InvalidRequest(f"--evict must be none or lru, not {evict!r}")
         self.address = check_address(address)
         self._gid = None if group is None else group_id(group)
         self._keys = curve.server_keys(self.address, curve_secret, curve_clients, insecure_tcp)
@@ -152,6 +156,7 @@ class Broker:
             self._poller.unregister,
         )
         self.objects = Objects(self.registry, self.lot, self._answer)
+        self.objects.evict_all = evict == "lru"
         self.devices.on_free = self.objects.memory_back
         self.queues = Queues(self.objects)
         self.sessions.on_drop = self.queues.session_gone
@@ -561,6 +566,7 @@ class Broker:
             **self.registry.stats(),
             "clients": self.sessions.clients,
             "clients_by_uid": self.sessions.by_uid(),
+            "evicted": self.objects.eviction.evicted,
             "lanes": 0 if self.lanes is None else len(self.lanes.by_fd),
             "waiters": len(self.lot),
             **self.queues.stats(),

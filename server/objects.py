@@ -18,6 +18,7 @@ from ..common.descriptors import ObjectDesc, grant_class
 from ..common.errors import BrokerError, CapacityError, InvalidRequest, NotFound, Timeout
 from ..common.protocol import Request, reply_error, reply_ok
 from .events import EventLog
+from .eviction import Eviction
 from .parking import ParkingLot, Waiter, secs
 from .registry import Registry, Session, StoredObject
 
@@ -38,6 +39,11 @@ class Objects:
         self.refills: list[tuple[Session, bytes, int]] = []  # grants to top up (refill_later)
         self._waits: dict[str, set[Waiter]] = {}  # key -> waits for many keys that name it
         self.events = EventLog(lot, send)  # every put and delete, for watch_prefix
+        self.evict_all = False  # serve --evict lru: every keyed host object is evictable
+        self.eviction = Eviction(registry, self._evicted)
+
+    def _evicted(self, obj: StoredObject) -> None:
+        self.events.record("delete", obj.key, obj.version)
 
     def answer(self, w: Waiter, payload: bytes) -> None:
         self.lot.unpark(w)
@@ -53,6 +59,7 @@ class Objects:
                 session, f["key"], f["tensors"], f.get("bundle", False),
                 device=f.get("device", "cpu"),
             )  # fmt: skip
+            obj.evictable = obj.device == "cpu" and (self.evict_all or f.get("evictable", False))
             return self.granted(put_id, obj)
 
         return self.grant_or_wait(session, route, req, grant)
@@ -77,6 +84,7 @@ class Objects:
         except BrokerError:
             self.drop_grant(session, put_id)
             raise
+        obj.evictable = self.evict_all or f.get("evictable", False)
         reply = self.seal(session, put_id, keep=False)
         self.refill_later(session, route, obj.block.size)
         return reply
@@ -155,6 +163,7 @@ class Objects:
     def seal(self, session: Session, put_id: int, keep: bool) -> Reply:
         """Publish a keyed put as its key's next version, and answer the gets waiting for it."""
         obj = self.registry.seal(session, put_id, keep)
+        obj.last_use = time.monotonic()
         for w in self.lot.line(("get", obj.key)):
             if w.request.fields.get("after", 0) < obj.version:
                 reply = self.describe(w.session, obj, w.request.id)
@@ -180,6 +189,7 @@ class Objects:
             lease = self.registry.hand_over(session, obj, request_id)
         else:
             lease = self.registry.lease(session, obj, reader=True)
+            obj.last_use = time.monotonic()
         reply = ObjectDesc.wire(obj.key, obj.version, obj.bundle, obj.wire, lease)
         reply["oid"] = obj.oid
         if obj.events is not None:  # and the event this reader records when it lets go

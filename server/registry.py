@@ -92,6 +92,8 @@ class StoredObject:
     oid: int = 0  # its id, never reused: what lease slots hold
     listed: bool = False  # in the directory since sealed: readers' slots may hold it
     granted: bool = False  # a block granted ahead, not yet written (Note [grants])
+    evictable: bool = False  # may be freed to make room (eviction.py)
+    last_use: float = 0.0  # when it was put, or last read through the broker (monotonic)
 
     @property
     def nbytes(self) -> int:
@@ -148,6 +150,8 @@ class Registry:
         first_id: int = 1,
     ) -> None:
         self.arena = arena
+        # Frees evictable objects worth that many bytes; whether it freed any (eviction.py).
+        self.make_room: Callable[[int], bool] | None = None
         self.journal = journal if journal is not None else Journal()
         self.directory, self.slots = directory, slots  # None: every get asks the broker
         self._unlisted: dict[int, StoredObject] = {}  # retired, unleased: slots to be scanned
@@ -275,6 +279,8 @@ class Registry:
         try:
             block = arena.allocate(size, align)
             if block is None and arena is self.arena and self.reclaim():  # scan now, not later
+                block = arena.allocate(size, align)
+            while block is None and arena is self.arena and self.make_room and self.make_room(size):
                 block = arena.allocate(size, align)
         except ShmExhausted as exc:
             raise CapacityError(f"cannot store {key!r} ({format_size(size)}): {exc}") from None

@@ -37,7 +37,7 @@ def _serve(args: argparse.Namespace) -> int:
             address, capacity, devices=devices, state_dir=args.state_dir,
             keep_state=args.state_dir is not None, reset=args.reset,
             curve_secret=args.curve_secret, curve_clients=args.curve_clients,
-            insecure_tcp=args.insecure_tcp, group=args.group,
+            insecure_tcp=args.insecure_tcp, group=args.group, evict=args.evict,
         )  # fmt: skip
     except BrokerError as exc:
         print(f"tensorbroker: {exc}", file=sys.stderr)
@@ -180,6 +180,13 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve tcp:// without keys, on a loopback address only (anyone on this host can "
         "read and delete every tensor)",
+    )
+    serve.add_argument(
+        "--evict",
+        choices=["none", "lru"],
+        default="none",
+        help="lru: when memory is full, free the least recently used objects no one holds "
+        "(default none: only those put with evictable=True)",
     )
     serve.add_argument(
         "--group",

@@ -1,0 +1,64 @@
+"""Eviction (issue 15): a store at its limit keeps working by freeing evictable objects no
+one holds, oldest first; never one someone holds, never one not evictable."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import tensorbroker as tb
+
+MiB = 1 << 20
+
+
+def block(i: int) -> np.ndarray:
+    return np.full(MiB // 8, i, np.int64)  # 1 MiB
+
+
+@pytest.fixture
+def small_broker() -> Iterator[tb.BrokerProcess]:
+    with tb.start_broker("16MiB") as b:
+        yield b
+
+
+def test_a_full_store_frees_the_oldest_evictable_objects(small_broker: tb.BrokerProcess) -> None:
+    with tb.connect(small_broker.address) as c:
+        events = c.watch_prefix("e-", timeout=5)
+        for i in range(40):  # 40 MiB through a 16 MiB store
+            c.put(f"e-{i}", block(i), evictable=True)
+        assert (c.get("e-39").numpy() == 39).all()
+        with pytest.raises(tb.NotFound):
+            c.get("e-0")  # evicted behaves as deleted
+        alive = [i for i in range(40) if c.exists(f"e-{i}")]
+        assert alive == list(range(40 - len(alive), 40))  # the oldest went first
+        stats = c.stats()
+        assert stats["evicted"] == 40 - len(alive) and stats["objects"] == len(alive)
+        seen = [next(events) for _ in range(40 + stats["evicted"])]
+        assert ("delete", "e-0", 1) in seen and ("put", "e-39", 1) in seen
+
+
+def test_an_object_held_or_not_evictable_is_never_evicted(small_broker: tb.BrokerProcess) -> None:
+    with tb.connect(small_broker.address) as c:
+        c.put("keep", block(-1))  # not evictable
+        c.put("held", block(-2), evictable=True)
+        held = c.get("held")  # a reader holds it (a lease slot, or a lease)
+        for i in range(30):
+            c.put(f"e-{i}", block(i), evictable=True)
+        assert c.exists("keep") and c.exists("held")
+        assert (held.numpy() == -2).all() and (c.get("keep").numpy() == -1).all()
+        for i in range(14):  # only what no one may evict, and nothing left to evict
+            c.put(f"fixed-{i}", block(i))
+        with pytest.raises(tb.CapacityError, match="fixed-99"):
+            c.put("fixed-99", block(99))
+        assert c.exists("held") and (held.numpy() == -2).all()
+        del held
+
+
+def test_serve_evict_lru_makes_every_put_evictable() -> None:
+    with tb.start_broker("16MiB", options=["--evict", "lru"]) as b, tb.connect(b.address) as c:
+        for i in range(40):
+            c.put(f"p-{i}", block(i))
+        assert c.exists("p-39") and not c.exists("p-0")
+        assert c.stats()["evicted"] > 0
