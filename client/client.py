@@ -19,7 +19,7 @@ from ..common.errors import BrokerError, BrokerUnavailable, InvalidRequest, NotF
 from ..common.protocol import Op
 from .connection import RECONNECT_TIMEOUT, REQUEST_TIMEOUT, Connection
 from .cuda import DeviceLink
-from .queue import Queue
+from .queue import Queue, Subscription
 from .tensor import Tensor
 from .transfer import Item, Transfer
 from .transport import waits
@@ -230,11 +230,31 @@ class Client:
         consumer. `maxsize` (0: no bound) bounds its items in flight, from a producer's put
         until the consumer lets go of the item; a put waits for a free slot. The first
         nonzero maxsize asked for a queue holds; 0 takes the queue as it is."""
+        return self._open_queue(name, maxsize)
+
+    def broadcast(self, name: str, maxsize: int = 8) -> Queue:
+        """The broadcast queue `name`, made if it does not exist, to publish to: `q.put(x)`
+        gives x to every subscriber (`subscribe`) from one copy in shared memory, and waits
+        while `maxsize` items are in flight: an item is in flight until every subscriber it
+        was given to let go of it, so the producer waits for the slowest. `q.close()` ends
+        every subscriber's loop once it has what was put before."""
+        return self._open_queue(name, maxsize, broadcast=True)
+
+    def subscribe(self, name: str) -> Subscription:
+        """A subscription to the broadcast queue `name` (made if it does not exist): each
+        item put from now on, in order, zero copy. `for item in sub` until the queue is
+        closed; `sub.close()` ends it (so does closing this client, or its process dying)."""
+        q = self._open_queue(name, 0, broadcast=True)
+        reply = self._call(Op.QSUB, queue=q._id, name=name)
+        return Subscription(self._transfer, name, q._id, reply["sub"])
+
+    def _open_queue(self, name: str, maxsize: int, broadcast: bool = False) -> Queue:
         if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 0:
             raise InvalidRequest(
                 f"queue {name!r}: maxsize must be an integer >= 0, not {maxsize!r}"
             )
-        reply = self._call(Op.QOPEN, name=name, maxsize=maxsize)
+        more = {"broadcast": True} if broadcast else {}
+        reply = self._call(Op.QOPEN, name=name, maxsize=maxsize, **more)
         return Queue(self._transfer, name, reply["queue"], reply["maxsize"])
 
     def create(

@@ -142,3 +142,46 @@ class Queue:
     def __repr__(self) -> str:
         bound = f" maxsize={self.maxsize}" if self.maxsize else ""
         return f"<tb.Queue {self.name!r}{bound}>"
+
+
+class Subscription:
+    """Every item put to a broadcast queue since it was made, in order, zero copy. Make one
+    with `client.subscribe(name)`; `for item in sub` until the queue is closed."""
+
+    def __init__(self, transfer: Transfer, name: str, queue_id: int, sub: int) -> None:
+        self.name = name
+        self._transfer = transfer
+        self._id, self._sub = queue_id, sub
+
+    def get(self, timeout: float | None = None) -> Item:
+        """The next item, zero copy (its `version` is its place in the stream). Waits up to
+        `timeout` seconds (None: as long as it takes; 0: Timeout at once). QueueClosed once
+        the queue is closed and this subscription has every item put before."""
+        timeout, wait = waits(timeout)
+        reply = self._transfer.conn.call(
+            Op.QGET, wait, queue=self._id, name=self.name, timeout=timeout, sub=self._sub
+        )
+        return self._transfer.read(reply)
+
+    def close(self) -> None:
+        """End the subscription: the items waiting for it are no longer kept for it."""
+        self._transfer.conn.call(Op.QUNSUB, queue=self._id, name=self.name, sub=self._sub)
+
+    def __iter__(self) -> Iterator[Item]:
+        while True:
+            try:
+                item = self.get()
+            except QueueClosed:
+                return
+            yield item
+            del item  # the generator frame must not keep the item's slot
+
+    def __enter__(self) -> Subscription:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(QueueClosed):
+            self.close()
+
+    def __repr__(self) -> str:
+        return f"<tb.Subscription {self.name!r}>"

@@ -66,6 +66,8 @@ class Op:
     QOPEN = "qopen"  # name, maxsize -> queue id, maxsize
     QPUT = "qput"  # queue, tensors, bundle, timeout -> as put (then seal / abort)
     QGET = "qget"  # queue, timeout -> as get
+    QSUB = "qsub"  # queue -> sub: a subscription to a broadcast queue (its qgets name it)
+    QUNSUB = "qunsub"  # queue, sub
     QCLOSE = "qclose"  # queue
     QINFO = "qinfo"  # queue -> len, maxsize, in_flight, closed
 
@@ -341,7 +343,9 @@ _FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
     Op.PING: {},
     Op.HEARTBEAT: {},
     Op.BYE: {"keep_leases": (_bool, False)},
-    Op.QOPEN: {"name": (check_key, True), "maxsize": (_int, False)},
+    Op.QOPEN: {"name": (check_key, True), "maxsize": (_int, False), "broadcast": (_bool, False)},
+    Op.QSUB: {"queue": (_int, True), "name": (check_key, False)},
+    Op.QUNSUB: {"queue": (_int, True), "sub": (_int, True), "name": (check_key, False)},
     # Queue ops name the queue by the id `qopen` gave; "name" only words their errors.
     Op.QPUT: {
         "queue": (_int, True),
@@ -351,7 +355,12 @@ _FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
         "timeout": (check_timeout, False),
         "device": (check_device, False),
     },
-    Op.QGET: {"queue": (_int, True), "name": (check_key, False), "timeout": (check_timeout, False)},
+    Op.QGET: {
+        "queue": (_int, True),
+        "name": (check_key, False),
+        "timeout": (check_timeout, False),
+        "sub": (_int, False),
+    },
     Op.QCREDIT: {
         "queue": (_int, True),
         "name": (check_key, False),

@@ -191,6 +191,8 @@ class Broker:
             Op.QOPEN: self.queues.open,
             Op.QPUT: self.queues.put,
             Op.QGET: self.queues.get,
+            Op.QSUB: self.queues.subscribe,
+            Op.QUNSUB: self.queues.unsubscribe,
             Op.QCLOSE: self.queues.close,
             Op.QINFO: self.queues.info,
         }

@@ -181,11 +181,13 @@ class Objects:
 
     # -- reading ---------------------------------------------------------------------------
 
-    def describe(self, session: Session, obj: StoredObject, request_id: int) -> Reply:
+    def describe(
+        self, session: Session, obj: StoredObject, request_id: int, shared: bool = False
+    ) -> Reply:
         """The object as a reader sees it, with a new lease of the reader's on it (a queue
         item is handed over to request `request_id`: the reader's lease is then all that
-        keeps it)."""
-        if obj.queue is not None:
+        keeps it; unless `shared`, an item of a broadcast queue, which keeps it too)."""
+        if obj.queue is not None and not shared:
             lease = self.registry.hand_over(session, obj, request_id)
         else:
             lease = self.registry.lease(session, obj, reader=True)

@@ -21,6 +21,16 @@ that its next puts need not ask: a credited slot counts as in flight (`full`), a
 half of a queue's slots are credited ahead at a time (`credit_room`), so a producer that
 holds credits and goes quiet can never starve the others. An unbounded queue needs none.
 A producer that closes or dies gives its credits back.
+
+Note [broadcast]
+~~~~~~~~~~~~~~~~
+A broadcast queue gives every item to each of its subscribers (those subscribed when it was
+sealed), all from the one copy: each gets a lease of its own on the item, and the item
+leaves `items` (retired, freed once the last lease ends) when the last of them took it. Its
+slot is taken until then, so `maxsize` bounds the items in flight until the slowest
+subscriber let go, and the producer waits for it. A subscriber that unsubscribes, closes or
+dies is taken off every item waiting for it. Broadcast queues are not journaled as such: a
+broker that restarts takes them back as ordinary queues, and their subscriptions end.
 """
 
 from __future__ import annotations
@@ -59,6 +69,10 @@ class BrokerQueue:
     pending: int = 0  # of those, items not sealed yet
     sealed: int = 0  # items numbered so far: an item's version is its place in the stream
     credited: int = 0  # slots granted ahead to producers, not yet used
+    # A broadcast queue (Note [broadcast]): its subscribers by id, and for each item waiting
+    # in `items` the subscribers not yet given it. None: an ordinary queue.
+    subs: dict[int, Session] | None = None
+    unseen: dict[int, set[int]] = field(default_factory=dict)  # item's oid -> subscribers
 
     @property
     def full(self) -> bool:
@@ -93,15 +107,23 @@ class Queues:
         self._ids = itertools.count(1)
         self._ended: dict[int, BrokerQueue] = {}  # ended queues, oldest first
         self._roomy: set[BrokerQueue] = set()  # queues that freed a slot since the last look
+        self._sub_ids = itertools.count(1)
 
     def open(self, session: Session, route: bytes, req: Request) -> Reply:
         name, maxsize = req.fields["name"], req.fields.get("maxsize", 0)
+        broadcast = req.fields.get("broadcast", False)
         q = self.by_name.get(name)
         if q is None:
-            q = BrokerQueue(name, next(self._ids), maxsize)
+            q = BrokerQueue(name, next(self._ids), maxsize, subs={} if broadcast else None)
             self.by_name[name] = q
             self.by_id[q.id] = q
             self.registry.journal.queue(q)
+        elif broadcast != (q.subs is not None):
+            kind = "a broadcast queue" if q.subs is not None else "an ordinary queue"
+            raise InvalidRequest(
+                f"queue {name!r} is {kind}: open it with "
+                + ("c.broadcast() or c.subscribe()" if q.subs is not None else "c.queue()")
+            )
         elif maxsize and q.maxsize and maxsize != q.maxsize:
             raise InvalidRequest(
                 f"queue {name!r} is open with maxsize={q.maxsize}, not {maxsize}: open it with "
@@ -202,7 +224,12 @@ class Queues:
         return given
 
     def session_gone(self, session: Session) -> None:
-        """A producer closed or died: its credits go back to their queues."""
+        """A client closed or died: its credits go back to their queues, and its
+        subscriptions end."""
+        for bq in list(self.by_id.values()):
+            if bq.subs is not None:
+                for sub in [sub for sub, s in bq.subs.items() if s is session]:
+                    self._drop_sub(bq, sub)
         for qid, n in session.credits.items():
             q = self.by_id.get(qid)
             if q is not None and n:
@@ -241,7 +268,9 @@ class Queues:
         q.sealed += 1
         obj = self.registry.seal(session, put_id, keep, version=q.sealed)
         q.pending -= 1
-        if q.getters:  # a consumer is waiting: it takes the item now
+        if q.subs is not None:
+            self._publish(q, obj)
+        elif q.getters:  # a consumer is waiting: it takes the item now
             w = q.getters[0]
             reply = self.objects.describe(w.session, obj, w.request.id)
             self.objects.answer(w, reply_ok(w.request.id, **reply))
@@ -249,11 +278,94 @@ class Queues:
             q.items.append(obj)
         return {"version": obj.version}
 
+    # -- broadcast queues (Note [broadcast]) --------------------------------------------------
+
+    def subscribe(self, session: Session, route: bytes, req: Request) -> Reply:
+        """A new subscription: the items sealed from now on, each given to it too."""
+        q = self._queue(req)
+        if q.subs is None:
+            raise InvalidRequest(f"queue {q.name!r} is an ordinary queue: read it with get")
+        sub = next(self._sub_ids)
+        q.subs[sub] = session
+        return {"sub": sub}
+
+    def unsubscribe(self, session: Session, route: bytes, req: Request) -> Reply:
+        q = self.by_id.get(req.fields["queue"])
+        sub = req.fields["sub"]
+        if q is not None and q.subs is not None and q.subs.get(sub) is session:
+            self._drop_sub(q, sub)
+        return {}
+
+    def _publish(self, q: BrokerQueue, obj: StoredObject) -> None:
+        assert q.subs is not None
+        q.items.append(obj)
+        q.unseen[obj.oid] = set(q.subs)
+        for w in list(q.getters):
+            if w.request.fields["sub"] in q.unseen.get(obj.oid, ()):
+                self.objects.answer(w, reply_ok(w.request.id, **self._give(w, obj)))
+        if not q.unseen.get(obj.oid, True):  # no subscriber: no one to give it to
+            self._done_with(q, obj)
+
+    def _give(self, w: Waiter | tuple[Session, Request], obj: StoredObject) -> Reply:
+        """Item `obj` to the subscriber asking in request `w`, on a lease of its own."""
+        session, req = (w.session, w.request) if isinstance(w, Waiter) else w
+        q: BrokerQueue = obj.queue
+        reply = self.objects.describe(session, obj, req.id, shared=True)
+        unseen = q.unseen[obj.oid]
+        unseen.discard(req.fields["sub"])
+        if not unseen:
+            self._done_with(q, obj)
+        return reply
+
+    def _done_with(self, q: BrokerQueue, obj: StoredObject) -> None:
+        """Every subscriber has the item: the queue lets go of it."""
+        q.unseen.pop(obj.oid, None)
+        q.items.remove(obj)
+        self.registry.retire(obj)
+        self._note_if_ended(q)
+
+    def _drop_sub(self, q: BrokerQueue, sub: int) -> None:
+        assert q.subs is not None
+        del q.subs[sub]
+        for obj in list(q.items):
+            unseen = q.unseen[obj.oid]
+            unseen.discard(sub)
+            if not unseen:
+                self._done_with(q, obj)
+
+    def _get_broadcast(
+        self, session: Session, route: bytes, req: Request, q: BrokerQueue
+    ) -> Reply | None:
+        assert q.subs is not None
+        sub = req.fields.get("sub")
+        if sub is None or q.subs.get(sub) is not session:
+            raise InvalidRequest(
+                f"queue {q.name!r} is a broadcast queue: read it through a subscription of "
+                "this client's (c.subscribe), which ends if the broker restarts"
+            )
+        for obj in q.items:
+            if sub in q.unseen[obj.oid]:
+                return self._give((session, req), obj)
+        if q.closed:
+            raise QueueClosed(f"queue {q.name!r} is closed and drained")
+        timeout = req.fields.get("timeout")
+        empty = Timeout(f"queue {q.name!r} has no new item")
+        message = f"queue {q.name!r} had no new item for {secs(timeout)}"
+        self.lot.wait(session, route, req, timeout, q.getters, empty, message)
+        return None
+
     def get(self, session: Session, route: bytes, req: Request) -> Reply | None:
         q = self._queue(req)
         again = self.registry.retake(session, req.id)
         if again is not None:  # sent again after a restart: the item it was handed
             return self.objects.describe(session, again, req.id)
+        if q.subs is not None:
+            return self._get_broadcast(session, route, req, q)
+        if "sub" in req.fields:
+            raise InvalidRequest(
+                f"queue {q.name!r} is not a broadcast queue (any more: the broker restarted, "
+                "and broadcast queues do not carry over): subscribe again"
+            )
         if q.items:
             reply = self.objects.describe(session, q.items.popleft(), req.id)
             self._note_if_ended(q)

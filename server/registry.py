@@ -447,6 +447,11 @@ class Registry:
 
     # -- memory --------------------------------------------------------------------------
 
+    def retire(self, obj: StoredObject) -> None:
+        """No longer live (an item every subscriber of its broadcast queue has): freed once
+        no lease holds it."""
+        self._retire(obj)
+
     def _retire(self, obj: StoredObject, taker: str | None = None, took: int | None = None) -> None:
         obj.live = False
         obj.retired = True

@@ -43,6 +43,7 @@ _WHERE = {
     "connect": ".client.client",
     "KeyEvent": ".client.client",
     "Queue": ".client.queue",
+    "Subscription": ".client.queue",
     "Tensor": ".client.tensor",
 }
 
@@ -53,10 +54,12 @@ __all__ = [
     "CapacityError",
     "Client",
     "InvalidRequest",
+    "KeyEvent",
     "NotFound",
     "ProtocolError",
     "Queue",
     "QueueClosed",
+    "Subscription",
     "Tensor",
     "Timeout",
     "connect",
@@ -68,6 +71,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr_
     from .client.client import KeyEvent as KeyEvent
     from .client.client import connect as connect
     from .client.queue import Queue as Queue
+    from .client.queue import Subscription as Subscription
     from .client.tensor import Tensor as Tensor
     from .common.errors import BrokerError as BrokerError
     from .common.errors import BrokerUnavailable as BrokerUnavailable

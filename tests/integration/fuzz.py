@@ -59,6 +59,8 @@ def valid(rng: random.Random, field: str) -> Any:
         "keys": [[f"k{i}" for i in range(rng.randrange(1, 9))], ["q", "q"]],
         "num": [1, 2, 9],
         "prefix": ["", "k", "frames/"],
+        "broadcast": [True, False],
+        "sub": [rng.randrange(1, 4)],
     }
     return rng.choice(choices.get(field, [0]))
 

@@ -14,15 +14,18 @@ PUBLIC = [
     "CapacityError",
     "Client",
     "InvalidRequest",
+    "KeyEvent",
     "NotFound",
     "ProtocolError",
     "Queue",
     "QueueClosed",
+    "Subscription",
     "Tensor",
     "Timeout",
     "connect",
     "start_broker",
 ]
+NOT_ERRORS = ("BrokerProcess", "Client", "KeyEvent", "Queue", "Subscription", "Tensor")
 
 
 def _run(code: str) -> str:
@@ -44,7 +47,7 @@ def test_all_is_exactly_the_public_names() -> None:
 def test_public_names_are_what_they_say() -> None:
     for name in PUBLIC:
         obj = getattr(tb, name)
-        if name[0].isupper() and name not in ("BrokerProcess", "Client", "Queue", "Tensor"):
+        if name[0].isupper() and name not in NOT_ERRORS:
             assert issubclass(obj, tb.BrokerError), name
         else:
             assert callable(obj), name
