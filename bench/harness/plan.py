@@ -12,6 +12,9 @@ from .config import Settings
 SMALL = 4096
 LATENCY = ("put", "put_nowait", "get", "handoff")
 THROUGHPUT = ("throughput_get", "throughput_putget")
+MANY_KEYS = 100  # get_many: of this many 4 KiB objects
+FANOUT_SIZE = 4 << 20  # fanout: items of this size, to 1 reader (a queue) or 4 (a broadcast)
+FANOUT_READERS = (1, 4)
 MEMORY_METRICS = ("shm_idle", "shm_per_object", "rss_idle", "rss_per_object")
 
 
@@ -35,7 +38,7 @@ class Cell:
         }
 
     def row(self, metric: str) -> Row:
-        if self.scenario in THROUGHPUT:
+        if self.scenario in THROUGHPUT or self.scenario == "fanout":
             return Row(self.scenario, self.clients, metric)
         if self.scenario == "memory":
             return Row(self.scenario, 0, metric)
@@ -46,6 +49,8 @@ class Cell:
             return f"{self.scenario} x{self.clients}"
         if self.scenario == "memory":
             return "memory"
+        if self.scenario == "fanout":
+            return f"fanout {format_size(self.size)} to {self.clients}"
         return f"{self.scenario} {format_size(self.size)}"
 
 
@@ -70,6 +75,8 @@ def cells(settings: Settings, rep: int) -> list[Cell]:
         out.extend(Cell(scenario, size) for scenario in LATENCY)
     for scenario in THROUGHPUT:
         out.extend(Cell(scenario, clients=n) for n in settings.clients)
+    out.append(Cell("get_many", SMALL))
+    out.extend(Cell("fanout", FANOUT_SIZE, clients=n) for n in FANOUT_READERS)
     return out
 
 

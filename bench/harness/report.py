@@ -20,6 +20,10 @@ TITLES = {
     "throughput_get": "4 KiB get ops/s by client processes (higher is better)",
     "throughput_putget": "4 KiB put+get cycles/s by client processes (higher is better)",
     "memory": "memory: 1000 stored 4 KiB objects (lower is better)",
+    "get_many": "get_many: 100 existing 4 KiB objects in one call, as NumPy arrays (lower is "
+    "better)",
+    "fanout": "fanout: 100 items of 4 MiB to 1 reader process (a queue) or 4 (a broadcast "
+    "queue), per item, and the peak shared memory in use (maxsize 8; lower is better)",
 }
 RATIO_NOTE = {
     "latency": "ratio = system / tensorbroker: above 1, slower than tensorbroker.",
@@ -37,7 +41,7 @@ MEMORY_LABELS = {
 def format_value(row: Row, value: float) -> str:
     if row.scenario in THROUGHPUT:
         return f"{value / 1000:.1f} k/s"
-    if row.scenario == "memory":
+    if row.scenario == "memory" or row.metric == "peak_bytes":
         return format_size(value)
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
         if value >= scale:
@@ -50,8 +54,11 @@ def _ratio(ratio: float) -> str:
 
 
 def _param_label(row: Row) -> str:
-    if row.scenario in LATENCY:
+    if row.scenario in (*LATENCY, "get_many"):
         return format_size(row.param)
+    if row.scenario == "fanout":
+        what = "peak memory" if row.metric == "peak_bytes" else "per item"
+        return f"{row.param} reader{'s' if row.param > 1 else ''}, {what}"
     if row.scenario in THROUGHPUT:
         return f"{row.param} client{'s' if row.param > 1 else ''}"
     return MEMORY_LABELS.get(row.metric, row.metric)
@@ -66,10 +73,12 @@ def _table(results: Results, scenario: str) -> list[str]:
     columns = [spec.name for spec in SYSTEMS if spec.name in present]
     if not rows or not columns:
         return []
-    kind = (
-        "latency" if scenario in LATENCY else "throughput" if scenario in THROUGHPUT else "memory"
+    timed = (*LATENCY, "get_many", "fanout")
+    kind = "latency" if scenario in timed else "throughput" if scenario in THROUGHPUT else "memory"
+    heading = {"fanout": "readers"}.get(
+        scenario,
+        "size" if scenario in timed else "clients" if scenario in THROUGHPUT else "metric",
     )
-    heading = "size" if scenario in LATENCY else "clients" if scenario in THROUGHPUT else "metric"
     lines = [
         f"### {TITLES[scenario]}",
         "",

@@ -20,6 +20,8 @@ PUT_OVER_RTT = 1.15  # put of 4 KiB that waits <= 1.15x the raw ZeroMQ round tri
 PUT_NOWAIT_OVER_RTT = 0.2  # ... that does not wait <= 0.2x
 HANDOFF_OVER_MP_QUEUE = 0.8  # handoff of 4 KiB through a queue <= 0.8x multiprocessing.Queue's
 PUTGET_OVER_PLASMA = 1.0  # 4 KiB put+get cycles/s with 1, 2 and 4 clients ahead of Plasma's
+MANY_OVER_GET = 3.0  # get_many of 100 existing 4 KiB objects <= 3x one get
+BROADCAST_OVER_QUEUE = 1.5  # a 4 MiB item to 4 subscribers <= 1.5x one queue to one reader
 
 
 @dataclass
@@ -136,6 +138,7 @@ def check(results: Results, sizes: tuple[int, ...]) -> list[Target]:
         )
     )
     out.extend(_small_ops(results, small))
+    out.extend(_many_and_broadcast(results, small))
     return out
 
 
@@ -195,6 +198,30 @@ def _ahead_everywhere(results: Results, peer: str) -> Target:
     )
 
 
+def _many_and_broadcast(results: Results, small: int) -> list[Target]:
+    """Many keys at once and broadcast (issue 15)."""
+    out = []
+    many = results.median(Row("get_many", small), BASELINE)
+    one = results.median(Row("get", small), BASELINE)
+    r = many / one if many is not None and one else None
+    out.append(_ratio_target(f"get_many of 100 existing {format_size(small)} objects vs one get",
+                             f"<= {MANY_OVER_GET:.0f}x", r,
+                             r is not None and r <= MANY_OVER_GET))  # fmt: skip
+    four = results.median(Row("fanout", 4), BASELINE)
+    one = results.median(Row("fanout", 1), BASELINE)
+    r = four / one if four is not None and one else None
+    out.append(_ratio_target("a 4 MiB item to 4 subscribers vs one queue to one reader",
+                             f"<= {BROADCAST_OVER_QUEUE}x", r,
+                             r is not None and r <= BROADCAST_OVER_QUEUE))  # fmt: skip
+    peak = results.median(Row("fanout", 4, "peak_bytes"), BASELINE)
+    bound = 8 * (4 << 20)  # maxsize 8 items of 4 MiB, each once
+    out.append(Target("broadcast to 4: shared memory, one copy per item in flight",
+                      f"<= {format_size(bound)}",
+                      "n/a" if peak is None else format_size(peak),
+                      None if peak is None else peak <= bound))  # fmt: skip
+    return out
+
+
 SCENARIO_TITLES = {
     "put": "put",
     "put_nowait": "put (wait=False)",
@@ -203,6 +230,8 @@ SCENARIO_TITLES = {
     "throughput_get": "get ops/s",
     "throughput_putget": "put+get ops/s",
     "memory": "memory",
+    "get_many": "get_many",
+    "fanout": "fanout",
 }
 
 

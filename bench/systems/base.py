@@ -22,6 +22,7 @@ import numpy as np
 LATENCY_SCENARIOS = ("put", "put_nowait", "get", "handoff")
 THROUGHPUT_SCENARIOS = ("throughput_get", "throughput_putget")
 SMALL = 4096  # bytes of the objects in throughput and memory runs
+MANY_KEYS = 100  # get_many: objects read in one call (bench/harness/plan.py says so too)
 POOL_SIZE = 4  # client processes kept for throughput runs (runs use 1, 2 or 4)
 HANDOFF_TIMEOUT = 120.0  # seconds a consumer may take to report (mp.Queue moves 1 GiB in ~5 s)
 
@@ -94,6 +95,21 @@ class System:
         """Operations per second over `duration` with `clients` processes."""
         raise NotImplementedError
 
+    def prepare_get_many(self, array: np.ndarray[Any, Any], count: int) -> None:
+        raise NotImplementedError
+
+    def get_many_once(self) -> float:
+        """One read of every object `prepare_get_many` stored, as NumPy arrays."""
+        raise NotImplementedError
+
+    def finish_get_many(self) -> None:
+        pass
+
+    def fanout(self, array: np.ndarray[Any, Any], readers: int) -> Metrics:
+        """Seconds per item of a stream of `array` to `readers` reader processes (each gets
+        every item), and the peak shared memory in use meanwhile."""
+        raise NotImplementedError
+
     def memory(self, count: int, nbytes: int) -> Metrics:
         raise NotImplementedError
 
@@ -110,6 +126,15 @@ class System:
             self.drop_array()
             return self.memory(req.count, SMALL), 1
         array = self.array(req.size)
+        if req.scenario == "fanout":
+            return self.fanout(array, req.clients), 1
+        if req.scenario == "get_many":
+            self.prepare_get_many(array, MANY_KEYS)
+            try:
+                samples = timed_loop(self.get_many_once, req.budget, req.max_iters)
+            finally:
+                self.finish_get_many()
+            return {"value": statistics.median(samples)}, len(samples)
         if req.scenario == "put":
             samples = timed_loop(lambda: self.put_once(array), req.budget, req.max_iters)
         elif req.scenario == "put_nowait":

@@ -5,6 +5,10 @@ put_nowait: `c.put(key, array, wait=False)`: returns once the seal is sent.
 get: `c.get(key)` + `numpy.from_dlpack` of an existing object.
 handoff: through a queue: the consumer is parked in `q.get(timeout=...)` when the producer
 calls `q.put(array)`, and the clock stops when it holds the item as a NumPy array.
+get_many: `c.get_many(keys)` of 100 existing objects, each as a NumPy array.
+fanout: FANOUT_ITEMS items through a queue of maxsize 8 to 1 reader process, or a
+broadcast queue to 4 subscriber processes; from the first put until every reader has every
+item, per item; and the peak of `used_bytes` meanwhile.
 """
 
 from __future__ import annotations
@@ -33,13 +37,16 @@ from .base import (
 
 MEMORY = "4GiB"
 HANDOFF_QUEUE = "handoff"
+FANOUT_ITEMS = 100
+FANOUT_MAXSIZE = 8
 
 
 class TensorBroker(System):
     name = "tensorbroker"
     scenarios = frozenset(
-        {"put", "put_nowait", "get", "handoff", "throughput_get", "throughput_putget", "memory"}
-    )
+        {"put", "put_nowait", "get", "handoff", "throughput_get", "throughput_putget", "memory",
+         "get_many", "fanout"}
+    )  # fmt: skip
 
     def __init__(self) -> None:
         super().__init__()
@@ -49,6 +56,7 @@ class TensorBroker(System):
         self._pool: ClientPool | None = None
         self._queue: tb.Queue | None = None
         self._keys = itertools.count()
+        self._many: list[str] = []
 
     def setup(self) -> dict[str, Any]:
         self._broker = tb.start_broker(memory=MEMORY)
@@ -106,6 +114,50 @@ class TensorBroker(System):
     def finish_get(self) -> None:
         self.client.delete("get")
 
+    def prepare_get_many(self, array: np.ndarray[Any, Any], count: int) -> None:
+        self._many = [f"many-{i}" for i in range(count)]
+        for key in self._many:
+            self.client.put(key, array)
+
+    def finish_get_many(self) -> None:
+        for key in self._many:
+            self.client.delete(key)
+        self._many = []
+
+    def get_many_once(self) -> float:
+        t0 = time.perf_counter()
+        items = self.client.get_many(self._many)
+        views = [np.from_dlpack(item) for item in items.values()]
+        elapsed = time.perf_counter() - t0
+        del views, items
+        return elapsed
+
+    def fanout(self, array: np.ndarray[Any, Any], readers: int) -> Metrics:
+        assert self._broker is not None
+        name = f"fanout-{next(self._keys)}"
+        broadcast = readers > 1
+        q = (
+            self.client.broadcast(name, FANOUT_MAXSIZE)
+            if broadcast
+            else self.client.queue(name, FANOUT_MAXSIZE)
+        )
+        procs = [Consumer(_fanout_reader, (self._broker.address, name, broadcast))
+                 for _ in range(readers)]  # fmt: skip
+        try:
+            for p in procs:
+                p.conn.send(FANOUT_ITEMS)
+            peak, t0 = 0, time.perf_counter()
+            for i in range(FANOUT_ITEMS):
+                q.put(array)
+                if i % 4 == 0:
+                    peak = max(peak, int(self.client.stats()["used_bytes"]))
+            done = max(p.received_at() for p in procs)
+        finally:
+            for p in procs:
+                p.close()
+            q.close()
+        return {"value": (done - t0) / FANOUT_ITEMS, "peak_bytes": float(peak)}
+
     def handoff_once(self, array: np.ndarray[Any, Any]) -> float:
         assert self._consumer is not None and self._queue is not None
         self._consumer.arm(array.nbytes)
@@ -153,6 +205,22 @@ def _backed(state_dir: str) -> int:
         except OSError:
             continue
     return total
+
+
+def _fanout_reader(conn: Connection, address: str, name: str, broadcast: bool) -> None:
+    """Read the number of items the producer sends, then answer when it has them all."""
+    with tb.connect(address) as client:
+        source = client.subscribe(name) if broadcast else client.queue(name)
+        conn.send("ready")
+        count = conn.recv()
+        if count is None:
+            return
+        for _ in range(count):
+            item = source.get(timeout=60.0)
+            view = np.from_dlpack(item)
+            del view, item
+        conn.send(time.perf_counter())
+        conn.recv()  # None: done
 
 
 def _consumer(conn: Connection, address: str) -> None:
