@@ -210,20 +210,21 @@ class Client:
         then. `timeout` bounds each wait for the next event (then Timeout); None waits as
         long as it takes. Where "now" is, is fixed before this returns."""
         timeout, wait = waits(timeout)
-        start = self._call(Op.WATCH_PREFIX, prefix=prefix)["next"]
+        start = self._call(Op.WATCH_PREFIX, prefix=prefix)
 
-        def follow(after: int) -> Iterator[KeyEvent]:
+        def follow(after: int, run: int) -> Iterator[KeyEvent]:
             while True:
                 reply = self._call(
-                    Op.WATCH_PREFIX, prefix=prefix, after=after, timeout=timeout, wait=wait
-                )
+                    Op.WATCH_PREFIX, prefix=prefix, after=after, run=run, timeout=timeout,
+                    wait=wait,
+                )  # fmt: skip
                 if reply.get("overflowed"):
                     yield KeyEvent("overflowed", None, None)
                 for _, event, key, version in reply["events"]:
                     yield KeyEvent(event, key, version)
-                after = reply["next"]
+                after, run = reply["next"], reply["run"]
 
-        return follow(start)
+        return follow(start["next"], start["run"])
 
     def queue(self, name: str, maxsize: int = 0) -> Queue:
         """The pipeline queue `name`, made if it does not exist: FIFO, each item to one

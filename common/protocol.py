@@ -53,8 +53,8 @@ class Op:
     QCREDIT = "qcredit"  # queue, timeout -> credits (waits, as a qput, for a free slot)
     GET = "get"  # key, timeout (None: wait forever), after -> object descriptor with a lease
     WAIT = "wait"  # keys, num, timeout -> keys: those that exist once `num` do, or at timeout
-    WATCH_PREFIX = "watchp"  # prefix, after, timeout -> events [[n, kind, key, version], ...],
-    # next (the number to ask after next), overflowed (events were missed)
+    WATCH_PREFIX = "watchp"  # prefix, after, run, timeout -> events [[n, kind, key, version],
+    # ...], next (the number to ask after next), run (whose numbers), overflowed (some missed)
     DELETE = "delete"  # key
     EXISTS = "exists"  # key -> exists
     KEYS = "keys"  # -> keys
@@ -333,6 +333,7 @@ _FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
     Op.WATCH_PREFIX: {
         "prefix": (check_prefix, True),
         "after": (_int, False),
+        "run": (_int, False),
         "timeout": (check_timeout, False),
     },
     Op.DELETE: {"key": (check_key, True)},

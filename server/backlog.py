@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 SNDHWM = 64  # replies queued in ZeroMQ per client; the rest wait here
 REPLY_BACKLOG = 64 << 20  # bytes of replies held here after which a client is cut off
 RETRY_S = 0.01  # how often the broker's loop tries again while replies wait here
+CUT_REMEMBERED = 4096  # routes cut off, remembered (forgetting one costs only a new backlog)
 
 
 class Backlogs:
@@ -58,6 +59,8 @@ class Backlogs:
         if self._bytes[route] > REPLY_BACKLOG:
             log.warning("cut off a client that left %d bytes of replies unread", self._bytes[route])
             self._forget(route)
+            if len(self._cut) >= CUT_REMEMBERED:  # routes that went away never send again
+                self._cut.clear()
             self._cut.add(route)
             self._cut_off(route)
 

@@ -156,7 +156,7 @@ class Broker:
             self._poller.unregister,
         )
         self.objects = Objects(self.registry, self.lot, self._answer)
-        self.objects.evict_all = evict == "lru"
+        self.objects.eviction.every_object = evict == "lru"
         self.devices.on_free = self.objects.memory_back
         self.queues = Queues(self.objects)
         self.sessions.on_drop = self.queues.session_gone
@@ -262,6 +262,9 @@ class Broker:
             router.bind(self.address)
         except zmq.ZMQError as exc:
             router.close()
+            if self._authenticator is not None:
+                self._authenticator.stop()
+                self._authenticator = None
             raise AddressInUse(
                 f"cannot serve on {self.address}: {exc}. Is another broker running there? "
                 "Stop it or choose another --address."
@@ -379,6 +382,10 @@ class Broker:
                         self._lane_ready(self.lanes, item, flags)
             finally:
                 self._commit()
+            # Only now that this batch's events are handled may their descriptors go.
+            self.sessions.close_let_go()
+            if self.lanes is not None:
+                self.lanes.close_let_go()
             if self.objects.refills:
                 self._refill()
             if self._backlogs:
@@ -407,9 +414,9 @@ class Broker:
         if self.devices.quarantine or self.registry.scanning:
             timeout = min(timeout if timeout is not None else RECLAIM_POLL, RECLAIM_POLL)
         if self.sessions.unwatched:
-            timeout = min(timeout or HEARTBEAT_INTERVAL, HEARTBEAT_INTERVAL)
+            timeout = min(timeout if timeout is not None else math.inf, HEARTBEAT_INTERVAL)
         if self._backlogs:
-            timeout = min(timeout or backlog.RETRY_S, backlog.RETRY_S)
+            timeout = min(timeout if timeout is not None else math.inf, backlog.RETRY_S)
         return -1 if timeout is None else int(min(timeout, MAX_POLL_S) * 1000) + 1
 
     def _begin(self) -> None:

@@ -10,6 +10,7 @@ one that does not always knows it.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,9 @@ class EventLog:
         self._events: list[Event] = []
         self._first = 1  # the number of _events[0]
         self.last = 0  # the number of the last event
+        # This broker's numbering: a watcher that saw another's (a broker that restarted
+        # numbers from 1 again) may have missed events, and is told so.
+        self.run = secrets.randbits(48)
 
     def record(self, kind: str, key: str, version: int) -> None:
         self.last += 1
@@ -38,7 +42,7 @@ class EventLog:
             del self._events[:LOG_EVENTS]
             self._first = self._events[0][0]
         for w in self.lot.line(WATCHERS):
-            if key.startswith(w.request.fields["prefix"]):
+            if not w.done and key.startswith(w.request.fields["prefix"]):
                 self.lot.unpark(w)
                 answer = self._since(w.request.fields["prefix"], w.request.fields["after"])
                 self._send(w.route, reply_ok(w.request.id, **answer))
@@ -47,9 +51,10 @@ class EventLog:
         """The events after `after` under `prefix`; without `after`, where the log is now."""
         prefix, after = req.fields["prefix"], req.fields.get("after")
         if after is None:
-            return {"events": [], "next": self.last}
-        if after > self.last or after < self._first - 1:  # restarted, or fell behind
-            return {"events": [], "next": self.last, "overflowed": True}
+            return {"events": [], "next": self.last, "run": self.run}
+        restarted = req.fields.get("run", self.run) != self.run or after > self.last
+        if restarted or after < self._first - 1:  # or fell behind
+            return {"events": [], "next": self.last, "run": self.run, "overflowed": True}
         answer = self._since(prefix, after)
         if answer["events"] or req.fields.get("timeout", None) == 0.0:
             return answer
@@ -69,5 +74,5 @@ class EventLog:
             if event[2].startswith(prefix):
                 out.append(event)
                 if len(out) == BATCH:
-                    return {"events": out, "next": event[0]}
-        return {"events": out, "next": self.last}
+                    return {"events": out, "next": event[0], "run": self.run}
+        return {"events": out, "next": self.last, "run": self.run}

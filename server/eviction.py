@@ -20,28 +20,39 @@ class Eviction:
     def __init__(self, registry: Registry, on_evict: Callable[[StoredObject], None]) -> None:
         self.registry, self.on_evict = registry, on_evict
         self.evicted = 0
+        self.every_object = False  # serve --evict lru
         registry.make_room = self.make_room
 
+    def evictable(self, obj: StoredObject) -> bool:
+        return obj.device == "cpu" and (obj.evictable or self.every_object)
+
     def make_room(self, size: int) -> bool:
-        """Evict least recently used objects worth `size` bytes (fewer if there are not as
-        many), and free what no reader holds now; whether any was evicted."""
-        registry = self.registry
+        """Evict least recently used objects until `size` more bytes could be free, and free
+        what no reader holds now; whether any was evicted. Nothing is evicted if even all of
+        them would not make room (a put larger than the store must not empty it), nor while
+        clients of a broker that died are not all back (their leases are not counted yet)."""
+        registry, arena = self.registry, self.registry.arena
+        if registry.adopted or size > arena.capacity:
+            return False
         held = registry.slots.held() if registry.slots is not None else {}
         candidates = sorted(
             (
                 obj
                 for obj in registry.objects.values()
-                if obj.evictable and obj.leases == 0 and obj.oid not in held
+                if self.evictable(obj) and obj.leases == 0 and obj.oid not in held
             ),
             key=lambda obj: obj.last_use,
         )
+        if arena.free_bytes + sum(obj.block.size for obj in candidates) < size:
+            return False
+        short = max(size - arena.free_bytes, 1)  # a free block large enough may still lack
         freed = 0
         for obj in candidates:
-            if freed >= size:
+            if freed >= short:
                 break
             registry.delete(obj.key)
             self.evicted += 1
-            freed += obj.nbytes
+            freed += obj.block.size
             self.on_evict(obj)
         if freed:
             registry.reclaim()  # the slots again, after the directory lost them

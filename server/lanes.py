@@ -86,6 +86,7 @@ class Lanes:
         self._watch, self._unwatch, self._route_gone = watch, unwatch, route_gone
         self.by_fd: dict[int, Lane] = {}
         self.by_route: dict[bytes, Lane] = {}
+        self._to_close: list[socket.socket] = []
         self._ids = itertools.count(1)
         self._listener: socket.socket | None = None
         self._inode: int | None = None
@@ -212,12 +213,19 @@ class Lanes:
         self._unwatch(fd)
         del self.by_fd[fd]
         del self.by_route[lane.route]
-        lane.sock.close()
+        self._to_close.append(lane.sock)  # after the batch: see Sessions.to_close
         self._route_gone(lane.route)
+
+    def close_let_go(self) -> None:
+        """Close the sockets of the lanes closed during the last batch."""
+        socks, self._to_close = self._to_close, []
+        for sock in socks:
+            sock.close()
 
     def close(self) -> None:
         for lane in list(self.by_fd.values()):
             self._close(lane)
+        self.close_let_go()
         if self._listener is not None:
             if self.paused_until is None:
                 self._unwatch(self._listener.fileno())

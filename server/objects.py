@@ -39,7 +39,6 @@ class Objects:
         self.refills: list[tuple[Session, bytes, int]] = []  # grants to top up (refill_later)
         self._waits: dict[str, set[Waiter]] = {}  # key -> waits for many keys that name it
         self.events = EventLog(lot, send)  # every put and delete, for watch_prefix
-        self.evict_all = False  # serve --evict lru: every keyed host object is evictable
         self.eviction = Eviction(registry, self._evicted)
 
     def _evicted(self, obj: StoredObject) -> None:
@@ -59,7 +58,7 @@ class Objects:
                 session, f["key"], f["tensors"], f.get("bundle", False),
                 device=f.get("device", "cpu"),
             )  # fmt: skip
-            obj.evictable = obj.device == "cpu" and (self.evict_all or f.get("evictable", False))
+            obj.evictable = f.get("evictable", False)
             return self.granted(put_id, obj)
 
         return self.grant_or_wait(session, route, req, grant)
@@ -84,7 +83,7 @@ class Objects:
         except BrokerError:
             self.drop_grant(session, put_id)
             raise
-        obj.evictable = self.evict_all or f.get("evictable", False)
+        obj.evictable = f.get("evictable", False)
         reply = self.seal(session, put_id, keep=False)
         self.refill_later(session, route, obj.block.size)
         return reply
@@ -165,10 +164,14 @@ class Objects:
         obj = self.registry.seal(session, put_id, keep)
         obj.last_use = time.monotonic()
         for w in self.lot.line(("get", obj.key)):
+            if w.done:  # answered in this loop already (its client cut off, say)
+                continue
             if w.request.fields.get("after", 0) < obj.version:
                 reply = self.describe(w.session, obj, w.request.id)
                 self.answer(w, reply_ok(w.request.id, **reply))
         for w in list(self._waits.get(obj.key, ())):
+            if w.done:
+                continue
             present = self._present(w.request)
             if len(present) >= w.request.fields["num"]:
                 self.answer(w, reply_ok(w.request.id, keys=present))
@@ -227,11 +230,10 @@ class Objects:
         timeout = req.fields.get("timeout", 0.0)
         if len(present) >= num or timeout == 0.0:
             return {"keys": present}
-        missing = [k for k in keys if k not in self.registry.objects]
         w = self.lot.park(session, route, req, timeout, deque(), "")
 
         def leave() -> None:
-            for key in missing:
+            for key in keys:
                 waits = self._waits.get(key)
                 if waits is not None:
                     waits.discard(w)
@@ -240,7 +242,7 @@ class Objects:
 
         w.at_deadline = lambda: reply_ok(req.id, keys=self._present(req))
         w.on_leave = leave
-        for key in missing:
+        for key in keys:  # every key: one there now may go, and come back
             self._waits.setdefault(key, set()).add(w)
         return None
 

@@ -301,7 +301,7 @@ class Queues:
         q.items.append(obj)
         q.unseen[obj.oid] = set(q.subs)
         for w in list(q.getters):
-            if w.request.fields["sub"] in q.unseen.get(obj.oid, ()):
+            if not w.done and w.request.fields["sub"] in q.unseen.get(obj.oid, ()):
                 self.objects.answer(w, reply_ok(w.request.id, **self._give(w, obj)))
         if not q.unseen.get(obj.oid, True):  # no subscriber: no one to give it to
             self._done_with(q, obj)
@@ -325,8 +325,13 @@ class Queues:
         self._note_if_ended(q)
 
     def _drop_sub(self, q: BrokerQueue, sub: int) -> None:
+        """End a subscription: its gets waiting end (QueueClosed: a subscriber's loop ends),
+        and the items waiting for it no longer do."""
         assert q.subs is not None
         del q.subs[sub]
+        for w in [w for w in q.getters if w.request.fields.get("sub") == sub]:
+            ended = QueueClosed(f"the subscription to queue {q.name!r} ended")
+            self.objects.answer(w, reply_error(w.request.id, ended))
         for obj in list(q.items):
             unseen = q.unseen[obj.oid]
             unseen.discard(sub)

@@ -373,6 +373,7 @@ class Registry:
                 del self.objects[obj.key]
             elif obj.queue is not None and obj in obj.queue.items:
                 obj.queue.items.remove(obj)
+                obj.queue.unseen.pop(obj.oid, None)  # a broadcast queue's
             self._retire(obj)
         return lost
 

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL = 0.25  # asked of clients the broker cannot watch
 HEARTBEAT_TIMEOUT = 1.0  # silence after which such a client counts as dead
 RESUME_GRACE = 30.0  # how long an adopted client the broker cannot watch has to come back
-MAX_SESSIONS = 16384  # sessions at once (closed ones kept for their arrays count)
+MAX_SESSIONS = 16384  # sessions open at once
 MAX_SESSIONS_PER_PROCESS = 1024  # of those, sessions of one process
 
 
@@ -50,6 +50,10 @@ class Sessions:
         # One pidfd per process, however many sessions it has: pidfd -> its sessions.
         self.pidfds: dict[int, set[Session]] = {}
         self._pidfd_of: dict[tuple[int, int | None], int] = {}  # (pid, start time) -> pidfd
+        # Pidfds let go of, closed only once the loop has handled its batch of events: closed
+        # at once, a number could be reused by a new pidfd within the batch and get the old
+        # one's event (a live process taken for dead).
+        self.to_close: list[int] = []
         self.unwatched: set[Session] = set()  # kept alive by heartbeats
         self.on_drop: Callable[[Session], None] = lambda session: None  # before its puts end
 
@@ -119,13 +123,15 @@ class Sessions:
     def _check_room(self, pid: int | None) -> None:
         """CapacityError if a new session (of process `pid`, if the kernel named one) would
         be one too many."""
-        if len(self.by_token) >= MAX_SESSIONS:
+        if self.clients >= MAX_SESSIONS:  # open ones: a closed one is only its arrays' leases
             raise CapacityError(
-                f"this broker has {len(self.by_token)} sessions, its limit: close the clients "
+                f"this broker has {self.clients} sessions open, its limit: close the clients "
                 "you no longer use (Client.close, or `with tb.connect() as c`)"
             )
         pidfd = None if pid is None else self._pidfd_of.get((pid, host.start_time(pid)))
-        if pidfd is not None and len(self.pidfds[pidfd]) >= MAX_SESSIONS_PER_PROCESS:
+        if pidfd is not None and sum(not s.closed for s in self.pidfds[pidfd]) >= (
+            MAX_SESSIONS_PER_PROCESS
+        ):
             raise CapacityError(
                 f"process {pid} has {MAX_SESSIONS_PER_PROCESS} sessions open, the limit for "
                 "one process: share one client between threads, or close the ones you no "
@@ -158,7 +164,7 @@ class Sessions:
         if not sessions:  # the process's last session
             self._unwatch_fd(pidfd)
             del self.pidfds[pidfd], self._pidfd_of[(session.pid or 0, session.start_time)]
-            os.close(pidfd)
+            self.to_close.append(pidfd)  # by the loop, after this batch (Broker._loop)
 
     def shared(self, session: Session | None) -> dict[str, Any]:
         """Where a client finds the directory and (if it has one) its lease-slot region."""
@@ -284,7 +290,14 @@ class Sessions:
                 counts[uid] = counts.get(uid, 0) + 1
         return counts
 
+    def close_let_go(self) -> None:
+        """Close the pidfds let go of during the last batch."""
+        fds, self.to_close = self.to_close, []
+        for fd in fds:
+            os.close(fd)
+
     def close(self) -> None:
+        self.close_let_go()
         for fd in list(self.pidfds):
             os.close(fd)
         self.pidfds.clear()

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -113,3 +114,21 @@ def test_subscriptions_start_now_and_can_end(client: tb.Client) -> None:
     q.close()
     with pytest.raises(tb.QueueClosed):
         first.get(timeout=5)
+
+
+def test_closing_a_subscription_ends_a_loop_waiting_in_another_thread(client: tb.Client) -> None:
+    client.broadcast("bcast-end")
+    sub = client.subscribe("bcast-end")
+    ended = threading.Event()
+
+    def loop() -> None:
+        for _ in sub:
+            pass
+        ended.set()
+
+    reader = threading.Thread(target=loop)
+    reader.start()
+    time.sleep(0.3)  # parked in its get
+    sub.close()
+    reader.join(10)
+    assert ended.is_set()

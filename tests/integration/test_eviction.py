@@ -62,3 +62,16 @@ def test_serve_evict_lru_makes_every_put_evictable() -> None:
             c.put(f"p-{i}", block(i))
         assert c.exists("p-39") and not c.exists("p-0")
         assert c.stats()["evicted"] > 0
+
+
+def test_a_put_that_cannot_fit_evicts_nothing(small_broker: tb.BrokerProcess) -> None:
+    with tb.connect(small_broker.address) as c:
+        for i in range(4):
+            c.put(f"e-{i}", block(i), evictable=True)
+        with pytest.raises(tb.CapacityError):
+            c.put("huge", np.zeros(20 * MiB // 8, np.int64), evictable=True)  # > the store
+        c.put("fixed", np.zeros(6 * MiB // 8, np.int64))  # not evictable
+        with pytest.raises(tb.CapacityError):  # 6 MiB free at most, and 4 evictable: not 12
+            c.put("big", np.zeros(12 * MiB // 8, np.int64))
+        assert c.stats()["evicted"] == 0
+        assert all(c.exists(f"e-{i}") for i in range(4))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -101,3 +102,20 @@ c = tb.connect(sys.argv[1])
 print("waiting", flush=True)
 c.wait(["never-0", "never-1"])
 """
+
+
+def test_wait_wakes_for_a_key_that_went_and_came_back(client: tb.Client) -> None:
+    client.put("back-a", np.zeros(1))
+    result: list[list[str]] = []
+    waiter = threading.Thread(
+        target=lambda: result.append(client.wait(["back-a", "back-b"], num=2, timeout=20))
+    )
+    start = time.monotonic()
+    waiter.start()
+    time.sleep(0.2)
+    client.delete("back-a")
+    client.put("back-b", np.zeros(1))  # one of two: not yet
+    client.put("back-a", np.zeros(1))  # the key that was there when it parked, back
+    waiter.join(30)
+    assert result == [["back-a", "back-b"]]
+    assert time.monotonic() - start < 10, "answered only at its timeout"

@@ -4,6 +4,7 @@ behind is told so."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from collections import defaultdict
@@ -72,3 +73,17 @@ def test_a_watch_times_out_and_names_its_prefix(client: tb.Client) -> None:
         next(client.watch_prefix("quiet/", timeout=0.2))
     with pytest.raises(tb.InvalidRequest, match="prefix"):
         next(client.watch_prefix(7, timeout=0.2))  # type: ignore[arg-type]
+
+
+def test_a_watcher_of_a_broker_that_restarted_is_told_it_may_have_missed_events() -> None:
+    with tb.start_broker("64MiB") as b, tb.connect(b.address) as c:
+        events = c.watch_prefix("p/", timeout=30)
+        for i in range(3):
+            c.put(f"p/old{i}", np.zeros(1))
+        assert [next(events).key for _ in range(3)] == ["p/old0", "p/old1", "p/old2"]
+        b.send_signal(signal.SIGKILL)
+        b.wait(10)
+        b.restart()
+        for i in range(5):  # the new broker numbers these from 1 again
+            c.put(f"p/new{i}", np.zeros(1))
+        assert next(events) == ("overflowed", None, None)
