@@ -9,7 +9,7 @@ out. `maxsize` bounds the items in flight (see Note [queue slots] in server/queu
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, overload
 
 from ..common.errors import QueueClosed
@@ -131,13 +131,7 @@ class Queue:
 
     def __iter__(self) -> Iterator[Item]:
         """Items as they come, until the queue is closed and drained."""
-        while True:
-            try:
-                item = self.get()
-            except QueueClosed:
-                return
-            yield item
-            del item  # the generator frame must not keep the item's slot
+        return _until_closed(self.get)
 
     def __repr__(self) -> str:
         bound = f" maxsize={self.maxsize}" if self.maxsize else ""
@@ -168,13 +162,8 @@ class Subscription:
         self._transfer.conn.call(Op.QUNSUB, queue=self._id, name=self.name, sub=self._sub)
 
     def __iter__(self) -> Iterator[Item]:
-        while True:
-            try:
-                item = self.get()
-            except QueueClosed:
-                return
-            yield item
-            del item  # the generator frame must not keep the item's slot
+        """Items as they come, until the queue is closed (or the subscription ends)."""
+        return _until_closed(self.get)
 
     def __enter__(self) -> Subscription:
         return self
@@ -185,3 +174,13 @@ class Subscription:
 
     def __repr__(self) -> str:
         return f"<tb.Subscription {self.name!r}>"
+
+
+def _until_closed(get: Callable[[], Item]) -> Iterator[Item]:
+    while True:
+        try:
+            item = get()
+        except QueueClosed:
+            return
+        yield item
+        del item  # the generator frame must not keep the item's slot

@@ -351,13 +351,17 @@ class Queues:
         for obj in q.items:
             if sub in q.unseen[obj.oid]:
                 return self._give((session, req), obj)
+        self._wait_for_item(session, route, req, q)
+        return None
+
+    def _wait_for_item(self, session: Session, route: bytes, req: Request, q: BrokerQueue) -> None:
+        """Park a get until an item comes (QueueClosed if none will)."""
         if q.closed:
             raise QueueClosed(f"queue {q.name!r} is closed and drained")
         timeout = req.fields.get("timeout")
-        empty = Timeout(f"queue {q.name!r} has no new item")
-        message = f"queue {q.name!r} had no new item for {secs(timeout)}"
+        empty = Timeout(f"queue {q.name!r} is empty")
+        message = f"queue {q.name!r} stayed empty for {secs(timeout)}"
         self.lot.wait(session, route, req, timeout, q.getters, empty, message)
-        return None
 
     def get(self, session: Session, route: bytes, req: Request) -> Reply | None:
         q = self._queue(req)
@@ -375,12 +379,7 @@ class Queues:
             reply = self.objects.describe(session, q.items.popleft(), req.id)
             self._note_if_ended(q)
             return reply
-        if q.closed:
-            raise QueueClosed(f"queue {q.name!r} is closed and drained")
-        timeout = req.fields.get("timeout")
-        empty = Timeout(f"queue {q.name!r} is empty")
-        message = f"queue {q.name!r} stayed empty for {secs(timeout)}"
-        self.lot.wait(session, route, req, timeout, q.getters, empty, message)
+        self._wait_for_item(session, route, req, q)
         return None
 
     def close(self, session: Session, route: bytes, req: Request) -> Reply:
