@@ -4,10 +4,14 @@ It binds the address, handles signals, reads requests in arrival order, ends the
 one carries, dispatches it to the module that owns its concern, and sends the replies:
 
     sessions.py   hello, bye, pidfds and heartbeats: who the clients are and when one is gone
-    objects.py    keyed objects: put, seal, abort, get and watch, delete, exists, keys
+    objects.py    keyed objects: put, seal, abort, get and watch, wait, delete, exists, keys
+                  (events.py: watch_prefix; eviction.py: room made when memory is full)
     queues.py     pipeline queues: open, put, get, close, info, and their slots
     parking.py    every request that waits, and its deadline
     registry.py   objects, versions, leases and memory (arena.py, devices.py below it)
+    lanes.py      the Unix stream sockets beside an ipc:// address; backlog.py: ZeroMQ
+                  replies a client has not taken yet
+    sockets.py    the address and descriptors as the OS sees them (peers, fd limit, --group)
 
 Every handler but hello's and ping's is given the sender's session; a request from a socket
 that has not said hello is refused before any handler runs.
@@ -18,7 +22,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import resource
 import signal
 import socket
 import threading
@@ -48,9 +51,7 @@ from ..common.protocol import (
     Budget,
     Op,
     Request,
-    decode,
     decode_request,
-    encode,
     parse_request,
     reply_error,
     reply_ok,
@@ -63,8 +64,9 @@ from .lanes import Lanes
 from .objects import Objects
 from .parking import ParkingLot
 from .queues import Queues
-from .registry import Peer, Registry, Session, StoredObject
+from .registry import Registry, Session, StoredObject
 from .sessions import HEARTBEAT_INTERVAL, Sessions
+from .sockets import AddressInUse, frame_peer, raise_fd_limit, refuse_if_served, share_sockets
 from .state import Recovered, State
 
 log = logging.getLogger(__name__)
@@ -78,10 +80,6 @@ DRAIN_BATCH = 512  # requests handled before the loop looks at timers and pidfds
 _EVENTS, _POLLIN, _POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
 
 Handler = Callable[[Session, bytes, Request], "dict[str, Any] | None"]
-
-
-class AddressInUse(BrokerError):
-    code = "unavailable"
 
 
 class Broker:
@@ -117,7 +115,7 @@ class Broker:
         self._keys = curve.server_keys(self.address, curve_secret, curve_clients, insecure_tcp)
         self._authenticator: ThreadAuthenticator | None = None
         self._shm_dir, self.keep_state = shm_dir, keep_state
-        _refuse_if_served(self.address)  # before the state: say who serves the address
+        refuse_if_served(self.address)  # before the state: say who serves the address
         self.state = state = State(
             state_dir or default_state_dir(self.address), reset=reset, shm_dir=shm_dir
         )
@@ -239,7 +237,7 @@ class Broker:
 
     def bind(self) -> None:
         """Bind the address; AddressInUse if another broker answers there."""
-        _raise_fd_limit()
+        raise_fd_limit()
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
@@ -596,72 +594,5 @@ class Broker:
         }
 
 
-def share_sockets(gid: int, *paths: str | None) -> None:
-    """Let the members of group `gid` connect to the sockets at `paths` (mode 0660), and into
-    their folder (0750: in, but not to write there), which must be this user's own."""
-    sockets = [p for p in paths if p is not None]
-    folder = os.path.dirname(sockets[0])
-    if os.lstat(folder).st_uid != os.getuid() or os.path.islink(folder):
-        raise BrokerError(
-            f"--group: {folder} is not a folder of yours, so the broker will not open it to "
-            "the group: serve at an address in a folder of yours"
-        )
-    try:
-        for path, mode in ((folder, 0o750), *((p, 0o660) for p in sockets)):
-            os.chown(path, -1, gid)
-            os.chmod(path, mode)
-    except PermissionError as exc:
-        raise BrokerError(
-            f"--group: cannot give {exc.filename} to group {gid}: this user must be a member "
-            "of the group"
-        ) from None
-
-
-def frame_peer(frame: zmq.Frame) -> Peer | None:
-    """The process that sent `frame` over an ipc:// connection, as the kernel gave it to
-    ZeroMQ (SO_PEERCRED, which libzmq appends to the peer's address: "...:uid:gid:pid"); no
-    pid where the kernel cannot say (a process in another pid namespace: 0)."""
-    address = frame.get("Peer-Address")
-    ids = address.split(":")[-3:] if isinstance(address, str) else []
-    if len(ids) != 3 or not all(part.isdigit() for part in ids):
-        return None
-    return Peer(int(ids[2]) or None, int(ids[0]))
-
-
-def _raise_fd_limit() -> None:
-    """Each client's sockets and pidfd are descriptors of this process: take all the kernel
-    allows (the soft limit, often 1024, up to the hard one)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY:  # the kernel takes at most fs.nr_open
-        hard = 1 << 20
-    if soft != hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        except (ValueError, OSError) as exc:
-            log.warning("could not raise the open-files limit from %d to %d: %s", soft, hard, exc)
-
-
 def _nothing(session: Session, route: bytes, req: Request) -> None:
     return None
-
-
-def _refuse_if_served(address: str) -> None:
-    """AddressInUse if a broker answers at `address`."""
-    path = ipc_path(address)
-    if path is not None and not os.path.exists(path):
-        return
-    ctx = zmq.Context()
-    probe = ctx.socket(zmq.DEALER)
-    probe.setsockopt(zmq.LINGER, 0)
-    try:
-        probe.connect(address)
-        probe.send(encode({"op": Op.PING, "id": 1}))
-        if probe.poll(500):
-            pid = decode(probe.recv()).get("pid")
-            raise AddressInUse(
-                f"a broker (pid {pid}) already serves {address}; stop it "
-                "(kill it, or systemctl stop) or choose another --address"
-            )
-    finally:
-        probe.close()
-        ctx.term()

@@ -302,13 +302,13 @@ class Queues:
         q.unseen[obj.oid] = set(q.subs)
         for w in list(q.getters):
             if not w.done and w.request.fields["sub"] in q.unseen.get(obj.oid, ()):
-                self.objects.answer(w, reply_ok(w.request.id, **self._give(w, obj)))
+                reply = self._give(w.session, w.request, obj)
+                self.objects.answer(w, reply_ok(w.request.id, **reply))
         if not q.unseen.get(obj.oid, True):  # no subscriber: no one to give it to
             self._done_with(q, obj)
 
-    def _give(self, w: Waiter | tuple[Session, Request], obj: StoredObject) -> Reply:
-        """Item `obj` to the subscriber asking in request `w`, on a lease of its own."""
-        session, req = (w.session, w.request) if isinstance(w, Waiter) else w
+    def _give(self, session: Session, req: Request, obj: StoredObject) -> Reply:
+        """Item `obj` to the subscriber asking in `req`, on a lease of its own."""
         q: BrokerQueue = obj.queue
         reply = self.objects.describe(session, obj, req.id, shared=True)
         unseen = q.unseen[obj.oid]
@@ -350,7 +350,7 @@ class Queues:
             )
         for obj in q.items:
             if sub in q.unseen[obj.oid]:
-                return self._give((session, req), obj)
+                return self._give(session, req, obj)
         self._wait_for_item(session, route, req, q)
         return None
 

@@ -79,15 +79,15 @@ class Sessions:
             log.info("%s is back (%d leases lost)", session, len(lost))
             self._settle_if_all_back()
         if session is None:
-            pid = None if peer is None else peer.pid
-            self._check_room(pid)
             # The kernel's word for the process, never the client's claim: a session the
             # kernel cannot name (tcp://, another pid namespace) is kept by heartbeats.
+            pid = None if peer is None else peer.pid
             boot, started = None, None
             if pid is not None:
                 if f.get("pid") != pid:
                     log.info("hello claims pid %s; the kernel says %s", f.get("pid"), pid)
                 boot, started = host.boot_id(), host.start_time(pid)
+            self._check_room(pid, started)
             session = Session(token, pid, boot, started, last_seen=time.monotonic())
             session.uid = None if peer is None else peer.uid
             if not self._watch(session):
@@ -120,15 +120,15 @@ class Sessions:
             **self.shared(session),
         }
 
-    def _check_room(self, pid: int | None) -> None:
-        """CapacityError if a new session (of process `pid`, if the kernel named one) would
-        be one too many."""
+    def _check_room(self, pid: int | None, started: int | None) -> None:
+        """CapacityError if a new session (of process `pid` started at `started`, if the
+        kernel named one) would be one too many."""
         if self.clients >= MAX_SESSIONS:  # open ones: a closed one is only its arrays' leases
             raise CapacityError(
                 f"this broker has {self.clients} sessions open, its limit: close the clients "
                 "you no longer use (Client.close, or `with tb.connect() as c`)"
             )
-        pidfd = None if pid is None else self._pidfd_of.get((pid, host.start_time(pid)))
+        pidfd = None if pid is None else self._pidfd_of.get((pid, started))
         if pidfd is not None and sum(not s.closed for s in self.pidfds[pidfd]) >= (
             MAX_SESSIONS_PER_PROCESS
         ):
