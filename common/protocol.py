@@ -70,6 +70,11 @@ class Op:
     QUNSUB = "qunsub"  # queue, sub
     QCLOSE = "qclose"  # queue
     QINFO = "qinfo"  # queue -> len, maxsize, in_flight, closed
+    QDELETE = "qdelete"  # name: remove a queue (its consumers get QueueClosed)
+    LIST = "list"  # prefix, after, limit, by ("key" or "size") -> objects [{key, version,
+    # nbytes, device, leases, bundle, tensors, evictable}, ...], more (keys after the last)
+    QLIST = "qlist"  # -> queues [{name, depth, maxsize, in_flight, closed, ...}, ...]
+    CLIENTS = "clients"  # -> clients [{pid, uid, sockets, leases, held_bytes, parked, ...}]
 
 
 NO_REPLY = frozenset({Op.RELEASE, Op.HEARTBEAT, Op.BYE})
@@ -369,7 +374,18 @@ _FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
     },
     Op.QCLOSE: {"queue": (_int, True), "name": (check_key, False)},
     Op.QINFO: {"queue": (_int, True), "name": (check_key, False)},
+    Op.QDELETE: {"name": (check_key, True)},
+    Op.LIST: {
+        "prefix": (check_prefix, False),
+        "after": (check_key, False),
+        "limit": (_int, False),
+        "by": (_str, False),
+    },
+    Op.QLIST: {},
+    Op.CLIENTS: {},
 }
+
+OPS = frozenset(_FIELDS)  # every op there is
 
 
 @dataclass(frozen=True, slots=True)

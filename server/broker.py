@@ -60,8 +60,10 @@ from . import backlog
 from .arena import Arena, Block, Segment
 from .devices import RECLAIM_POLL, DeviceMemory
 from .directory import Directory, SlotTable
+from .inventory import Inventory
 from .lanes import Lanes
 from .objects import Objects
+from .opstats import OpStats
 from .parking import ParkingLot
 from .queues import Queues
 from .registry import Registry, Session, StoredObject
@@ -158,6 +160,9 @@ class Broker:
         self.devices.on_free = self.objects.memory_back
         self.queues = Queues(self.objects)
         self.sessions.on_drop = self.queues.session_gone
+        self.inventory = Inventory(
+            self.registry, self.queues, self.sessions.by_token.values(), self.lot
+        )
         self._stopping = False
         self._started = time.monotonic()
         self._ctx = zmq.Context()
@@ -169,6 +174,7 @@ class Broker:
         self._wake_r, self._wake_w = socket.socketpair()
         self._outbox: list[tuple[bytes, bytes]] | None = None  # replies held for a commit
         self._wake_w.setblocking(False)
+        self.opstats = OpStats()
         self._handlers: dict[str, Handler] = {
             Op.PUT: self.objects.put,
             Op.SEAL: self._on_seal,
@@ -193,6 +199,10 @@ class Broker:
             Op.QUNSUB: self.queues.unsubscribe,
             Op.QCLOSE: self.queues.close,
             Op.QINFO: self.queues.info,
+            Op.QDELETE: self.queues.remove,
+            Op.LIST: self.inventory.objects,
+            Op.QLIST: self.inventory.queue_list,
+            Op.CLIENTS: self.inventory.clients,
         }
         if found is not None:
             try:
@@ -393,6 +403,7 @@ class Broker:
                 if w.at_deadline is not None:
                     self._send(w.route, w.at_deadline())
                 else:
+                    self.opstats.refuse(Timeout.code)
                     self._send(w.route, reply_error(w.request.id, Timeout(w.timeout_message)))
             self.sessions.drop_silent(now)
             if self.lanes is not None:
@@ -490,6 +501,8 @@ class Broker:
 
     def _handle(self, route: bytes, message: Any, frame: zmq.Frame | None = None) -> None:
         """Answer one request; `frame`: the ZeroMQ frame it came in (None: a lane's)."""
+        began = time.perf_counter()
+        op = message.get("op") if isinstance(message, dict) else None
         try:
             request = parse_request(message)
             result = self._dispatch(route, request, frame)
@@ -499,6 +512,8 @@ class Broker:
             if result is not None and request.op not in NO_REPLY:
                 self._send(route, reply_ok(request.id, **result))
         self.queues.admit_putters()
+        if op in protocol.OPS:  # not a stranger's made-up op: the counters stay bounded
+            self.opstats.record(op, time.perf_counter() - began)
 
     def _dispatch(
         self, route: bytes, request: Request, frame: zmq.Frame | None
@@ -525,6 +540,7 @@ class Broker:
         return self._handlers[request.op](session, route, request)
 
     def _fail(self, route: bytes, request_id: int, exc: Exception) -> None:
+        self.opstats.refuse(exc.code if isinstance(exc, BrokerError) else BrokerError.code)
         if isinstance(exc, BrokerError):
             log.debug("request %s failed: %s", request_id, exc)
         else:  # a bug must not take the broker down; say so loudly
@@ -576,7 +592,10 @@ class Broker:
             "evicted": self.objects.eviction.evicted,
             "lanes": 0 if self.lanes is None else len(self.lanes.by_fd),
             "waiters": len(self.lot),
+            "crashed": self.sessions.crashed,
+            "published": self.registry.published,
             **self.queues.stats(),
+            **self.opstats.wire(),
             "pid": os.getpid(),
             "address": self.address,
             "state_dir": self.state.path,

@@ -41,7 +41,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..common.errors import BrokerError, InvalidRequest, QueueClosed, Timeout
+from ..common.errors import BrokerError, InvalidRequest, NotFound, QueueClosed, Timeout
 from ..common.protocol import Op, Request, reply_error, reply_ok
 from .objects import Objects
 from .parking import Waiter, secs
@@ -73,6 +73,7 @@ class BrokerQueue:
     # in `items` the subscribers not yet given it. None: an ordinary queue.
     subs: dict[int, Session] | None = None
     unseen: dict[int, set[int]] = field(default_factory=dict)  # item's oid -> subscribers
+    removed: bool = False  # by `qdelete`: its name may start a new queue already
 
     @property
     def full(self) -> bool:
@@ -394,6 +395,34 @@ class Queues:
         self._note_if_ended(q)
         return {}
 
+    def remove(self, session: Session, route: bytes, req: Request) -> Reply:
+        """Remove the queue `name` at once: its waiting consumers and producers get
+        QueueClosed, the items waiting in it are freed (an item a consumer holds stays until
+        it lets go), its handles fail with QueueClosed, and the name may start a new queue.
+        Its journal row stays, closed, until its last item is freed: a broker that restarts
+        before then must not free items consumers still hold."""
+        name = req.fields["name"]
+        q = self.by_name.get(name)
+        if q is None:
+            raise NotFound(f"there is no queue {name!r} (`tensorbroker ls` lists them)")
+        del self.by_name[name], self.by_id[q.id]
+        self._ended.pop(q.id, None)
+        q.closed = q.removed = True
+        for w in [*q.getters, *q.putters]:
+            removed = QueueClosed(f"queue {name!r} was removed")
+            self.objects.answer(w, reply_error(w.request.id, removed))
+        if q.in_flight:
+            self.registry.journal.queue(q)  # closed; gone once its last item is freed
+        else:
+            self.registry.journal.queue_gone(q)
+        items, q.items = list(q.items), deque()
+        q.unseen.clear()
+        if q.subs is not None:
+            q.subs.clear()
+        for obj in items:
+            self.registry.retire(obj)
+        return {}
+
     def info(self, session: Session, route: bytes, req: Request) -> Reply:
         q = self._queue(req)
         return {
@@ -411,6 +440,10 @@ class Queues:
         q.in_flight -= 1
         if obj.version == 0:  # aborted before it was sealed
             q.pending -= 1
+        if q.removed:
+            if not q.in_flight:
+                self.registry.journal.queue_gone(q)
+            return
         self._roomy.add(q)
 
     def admit_putters(self) -> None:
@@ -467,4 +500,5 @@ class Queues:
         return {
             "queues": len(self.by_name) - len(self._ended),  # not ended yet
             "queued_items": sum(len(q.items) for q in self.by_name.values()),
+            "queue_in_flight": sum(q.in_flight for q in self.by_name.values()),
         }

@@ -164,6 +164,7 @@ class Registry:
         self.first_id = first_id  # ids below it were given by a broker that died
         self._id_limit = first_id  # ids below it are reserved in the journal
         self.lease_count = 0
+        self.published = 0  # objects and queue items sealed by this broker
         self.granted_bytes = self.granted_blocks = 0  # granted ahead (Note [grants])
         # Adopted from a broker that died (Note [recovery] in state.py):
         self.adopted: dict[int, StoredObject] = {}  # oid -> object, until all are back
@@ -304,6 +305,7 @@ class Registry:
         self.pending_put(session, put_id, "seal")
         obj = self._unpend(session, put_id)
         obj.live = True
+        self.published += 1
         if obj.events is not None:  # forget the finished ones: the list stays short
             session.writing = [o for o in session.writing if not self._written(o)]
             session.writing.append(obj)

@@ -46,6 +46,7 @@ class Sessions:
         self.registry, self.lot = registry, lot
         self._watch_fd, self._unwatch_fd = watch_fd, unwatch_fd
         self.by_token: dict[str, Session] = {}
+        self.crashed = 0  # sessions dropped because their process died or fell silent
         self.routes: dict[bytes, Session] = {}
         # One pidfd per process, however many sessions it has: pidfd -> its sessions.
         self.pidfds: dict[int, set[Session]] = {}
@@ -191,6 +192,8 @@ class Sessions:
     def _exited(self, session: Session) -> None:
         """Forget the GPU events of a session whose process exited, then drop it."""
         log.info("client pid %s exited: dropping %s", session.pid, session)
+        if not session.closed:  # it never said bye: what it held is reclaimed
+            self.crashed += 1
         for lost in self.registry.lose_unwritten(session):
             log.warning(
                 "pid %s died before its copy of %s to %s had run: removed it (it never held "
@@ -275,6 +278,7 @@ class Sessions:
             limit = RESUME_GRACE if session.awaiting else HEARTBEAT_TIMEOUT
             if now - session.last_seen > limit:
                 log.info("%s sent no heartbeat for %.1fs: dropping it", session, limit)
+                self.crashed += 1
                 self.drop(session)
 
     @property

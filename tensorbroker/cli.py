@@ -19,7 +19,7 @@ from .common.config import (
     parse_size,
     shm_bytes_available,
 )
-from .common.errors import BrokerError
+from .common.errors import BrokerError, NotFound
 
 log = logging.getLogger("tensorbroker")
 
@@ -118,17 +118,57 @@ def _stat(args: argparse.Namespace) -> int:
 
 
 def _ls(args: argparse.Namespace) -> int:
+    """Objects (a row each, printed page by page as they come), then queues."""
     with _client(args) as c:
-        for key in c.keys():
-            print(key)
+        objects = c.list_objects(args.prefix)
+        if args.json:
+            print(json.dumps({"objects": list(objects), "queues": c.list_queues()}, indent=2))
+            return 0
+        print(
+            f"{'KEY':32} {'VERSION':>7} {'SIZE':>10} {'DTYPE':10} {'SHAPE':16} {'DEVICE':7} LEASES"
+        )
+        count = 0
+        for o in objects:
+            dtypes = ",".join(dict.fromkeys(t[1] for t in o["tensors"]))
+            shapes = ",".join("x".join(map(str, t[2])) or "()" for t in o["tensors"])
+            if o["bundle"]:
+                shapes = f"{len(o['tensors'])} tensors: {shapes}"
+            print(
+                f"{o['key']:32} {o['version']:>7} {format_size(o['nbytes']):>10} {dtypes:10} "
+                f"{shapes:16} {o['device']:7} {o['leases']}"
+            )
+            count += 1
+        print(f"({count} object{'' if count == 1 else 's'})")
+        queues = [q for q in c.list_queues() if q["name"].startswith(args.prefix)]
+        if queues:
+            print(f"\n{'QUEUE':32} {'DEPTH':>7} {'MAXSIZE':>7} {'IN FLIGHT':>9} STATE")
+            for q in queues:
+                kind = "" if q["subscribers"] is None else f", broadcast to {q['subscribers']}"
+                state = ("closed" if q["closed"] else "open") + kind
+                maxsize = q["maxsize"] or "-"
+                print(f"{q['name']:32} {q['depth']:>7} {maxsize:>7} {q['in_flight']:>9} {state}")
     return 0
 
 
 def _rm(args: argparse.Namespace) -> int:
+    """Delete every key and queue named; say which were not there (exit status 1)."""
+    if not args.keys and not args.queue:
+        raise ValueError("rm: name the keys to delete, or --queue NAME")
+    missing = []
     with _client(args) as c:
         for key in args.keys:
-            c.delete(key)
-    return 0
+            try:
+                c.delete(key)
+            except NotFound:
+                missing.append(f"key {key!r}")
+        for name in args.queue:
+            try:
+                c.delete_queue(name)
+            except NotFound:
+                missing.append(f"queue {name!r}")
+    for what in missing:
+        print(f"tensorbroker: no {what}", file=sys.stderr)
+    return 1 if missing else 0
 
 
 def parser() -> argparse.ArgumentParser:
@@ -200,8 +240,12 @@ def parser() -> argparse.ArgumentParser:
     for name, run, help in (
         ("ping", _ping, "check that a broker answers"),
         ("stat", _stat, "show a broker's counters"),
-        ("ls", _ls, "list the keys"),
-        ("rm", _rm, "delete keys"),
+        (
+            "ls",
+            _ls,
+            "list the objects (key, version, size, dtype, shape, device, leases) and queues",
+        ),
+        ("rm", _rm, "delete keys, and queues (--queue NAME)"),
     ):
         sp = command(name, help)
         sp.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
@@ -211,10 +255,16 @@ def parser() -> argparse.ArgumentParser:
             "$TENSORBROKER_SERVER_KEY)",
         )
         sp.set_defaults(run=run, log_level="warning")
-        if name == "stat":
+        if name in ("stat", "ls"):
             sp.add_argument("--json", action="store_true", help="print JSON")
+        if name == "ls":
+            sp.add_argument("prefix", nargs="?", default="", help="only keys starting so")
         if name == "rm":
-            sp.add_argument("keys", nargs="+", metavar="KEY")
+            sp.add_argument("keys", nargs="*", metavar="KEY")
+            sp.add_argument(
+                "--queue", action="append", default=[], metavar="NAME",
+                help="remove this queue (its consumers get QueueClosed); may repeat",
+            )  # fmt: skip
     keys = sub.add_parser(
         "keys",
         help="make a key pair for a tcp:// broker (or a client of one)",

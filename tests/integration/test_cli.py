@@ -72,20 +72,62 @@ def test_stat_json(broker: tb.BrokerProcess, client: tb.Client) -> None:
     assert stats["pid"] == broker.pid
 
 
-def test_ls_shows_the_keys_a_client_put(broker: tb.BrokerProcess, client: tb.Client) -> None:
-    keys = ["ls/b", "ls/a", "ls/\u00e9t\u00e9 with space"]
+def test_ls_shows_each_object_with_its_version_size_dtype_shape_device_and_leases(
+    broker: tb.BrokerProcess, client: tb.Client
+) -> None:
+    keys = ["ls/b", "ls/a", "ls/\u00e9t\u00e9"]
     for i, key in enumerate(keys):
-        client.put(key, np.full(4, i, dtype=np.int32))
+        client.put(key, np.full((2, 3), i, dtype=np.int32))
+    client.put("ls/a", np.zeros(1000, dtype=np.float64))  # version 2
+    held = client.get("ls/b")
     done = tb_cli("ls", "--address", broker.address)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == sorted(client.keys())
-    assert set(keys) <= set(done.stdout.splitlines())
+    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()[1:-1]}
+    assert list(rows) == sorted(keys)  # in key order
+    assert rows["ls/a"] == ["ls/a", "2", "7.8", "KiB", "float64", "1000", "cpu", "0"]
+    assert rows["ls/b"] == ["ls/b", "1", "24", "B", "int32", "2x3", "cpu", "1"]  # held once
+    assert done.stdout.splitlines()[-1] == "(3 objects)"
+    del held
 
 
-def test_ls_of_an_empty_broker_prints_nothing(broker: tb.BrokerProcess, client: tb.Client) -> None:
+def test_ls_prefix_and_json(broker: tb.BrokerProcess, client: tb.Client) -> None:
+    client.put("lj/x", {"w": np.ones((4, 2), np.float32), "b": np.ones(2, np.int64)})
+    client.put("other", np.ones(3))
+    q = client.queue("lj/jobs", maxsize=4)
+    q.put(np.ones(2))
+    done = tb_cli("ls", "lj/", "--json", "--address", broker.address)
+    assert done.returncode == 0, done.stderr
+    listed = json.loads(done.stdout)
+    assert [o["key"] for o in listed["objects"]] == ["lj/x"]
+    (obj,) = listed["objects"]
+    assert obj["bundle"] and obj["nbytes"] == 4 * 2 * 4 + 2 * 8
+    assert sorted(map(tuple, (t[:2] for t in obj["tensors"]))) == [("b", "int64"), ("w", "float32")]
+    (queue,) = [row for row in listed["queues"] if row["name"] == "lj/jobs"]
+    assert (queue["depth"], queue["maxsize"], queue["in_flight"]) == (1, 4, 1)
+    client.delete_queue("lj/jobs")
+
+
+def test_ls_of_an_empty_broker_says_so(broker: tb.BrokerProcess, client: tb.Client) -> None:
     assert client.keys() == []
     done = tb_cli("ls", "--address", broker.address)
-    assert (done.returncode, done.stdout) == (0, ""), done.stderr
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "(0 objects)"
+
+
+def test_rm_queue_removes_it(broker: tb.BrokerProcess, client: tb.Client) -> None:
+    q = client.queue("rm-q")
+    q.put(np.ones(3))
+    done = tb_cli("rm", "--queue", "rm-q", "--address", broker.address)
+    assert done.returncode == 0, done.stderr
+    assert "rm-q" not in [row["name"] for row in client.list_queues()]
+    with pytest.raises(tb.QueueClosed):
+        q.get(timeout=0)
+
+
+def test_rm_without_names_is_a_usage_error(broker: tb.BrokerProcess) -> None:
+    done = tb_cli("rm", "--address", broker.address)
+    assert done.returncode == 2
+    assert "--queue" in done.stderr
 
 
 def test_rm_deletes(broker: tb.BrokerProcess, client: tb.Client) -> None:

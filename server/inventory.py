@@ -1,0 +1,116 @@
+"""What an operator lists: the objects with their sizes and holders (`list`), the queues with
+their depths (`qlist`), the clients with what they hold (`clients`), and a queue's removal
+(`qdelete`). These are read-only views of the registry, the queues and the sessions, except
+the removal, which the queues do.
+
+A store can hold millions of keys, so `list` answers one page at a time (at most LIST_LIMIT
+objects, the keys after `after` in order) and the broker answers other clients between pages.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from ..common.descriptors import TensorDesc
+from ..common.dtypes import dtype
+from ..common.errors import InvalidRequest
+from ..common.protocol import Request
+from .parking import ParkingLot
+from .queues import BrokerQueue, Queues
+from .registry import Registry, Session, StoredObject
+
+LIST_LIMIT = 10_000  # objects per page of `list`
+
+Reply = dict[str, Any]
+
+
+class Inventory:
+    def __init__(
+        self, registry: Registry, queues: Queues, sessions: Iterable[Session], lot: ParkingLot
+    ) -> None:
+        self.registry, self.queues, self._sessions, self.lot = registry, queues, sessions, lot
+
+    def objects(self, session: Session, route: bytes, req: Request) -> Reply:
+        """A page of objects: by key after `after` (with "more" if keys remain), or the
+        `limit` largest (by="size"). Leases count the broker's and the directory's readers."""
+        f = req.fields
+        prefix, limit, by = f.get("prefix", ""), f.get("limit", LIST_LIMIT), f.get("by", "key")
+        if not 1 <= limit <= LIST_LIMIT:
+            raise InvalidRequest(f"limit must be 1 to {LIST_LIMIT}, got {limit}")
+        objects = self.registry.objects
+        if by == "size":
+            chosen = heapq.nlargest(
+                limit, (o for k, o in objects.items() if k.startswith(prefix)),
+                key=lambda o: o.nbytes,
+            )  # fmt: skip
+            more = False
+        elif by == "key":
+            after = f.get("after")
+            keys = heapq.nsmallest(
+                limit + 1,
+                (k for k in objects if k.startswith(prefix) and (after is None or k > after)),
+            )
+            more = len(keys) > limit
+            chosen = [objects[k] for k in keys[:limit]]
+        else:
+            raise InvalidRequest(f"by must be 'key' or 'size', got {by!r}")
+        held = self.registry.slots.held() if self.registry.slots is not None else {}
+        return {"objects": [_object_row(o, held.get(o.oid, 0)) for o in chosen], "more": more}
+
+    def queue_list(self, session: Session, route: bytes, req: Request) -> Reply:
+        """Every queue not yet ended (closed queues still draining included)."""
+        return {"queues": [_queue_row(q) for q in self.queues.by_name.values() if not q.ended]}
+
+    def clients(self, session: Session, route: bytes, req: Request) -> Reply:
+        """Every session: its process, user, sockets, what it holds, its parked requests."""
+        held = self.registry.slots.held if self.registry.slots is not None else None
+        parked: dict[Session, int] = {}
+        for w in self.lot.parked:
+            parked[w.session] = parked.get(w.session, 0) + 1
+        rows = []
+        for s in self._sessions:
+            slotted = 0
+            if held is not None and s.region is not None:
+                slotted = sum(held(s.region).values())
+            reading = [o for lease, o in s.leases.items() if lease not in s.pending]
+            rows.append({
+                "pid": s.pid,
+                "uid": s.uid,
+                "sockets": len(s.routes),
+                "leases": len(reading) + slotted,  # what it reads (not its puts' blocks)
+                "held_bytes": sum(o.nbytes for o in reading),
+                "parked": parked.get(s, 0),
+                "closed": s.closed,
+                "idle_s": max(0.0, time.monotonic() - s.last_seen) if s.last_seen else None,
+            })  # fmt: skip
+        return {"clients": rows}
+
+
+def _object_row(obj: StoredObject, readers: int) -> dict[str, Any]:
+    tensors = [TensorDesc.from_wire(w) for w in obj.wire]
+    return {
+        "key": obj.key,
+        "version": obj.version,
+        "nbytes": sum(dtype(t.dtype).nbytes(t.shape) for t in tensors),
+        "device": obj.device,
+        "leases": obj.leases + readers,
+        "bundle": obj.bundle,
+        "tensors": [[t.name, t.dtype, list(t.shape)] for t in tensors],
+        "evictable": obj.evictable,
+    }
+
+
+def _queue_row(q: BrokerQueue) -> dict[str, Any]:
+    return {
+        "name": q.name,
+        "depth": len(q.items),
+        "maxsize": q.maxsize,
+        "in_flight": q.in_flight,
+        "closed": q.closed,
+        "consumers": len(q.getters),
+        "producers": len(q.putters),
+        "subscribers": None if q.subs is None else len(q.subs),
+    }
