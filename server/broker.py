@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -70,6 +70,9 @@ from .registry import Registry, Session, StoredObject
 from .sessions import HEARTBEAT_INTERVAL, Sessions
 from .sockets import AddressInUse, frame_peer, raise_fd_limit, refuse_if_served, share_sockets
 from .state import Recovered, State
+
+if TYPE_CHECKING:
+    from .metrics import Exporter
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +177,7 @@ class Broker:
         self._wake_r, self._wake_w = socket.socketpair()
         self._outbox: list[tuple[bytes, bytes]] | None = None  # replies held for a commit
         self._wake_w.setblocking(False)
+        self._exporter: Exporter | None = None  # serve --metrics: export_metrics()
         self.opstats = OpStats()
         self._handlers: dict[str, Handler] = {
             Op.PUT: self.objects.put,
@@ -200,6 +204,7 @@ class Broker:
             Op.QCLOSE: self.queues.close,
             Op.QINFO: self.queues.info,
             Op.QDELETE: self.queues.remove,
+            Op.CANCEL: self._on_cancel,
             Op.LIST: self.inventory.objects,
             Op.QLIST: self.inventory.queue_list,
             Op.CLIENTS: self.inventory.clients,
@@ -309,9 +314,22 @@ class Broker:
             restore()
             self.close()
 
+    def export_metrics(self, host: str, port: int) -> None:
+        """Serve Prometheus metrics at http://HOST:PORT/metrics until close(), on threads
+        that ask the loop for each scrape's figures (Note [metrics] in metrics.py). Call it
+        before serve(). MetricsUnavailable without prometheus_client; AddressInUse if the
+        port is taken."""
+        from .metrics import Exporter  # prometheus_client is an extra: only when asked for
+
+        self._exporter = Exporter(host, port, self._wake)
+
     def stop(self) -> None:
         """Ask the loop to end; safe from any thread and from signal handlers."""
         self._stopping = True
+        self._wake()
+
+    def _wake(self) -> None:
+        """Make the loop run a batch; safe from any thread and from signal handlers."""
         try:
             self._wake_w.send(b"x")
         except OSError:
@@ -326,6 +344,9 @@ class Broker:
         if self.lanes is not None:
             self.lanes.close()
             self.lanes = None
+        if self._exporter is not None:
+            self._exporter.close()
+            self._exporter = None
         if self._router is not None:
             self._router.close(linger=0)
             self._router = self._backlogs = None
@@ -375,6 +396,7 @@ class Broker:
         router = self._router
         assert router is not None  # bound by serve()
         pidfds = self.sessions.pidfds
+        exporter = self._exporter
         while not self._stopping:
             events = self._poller.poll(self._poll_timeout_ms())
             self._begin()
@@ -412,6 +434,8 @@ class Broker:
             self.devices.reclaim()
             self.objects.retry_device_puts()
             self.queues.admit_putters()
+            if exporter is not None and exporter.wanted:  # a scrape waits (Note [metrics])
+                exporter.answer(self.stats)
 
     def _poll_timeout_ms(self) -> int:
         timeout = None
@@ -578,6 +602,17 @@ class Broker:
             return self.queues.write(session, route, req)
         return self.objects.write(session, route, req)
 
+    def _on_cancel(self, session: Session, route: bytes, req: Request) -> dict[str, Any]:
+        """A request of this socket that waits in the broker, given up by its caller (an
+        asyncio task cancelled): it leaves its line and is never answered. Replies on a
+        socket keep their order, so if it was answered already, that answer came first."""
+        call = req.fields["call"]
+        for w in self.lot.of(session):
+            if w.route == route and w.request.id == call:
+                self.lot.unpark(w)
+                return {"cancelled": True}
+        return {"cancelled": False}
+
     def _on_bye(self, session: Session, route: bytes, req: Request) -> None:
         self.sessions.bye(session, req)
 
@@ -585,6 +620,11 @@ class Broker:
         self.queues.item_freed(obj)
 
     def _on_stats(self, session: Session, route: bytes, req: Request) -> dict[str, Any]:
+        return self.stats()
+
+    def stats(self) -> dict[str, Any]:
+        """The counters of `stats()`, in dicts made for the call: also what a scrape of
+        `serve --metrics` is handed (Note [metrics] in metrics.py). Loop thread only."""
         return {
             **self.registry.stats(),
             "clients": self.sessions.clients,

@@ -14,8 +14,6 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from ..common.descriptors import TensorDesc
-from ..common.dtypes import dtype
 from ..common.errors import InvalidRequest
 from ..common.protocol import Request
 from .parking import ParkingLot
@@ -42,10 +40,15 @@ class Inventory:
             raise InvalidRequest(f"limit must be 1 to {LIST_LIMIT}, got {limit}")
         objects = self.registry.objects
         if by == "size":
-            chosen = heapq.nlargest(
-                limit, (o for k, o in objects.items() if k.startswith(prefix)),
-                key=lambda o: o.nbytes,
-            )  # fmt: skip
+            # By block first (cheap), then by the tensors' bytes among the blocks at least as
+            # large as the last one chosen: blocks come in size classes, so ties are common.
+            under = [o for k, o in objects.items() if k.startswith(prefix)]
+            blocks = heapq.nlargest(limit, under, key=lambda o: o.nbytes)
+            least = blocks[-1].nbytes if blocks else 0
+            near = [o for o in under if o.nbytes >= least]
+            if len(near) > LIST_LIMIT:  # a million objects of one class: any of them will do
+                near = blocks
+            chosen = heapq.nlargest(limit, near, key=lambda o: o.data_bytes)
             more = False
         elif by == "key":
             after = f.get("after")
@@ -90,11 +93,11 @@ class Inventory:
 
 
 def _object_row(obj: StoredObject, readers: int) -> dict[str, Any]:
-    tensors = [TensorDesc.from_wire(w) for w in obj.wire]
+    tensors = obj.tensors
     return {
         "key": obj.key,
         "version": obj.version,
-        "nbytes": sum(dtype(t.dtype).nbytes(t.shape) for t in tensors),
+        "nbytes": obj.data_bytes,
         "device": obj.device,
         "leases": obj.leases + readers,
         "bundle": obj.bundle,

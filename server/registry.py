@@ -57,6 +57,7 @@ from typing import Any, NamedTuple
 from ..common.config import format_size
 from ..common.cudart import device_index
 from ..common.descriptors import MIN_ALIGN, PAGE, TensorDesc, compact_strides, layout
+from ..common.dtypes import dtype
 from ..common.errors import CapacityError, InvalidRequest, NotFound
 from .arena import Arena, Block, ShmExhausted
 from .devices import DEVICE_ALIGN, DeviceArena, DeviceMemory
@@ -102,6 +103,11 @@ class StoredObject:
     @property
     def tensors(self) -> tuple[TensorDesc, ...]:
         return tuple(TensorDesc.from_wire(w) for w in self.wire)
+
+    @property
+    def data_bytes(self) -> int:
+        """The bytes of its tensors (its block may be larger: blocks come in size classes)."""
+        return sum(dtype(t.dtype).nbytes(t.shape) for t in self.tensors)
 
 
 class Peer(NamedTuple):
@@ -615,6 +621,8 @@ class Registry:
             "pending": len(self.pending) - self.granted_blocks,  # puts being written
             "granted_bytes": self.granted_bytes,  # blocks granted ahead, not yet written
             "leases": self.lease_count - self.granted_blocks + slotted,
+            # retired, unleased, and freed once a scan finds no lease slot holding them
+            "waiting_bytes": sum(obj.block.size for obj in self._unlisted.values()),
         }
 
 

@@ -30,6 +30,15 @@ def _serve(args: argparse.Namespace) -> int:
     from .server.devices import DeviceMemory
 
     address = check_address(args.address or default_address())
+    metrics = None
+    if args.metrics is not None:
+        try:  # before anything is made: nothing to undo
+            from .server.metrics import listen_address
+
+            metrics = listen_address(args.metrics)
+        except BrokerError as exc:  # MetricsUnavailable (no prometheus_client), or not HOST:PORT
+            print(f"tensorbroker: {exc}", file=sys.stderr)
+            return 2
     devices = DeviceMemory(load=cudart.load, spec=parse_cuda_memory(args.cuda_memory))
     capacity = parse_size(args.memory) if args.memory else default_capacity(SHM_DIR)
     try:
@@ -57,6 +66,8 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         broker.bind()
+        if metrics is not None:
+            broker.export_metrics(*metrics)
     except BrokerError as exc:
         broker.close(keep=adopted or None)
         print(f"tensorbroker: {exc}", file=sys.stderr)
@@ -171,6 +182,21 @@ def _rm(args: argparse.Namespace) -> int:
     return 1 if missing else 0
 
 
+def _top(args: argparse.Namespace) -> int:
+    """A live view (tensorbroker/top.py); one frame as text with --once or off a terminal."""
+    from . import top
+
+    if args.interval <= 0:
+        raise ValueError(f"top: --interval must be above 0 seconds, not {args.interval}")
+    if args.once or not (sys.stdout.isatty() and sys.stdin.isatty()):
+        top.once(args.address, args.timeout, args.server_key)
+        return 0
+    # Each try to reach a broker that went away waits at most a second: q still answers.
+    feed = top.Feed(args.address, min(args.timeout, 1.0), args.server_key, args.interval / 2)
+    top.live(feed, args.interval)
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tensorbroker", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -234,6 +260,12 @@ def parser() -> argparse.ArgumentParser:
         help="let the members of this group connect and map the memory too (the socket's "
         "folder, the sockets and the segments become group-accessible)",
     )
+    serve.add_argument(
+        "--metrics",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics, e.g. 127.0.0.1:9464 "
+        "(needs pip install 'tensorbroker[metrics]')",
+    )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     serve.set_defaults(run=_serve)
@@ -246,6 +278,7 @@ def parser() -> argparse.ArgumentParser:
             "list the objects (key, version, size, dtype, shape, device, leases) and queues",
         ),
         ("rm", _rm, "delete keys, and queues (--queue NAME)"),
+        ("top", _top, "a live view of a broker: memory, ops/s, clients, objects, queues"),
     ):
         sp = command(name, help)
         sp.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
@@ -264,6 +297,14 @@ def parser() -> argparse.ArgumentParser:
             sp.add_argument(
                 "--queue", action="append", default=[], metavar="NAME",
                 help="remove this queue (its consumers get QueueClosed); may repeat",
+            )  # fmt: skip
+        if name == "top":
+            sp.add_argument(
+                "--interval", type=float, default=1.0, help="seconds between refreshes (default 1)"
+            )
+            sp.add_argument(
+                "--once", action="store_true",
+                help="print one frame as plain text and exit (also off a terminal: in a pipe, say)",
             )  # fmt: skip
     keys = sub.add_parser(
         "keys",

@@ -32,6 +32,10 @@ def test_list_largest_first(client: tb.Client) -> None:
     for n in (1, 64, 8, 32):
         client.put(f"big/{n}", np.zeros(n * 1024, np.uint8))
     assert [o["key"] for o in client.list_objects(largest=2)] == ["big/64", "big/32"]
+    for n in (5000, 7000, 6000):  # one size class of blocks: their own bytes decide
+        client.put(f"near/{n}", np.zeros(n, np.uint8))
+    largest = client.list_objects("near/", largest=2)
+    assert [(o["key"], o["nbytes"]) for o in largest] == [("near/7000", 7000), ("near/6000", 6000)]
 
 
 def test_leases_count_every_reader(client: tb.Client, broker: tb.BrokerProcess) -> None:
