@@ -84,7 +84,7 @@ class Connection:
         server_key: str | None = None,
     ) -> None:
         self.address = check_address(address or default_address())
-        keys = client_keys(self.address, server_key)
+        self.keys = keys = client_keys(self.address, server_key)
         self.pid = os.getpid()
         self.releases: queue.SimpleQueue[int] = queue.SimpleQueue()
         self.held: dict[int, int] = {}  # lease id -> object id, claimed again after a restart
@@ -120,19 +120,23 @@ class Connection:
         )  # fmt: skip
         self._flusher.start()
 
-    def _new_channel(self, timeout: float, resume: bool = False) -> Channel:
-        """A socket that has said hello; `resume`: the first to a broker that restarted, with
-        the leases this process holds."""
-        channel = self._pool.new()
-        hello = {
+    def hello_message(self) -> dict[str, Any]:
+        """The hello of one more socket of this session."""
+        return {
             "op": Op.HELLO,
-            "id": next(self._ids),
+            "id": self.next_id(),
             "version": PROTOCOL_VERSION,
             "session": self._session,
             "pid": self.pid,
             "boot_id": host.boot_id(),
             "start_time": host.start_time(self.pid),
         }
+
+    def _new_channel(self, timeout: float, resume: bool = False) -> Channel:
+        """A socket that has said hello; `resume`: the first to a broker that restarted, with
+        the leases this process holds."""
+        channel = self._pool.new()
+        hello = self.hello_message()
         if resume:
             hello["leases"] = [n for pair in list(self.held.items()) for n in pair]  # flat
             hello["calls"] = list(self._calls)

@@ -43,6 +43,31 @@ Item = Tensor | dict[str, Tensor]
 DESC_CACHE = 4096  # descriptors decoded, by object id
 
 
+class WritePlan:
+    """A put under way: its tensors placed, and the block granted ahead it writes into (None:
+    the broker is asked for memory with `request`)."""
+
+    __slots__ = ("label", "items", "target", "specs", "bundle", "fields", "offsets", "grant")
+
+    def __init__(
+        self,
+        label: str,
+        items: list[tuple[str, Source, DType]],
+        target: str,
+        specs: list[list[Any]],
+        bundle: bool,
+        fields: dict[str, Any],
+    ) -> None:
+        self.label, self.items, self.target = label, items, target
+        self.specs, self.bundle, self.fields = specs, bundle, fields
+        self.offsets: list[int] = []
+        self.grant: Grant | None = None
+
+    @property
+    def request(self) -> dict[str, Any]:
+        return {"tensors": self.specs, "bundle": self.bundle, **self.fields}
+
+
 class LeaseSlots:
     """This client's region of lease slots, mapped read-write. Free slots are a list: pop and
     append are atomic under the GIL, and `give_back` runs from finalisers on any thread. The
@@ -199,19 +224,34 @@ class Transfer:
         copy, then the seal, after this client's earlier ones (Note [writes] in writes.py).
         The version, or None at once if not `block`. A small host put writes into a block
         granted ahead and seals it in one trip (Note [grants] in server/registry.py)."""
+        plan = self.plan_write(label, value, device, copy, fields)
+        if plan.grant is not None:
+            return self.write_granted(plan, wait, block)
+        return self.fill(plan, self.conn.call(op, wait=wait, **plan.request), block)
+
+    def plan_write(
+        self, label: str, value: Any, device: Any, copy: bool, fields: dict[str, Any]
+    ) -> WritePlan:
+        """What a put of `value` writes where, with a block granted ahead taken if it fits
+        one (then `write_granted`; else the broker is asked with `plan.request`, and `fill`
+        writes into what it answers)."""
         items, bundle = entries(label, value)
         target, items = placement.place(self.devices, label, items, device, copy)
         specs = [[name, dt.name, list(src.shape)] for name, src, dt in items]
-        key = fields.get("key")
+        plan = WritePlan(label, items, target, specs, bundle, fields)
         if target == "cpu":
-            offsets, size, _ = layout([(n, dt.name, tuple(src.shape)) for n, src, dt in items])
-            grant = self.writes.take_grant(size)
-            if grant is not None:
-                return self._write_granted(grant, items, specs, offsets, bundle, wait, block,
-                                           fields)  # fmt: skip
-        if target != "cpu":
+            plan.offsets, size, _ = layout(
+                [(n, dt.name, tuple(src.shape)) for n, src, dt in items]
+            )
+            plan.grant = self.writes.take_grant(size)
+        else:
             fields["device"] = target
-        reply = self.conn.call(op, wait=wait, tensors=specs, bundle=bundle, **fields)
+        return plan
+
+    def fill(self, plan: WritePlan, reply: dict[str, Any], block: bool) -> int | None:
+        """Copy into the memory the broker gave the put (`reply`), then seal it (aborted if
+        the copy fails)."""
+        items, target, label, key = plan.items, plan.target, plan.label, plan.fields.get("key")
         put_id = reply["put"]
         self.conn.hold(put_id, reply["oid"])  # a broker that restarts keeps the put
         try:
@@ -231,24 +271,18 @@ class Transfer:
         sealed = self.writes.seal({"op": Op.SEAL, "put": put_id}, key, what, put_id, block)
         return None if sealed is None else int(sealed["version"])
 
-    def _write_granted(
-        self,
-        grant: Grant,
-        items: list[tuple[str, Source, DType]],
-        specs: list[list[Any]],
-        offsets: list[int],
-        bundle: bool,
-        wait: float | None,
-        block: bool,
-        fields: dict[str, Any],
-    ) -> int | None:
+    def write_granted(self, plan: WritePlan, wait: float | None, block: bool) -> int | None:
+        """Copy into the block granted ahead and seal it in one trip (a bounded queue's item
+        takes a slot credited ahead, asking for one if there is none left)."""
+        grant, items, specs, fields = plan.grant, plan.items, plan.specs, plan.fields
+        assert grant is not None
         queue = fields.get("queue")
         credited = False
         try:
             if queue is not None:
                 credited = self.writes.take_credit(queue, fields.get("timeout"), wait)
             mapping = self.segments.get(grant.segment)
-            for (_, src, dt), offset in zip(items, offsets, strict=True):
+            for (_, src, dt), offset in zip(items, plan.offsets, strict=True):
                 assert isinstance(src, np.ndarray)  # placed on the host
                 count = src.size
                 dst = np.frombuffer(
@@ -260,7 +294,7 @@ class Transfer:
             if credited and queue is not None:
                 self.writes.return_credit(queue)
             raise
-        message = {"op": Op.WRITE, "put": grant.put, "tensors": specs, "bundle": bundle}
+        message = {"op": Op.WRITE, "put": grant.put, "tensors": specs, "bundle": plan.bundle}
         for name in ("key", "queue", "name", "evictable"):
             if name in fields:
                 message[name] = fields[name]

@@ -308,18 +308,30 @@ class Writes:
     def take_credit(self, queue: int, timeout: float | None, wait: float | None) -> bool:
         """A slot of a bounded queue, credited ahead or waited for (up to `timeout`, as a
         put waits). False if the queue needs none (unbounded)."""
+        if self.must_ask_credit(queue):
+            reply = self.conn.call(Op.QCREDIT, wait, queue=queue, timeout=timeout)
+            self.add_credits(queue, reply["credits"])
+        if queue in self._unbounded:
+            return False
+        self.credits[queue] -= 1
+        return True
+
+    def must_ask_credit(self, queue: int) -> bool:
+        """Whether a put to `queue` must ask the broker for a slot (Op.QCREDIT) first: a
+        bounded queue (or one not known yet) with no credit left, once the replies still
+        out are read (they may hold credits: asking then could wait for them forever)."""
         if queue in self._unbounded:
             return False
         if self.credits.get(queue, 0) <= 0 and self._out:
-            self._refill()  # the replies still out may hold credits: asking would deadlock
-        if self.credits.get(queue, 0) <= 0:
-            reply = self.conn.call(Op.QCREDIT, wait, queue=queue, timeout=timeout)
-            if not reply["credits"]:
-                self._unbounded.add(queue)
-                return False
-            self.credits[queue] = self.credits.get(queue, 0) + reply["credits"]
-        self.credits[queue] -= 1
-        return True
+            self._refill()
+        return self.credits.get(queue, 0) <= 0
+
+    def add_credits(self, queue: int, credits: int) -> None:
+        """The answer to a QCREDIT: 0 says the queue is unbounded (it needs none)."""
+        if not credits:
+            self._unbounded.add(queue)
+        else:
+            self.credits[queue] = self.credits.get(queue, 0) + credits
 
     def return_credit(self, queue: int) -> None:
         if self.conn.generation == self._generation:

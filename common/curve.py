@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 import zmq.auth
@@ -33,7 +34,7 @@ class ClientKeys:
     public: bytes
     secret: bytes
 
-    def apply(self, sock: zmq.Socket[bytes]) -> None:
+    def apply(self, sock: zmq.Socket[Any]) -> None:
         """Make `sock` (before it connects) a CURVE client of the broker."""
         sock.curve_serverkey = self.server
         sock.curve_publickey = self.public

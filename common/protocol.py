@@ -71,6 +71,8 @@ class Op:
     QCLOSE = "qclose"  # queue
     QINFO = "qinfo"  # queue -> len, maxsize, in_flight, closed
     QDELETE = "qdelete"  # name: remove a queue (its consumers get QueueClosed)
+    CANCEL = "cancel"  # call (the id of a request of this socket) -> cancelled: whether it
+    # was still waiting (it then gets no answer); else its answer went before this one
     LIST = "list"  # prefix, after, limit, by ("key" or "size") -> objects [{key, version,
     # nbytes, device, leases, bundle, tensors, evictable}, ...], more (keys after the last)
     QLIST = "qlist"  # -> queues [{name, depth, maxsize, in_flight, closed, ...}, ...]
@@ -375,6 +377,7 @@ _FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
     Op.QCLOSE: {"queue": (_int, True), "name": (check_key, False)},
     Op.QINFO: {"queue": (_int, True), "name": (check_key, False)},
     Op.QDELETE: {"name": (check_key, True)},
+    Op.CANCEL: {"call": (_int, True)},
     Op.LIST: {
         "prefix": (check_prefix, False),
         "after": (check_key, False),

@@ -6,6 +6,8 @@ with tb.connect() as c:
     t = c.get("x")                    # no copy: torch.from_dlpack(t), jax.numpy.from_dlpack(t)
     q = c.queue("frames", maxsize=8)  # a pipeline queue: q.put(x), q.get(), q.close()
 
+asyncio: `async with tb.aio.connect() as c:` with `await c.put(...)`, `await c.get(...)`.
+
 The names below load on first use (PEP 562): `import tensorbroker` costs nothing, and the
 broker (`tensorbroker.server`) never loads the client.
 
@@ -86,6 +88,8 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr_
 
 
 def __getattr__(name: str) -> Any:
+    if name == "aio":  # the asyncio client, a module: tb.aio.connect()
+        return importlib.import_module(".aio", __name__)
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'tensorbroker' has no attribute {name!r}")

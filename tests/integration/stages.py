@@ -192,3 +192,53 @@ def weight_watcher(
             if step == last:
                 break
     report.put((framework, seen))
+
+
+# -- asyncio stages (test_aio.py) ---------------------------------------------------------------
+
+
+def delayed_puts(address: str, keys: list[str], delay: float) -> None:
+    """After `delay` seconds, put each key as an array holding its index."""
+    time.sleep(delay)
+    with tb.connect(address) as c:
+        for i, key in enumerate(keys):
+            c.put(key, np.full(16, i, np.int64))
+
+
+def async_relay(address: str, source: str, sink: str, report: Any) -> None:
+    """An asyncio process: each item of `source`, doubled, into `sink`, until `source` closes;
+    a ticker task reports how often the event loop ran meanwhile."""
+    import asyncio
+
+    async def run() -> int:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.005)
+
+        ticker = asyncio.create_task(tick())
+        async with tb.aio.connect(address) as c:
+            inbox, outbox = await c.queue(source), await c.queue(sink, maxsize=4)
+            async for item in inbox:
+                await outbox.put(np.from_dlpack(item) * 2)
+                del item
+            await outbox.close()
+        ticker.cancel()
+        return ticks
+
+    report.put(("relay", asyncio.run(run())))
+
+
+def torch_sink(address: str, queue: str, report: Any) -> None:
+    """Every item of `queue` as a torch tensor (zero copy), until it closes."""
+    import torch
+
+    seen = []
+    with tb.connect(address) as c:
+        for item in c.queue(queue):
+            seen.append(torch.from_dlpack(item).tolist())
+            del item
+    report.put(("torch", seen))

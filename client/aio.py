@@ -1,0 +1,491 @@
+"""An asyncio client: `c = await tb.aio.connect()` (or `async with tb.aio.connect() as c`).
+
+    async with tb.aio.connect(address) as c:
+        await c.put("x", array)
+        t = await c.get("x", timeout=None)      # waits without blocking the event loop
+        q = await c.queue("frames", maxsize=8)
+        await q.put(array)
+        async for item in q: ...
+
+Note [the asyncio client]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+It is a synchronous Client (its session, directory, lease slots, grants, credits, releases
+and reconnection) plus one `zmq.asyncio` DEALER that says hello into the same session. Every
+request that may wait in the broker (a get of a key not there yet, a watch, a queue get, a
+queue put waiting for a slot, a put waiting for memory) goes over that socket: many
+coroutines share it, each awaiting the reply with its own id, and a waiting request never
+blocks the event loop. What never waits runs in the loop's thread, as the synchronous client
+does it (a get from the directory, a small put into a block granted ahead: microseconds).
+Copies of more than INLINE_BYTES go to a worker thread.
+
+Cancellation. A task cancelled while its request waits in the broker sends `cancel`: the
+broker takes the request out of its line, and nothing is held for it. If the broker had
+answered already (the answer crossed the cancel), the answer is undone here: a get's lease
+is let go, a queue item is kept for this client's next get of that queue (so no item is
+lost; one left when the client closes is let go like any item it took), slots credited go
+to this client's credits, memory granted for a put is given back (abort).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Generator, Sequence
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from ..common.cudart import parse_device
+from ..common.errors import BrokerUnavailable, QueueClosed, SessionUnknown, error_from_wire
+from ..common.protocol import Op, decode, encode
+from .client import Client
+from .connection import REQUEST_TIMEOUT
+from .tensor import Tensor
+from .transfer import Item, WritePlan
+from .transport import MAX_REPLY_BYTES, waits
+
+log = logging.getLogger(__name__)
+
+INLINE_BYTES = 1 << 20  # copies larger than this run in a worker thread
+
+Reply = dict[str, Any]
+
+
+class Late:
+    """What becomes of a request its caller gave up on (cancelled, or timed out): `undo`
+    takes its answer if one comes after all; `settled` is told once its fate is known (an
+    answer came, or the broker dropped it). `pending` meanwhile."""
+
+    __slots__ = ("undo", "settled", "pending")
+
+    def __init__(
+        self, undo: Callable[[Reply], None], settled: Callable[[], None] | None = None
+    ) -> None:
+        self.undo, self.settled, self.pending = undo, settled, False
+
+    def settle(self, reply: Reply | None) -> None:
+        self.pending = False
+        if reply is not None and reply.get("ok"):
+            self.undo(reply)
+        if self.settled is not None:
+            self.settled()
+
+
+def connect(
+    address: str | None = None,
+    timeout: float = 5.0,
+    reconnect_timeout: float = 30.0,
+    server_key: str | None = None,
+) -> _Connecting:
+    """An AsyncClient of the broker at `address` (as `tb.connect`): `await` it, or use it
+    as `async with tb.aio.connect() as c:` (closed at the end)."""
+    return _Connecting(address, timeout, reconnect_timeout, server_key)
+
+
+class _Connecting:
+    def __init__(self, *args: Any) -> None:
+        self._args = args
+        self._client: AsyncClient | None = None
+
+    async def _open(self) -> AsyncClient:
+        sync = await asyncio.to_thread(Client, *self._args)  # hello: may wait for the broker
+        client = AsyncClient(sync)
+        try:
+            await client._socket()
+        except BaseException:
+            await client.aclose()
+            raise
+        return client
+
+    def __await__(self) -> Generator[Any, None, AsyncClient]:
+        return self._open().__await__()
+
+    async def __aenter__(self) -> AsyncClient:
+        self._client = await self._open()
+        return self._client
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+
+class _Channel:
+    """The session's zmq.asyncio DEALER: requests out, each reply to the future of its id."""
+
+    def __init__(self, sync: Client, ctx: zmq.asyncio.Context) -> None:
+        assert sync._conn is not None
+        self._conn = sync._conn
+        self.socket = ctx.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        if self._conn.keys is not None:
+            self._conn.keys.apply(self.socket)
+        self.socket.connect(self._conn.address)
+        self._waiting: dict[int, asyncio.Future[Reply]] = {}
+        self._late: dict[int, Late] = {}  # requests given up whose answer may still come
+        self._cancels: dict[int, int] = {}  # id of a cancel sent -> id of what it cancels
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+        self.broken: BrokerUnavailable | None = None
+
+    async def hello(self, timeout: float) -> None:
+        try:
+            await self.call(self._conn.hello_message(), timeout)
+        except BrokerUnavailable as exc:
+            raise BrokerUnavailable(f"no broker answers at {self._conn.address}: {exc}") from None
+
+    async def call(self, message: Reply, wait: float | None, late: Late | None = None) -> Reply:
+        """Send `message` and await its reply (up to `wait` seconds: None, as long as the
+        broker lives); the error it carries raised. If the caller gives up (cancelled, or
+        out of time) after sending, `late` is told what becomes of the request."""
+        if self.broken is not None:
+            raise self.broken
+        rid = message["id"]
+        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = future
+        try:
+            await self.socket.send(encode(message))
+            async with asyncio.timeout(wait):
+                reply = await future
+        except (asyncio.CancelledError, TimeoutError) as exc:
+            self._give_up(rid, future, message["op"], late)
+            if isinstance(exc, TimeoutError):
+                raise BrokerUnavailable(
+                    f"no reply from the broker at {self._conn.address} within {wait:.1f}s "
+                    f"(op {message['op']!r})"
+                ) from None
+            raise
+        if not reply.get("ok"):
+            if reply.get("code") == SessionUnknown.code:
+                self.broken = BrokerUnavailable(
+                    f"the broker at {self._conn.address} restarted: call again"
+                )
+                raise self.broken
+            raise error_from_wire(str(reply.get("code")), str(reply.get("error")))
+        return reply
+
+    def _give_up(self, rid: int, future: asyncio.Future[Reply], op: str, late: Late | None) -> None:
+        """The caller stopped waiting: ask the broker to drop the request, and undo its
+        answer if it came (or comes) anyway."""
+        self._waiting.pop(rid, None)
+        if future.done() and not future.cancelled():  # answered as the task was cancelled
+            if late is not None and future.result().get("ok"):
+                late.undo(future.result())
+            return
+        if late is not None:
+            late.pending = True
+            self._late[rid] = late
+        if self.broken is None and op != Op.HELLO:
+            cancel = self._conn.next_id()
+            self._cancels[cancel] = rid
+            self.send_nowait({"op": Op.CANCEL, "id": cancel, "call": rid})
+
+    def send_nowait(self, message: Reply) -> None:
+        """A message whose answer no one awaits (read and dropped)."""
+        self.socket.send(encode(message))
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                reply = decode(await self.socket.recv(), MAX_REPLY_BYTES)
+                rid = reply.get("id")
+                future = self._waiting.pop(rid, None) if isinstance(rid, int) else None
+                if future is not None:
+                    if not future.done():
+                        future.set_result(reply)
+                    continue
+                late = self._late.pop(rid, None) if isinstance(rid, int) else None
+                if late is not None:
+                    late.settle(reply)
+                cancelled = self._cancels.pop(rid, None) if isinstance(rid, int) else None
+                if cancelled is not None and reply.get("cancelled"):  # it gets no answer
+                    late = self._late.pop(cancelled, None)
+                    if late is not None:
+                        late.settle(None)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the socket closed, or a reply that cannot be read
+            self.broken = BrokerUnavailable(f"the connection to the broker failed: {exc}")
+            for future in self._waiting.values():
+                if not future.done():
+                    future.set_exception(self.broken)
+            self._waiting.clear()
+            lates, self._late = list(self._late.values()), {}
+            for late in lates:  # a broker that died holds nothing for them
+                late.settle(None)
+
+    async def close(self) -> None:
+        self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader
+        self.socket.close(linger=0)
+
+
+class AsyncClient:
+    """The asyncio face of a Client (see Note [the asyncio client]). Make one with
+    `tb.aio.connect()`; many tasks may share it. `sync` is the Client beneath, for what has
+    no async form here."""
+
+    def __init__(self, sync: Client) -> None:
+        self.sync = sync
+        self.address = sync.address
+        self._transfer = sync._transfer
+        self._ctx = zmq.asyncio.Context()
+        self._channel: _Channel | None = None
+        self._opening = asyncio.Lock()
+        self._closed = False
+
+    # -- keys ------------------------------------------------------------------------------
+
+    async def put(
+        self,
+        key: str,
+        value: Any,
+        *,
+        device: Any = None,
+        copy: bool = False,
+        wait: bool = True,
+        evictable: bool = False,
+    ) -> int | None:
+        """As Client.put; a copy of more than INLINE_BYTES runs in a worker thread (a put
+        cancelled once its copy began still lands)."""
+        fields: dict[str, Any] = {"key": key, **({"evictable": True} if evictable else {})}
+        plan = self._transfer.plan_write(key, value, device, copy, fields)
+        return await self._write(plan, Op.PUT, REQUEST_TIMEOUT, wait)
+
+    async def get(
+        self, key: str, timeout: float | None = 0.0, *, device: Any = None, copy: bool = False
+    ) -> Item:
+        """As Client.get: a key not there yet is waited for (up to `timeout` seconds, None:
+        as long as it takes) without blocking the event loop."""
+        timeout, wait = waits(timeout)
+        want = None if device is None else parse_device(device, f"get {key!r}")
+        self._transfer.writes.settle(key)
+        result = self._transfer.read_directly(key)
+        if result is None:
+            reply = await self._call(Op.GET, wait, Late(self._let_go), key=key, timeout=timeout)
+            result = self._transfer.read(reply)
+        return self._transfer.move(key, result, want, copy)
+
+    async def watch(self, key: str, timeout: float | None = None) -> AsyncIterator[Item]:
+        """As Client.watch: `async for v in c.watch(key)`."""
+        timeout, wait = waits(timeout)
+        self._transfer.writes.settle(key)
+        seen = 0
+        while True:
+            reply = await self._call(
+                Op.GET, wait, Late(self._let_go), key=key, timeout=timeout, after=seen
+            )
+            seen = reply["version"]
+            yield self._transfer.read(reply)
+
+    def create(
+        self, key: str, shape: Sequence[int], dtype: Any, device: Any = "cpu"
+    ) -> contextlib.AbstractAsyncContextManager[Tensor]:
+        """As Client.create: `async with c.create(key, shape, dtype) as buf:`; sealed when
+        the block exits, aborted if it raises."""
+        return _InThreads(self.sync.create(key, shape, dtype, device))
+
+    async def delete(self, key: str) -> None:
+        self._transfer.writes.settle(key)
+        await self._call(Op.DELETE, key=key)
+
+    async def exists(self, key: str) -> bool:
+        self._transfer.writes.settle(key)
+        return bool((await self._call(Op.EXISTS, key=key))["exists"])
+
+    async def keys(self) -> list[str]:
+        return list((await self._call(Op.KEYS))["keys"])
+
+    async def stats(self) -> dict[str, Any]:
+        reply = await self._call(Op.STATS)
+        return {k: v for k, v in reply.items() if k not in ("id", "ok")}
+
+    async def flush(self) -> None:
+        """As Client.flush, in a worker thread."""
+        await asyncio.to_thread(self.sync.flush)
+
+    # -- queues ----------------------------------------------------------------------------
+
+    async def queue(self, name: str, maxsize: int = 0) -> AsyncQueue:
+        """As Client.queue."""
+        if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 0:
+            raise ValueError(f"queue {name!r}: maxsize must be an integer >= 0, not {maxsize!r}")
+        reply = await self._call(Op.QOPEN, name=name, maxsize=maxsize)
+        return AsyncQueue(self, name, reply["queue"], reply["maxsize"])
+
+    async def delete_queue(self, name: str) -> None:
+        await self._call(Op.QDELETE, name=name)
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    async def _socket(self) -> _Channel:
+        """The session's asyncio socket, opened (again, after a broker restart) on demand."""
+        if self._channel is not None and self._channel.broken is None:
+            return self._channel
+        async with self._opening:
+            if self._closed:
+                raise BrokerUnavailable(f"this client of {self.address} is closed")
+            if self._channel is not None and self._channel.broken is not None:
+                old, self._channel = self._channel, None
+                await old.close()
+                await asyncio.to_thread(self.sync.ping)  # the session is back (reconnects)
+            if self._channel is None:
+                channel = _Channel(self.sync, self._ctx)
+                try:
+                    await channel.hello(REQUEST_TIMEOUT)
+                except BaseException:
+                    await channel.close()
+                    raise
+                self._channel = channel
+        return self._channel
+
+    async def _call(
+        self, op: str, wait: float | None = REQUEST_TIMEOUT, late: Late | None = None,
+        **fields: Any,
+    ) -> Reply:  # fmt: skip
+        conn = self.sync._conn
+        if conn is None or self._closed:
+            raise BrokerUnavailable(f"this client of {self.address} is closed")
+        conn.check_usable()  # raises the error of a put that did not wait
+        channel = await self._socket()
+        return await channel.call({"op": op, "id": conn.next_id(), **fields}, wait, late)
+
+    async def _write(self, plan: WritePlan, op: str, wait: float | None, block: bool) -> int | None:
+        """Finish a planned put: into its block granted ahead, else into memory the broker
+        grants (waiting, for a queue's slot or device memory, without blocking the loop)."""
+        transfer = self._transfer
+        if plan.grant is not None:
+            return transfer.write_granted(plan, wait, block)
+        reply = await self._call(op, wait, Late(self._abort), **plan.request)
+        if _nbytes(plan) > INLINE_BYTES:
+            return await asyncio.to_thread(transfer.fill, plan, reply, block)
+        return transfer.fill(plan, reply, block)
+
+    def _let_go(self, reply: Reply) -> None:
+        """A get's answer that came after it was cancelled: its lease goes back."""
+        self._transfer.read(reply)  # dropped at once: the lease is released
+
+    def _abort(self, reply: Reply) -> None:
+        """Memory granted to a put after it was cancelled: given back."""
+        if self._channel is not None and "put" in reply:
+            conn = self.sync._conn
+            assert conn is not None
+            self._channel.send_nowait({"op": Op.ABORT, "id": conn.next_id(), "put": reply["put"]})
+
+    async def aclose(self) -> None:
+        """Close the asyncio socket and the Client beneath. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+        self._ctx.term()
+        await asyncio.to_thread(self.sync.close)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"<tb.aio.AsyncClient {self.address}{' closed' if self._closed else ''}>"
+
+
+class AsyncQueue:
+    """The asyncio face of a Queue: `await q.put(x)`, `await q.get()`, `async for item in
+    q`, `await q.close()`. Make one with `await c.queue(name)`."""
+
+    def __init__(self, client: AsyncClient, name: str, queue_id: int, maxsize: int) -> None:
+        self.name, self.maxsize = name, maxsize
+        self._client, self._id = client, queue_id
+        # Items handed to gets that were cancelled meanwhile: the next gets take them first.
+        # One get at a time asks the broker, and a get given up holds the turn until its
+        # fate is known, so items come in the queue's order.
+        self._kept: collections.deque[Reply] = collections.deque()
+        self._turn = asyncio.Lock()
+
+    async def put(
+        self,
+        value: Any,
+        timeout: float | None = None,
+        *,
+        device: Any = None,
+        copy: bool = False,
+        wait: bool = True,
+    ) -> int | None:
+        """As Queue.put: waits for a free slot (up to `timeout` seconds) without blocking
+        the event loop; a put cancelled while it waits takes no slot."""
+        client, transfer = self._client, self._client._transfer
+        writes = transfer.writes
+        timeout, until = waits(timeout)
+        fields = {"queue": self._id, "name": self.name, "timeout": timeout}
+        plan = transfer.plan_write(self.name, value, device, copy, fields)
+        if plan.grant is not None and writes.must_ask_credit(self._id):
+            try:
+                reply = await client._call(
+                    Op.QCREDIT, until, Late(lambda r: writes.add_credits(self._id, r["credits"])),
+                    queue=self._id, name=self.name, timeout=timeout,
+                )  # fmt: skip
+            except BaseException:
+                writes.give_back(plan.grant)
+                raise
+            writes.add_credits(self._id, reply["credits"])  # write_granted takes one
+        return await client._write(plan, Op.QPUT, until, wait)
+
+    async def get(self, timeout: float | None = None) -> Item:
+        """As Queue.get: the oldest item, waited for (up to `timeout` seconds, None: as long
+        as it takes) without blocking the event loop."""
+        transfer = self._client._transfer
+        await self._turn.acquire()
+        late = Late(self._kept.append, self._turn.release)
+        try:
+            if self._kept:
+                return transfer.read(self._kept.popleft())
+            timeout, wait = waits(timeout)
+            reply = await self._client._call(
+                Op.QGET, wait, late, queue=self._id, name=self.name, timeout=timeout
+            )
+            return transfer.read(reply)
+        finally:
+            if not late.pending:  # else the turn passes once the broker has answered
+                self._turn.release()
+
+    async def close(self) -> None:
+        """As Queue.close (this client's puts that did not wait go first)."""
+        await self._client.flush()
+        await self._client._call(Op.QCLOSE, queue=self._id, name=self.name)
+
+    async def __aiter__(self) -> AsyncIterator[Item]:
+        while True:
+            try:
+                item = await self.get()
+            except QueueClosed:
+                return
+            yield item
+            del item  # the generator frame must not keep the item's slot
+
+    def __repr__(self) -> str:
+        bound = f" maxsize={self.maxsize}" if self.maxsize else ""
+        return f"<tb.aio.AsyncQueue {self.name!r}{bound}>"
+
+
+class _InThreads(contextlib.AbstractAsyncContextManager[Tensor]):
+    """A synchronous context manager entered and left in worker threads."""
+
+    def __init__(self, sync: contextlib.AbstractContextManager[Tensor]) -> None:
+        self._sync = sync
+
+    async def __aenter__(self) -> Tensor:
+        return await asyncio.to_thread(self._sync.__enter__)
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        return await asyncio.to_thread(self._sync.__exit__, *exc)
+
+
+def _nbytes(plan: WritePlan) -> int:
+    return sum(int(getattr(src, "nbytes", 0)) for _, src, _ in plan.items)
+

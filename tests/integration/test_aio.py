@@ -1,0 +1,206 @@
+"""The asyncio client (tb.aio): many tasks share one client, waits never block the event
+loop, pipelines with synchronous processes, and cancellation that leaves nothing held."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+import stages
+from support import SPAWN, join_all
+
+import tensorbroker as tb
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+class Ticker:
+    """Counts how often the event loop gets to run a task meanwhile."""
+
+    def __init__(self) -> None:
+        self.ticks = 0
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            self.ticks += 1
+            await asyncio.sleep(0.005)
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+def test_many_tasks_wait_on_one_client_without_blocking_the_loop(
+    fresh_broker: tb.BrokerProcess,
+) -> None:
+    keys = [f"later/{i}" for i in range(20)]
+    putter = SPAWN.Process(target=stages.delayed_puts, args=(fresh_broker.address, keys, 0.5))
+
+    async def main() -> None:
+        async with tb.aio.connect(fresh_broker.address) as c:
+            ticker = Ticker()
+            putter.start()
+            got = await asyncio.gather(*(c.get(key, timeout=30) for key in keys))
+            ticker.stop()
+            assert [int(np.from_dlpack(t)[0]) for t in got] == list(range(20))
+            assert ticker.ticks >= 20  # the loop ran all along the half-second wait
+            assert (await c.stats())["waiters"] == 0
+
+    try:
+        run(main())
+    finally:
+        join_all([putter])
+
+
+def test_put_get_create_delete(fresh_broker: tb.BrokerProcess) -> None:
+    async def main() -> None:
+        async with tb.aio.connect(fresh_broker.address) as c:
+            assert await c.put("a", np.arange(6.0)) == 1
+            big = np.arange(2**19, dtype=np.float32)  # 2 MiB: copied in a worker thread
+            assert await c.put("big", big) == 1
+            async with c.create("made", (3,), "int32") as buf:
+                np.from_dlpack(buf)[:] = [7, 8, 9]
+            assert np.from_dlpack(await c.get("made")).tolist() == [7, 8, 9]
+            assert np.array_equal(np.from_dlpack(await c.get("big")), big)
+            assert sorted(await c.keys()) == ["a", "big", "made"]
+            await c.delete("a")
+            assert not await c.exists("a")
+            with pytest.raises(tb.NotFound):
+                await c.get("a")
+            with pytest.raises(tb.Timeout):
+                await c.get("a", timeout=0.1)
+
+    run(main())
+
+
+def test_an_async_stage_between_a_sync_producer_and_a_torch_consumer(
+    fresh_broker: tb.BrokerProcess,
+) -> None:
+    address, items = fresh_broker.address, 100
+    report = SPAWN.Queue()
+    procs = [
+        SPAWN.Process(target=stages.numbered_producer, args=(address, "raw", 0, items)),
+        SPAWN.Process(target=stages.async_relay, args=(address, "raw", "doubled", report)),
+        SPAWN.Process(target=stages.torch_sink, args=(address, "doubled", report)),
+    ]
+    for p in procs:
+        p.start()
+    with tb.connect(address) as c:
+        procs[0].join(60)
+        c.queue("raw").close()
+    out = dict(report.get(timeout=60) for _ in range(2))
+    join_all(procs)
+    assert out["torch"] == [[0, 2 * seq] for seq in range(items)]  # every item, in order
+    assert out["relay"] > 0
+
+
+def test_a_cancelled_queue_get_holds_nothing_and_loses_no_item(
+    fresh_broker: tb.BrokerProcess,
+) -> None:
+    items = 200
+
+    async def main() -> list[int]:
+        seen: list[int] = []
+        async with tb.aio.connect(fresh_broker.address) as c:
+            q = await c.queue("racy")
+
+            async def produce() -> None:
+                for i in range(items):
+                    await q.put(np.array([i]))
+                    await asyncio.sleep(random.uniform(0, 0.002))
+
+            producer = asyncio.create_task(produce())
+            while not producer.done() or len(seen) < items:
+                getter = asyncio.create_task(q.get())
+                await asyncio.sleep(random.uniform(0, 0.003))
+                getter.cancel()  # may cross the broker's answer
+                try:
+                    item = await getter
+                except asyncio.CancelledError:
+                    continue
+                seen.append(int(np.from_dlpack(item)[0]))
+                del item, getter  # the task keeps its result
+            await producer
+            assert (await c.stats())["waiters"] == 0
+            for _ in range(100):  # releases go out in the background
+                if c.sync.list_queues()[0]["in_flight"] == 0:  # every item let go
+                    break
+                await asyncio.sleep(0.05)
+            assert c.sync.list_queues()[0]["in_flight"] == 0
+        return seen
+
+    assert run(main()) == list(range(items))  # each once, in order
+
+
+def test_a_cancelled_put_waiting_for_a_slot_takes_none(fresh_broker: tb.BrokerProcess) -> None:
+    async def main() -> None:
+        async with tb.aio.connect(fresh_broker.address) as c:
+            q = await c.queue("tight", maxsize=1)
+            await q.put(np.zeros(4))
+            ticker = Ticker()
+            waiting = asyncio.create_task(q.put(np.ones(4)))
+            await asyncio.sleep(0.3)
+            assert not waiting.done() and ticker.ticks >= 10
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            ticker.stop()
+            (info,) = c.sync.list_queues()
+            assert (info["in_flight"], info["producers"]) == (1, 0)
+            assert (await c.stats())["waiters"] == 0
+            assert np.from_dlpack(await q.get(timeout=1)).tolist() == [0, 0, 0, 0]
+            await q.put(np.full(4, 2.0), timeout=5)  # the slot freed is there to take
+            assert np.from_dlpack(await q.get(timeout=5)).tolist() == [2, 2, 2, 2]
+
+    run(main())
+
+
+def test_a_cancelled_get_of_a_missing_key_holds_nothing(fresh_broker: tb.BrokerProcess) -> None:
+    async def main() -> None:
+        async with tb.aio.connect(fresh_broker.address) as c:
+            waiting = asyncio.create_task(c.get("not-yet", timeout=None))
+            await asyncio.sleep(0.2)
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            assert (await c.stats())["waiters"] == 0
+            await c.put("not-yet", np.ones(2))
+            await asyncio.sleep(0.1)
+            (row,) = c.sync.list_objects("not-yet")
+            assert row["leases"] == 0
+
+    run(main())
+
+
+def test_watch(fresh_broker: tb.BrokerProcess) -> None:
+    keys = ["w"] * 5  # five versions of one key
+
+    async def main() -> list[int]:
+        versions = []
+        async with tb.aio.connect(fresh_broker.address) as c:
+            putter = SPAWN.Process(target=stages.delayed_puts, args=(c.address, keys, 0.2))
+            putter.start()
+            try:
+                async for value in c.watch("w", timeout=30):
+                    versions.append(value.version)
+                    if value.version == 5:
+                        break
+            finally:
+                join_all([putter])
+        return versions
+
+    versions = run(main())
+    assert versions == sorted(set(versions)) and versions[-1] == 5  # newer each time
+
+
+def test_connect_to_nothing_says_where(tmp_path: Any) -> None:
+    async def main() -> None:
+        with pytest.raises(tb.BrokerUnavailable, match="no broker answers"):
+            await tb.aio.connect(f"ipc://{tmp_path}/none.sock", timeout=0.3)
+
+    run(main())
