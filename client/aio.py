@@ -488,4 +488,3 @@ class _InThreads(contextlib.AbstractAsyncContextManager[Tensor]):
 
 def _nbytes(plan: WritePlan) -> int:
     return sum(int(getattr(src, "nbytes", 0)) for _, src, _ in plan.items)
-

@@ -240,9 +240,7 @@ class Transfer:
         specs = [[name, dt.name, list(src.shape)] for name, src, dt in items]
         plan = WritePlan(label, items, target, specs, bundle, fields)
         if target == "cpu":
-            plan.offsets, size, _ = layout(
-                [(n, dt.name, tuple(src.shape)) for n, src, dt in items]
-            )
+            plan.offsets, size, _ = layout([(n, dt.name, tuple(src.shape)) for n, src, dt in items])
             plan.grant = self.writes.take_grant(size)
         else:
             fields["device"] = target
