@@ -126,8 +126,12 @@ class _Channel:
         self._waiting: dict[int, asyncio.Future[Reply]] = {}
         self._late: dict[int, Late] = {}  # requests given up whose answer may still come
         self._cancels: dict[int, int] = {}  # id of a cancel sent -> id of what it cancels
-        self._reader = asyncio.get_running_loop().create_task(self._read())
+        self._loop = asyncio.get_running_loop()
+        self._reader = self._loop.create_task(self._read())
         self.broken: BrokerUnavailable | None = None
+        self._pidfd = self._conn.broker_pidfd  # readable once the broker exits
+        if self._pidfd is not None:
+            self._loop.add_reader(self._pidfd, self._broker_exited)
 
     async def hello(self, timeout: float) -> None:
         try:
@@ -142,10 +146,14 @@ class _Channel:
         if self.broken is not None:
             raise self.broken
         rid = message["id"]
-        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Reply] = self._loop.create_future()
         self._waiting[rid] = future
         try:
             await self.socket.send(encode(message))
+        except BaseException:  # not sent: nothing to take back
+            self._waiting.pop(rid, None)
+            raise
+        try:
             async with asyncio.timeout(wait):
                 reply = await future
         except (asyncio.CancelledError, TimeoutError) as exc:
@@ -158,9 +166,10 @@ class _Channel:
             raise
         if not reply.get("ok"):
             if reply.get("code") == SessionUnknown.code:
-                self.broken = BrokerUnavailable(
-                    f"the broker at {self._conn.address} restarted: call again"
+                self._fail_all(
+                    BrokerUnavailable(f"the broker at {self._conn.address} restarted: call again")
                 )
+                assert self.broken is not None
                 raise self.broken
             raise error_from_wire(str(reply.get("code")), str(reply.get("error")))
         return reply
@@ -206,16 +215,35 @@ class _Channel:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the socket closed, or a reply that cannot be read
-            self.broken = BrokerUnavailable(f"the connection to the broker failed: {exc}")
-            for future in self._waiting.values():
-                if not future.done():
-                    future.set_exception(self.broken)
-            self._waiting.clear()
-            lates, self._late = list(self._late.values()), {}
-            for late in lates:  # a broker that died holds nothing for them
-                late.settle(None)
+            self._fail_all(BrokerUnavailable(f"the connection to the broker failed: {exc}"))
+
+    def _broker_exited(self) -> None:
+        self._fail_all(
+            BrokerUnavailable(
+                f"the broker at {self._conn.address} exited: call again (once a broker is "
+                "back, the client carries on)"
+            )
+        )
+
+    def _fail_all(self, error: BrokerUnavailable) -> None:
+        """This socket is done: every call waiting on it raises `error`, and every request
+        given up is settled (the broker that answers next holds nothing for them)."""
+        if self.broken is None:
+            self.broken = error
+        if self._pidfd is not None:
+            self._loop.remove_reader(self._pidfd)
+            self._pidfd = None
+        waiting, self._waiting = list(self._waiting.values()), {}
+        for future in waiting:
+            if not future.done():
+                future.set_exception(self.broken)
+        lates, self._late = list(self._late.values()), {}
+        self._cancels.clear()
+        for late in lates:
+            late.settle(None)
 
     async def close(self) -> None:
+        self._fail_all(BrokerUnavailable("the asyncio client is closed"))
         self._reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._reader
@@ -235,6 +263,7 @@ class AsyncClient:
         self._channel: _Channel | None = None
         self._opening = asyncio.Lock()
         self._closed = False
+        self._turns: dict[int, _Turn] = {}  # queue id -> its gets' turn and kept items
 
     # -- keys ------------------------------------------------------------------------------
 
@@ -382,6 +411,9 @@ class AsyncClient:
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
+        for turn in self._turns.values():  # items kept for gets that will not come
+            while turn.kept:
+                self._transfer.read(turn.kept.popleft())  # dropped: let go
         self._ctx.term()
         await asyncio.to_thread(self.sync.close)
 
@@ -402,11 +434,7 @@ class AsyncQueue:
     def __init__(self, client: AsyncClient, name: str, queue_id: int, maxsize: int) -> None:
         self.name, self.maxsize = name, maxsize
         self._client, self._id = client, queue_id
-        # Items handed to gets that were cancelled meanwhile: the next gets take them first.
-        # One get at a time asks the broker, and a get given up holds the turn until its
-        # fate is known, so items come in the queue's order.
-        self._kept: collections.deque[Reply] = collections.deque()
-        self._turn = asyncio.Lock()
+        self._turn = client._turns.setdefault(queue_id, _Turn())
 
     async def put(
         self,
@@ -439,12 +467,12 @@ class AsyncQueue:
     async def get(self, timeout: float | None = None) -> Item:
         """As Queue.get: the oldest item, waited for (up to `timeout` seconds, None: as long
         as it takes) without blocking the event loop."""
-        transfer = self._client._transfer
-        await self._turn.acquire()
-        late = Late(self._kept.append, self._turn.release)
+        transfer, turn = self._client._transfer, self._turn
+        await turn.lock.acquire()
+        late = Late(turn.kept.append, turn.lock.release)
         try:
-            if self._kept:
-                return transfer.read(self._kept.popleft())
+            if turn.kept:
+                return transfer.read(turn.kept.popleft())
             timeout, wait = waits(timeout)
             reply = await self._client._call(
                 Op.QGET, wait, late, queue=self._id, name=self.name, timeout=timeout
@@ -452,7 +480,7 @@ class AsyncQueue:
             return transfer.read(reply)
         finally:
             if not late.pending:  # else the turn passes once the broker has answered
-                self._turn.release()
+                turn.lock.release()
 
     async def close(self) -> None:
         """As Queue.close (this client's puts that did not wait go first)."""
@@ -471,6 +499,16 @@ class AsyncQueue:
     def __repr__(self) -> str:
         bound = f" maxsize={self.maxsize}" if self.maxsize else ""
         return f"<tb.aio.AsyncQueue {self.name!r}{bound}>"
+
+
+class _Turn:
+    """The gets of one queue in one client: one at a time asks the broker, and a get given
+    up holds the turn until its fate is known; an item handed to it meanwhile is kept for
+    the next get (of any handle of the queue), so items come in the queue's order."""
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.kept: collections.deque[Reply] = collections.deque()
 
 
 class _InThreads(contextlib.AbstractAsyncContextManager[Tensor]):

@@ -132,6 +132,11 @@ class Connection:
             "start_time": host.start_time(self.pid),
         }
 
+    @property
+    def broker_pidfd(self) -> int | None:
+        """Readable once the broker this connection talks to has exited (None: unknown)."""
+        return self._broker_pidfd
+
     def _new_channel(self, timeout: float, resume: bool = False) -> Channel:
         """A socket that has said hello; `resume`: the first to a broker that restarted, with
         the leases this process holds."""

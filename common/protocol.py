@@ -388,8 +388,6 @@ _FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
     Op.CLIENTS: {},
 }
 
-OPS = frozenset(_FIELDS)  # every op there is
-
 
 @dataclass(frozen=True, slots=True)
 class Request:

@@ -435,7 +435,10 @@ class Broker:
             self.objects.retry_device_puts()
             self.queues.admit_putters()
             if exporter is not None and exporter.wanted:  # a scrape waits (Note [metrics])
-                exporter.answer(self.stats)
+                try:
+                    exporter.answer(self.stats)
+                except Exception:  # the scrape gets the last figures; the broker goes on
+                    log.exception("could not take the figures for a metrics scrape")
 
     def _poll_timeout_ms(self) -> int:
         timeout = None
@@ -526,9 +529,10 @@ class Broker:
     def _handle(self, route: bytes, message: Any, frame: zmq.Frame | None = None) -> None:
         """Answer one request; `frame`: the ZeroMQ frame it came in (None: a lane's)."""
         began = time.perf_counter()
-        op = message.get("op") if isinstance(message, dict) else None
+        op = None
         try:
             request = parse_request(message)
+            op = request.op  # a known op: the counters stay bounded
             result = self._dispatch(route, request, frame)
         except Exception as exc:
             self._fail(route, protocol.request_id(message) or 0, exc)
@@ -536,7 +540,7 @@ class Broker:
             if result is not None and request.op not in NO_REPLY:
                 self._send(route, reply_ok(request.id, **result))
         self.queues.admit_putters()
-        if op in protocol.OPS:  # not a stranger's made-up op: the counters stay bounded
+        if op is not None:
             self.opstats.record(op, time.perf_counter() - began)
 
     def _dispatch(

@@ -468,21 +468,24 @@ class Queues:
         """A closed queue stays closed: consumers that come late end at once instead of
         waiting for a stream that is over. Only the oldest of many ended queues are forgotten
         (their names then start new queues)."""
-        if not q.ended or q.id in self._ended:
+        if not q.ended or q.removed or q.id in self._ended:
             return
         self._ended[q.id] = q
         while len(self._ended) > ENDED_QUEUES:
             old = self._ended.pop(next(iter(self._ended)))
             del self.by_id[old.id]
-            del self.by_name[old.name]
+            if self.by_name.get(old.name) is old:
+                del self.by_name[old.name]
             self.registry.journal.queue_gone(old)
 
-    def adopt(self, rows: list[tuple[int, str, int, bool, int]], objects: list[Row]) -> None:
+    def adopt(self, rows: list[tuple[int, str, int, bool, int, bool]], objects: list[Row]) -> None:
         """The queues of a broker that died (Note [recovery] in state.py), each item of the
         journal holding its slot as before; `settle` orders them once their items are in."""
-        for qid, name, maxsize, closed, sealed in rows:
-            q = BrokerQueue(name, qid, maxsize, closed, sealed=sealed)
-            self.by_name[name] = self.by_id[qid] = q
+        for qid, name, maxsize, closed, sealed, removed in rows:
+            q = BrokerQueue(name, qid, maxsize, closed, sealed=sealed, removed=removed)
+            self.by_id[qid] = q  # a removed queue only until its items are adopted
+            if not removed:
+                self.by_name[name] = q
         for row in objects:
             item_of = self.by_id.get(row.queue) if row.queue is not None else None
             if item_of is not None:
@@ -491,7 +494,12 @@ class Queues:
         self._ids = itertools.count(max(self.by_id, default=0) + 1)
 
     def adopted(self) -> None:
-        """The adopted items are in their queues: put them in order."""
+        """The adopted items are in their queues: put them in order. Removed queues are
+        known to their items only (gone from the journal once the last is freed)."""
+        for q in [q for q in self.by_id.values() if q.removed]:
+            del self.by_id[q.id]
+            if not q.in_flight:
+                self.registry.journal.queue_gone(q)
         for q in list(self.by_name.values()):
             q.items = deque(sorted(q.items, key=lambda o: o.version))
             self._note_if_ended(q)

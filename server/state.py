@@ -94,7 +94,7 @@ class Recovered:
     segments: dict[str, tuple[int, str]]  # name -> size, kind
     meta: dict[str, Any]
     objects: list[Row] = field(default_factory=list)
-    queues: list[tuple[int, str, int, bool, int]] = field(default_factory=list)
+    queues: list[tuple[int, str, int, bool, int, bool]] = field(default_factory=list)
     sessions: list[tuple[str, int | None, str | None, int | None, int | None, bool, list[int]]] = (
         field(default_factory=list)
     )
@@ -169,7 +169,8 @@ def read_journal(path: str) -> Recovered | None:
         raise ValueError(f"record {len(rows)}: {type(exc).__name__}: {exc}") from None
     out = Recovered(str(meta.get("owner", "?")), segments, meta)
     out.objects = [Row(*rows[oid]) for oid in sorted(rows)]
-    out.queues = [(i, n, m, bool(c), s) for i, n, m, c, s in queues.values()]
+    # A queue removed (qdelete) while consumers held items has a 6th field (older: 5).
+    out.queues = [(i, n, m, bool(c), s, bool(r and r[0])) for i, n, m, c, s, *r in queues.values()]
     out.sessions = [(t, p, b, st, rg, bool(c), h) for t, p, b, st, rg, c, h in sessions.values()]
     out.versions = versions
     return out
@@ -356,7 +357,7 @@ class State(Journal):
         self._queue_row(q)
 
     def _queue_row(self, q: Any) -> None:
-        row = (q.id, q.name, q.maxsize, q.closed, q.sealed)
+        row = (q.id, q.name, q.maxsize, q.closed, q.sealed, *((True,) if q.removed else ()))
         self._queues[q.id] = row
         self._put(("q", row))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import signal
 from typing import Any
 
 import numpy as np
@@ -204,3 +205,25 @@ def test_connect_to_nothing_says_where(tmp_path: Any) -> None:
             await tb.aio.connect(f"ipc://{tmp_path}/none.sock", timeout=0.3)
 
     run(main())
+
+
+def test_a_wait_ends_when_the_broker_dies_and_the_client_carries_on() -> None:
+    with tb.start_broker(memory="64MiB") as broker:
+
+        async def main() -> None:
+            async with tb.aio.connect(broker.address) as c:
+                q = await c.queue("q")
+                waiting = asyncio.create_task(q.get())
+                await asyncio.sleep(0.2)
+                broker.send_signal(signal.SIGKILL)
+                with pytest.raises(tb.BrokerUnavailable, match="exited"):
+                    await asyncio.wait_for(waiting, 10)
+                await asyncio.to_thread(broker.wait, 10)
+                await asyncio.to_thread(broker.restart)
+                q = await c.queue("q")  # the queue was adopted: a get waits on it again
+                later = asyncio.create_task(q.get(timeout=10))
+                await asyncio.sleep(0.1)
+                await q.put(np.arange(3))
+                assert np.from_dlpack(await later).tolist() == [0, 1, 2]
+
+        run(main())

@@ -355,6 +355,18 @@ def test_unhashable_dtype_is_an_invalid_request(
     assert_error(reply, "invalid")
 
 
+@pytest.mark.parametrize("op", [{"a": 1}, [1, 2], None, 3.5, "no-such-op"])
+def test_an_op_of_any_shape_is_refused_and_the_broker_goes_on(
+    broker: tb.BrokerProcess, raw: Callable[..., Any], op: Any
+) -> None:
+    sock = raw(broker.address)
+    assert hello(sock)["ok"]
+    reply = call(sock, {"op": op, "id": 2})
+    sock.send(encode({"op": "bye"}))
+    assert_error(reply, "protocol")
+    assert_serves(broker)
+
+
 def test_hello_with_an_out_of_range_pid(broker: tb.BrokerProcess, raw: Callable[..., Any]) -> None:
     sock = raw(broker.address)
     reply = hello(sock, watched=False, pid=2**62, boot_id=host.boot_id(), start_time=1)

@@ -99,6 +99,30 @@ def test_a_parked_get_resumes_on_the_new_broker(crashable: tb.BrokerProcess) -> 
         writer.delete("late")
 
 
+def test_a_removed_queue_stays_removed_across_a_kill(crashable: tb.BrokerProcess) -> None:
+    """Its item a consumer holds stays valid and takes memory until let go; its name starts
+    a new queue, before and after the restart."""
+    with tb.connect(crashable.address) as c:
+        q = c.queue("gone-q", maxsize=2)
+        q.put(np.full(MiB // 8, 5.0))
+        q.put(np.full(MiB // 8, 6.0))
+        held = q.get()
+        c.delete_queue("gone-q")
+        renewed = c.queue("gone-q", maxsize=3)
+        renewed.put(np.ones(4))
+        _crash(crashable)
+        crashable.restart()
+
+        assert [r["name"] for r in c.list_queues()] == ["gone-q"]
+        again = c.queue("gone-q")
+        assert (again.maxsize, len(again), again.closed) == (3, 1, False)
+        assert held.numpy()[0] == 5.0 and c.stats()["used_bytes"] >= MiB
+        del held
+        assert again.get(timeout=5).numpy().tolist() == [1, 1, 1, 1]
+        assert wait_until(lambda: c.stats()["used_bytes"] == 0, 5)
+        assert c.stats()["queues"] == 1
+
+
 def test_reader_keeps_its_arrays_and_leases_across_a_kill() -> None:
     """Its arrays keep their values and the new broker does not reuse their memory while
     other clients fill it."""
