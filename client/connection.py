@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -37,6 +37,9 @@ from ..common.curve import client_keys
 from ..common.errors import BrokerError, BrokerUnavailable
 from ..common.protocol import MAX_RELEASES, PROTOCOL_VERSION, Op
 from .transport import BrokerExited, Channel, ChannelPool
+
+if TYPE_CHECKING:
+    from .handoff import Bell
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +165,7 @@ class Connection:
             raise
         self._heartbeat = float(reply.get("heartbeat") or 0.0) or None
         if not self.shared or resume:  # the directory and this session's slot region
-            self.shared = {k: reply[k] for k in ("directory", "slots") if k in reply}
+            self.shared = {k: reply[k] for k in ("directory", "slots", "mailboxes") if k in reply}
         if resume:
             self.resumed = bool(reply.get("resumed"))
             for lease in reply.get("lost", []) if self.resumed else list(self.held):
@@ -187,11 +190,15 @@ class Connection:
         """An error of a put that did not wait: raised by the next call (check_usable)."""
         self._failed.append(error)
 
-    def call(self, op: str, wait: float | None = REQUEST_TIMEOUT, **fields: Any) -> dict[str, Any]:
+    def call(
+        self, op: str, wait: float | None = REQUEST_TIMEOUT, bell: Bell | None = None,
+        **fields: Any,
+    ) -> dict[str, Any]:  # fmt: skip
         """Send one request (with the releases due) and wait up to `wait` seconds for its
         reply; the reply's fields, or the broker's error raised. If the broker exits
         meanwhile, wait for it to come back and send the request again where that is safe
-        (RESENT), else raise BrokerUnavailable saying what may be lost."""
+        (RESENT), else raise BrokerUnavailable saying what may be lost. A queue get may wait
+        on this client's `bell` (Note [direct handoff] in common/mailbox.py)."""
         self.check_usable()
         message = {"op": op, "id": next(self._ids), **fields}
         releases = _drain(self.releases, self.held)
@@ -199,19 +206,23 @@ class Connection:
             message["rel"] = releases
         self._calls.add(message["id"])
         try:
-            return self._call(message, op, wait, fields)
+            return self._call(message, op, wait, fields, bell)
         finally:
             self._calls.discard(message["id"])
 
     def _call(
-        self, message: dict[str, Any], op: str, wait: float | None, fields: dict[str, Any]
-    ) -> dict[str, Any]:
+        self, message: dict[str, Any], op: str, wait: float | None, fields: dict[str, Any],
+        bell: Bell | None,
+    ) -> dict[str, Any]:  # fmt: skip
         while True:
             generation = self.generation
             channel: Channel | None = None
             try:
                 channel = self._pool.borrow() or self._fresh_channel()
-                return channel.call(message, wait)
+                if bell is not None and (bell.generation != generation or not channel.rings):
+                    bell = None  # the mailbox named by an earlier broker, or no lane to ring
+                    message.pop("mailbox", None)
+                return channel.call(message, wait, bell)
             except BrokerExited:
                 if channel is not None:
                     self._pool.discard(channel)

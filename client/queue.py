@@ -96,10 +96,7 @@ class Queue:
         `timeout` seconds for one (None: as long as it takes; 0: Timeout at once if empty).
         QueueClosed once the queue is closed and drained."""
         timeout, wait = waits(timeout)
-        reply = self._transfer.conn.call(
-            Op.QGET, wait, queue=self._id, name=self.name, timeout=timeout
-        )
-        return self._transfer.read(reply)
+        return self._transfer.queue_get(timeout, wait, queue=self._id, name=self.name)
 
     def close(self) -> None:
         """End the stream: no more puts (waiting ones raise QueueClosed); consumers get what

@@ -22,16 +22,18 @@ import numpy as np
 from ..common import _shm
 from ..common.config import SHM_DIR
 from ..common.cudart import STREAM_LEGACY, device_index, parse_device
-from ..common.descriptors import ObjectDesc, TensorDesc, layout
+from ..common.descriptors import ObjectDesc, TensorDesc, compact_strides, layout
 from ..common.directory import DirectoryView, decode_desc, map_segment
 from ..common.dtypes import DType
 from ..common.dtypes import dtype as lookup_dtype
 from ..common.errors import BrokerError
+from ..common.mailbox import Mailboxes
 from ..common.protocol import Op
 from . import placement
 from .connection import Connection
 from .copy import Copier
 from .cuda import DeviceLink
+from .handoff import Bell, DirectGrant, hand_over
 from .shm import SegmentCache
 from .sources import Source, entries
 from .tensor import DeviceLease, Lease, SlotLease, Tensor
@@ -105,6 +107,8 @@ class Transfer:
         self.copier = Copier()
         self.directory: DirectoryView | None = None
         self.slots: LeaseSlots | None = None
+        self.mailboxes: Mailboxes | None = None  # Note [direct handoff] in common/mailbox.py
+        self.bell: Bell | None = None  # this client's own mailbox
         self._descs: dict[int, tuple[bool, tuple[TensorDesc, ...]]] = {}
         self._shared: dict[str, Any] = {}
         self._generation = -1
@@ -122,6 +126,15 @@ class Transfer:
                     self.directory = None
                 if where is not None:
                     self.directory = DirectoryView(SHM_DIR, *where)
+            where = shared.get("mailboxes")
+            if where != self._shared.get("mailboxes"):
+                self.mailboxes = self.bell = None
+                if where is not None:
+                    name, size, region = where
+                    self.mailboxes = Mailboxes(os.path.join(SHM_DIR, name), size)
+                    self.bell = Bell(self.mailboxes.at(region), self._generation)
+            elif self.bell is not None:
+                self.bell.generation = self._generation
             where = shared.get("slots")
             if where != self._shared.get("slots"):
                 self.slots = None  # unmapped once no SlotLease holds it
@@ -296,10 +309,48 @@ class Transfer:
         for name in ("key", "queue", "name", "evictable"):
             if name in fields:
                 message[name] = fields[name]
+        if queue is not None and self.mailboxes is not None:
+            direct = self._hand_over(plan, grant, queue, fields.get("name", ""))
+            if direct is not None:
+                message["direct"] = direct
         key = fields.get("key")
         label = f"put {key!r}" if key is not None else f"put to queue {fields.get('name')!r}"
         sealed = self.writes.seal(message, key, label, grant.put, block)
         return None if sealed is None else int(sealed["version"])
+
+    def _hand_over(self, plan: WritePlan, grant: Grant, queue: int, name: str) -> list[Any] | None:
+        """Hand the item just written straight to a consumer waiting for it, if the broker
+        offered a grant (Note [direct handoff] in common/mailbox.py): the seal's field."""
+        bell = self.bell
+        if bell is None or self._generation != self.conn.generation:
+            return None
+        offered = _shm.offer_read(bell.address)
+        if offered is None or offered[0] != queue or not self.writes.all_answered():
+            return None
+        assert self.mailboxes is not None
+        wires = [
+            TensorDesc(n, dt.name, tuple(src.shape), compact_strides(tuple(src.shape)),
+                       grant.segment, grant.offset + offset, "cpu").to_wire()
+            for (n, src, dt), offset in zip(plan.items, plan.offsets, strict=True)
+        ]  # fmt: skip
+        grant_offered = DirectGrant(*offered[1:])
+        return hand_over(
+            self.mailboxes, grant_offered, name, plan.bundle, wires, grant.oid, grant.put
+        )
+
+    def queue_get(self, timeout: float | None, wait: float | None, **fields: Any) -> Item:
+        """A queue's next item: the broker's reply, or (waiting on this client's bell, if no
+        other thread does) one a producer handed over."""
+        if self._generation != self.conn.generation:
+            self._attach()
+        bell = self.bell
+        if bell is None or timeout == 0 or not bell.lock.acquire(blocking=False):
+            return self.read(self.conn.call(Op.QGET, wait, timeout=timeout, **fields))
+        try:
+            reply = self.conn.call(Op.QGET, wait, bell, timeout=timeout, mailbox=True, **fields)
+        finally:
+            bell.lock.release()
+        return self.read(reply)
 
     def _write_device(self, items: list[tuple[str, Source, DType]], reply: dict[str, Any]) -> None:
         """Enqueue the copies into device memory on the sources' streams and record the

@@ -12,7 +12,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import zmq
@@ -21,6 +21,9 @@ from ..common.config import lane_path
 from ..common.curve import ClientKeys
 from ..common.errors import BrokerUnavailable, ProtocolError, SessionUnknown, error_from_wire
 from ..common.protocol import decode, encode
+
+if TYPE_CHECKING:
+    from .handoff import Bell
 
 MAX_REPLY_BYTES = 256 << 20  # replies can list many keys; requests stay small
 WATCH_STEP_MS = 100  # how often a waiting call looks whether the broker has exited
@@ -41,6 +44,8 @@ class Channel:
 
     address: str
     generation: int  # of the broker it says hello to (ChannelPool.renew)
+    ended = False  # a look that did not wait found the broker's end closed
+    rings = False  # whether a get may wait on its bell instead (only a lane: see `call`)
 
     def send(self, message: dict[str, Any]) -> None:
         raise NotImplementedError
@@ -56,16 +61,31 @@ class Channel:
     def watch_broker(self, pidfd: int) -> None:
         """Fail a waiting call when the broker process exits (pidfd readable)."""
 
-    def call(self, message: dict[str, Any], timeout: float | None) -> dict[str, Any]:
+    def call(
+        self, message: dict[str, Any], timeout: float | None, bell: Bell | None = None
+    ) -> dict[str, Any]:
         """Send a request and wait for the reply with its id; raise the error it carries.
 
-        timeout None waits as long as the broker lives.
+        timeout None waits as long as the broker lives. With a `bell` (a get that waits on
+        its mailbox, Note [direct handoff] in common/mailbox.py) it sleeps on the bell, which
+        rings for a reply on this socket as well as for an item handed over.
         """
         self.send(message)
         request_id = message["id"]
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            reply = self.receive()
+            if bell is None:
+                reply = self.receive()
+            else:
+                seen = bell.count()
+                reply = self.receive(block=False)
+                if reply is None:
+                    handed = bell.take(request_id)
+                    if handed is not None:
+                        return handed
+                    if self.ended:
+                        raise BrokerExited(f"the broker at {self.address} exited")
+                    bell.wait(seen, WATCH_STEP_MS / 1000)
             if reply is None:
                 if deadline is None or time.monotonic() < deadline:
                     continue
@@ -132,6 +152,8 @@ class LaneChannel(Channel):
     """A Unix stream socket to the broker's lane; msgpack frames the messages. The broker's
     end closes when it exits, so the replies it sent are read first, then end of file."""
 
+    rings = True  # the broker's reply is on the socket before it rings the bell
+
     def __init__(self, path: str, address: str, generation: int = 0) -> None:
         """OSError if no broker listens at `path`."""
         self.address, self.generation = address, generation
@@ -175,6 +197,7 @@ class LaneChannel(Channel):
                 why = ""
             if not data:  # the end stays: a look that does not wait leaves it to a wait
                 if not block:
+                    self.ended = True
                     return None
                 raise BrokerExited(f"the broker at {self.address} exited{why}")
             unpacker.feed(data)

@@ -298,6 +298,13 @@ class Writes:
         if last is not None:
             self._wait(last, take=False)
 
+    def all_answered(self) -> bool:
+        """Whether every seal sent is answered, once the replies already here are read (a
+        direct handoff needs it: Note [direct handoff] in common/mailbox.py)."""
+        if self._out:
+            self.poll()
+        return not self._out
+
     def give_back(self, grant: Grant) -> None:
         """A grant taken and not written (the copy failed): kept for the next put."""
         if self.conn.generation == self._generation:

@@ -16,15 +16,38 @@
  *    32  hash     u64   key_hash(key)
  *    40  desclen  u32
  *    48  key[keylen] desc[desclen]
+ *
+ * Mailbox (MAILBOX bytes, 64-aligned), one per client that has lease slots (Note [direct
+ * handoff] in common/mailbox.py):
+ *
+ *     0  state    u64   token << 8 | IDLE 0, OPEN 1, CLAIMED 2, FILLED 3
+ *     8  bell     u32   a futex word: bumped (and woken) for each thing its client waits for
+ *    12  bodylen  u32
+ *    16  body[bodylen]  (up to BODY_END)
+ *   256  offer: a grant offered to the client as a producer, written by the broker under a
+ *        seqlock: seq u64 (odd while written), queue, token, region, lease, version u64,
+ *        consumer[32] (its session token)
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <linux/futex.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
 
 #define HEAD 48
 #define MAX_SPINS 100000
+#define MAILBOX 512
+#define BODY_END 256
+#define MAILBOX_BODY (BODY_END - 16)
+#define OFFER 256
+#define OFFER_WORDS 6
+#define CONSUMER 32
+#define M_CLAIMED 2
+#define M_FILLED 3
 
 typedef struct {
     uint64_t seq;
@@ -297,6 +320,151 @@ static PyObject *fence(PyObject *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+static PyObject *cas(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *a;
+    unsigned long long expected, desired;
+    uintptr_t addr;
+    if (!PyArg_ParseTuple(args, "OKK", &a, &expected, &desired) || get_addr(a, &addr) < 0)
+        return NULL;
+    uint64_t want = expected;
+    int done = __atomic_compare_exchange_n((uint64_t *)addr, &want, (uint64_t)desired, 0,
+                                           __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+    return PyBool_FromLong(done);
+}
+
+static void bell_ring(uintptr_t mailbox) {
+    uint32_t *bell = (uint32_t *)(mailbox + 8);
+    __atomic_add_fetch(bell, 1, __ATOMIC_SEQ_CST);
+    syscall(SYS_futex, bell, FUTEX_WAKE, 1, NULL, NULL, 0);
+}
+
+static PyObject *ring(PyObject *self, PyObject *arg) {
+    (void)self;
+    uintptr_t addr;
+    if (get_addr(arg, &addr) < 0)
+        return NULL;
+    bell_ring(addr);
+    Py_RETURN_NONE;
+}
+
+static PyObject *bell(PyObject *self, PyObject *arg) {
+    (void)self;
+    uintptr_t addr;
+    if (get_addr(arg, &addr) < 0)
+        return NULL;
+    return PyLong_FromUnsignedLong(__atomic_load_n((uint32_t *)(addr + 8), __ATOMIC_SEQ_CST));
+}
+
+static PyObject *bell_wait(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *a;
+    unsigned long seen;
+    double timeout;
+    uintptr_t addr;
+    if (!PyArg_ParseTuple(args, "Okd", &a, &seen, &timeout) || get_addr(a, &addr) < 0)
+        return NULL;
+    if (timeout < 0)
+        timeout = 0;
+    struct timespec ts = {(time_t)timeout, (long)((timeout - (double)(time_t)timeout) * 1e9)};
+    Py_BEGIN_ALLOW_THREADS
+    syscall(SYS_futex, (uint32_t *)(addr + 8), FUTEX_WAIT, (uint32_t)seen, &ts, NULL, 0);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *mailbox_fill(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *a;
+    unsigned long long token;
+    const char *body;
+    Py_ssize_t n;
+    uintptr_t addr;
+    if (!PyArg_ParseTuple(args, "OKy#", &a, &token, &body, &n) || get_addr(a, &addr) < 0)
+        return NULL;
+    if (n > MAILBOX_BODY) {
+        PyErr_SetString(PyExc_ValueError, "mailbox body too long");
+        return NULL;
+    }
+    uint32_t len = (uint32_t)n;
+    memcpy((char *)(addr + 16), body, (size_t)n);
+    __atomic_store_n((uint32_t *)(addr + 12), len, __ATOMIC_RELAXED);
+    uint64_t want = (token << 8) | M_CLAIMED;
+    if (!__atomic_compare_exchange_n((uint64_t *)addr, &want, (token << 8) | M_FILLED, 0,
+                                     __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        Py_RETURN_FALSE;
+    bell_ring(addr);
+    Py_RETURN_TRUE;
+}
+
+static PyObject *mailbox_read(PyObject *self, PyObject *arg) {
+    (void)self;
+    uintptr_t addr;
+    if (get_addr(arg, &addr) < 0)
+        return NULL;
+    uint64_t state = __atomic_load_n((uint64_t *)addr, __ATOMIC_ACQUIRE);
+    if ((state & 0xff) != M_FILLED)
+        return Py_BuildValue("(KO)", (unsigned long long)state, Py_None);
+    uint32_t len = __atomic_load_n((uint32_t *)(addr + 12), __ATOMIC_RELAXED);
+    if (len > MAILBOX_BODY)
+        len = 0;
+    return Py_BuildValue("(Ky#)", (unsigned long long)state, (const char *)(addr + 16),
+                         (Py_ssize_t)len);
+}
+
+static PyObject *offer_write(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *a;
+    unsigned long long f[OFFER_WORDS - 1];
+    const char *consumer;
+    Py_ssize_t n;
+    uintptr_t addr;
+    if (!PyArg_ParseTuple(args, "OKKKKKy#", &a, &f[0], &f[1], &f[2], &f[3], &f[4], &consumer,
+                          &n) ||
+        get_addr(a, &addr) < 0)
+        return NULL;
+    if (n > CONSUMER) {
+        PyErr_SetString(PyExc_ValueError, "consumer token too long");
+        return NULL;
+    }
+    uint64_t *w = (uint64_t *)(addr + OFFER);
+    uint64_t seq = __atomic_load_n(w, __ATOMIC_RELAXED);
+    __atomic_store_n(w, seq | 1, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    for (int i = 0; i < OFFER_WORDS - 1; i++)
+        __atomic_store_n(&w[1 + i], (uint64_t)f[i], __ATOMIC_RELAXED);
+    char *c = (char *)&w[OFFER_WORDS];
+    memset(c, 0, CONSUMER);
+    memcpy(c, consumer, (size_t)n);
+    __atomic_store_n(w, (seq | 1) + 1, __ATOMIC_RELEASE);
+    Py_RETURN_NONE;
+}
+
+static PyObject *offer_read(PyObject *self, PyObject *arg) {
+    (void)self;
+    uintptr_t addr;
+    if (get_addr(arg, &addr) < 0)
+        return NULL;
+    uint64_t *w = (uint64_t *)(addr + OFFER);
+    uint64_t f[OFFER_WORDS - 1];
+    char c[CONSUMER];
+    uint64_t seq = __atomic_load_n(w, __ATOMIC_ACQUIRE);
+    if (seq == 0 || seq & 1)
+        Py_RETURN_NONE;
+    for (int i = 0; i < OFFER_WORDS - 1; i++)
+        f[i] = __atomic_load_n(&w[1 + i], __ATOMIC_RELAXED);
+    memcpy(c, (char *)&w[OFFER_WORDS], CONSUMER);
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    if (__atomic_load_n(w, __ATOMIC_RELAXED) != seq || f[1] == 0)
+        Py_RETURN_NONE;
+    Py_ssize_t n = 0;
+    while (n < CONSUMER && c[n])
+        n++;
+    return Py_BuildValue("(KKKKKs#)", (unsigned long long)f[0], (unsigned long long)f[1],
+                         (unsigned long long)f[2], (unsigned long long)f[3],
+                         (unsigned long long)f[4], c, n);
+}
+
 static PyMethodDef methods[] = {
     {"key_hash", key_hash, METH_O, "FNV-1a 64 of a key's bytes (never 0)."},
     {"map_fd", map_fd, METH_VARARGS,
@@ -313,6 +481,19 @@ static PyMethodDef methods[] = {
     {"slot_clear", slot_clear, METH_O, "slot_clear(address) (release)."},
     {"slots_scan", slots_scan, METH_VARARGS, "slots_scan(address, count) -> {oid: slots}."},
     {"fence", fence, METH_NOARGS, "A full (seq_cst) fence."},
+    {"cas", cas, METH_VARARGS, "cas(address, expected, new) -> bool (acq_rel)."},
+    {"ring", ring, METH_O, "ring(mailbox): bump its bell and wake one waiter."},
+    {"bell", bell, METH_O, "bell(mailbox) -> the bell's count."},
+    {"bell_wait", bell_wait, METH_VARARGS,
+     "bell_wait(mailbox, seen, timeout): sleep while the bell is `seen`, at most `timeout` s."},
+    {"mailbox_fill", mailbox_fill, METH_VARARGS,
+     "mailbox_fill(mailbox, token, body) -> bool: write a claimed mailbox, fill it, ring."},
+    {"mailbox_read", mailbox_read, METH_O,
+     "mailbox_read(mailbox) -> (state, body or None unless filled)."},
+    {"offer_write", offer_write, METH_VARARGS,
+     "offer_write(mailbox, queue, token, region, lease, version, consumer) under its seqlock."},
+    {"offer_read", offer_read, METH_O,
+     "offer_read(mailbox) -> (queue, token, region, lease, version, consumer) | None."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -326,7 +507,9 @@ PyMODINIT_FUNC PyInit__shm(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    if (PyModule_AddIntConstant(m, "ENTRY_HEAD", HEAD) < 0) {
+    if (PyModule_AddIntConstant(m, "ENTRY_HEAD", HEAD) < 0 ||
+        PyModule_AddIntConstant(m, "MAILBOX", MAILBOX) < 0 ||
+        PyModule_AddIntConstant(m, "MAILBOX_BODY", MAILBOX_BODY) < 0) {
         Py_DECREF(m);
         return NULL;
     }

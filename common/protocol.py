@@ -300,6 +300,17 @@ def _ids(value: Any) -> list[int]:
     return value
 
 
+def _direct(value: Any) -> list[Any]:
+    if (
+        not isinstance(value, list)
+        or len(value) != 4
+        or type(value[1]) is not str
+        or not all(type(v) is int and 0 <= v < 1 << 63 for v in (value[0], *value[2:]))
+    ):
+        raise InvalidRequest("expected [token, session, lease, version]")
+    return value
+
+
 # op -> {field: (validator, required)}
 _Check = Callable[[Any], Any]
 _FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
@@ -330,6 +341,7 @@ _FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
         "tensors": (check_tensor_specs, True),
         "bundle": (_bool, False),
         "evictable": (_bool, False),
+        "direct": (_direct, False),  # [grant token, consumer's session, lease, version]
     },
     Op.GET: {
         "key": (check_key, True),
@@ -368,6 +380,7 @@ _FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
         "name": (check_key, False),
         "timeout": (check_timeout, False),
         "sub": (_int, False),
+        "mailbox": (_bool, False),  # it waits on its bell (Note [direct handoff])
     },
     Op.QCREDIT: {
         "queue": (_int, True),

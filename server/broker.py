@@ -60,6 +60,7 @@ from . import backlog
 from .arena import Arena, Block, Segment
 from .devices import RECLAIM_POLL, DeviceMemory
 from .directory import Directory, SlotTable
+from .handoff import MailboxTable
 from .inventory import Inventory
 from .lanes import Lanes
 from .objects import Objects
@@ -136,6 +137,7 @@ class Broker:
                 shm_dir, state.prefix, state,
                 existing=found.meta.get("slots") if found else None, group=self._gid,
             )  # fmt: skip
+            self.mailboxes = MailboxTable(shm_dir, state.prefix, state, group=self._gid)
         except BaseException:
             state.close(keep=found is not None)
             raise
@@ -162,6 +164,9 @@ class Broker:
         self.objects.eviction.every_object = evict == "lru"
         self.devices.on_free = self.objects.memory_back
         self.queues = Queues(self.objects)
+        self.handoffs = self.queues.handoffs  # Note [direct handoff] in common/mailbox.py
+        self.handoffs.mailboxes, self.handoffs.sessions = self.mailboxes, self.sessions.by_token
+        self.sessions.mailboxes = self.mailboxes
         self.sessions.on_drop = self.queues.session_gone
         self.inventory = Inventory(
             self.registry, self.queues, self.sessions.by_token.values(), self.lot
@@ -234,6 +239,7 @@ class Broker:
         if old in found.segments:
             self.directory.adopt(old)
         ours = {*self.arena.segments, *self.directory.segments, self.slots.name}
+        ours.add(self.mailboxes.name)
         for name in os.listdir(self._shm_dir):  # made but not journaled, or replaced
             if name.startswith(self.state.prefix) and name not in ours:
                 os.unlink(os.path.join(self._shm_dir, name))
@@ -361,6 +367,7 @@ class Broker:
         self.arena.close(unlink)
         self.directory.close(unlink)
         self.slots.close(unlink)
+        self.mailboxes.close(unlink)
         self.state.close(keep=self.keep_state)
         self.devices.close()
 
@@ -423,7 +430,9 @@ class Broker:
             now = time.monotonic()
             for w in self.lot.expired(now):
                 if w.at_deadline is not None:
-                    self._send(w.route, w.at_deadline())
+                    payload = w.at_deadline()
+                    if payload is not None:
+                        self._send(w.route, payload)
                 else:
                     self.opstats.refuse(Timeout.code)
                     self._send(w.route, reply_error(w.request.id, Timeout(w.timeout_message)))
@@ -561,6 +570,8 @@ class Broker:
         if request.releases:
             release = self.registry.release
             unknown = [lease for lease in request.releases if not release(session, lease)]
+            if unknown:
+                unknown = self.handoffs.released_early(session, unknown)
             if unknown:  # one line per request, however many (a flood must not fill the log)
                 log.warning("%s released %d leases it does not hold (%s%s)", session,
                             len(unknown), ", ".join(map(str, unknown[:5])),
@@ -581,6 +592,7 @@ class Broker:
             self._outbox.append((route, payload))
             return
         if self.lanes is not None and self.lanes.send(route, payload):
+            self.handoffs.sent(route)
             return
         if self._backlogs is not None:
             self._backlogs.send(route, payload)

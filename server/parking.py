@@ -36,9 +36,10 @@ class Waiter:
     retry: Callable[[], dict[str, Any]] | None = None  # what a device put tries again
     line_name: Hashable = None  # the lot's own line it waits in (None: its owner's)
     done: bool = False
-    # Its answer when the deadline passes (None: a Timeout error), and what to tidy when it
-    # leaves, however it leaves (a wait for many keys is indexed under each of them).
-    at_deadline: Callable[[], bytes] | None = None
+    # Its answer when the deadline passes (None: a Timeout error; returning None: no answer,
+    # it had one another way), and what to tidy when it leaves, however it leaves (a wait
+    # for many keys is indexed under each of them).
+    at_deadline: Callable[[], bytes | None] | None = None
     on_leave: Callable[[], None] | None = None
 
 
@@ -87,12 +88,12 @@ class ParkingLot:
         line: deque[Waiter] | Hashable,
         now: BrokerError,
         timeout_message: str,
-    ) -> None:
+    ) -> Waiter:
         """The rule of every wait: timeout=0 answers at once (raises `now`); any other
         timeout parks the request in `line` (see park)."""
         if timeout == 0.0:
             raise now
-        self.park(session, route, request, timeout, line, timeout_message)
+        return self.park(session, route, request, timeout, line, timeout_message)
 
     def line(self, name: Hashable) -> tuple[Waiter, ...]:
         """The waiters of one of the lot's named lines, first come first."""

@@ -43,6 +43,7 @@ from typing import Any
 
 from ..common.errors import BrokerError, InvalidRequest, NotFound, QueueClosed, Timeout
 from ..common.protocol import Op, Request, reply_error, reply_ok
+from .handoff import Bound, Direct, Handoffs
 from .objects import Objects
 from .parking import Waiter, secs
 from .registry import Session, StoredObject
@@ -74,6 +75,7 @@ class BrokerQueue:
     subs: dict[int, Session] | None = None
     unseen: dict[int, set[int]] = field(default_factory=dict)  # item's oid -> subscribers
     removed: bool = False  # by `qdelete`: its name may start a new queue already
+    producer: Any = None  # the session of the last item written: offered direct grants
 
     @property
     def full(self) -> bool:
@@ -109,6 +111,7 @@ class Queues:
         self._ended: dict[int, BrokerQueue] = {}  # ended queues, oldest first
         self._roomy: set[BrokerQueue] = set()  # queues that freed a slot since the last look
         self._sub_ids = itertools.count(1)
+        self.handoffs = Handoffs(self.registry, self.lot, self._get_again)
 
     def open(self, session: Session, route: bytes, req: Request) -> Reply:
         name, maxsize = req.fields["name"], req.fields.get("maxsize", 0)
@@ -156,9 +159,16 @@ class Queues:
         """An item written into a block granted ahead, on a slot credited ahead (an unbounded
         queue needs none): sealed at once; the reply tops up the producer's credits."""
         f, put_id = req.fields, req.fields["put"]
+        direct: Bound | None = None
         try:
-            q = self._queue(req)
-            self._check_open(q)
+            if "direct" in f:  # handed to a consumer already (Note [direct handoff])
+                direct = self.handoffs.bind(session, f, self.by_id)
+                q = direct.queue
+            else:
+                q = self._queue(req)
+                if self.handoffs.claimed:
+                    self.handoffs.unfilled(session, q)
+                self._check_open(q)
             credited = self._use_credit(session, q)
             obj = self.registry.fill(
                 session, put_id, q.name, f["tensors"], f.get("bundle", False), queue=q
@@ -168,7 +178,11 @@ class Queues:
             raise
         q.in_flight += 1
         q.pending += 1
-        reply = self.seal(session, put_id, False, q)
+        q.producer = session
+        if direct is not None:
+            reply = self._seal_direct(session, put_id, direct)
+        else:
+            reply = self.seal(session, put_id, False, q)
         self.objects.refill_later(session, route, obj.block.size)
         credits = self._credit_ahead(session, q, 0)
         if credits:
@@ -176,6 +190,47 @@ class Queues:
         if not credited and q.maxsize:  # the producer takes credits from now on
             reply["maxsize"] = q.maxsize
         return reply
+
+    def _seal_direct(self, session: Session, put_id: int, direct: Bound) -> Reply:
+        """Seal an item its producer handed to a consumer itself: the consumer's lease (set
+        aside with the grant) is all that keeps it."""
+        q = direct.queue
+        obj = self.registry.seal(session, put_id, False, version=direct.version)
+        q.pending -= 1
+        if direct.consumer is not None:
+            self.registry.hand_over(direct.consumer, obj, None, lease_id=direct.lease)
+        else:  # its consumer is gone (or let go of it before this seal came)
+            self.registry.retire(obj)
+        if q.getters:
+            self.handoffs.offer(q, q.getters[0])
+        return {"version": obj.version}
+
+    def _seal_left(self, producer: Session, d: Direct, body: dict[str, Any]) -> None:
+        """The producer died after handing its item over, before its seal: seal it from the
+        body it left in the consumer's mailbox."""
+        consumer = d.waiter.session
+        fields = {
+            "put": body.get("put"),
+            "queue": d.queue.id,
+            "tensors": [w[:3] for w in body.get("tensors", ())],
+            "bundle": bool(body.get("bundle")),
+            "direct": [d.token, consumer.token, d.lease, d.version],
+        }
+        try:
+            self.write(producer, b"", Request(Op.WRITE, 0, fields, []))
+        except (BrokerError, TypeError, ValueError) as exc:
+            log.warning("could not seal the item %s handed to %s before it died: %s",
+                        producer, consumer, exc)  # fmt: skip
+
+    def _get_again(self, w: Waiter) -> None:
+        """Handle a consumer's get again (its direct grant came to nothing)."""
+        try:
+            reply = self.get(w.session, w.route, w.request)
+        except BrokerError as exc:
+            self.objects.answer(w, reply_error(w.request.id, exc))
+        else:
+            if reply is not None:
+                self.objects.answer(w, reply_ok(w.request.id, **reply))
 
     def _use_credit(self, session: Session, q: BrokerQueue) -> bool:
         """Spend one of the producer's credits; False if it had none."""
@@ -225,8 +280,11 @@ class Queues:
         return given
 
     def session_gone(self, session: Session) -> None:
-        """A client closed or died: its credits go back to their queues, and its
-        subscriptions end."""
+        """A client closed or died: its credits go back to their queues, its subscriptions
+        end, and its direct grants are taken back (or sealed, if it handed an item over)."""
+        for d, body in self.handoffs.session_gone(session):
+            if body is not None:
+                self._seal_left(session, d, body)
         for bq in list(self.by_id.values()):
             if bq.subs is not None:
                 for sub in [sub for sub, s in bq.subs.items() if s is session]:
@@ -266,6 +324,8 @@ class Queues:
         if q.closed:
             self.registry.abort(session, put_id, keep)
             raise QueueClosed(f"queue {q.name!r} was closed before this item was sealed")
+        if q.id in self.handoffs.offered:  # the consumer's grant goes back, or came first
+            self.handoffs.take_back(q)
         q.sealed += 1
         obj = self.registry.seal(session, put_id, keep, version=q.sealed)
         q.pending -= 1
@@ -362,10 +422,14 @@ class Queues:
         timeout = req.fields.get("timeout")
         empty = Timeout(f"queue {q.name!r} is empty")
         message = f"queue {q.name!r} stayed empty for {secs(timeout)}"
-        self.lot.wait(session, route, req, timeout, q.getters, empty, message)
+        w = self.lot.wait(session, route, req, timeout, q.getters, empty, message)
+        if q.subs is None:
+            self.handoffs.offer(q, w)
 
     def get(self, session: Session, route: bytes, req: Request) -> Reply | None:
         q = self._queue(req)
+        if req.fields.get("mailbox"):  # it waits on its bell (Note [direct handoff])
+            self.handoffs.ring_after_reply(route, session)
         again = self.registry.retake(session, req.id)
         if again is not None:  # sent again after a restart: the item it was handed
             return self.objects.describe(session, again, req.id)
@@ -389,6 +453,7 @@ class Queues:
             return {}  # closing a closed queue succeeds
         q.closed = True
         self.registry.journal.queue(q)
+        self.handoffs.take_back(q)  # an item handed over already came before the close
         for w in [*q.getters, *q.putters]:
             closed = QueueClosed(f"queue {q.name!r} was closed")
             self.objects.answer(w, reply_error(w.request.id, closed))
@@ -408,6 +473,7 @@ class Queues:
         del self.by_name[name], self.by_id[q.id]
         self._ended.pop(q.id, None)
         q.closed = q.removed = True
+        self.handoffs.take_back(q)
         for w in [*q.getters, *q.putters]:
             removed = QueueClosed(f"queue {name!r} was removed")
             self.objects.answer(w, reply_error(w.request.id, removed))
@@ -509,4 +575,5 @@ class Queues:
             "queues": len(self.by_name) - len(self._ended),  # not ended yet
             "queued_items": sum(len(q.items) for q in self.by_name.values()),
             "queue_in_flight": sum(q.in_flight for q in self.by_name.values()),
+            **self.handoffs.stats(),
         }

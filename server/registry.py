@@ -178,6 +178,10 @@ class Registry:
         self.taken: dict[tuple[str, int], StoredObject] = {}  # (session, qget id) -> item
         self._sealed_puts: dict[tuple[str, int], StoredObject] = {}  # (session, put id)
 
+    def new_id(self) -> int:
+        """A new id, of the same series as objects' and leases' (never given before)."""
+        return self._id()
+
     def _id(self) -> int:
         """A new object or lease id, never given before (across restarts too)."""
         i = next(self._ids)
@@ -398,10 +402,16 @@ class Registry:
 
     # -- reading -------------------------------------------------------------------------
 
-    def lease(self, session: Session, obj: StoredObject, reader: bool = False) -> int:
-        """A new lease of `session` on `obj`. A reader of a device object gets a read-done
-        event with it (`session.read_events`), which the object keeps once the lease ends."""
-        lease_id = self._id()
+    def lease(
+        self, session: Session, obj: StoredObject, reader: bool = False, lease_id: int = 0
+    ) -> int:
+        """A new lease of `session` on `obj` (id `lease_id` if set aside, else a new one). A
+        reader of a device object gets a read-done event with it (`session.read_events`),
+        which the object keeps once the lease ends."""
+        if not lease_id:
+            lease_id = self._id()
+        elif session.leases.get(lease_id) is obj:
+            return lease_id  # claimed already, by a client back after a restart
         session.leases[lease_id] = obj
         obj.leases += 1
         self.lease_count += 1
@@ -410,10 +420,13 @@ class Registry:
             session.read_events[lease_id] = self.devices.event(index)[0]
         return lease_id
 
-    def hand_over(self, session: Session, obj: StoredObject, request_id: int) -> int:
-        """Give a queue item to its one consumer (asking by `request_id`): the consumer's
-        lease is now all that keeps it."""
-        lease_id = self.lease(session, obj, reader=True)
+    def hand_over(
+        self, session: Session, obj: StoredObject, request_id: int | None, lease_id: int = 0
+    ) -> int:
+        """Give a queue item to its one consumer (asking by `request_id`; None: it has it
+        already, on the lease `lease_id` set aside): the consumer's lease is now all that
+        keeps it."""
+        lease_id = self.lease(session, obj, reader=True, lease_id=lease_id)
         self._retire(obj, session.token, request_id)
         return lease_id
 

@@ -57,6 +57,7 @@ class Sessions:
         self.to_close: list[int] = []
         self.unwatched: set[Session] = set()  # kept alive by heartbeats
         self.on_drop: Callable[[Session], None] = lambda session: None  # before its puts end
+        self.mailboxes: Any = None  # the broker's MailboxTable (handoff.py), named at hello
 
     def hello(self, route: bytes, req: Request, peer: Peer | None = None) -> dict[str, Any]:
         """`peer`: the kernel's word for the process that sent it (None: it cannot say)."""
@@ -175,6 +176,8 @@ class Sessions:
             out["directory"] = [directory.name, directory.size]
         if slots is not None and session is not None and session.region is not None:
             out["slots"] = [slots.name, session.region * slots.region_bytes, slots.slots]
+            if self.mailboxes is not None:  # Note [direct handoff] in common/mailbox.py
+                out["mailboxes"] = [self.mailboxes.name, self.mailboxes.size, session.region]
         return out
 
     def bye(self, session: Session, req: Request) -> None:

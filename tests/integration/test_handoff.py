@@ -1,0 +1,280 @@
+"""Direct handoff (Note [direct handoff] in common/mailbox.py): an item put while a consumer
+waits goes from its producer straight to that consumer, and every way the wait can end
+otherwise (a timeout, a close, either side dying) loses no item and gives none twice."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from support import SPAWN, join_all, wait_until
+from workers import shm_mapping
+
+import tensorbroker as tb
+
+
+def in_thread(fn: Any) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:
+            out.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def offered(c: tb.Client) -> bool:
+    return bool(c.stats()["direct_offered"])
+
+
+def settled(c: tb.Client) -> bool:
+    """No item in flight, no memory used by objects: everything handed over was freed."""
+    s = c.stats()
+    return s["queue_in_flight"] == 0 and s["used_bytes"] == 0 and s["direct_offered"] == 0
+
+
+@pytest.fixture
+def c(fresh_broker: tb.BrokerProcess) -> Any:
+    with tb.connect(fresh_broker.address) as client:
+        yield client
+
+
+# -- children -------------------------------------------------------------------------------
+
+
+def consumer(address: str, name: str, count: int, results: Any) -> None:
+    """Take `count` items, one at a time, each while parked; report (version, first value,
+    whether the data lies in a broker segment) for each."""
+    with tb.connect(address) as client:
+        q = client.queue(name)
+        out = []
+        for _ in range(count):
+            item = q.get(timeout=30)
+            view = np.from_dlpack(item)
+            out.append((item.version, int(view[0]), shm_mapping(view.ctypes.data) is not None))
+            del view, item
+        results.put(out)
+
+
+def producer(address: str, name: str, tag: int, count: int, pause: float) -> None:
+    with tb.connect(address) as client:
+        q = client.queue(name)
+        for i in range(count):
+            time.sleep(pause)
+            q.put(np.full(16, tag * 1000 + i, np.int64), wait=False)
+        client.flush()
+
+
+def taker(address: str, name: str, count: int, results: Any) -> None:
+    """One of several consumers: take items until the queue closes; report their values."""
+    with tb.connect(address) as client:
+        got = [int(item.numpy()[0]) for item in client.queue(name)]
+        results.put(got)
+
+
+def dying_producer(address: str, name: str, where: str) -> None:
+    """Put once after a first put, and die in the middle of the handoff: right after filling
+    the consumer's mailbox (`sealed`: before the seal goes), or between claim and fill."""
+    from tensorbroker.client import handoff, writes
+
+    with tb.connect(address) as client:
+        q = client.queue(name)
+        q.put(np.full(16, 1, np.int64))  # the last producer: the next wait offers it a grant
+        while not client.stats()["direct_offered"]:
+            time.sleep(0.005)
+        if where == "sealed":
+            seal = writes.Writes.seal
+
+            def die_at_direct_seal(self: Any, message: dict[str, Any], *args: Any) -> Any:
+                if "direct" in message:
+                    os._exit(0)
+                return seal(self, message, *args)
+
+            writes.Writes.seal = die_at_direct_seal  # type: ignore[method-assign]
+        else:
+            handoff._shm = _Dying(handoff._shm)  # type: ignore[assignment]
+        q.put(np.full(16, 2, np.int64))
+    os._exit(3)  # the handoff never happened
+
+
+class _Dying:
+    """The _shm module, but the process dies when it would fill a claimed mailbox."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "mailbox_fill":
+            os._exit(0)
+        return getattr(self._real, name)
+
+
+def parked_consumer(address: str, name: str) -> None:
+    with tb.connect(address) as client:
+        client.queue(name).get(timeout=60)
+
+
+# -- the handoff ----------------------------------------------------------------------------
+
+
+def test_items_put_while_a_consumer_waits_go_to_it_directly(c: tb.Client) -> None:
+    results = SPAWN.Queue()
+    proc = SPAWN.Process(target=consumer, args=(c.address, "direct", 20, results))
+    proc.start()
+    q = c.queue("direct")
+    for i in range(20):
+        if i:  # from the second on: this client is the queue's last producer
+            assert wait_until(lambda: offered(c), 10), "no grant was offered to the producer"
+        assert q.put(np.full(16, i, np.int64)) == i + 1
+    got = results.get(timeout=30)
+    join_all([proc])
+    assert [v for v, _, _ in got] == list(range(1, 21))  # each its place in the stream
+    assert [x for _, x, _ in got] == list(range(20))
+    assert all(in_shm for _, _, in_shm in got), "an item handed over was not zero copy"
+    assert c.stats()["direct_handoffs"] == 19
+    assert wait_until(lambda: settled(c), 5)
+
+
+def test_two_producers_and_three_consumers_each_item_once_in_order(c: tb.Client) -> None:
+    q = c.queue("mixed", maxsize=4)
+    results = SPAWN.Queue()
+    takers = [SPAWN.Process(target=taker, args=(c.address, "mixed", 0, results)) for _ in range(3)]
+    makers = [
+        SPAWN.Process(target=producer, args=(c.address, "mixed", tag, 150, 0.002 * tag))
+        for tag in (1, 2)
+    ]
+    for p in takers + makers:
+        p.start()
+    join_all(makers)
+    q.close()
+    got = [results.get(timeout=60) for _ in takers]
+    join_all(takers)
+    every = sorted(x for part in got for x in part)
+    assert every == sorted(tag * 1000 + i for tag in (1, 2) for i in range(150))
+    for part in got:  # each consumer sees each producer's items in the order they were put
+        for tag in (1, 2):
+            mine = [x for x in part if x // 1000 == tag]
+            assert mine == sorted(mine)
+    assert c.stats()["direct_handoffs"] > 0, "no item was handed over directly"
+    assert wait_until(lambda: settled(c), 5)
+
+
+# -- the wait ends another way ----------------------------------------------------------------
+
+
+def test_a_get_that_times_out_takes_its_grant_back(c: tb.Client) -> None:
+    q = c.queue("late")
+    q.put(np.zeros(4))  # this client is the queue's last producer
+    q.get()
+    with tb.connect(c.address) as other:
+        waiting, out = in_thread(lambda: other.queue("late").get(timeout=0.3))
+        assert wait_until(lambda: offered(c), 5)
+        waiting.join(10)
+        assert isinstance(out[0], tb.Timeout)
+        assert not offered(c)
+        assert q.put(np.ones(4)) == 2  # the grant was taken back: the item waits in the queue
+        assert len(q) == 1
+        item = other.queue("late").get(timeout=0)
+        assert item.version == 2 and item.numpy().tolist() == [1, 1, 1, 1]
+        del item
+    assert c.stats()["direct_handoffs"] == 0
+    assert wait_until(lambda: settled(c), 5)
+
+
+def test_close_while_a_grant_is_out_ends_the_wait(c: tb.Client) -> None:
+    q = c.queue("closing")
+    q.put(np.zeros(4))
+    q.get()
+    with tb.connect(c.address) as other:
+        waiting, out = in_thread(lambda: other.queue("closing").get(timeout=10))
+        assert wait_until(lambda: offered(c), 5)
+        q.close()
+        waiting.join(10)
+        assert isinstance(out[0], tb.QueueClosed)
+        with pytest.raises(tb.QueueClosed):
+            q.put(np.ones(4))
+    assert wait_until(lambda: settled(c), 5)
+
+
+def test_another_producers_item_takes_the_grant_back(c: tb.Client) -> None:
+    q = c.queue("two")
+    q.put(np.zeros(4))
+    q.get()  # `c` is the last producer: the grant goes to it
+    with tb.connect(c.address) as other, tb.connect(c.address) as third:
+        waiting, out = in_thread(lambda: third.queue("two").get(timeout=10))
+        assert wait_until(lambda: offered(c), 5)
+        assert other.queue("two").put(np.full(4, 7.0)) == 2
+        waiting.join(10)
+        assert out[0].numpy().tolist() == [7, 7, 7, 7]
+        del out[:]
+        assert q.put(np.full(4, 8.0)) == 3  # its grant is gone: the item waits
+        assert len(q) == 1
+    assert c.stats()["direct_handoffs"] == 0
+
+
+# -- either side dies -----------------------------------------------------------------------
+
+
+def test_a_producer_that_dies_after_handing_over_loses_nothing(c: tb.Client) -> None:
+    """It died after filling the consumer's mailbox, before its seal went: the consumer has
+    the item, and the broker seals it from the mailbox (then frees it when let go)."""
+    q = c.queue("dies")
+    proc = SPAWN.Process(target=dying_producer, args=(c.address, "dies", "sealed"))
+    proc.start()
+    first = q.get(timeout=30)  # its first put: it is the queue's last producer now
+    assert first.numpy()[0] == 1
+    del first
+    item = q.get(timeout=30)
+    proc.join(30)
+    assert proc.exitcode == 0
+    assert item.numpy()[0] == 2 and item.version == 2
+    assert wait_until(lambda: c.stats()["direct_handoffs"] == 1, 5)
+    assert c.stats()["queue_in_flight"] == 1  # held by this consumer, until it lets go
+    del item
+    assert wait_until(lambda: settled(c), 5)
+
+
+def test_a_producer_that_dies_before_filling_leaves_the_consumer_waiting(c: tb.Client) -> None:
+    q = c.queue("dies")
+    proc = SPAWN.Process(target=dying_producer, args=(c.address, "dies", "claimed"))
+    proc.start()
+    first = q.get(timeout=30)
+    del first
+    waiting, out = in_thread(lambda: q.get(timeout=30))
+    proc.join(30)
+    assert proc.exitcode == 0
+    assert wait_until(lambda: c.stats()["clients"] == 1, 5)
+    time.sleep(0.1)
+    assert not out, "a get was answered by a producer that died before filling its mailbox"
+    with tb.connect(c.address) as other:
+        other.queue("dies").put(np.full(16, 5, np.int64))
+        waiting.join(10)
+    assert out[0].numpy()[0] == 5
+    del out[:]
+    assert wait_until(lambda: settled(c), 5)
+
+
+def test_a_consumer_that_dies_waiting_loses_no_item(c: tb.Client) -> None:
+    q = c.queue("orphan")
+    q.put(np.zeros(4))
+    q.get()
+    proc = SPAWN.Process(target=parked_consumer, args=(c.address, "orphan"))
+    proc.start()
+    assert wait_until(lambda: offered(c), 30)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join()
+    assert wait_until(lambda: not offered(c), 5), "the dead consumer's grant was not taken back"
+    assert q.put(np.full(4, 3.0)) == 2
+    item = q.get(timeout=5)
+    assert item.numpy().tolist() == [3, 3, 3, 3]
+    del item
+    assert wait_until(lambda: settled(c), 5)
