@@ -76,13 +76,13 @@ class Channel:
         while True:
             if bell is None:
                 reply = self.receive()
-            else:
+            else:  # the mailbox first: a look there costs no system call
                 seen = bell.count()
+                handed = bell.take(request_id)
+                if handed is not None:
+                    return handed
                 reply = self.receive(block=False)
                 if reply is None:
-                    handed = bell.take(request_id)
-                    if handed is not None:
-                        return handed
                     if self.ended:
                         raise BrokerExited(f"the broker at {self.address} exited")
                     bell.wait(seen, WATCH_STEP_MS / 1000)
