@@ -144,6 +144,8 @@ class Connection:
         """A socket that has said hello; `resume`: the first to a broker that restarted, with
         the leases this process holds."""
         channel = self._pool.new()
+        if self._broker_pidfd is not None and not resume:  # a broker that dies during the
+            channel.watch_broker(self._broker_pidfd)  # hello: its answer is not coming
         hello = self.hello_message()
         if resume:
             hello["leases"] = [n for pair in list(self.held.items()) for n in pair]  # flat

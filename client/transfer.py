@@ -11,6 +11,7 @@ the copier of large host puts. It talks to the broker only through its `Connecti
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -33,7 +34,7 @@ from . import placement
 from .connection import Connection
 from .copy import Copier
 from .cuda import DeviceLink
-from .handoff import Bell, DirectGrant, hand_over
+from .handoff import Bell, hand_over
 from .shm import SegmentCache
 from .sources import Source, entries
 from .tensor import DeviceLease, Lease, SlotLease, Tensor
@@ -309,34 +310,35 @@ class Transfer:
         for name in ("key", "queue", "name", "evictable"):
             if name in fields:
                 message[name] = fields[name]
-        if queue is not None and self.mailboxes is not None:
-            direct = self._hand_over(plan, grant, queue, fields.get("name", ""))
-            if direct is not None:
-                message["direct"] = direct
         key = fields.get("key")
         label = f"put {key!r}" if key is not None else f"put to queue {fields.get('name')!r}"
-        sealed = self.writes.seal(message, key, label, grant.put, block)
+        hand_over = None
+        if queue is not None and self.bell is not None:
+            hand_over = functools.partial(self._hand_over, plan, grant, queue)
+        sealed = self.writes.seal(message, key, label, grant.put, block, hand_over)
         return None if sealed is None else int(sealed["version"])
 
-    def _hand_over(self, plan: WritePlan, grant: Grant, queue: int, name: str) -> list[Any] | None:
+    def _hand_over(
+        self, plan: WritePlan, grant: Grant, queue: int, message: dict[str, Any]
+    ) -> None:
         """Hand the item just written straight to a consumer waiting for it, if the broker
-        offered a grant (Note [direct handoff] in common/mailbox.py): the seal's field."""
-        bell = self.bell
-        if bell is None or self._generation != self.conn.generation:
-            return None
-        offered = _shm.offer_read(bell.address)
-        if offered is None or offered[0] != queue or not self.writes.all_answered():
-            return None
-        assert self.mailboxes is not None
+        offered a grant for `queue` (Note [direct handoff] in common/mailbox.py), and say so
+        in its seal, `message`. Runs with every earlier seal of this client's answered."""
+        bell, mailboxes = self.bell, self.mailboxes
+        if bell is None or mailboxes is None or bell.generation != self.conn.generation:
+            return
+        offered = bell.offer()
+        if offered is None or offered.queue != queue:
+            return
         wires = [
             TensorDesc(n, dt.name, tuple(src.shape), compact_strides(tuple(src.shape)),
                        grant.segment, grant.offset + offset, "cpu").to_wire()
             for (n, src, dt), offset in zip(plan.items, plan.offsets, strict=True)
         ]  # fmt: skip
-        grant_offered = DirectGrant(*offered[1:])
-        return hand_over(
-            self.mailboxes, grant_offered, name, plan.bundle, wires, grant.oid, grant.put
-        )
+        name = plan.fields.get("name", "")
+        done = hand_over(mailboxes, offered, name, plan.bundle, wires, grant.oid, grant.put)
+        if done is not None:
+            message[done[0]] = done[1]
 
     def queue_get(self, timeout: float | None, wait: float | None, **fields: Any) -> Item:
         """A queue's next item: the broker's reply, or (waiting on this client's bell, if no

@@ -83,7 +83,10 @@ class Channel:
                     return handed
                 reply = self.receive(block=False)
                 if reply is None:
-                    if self.ended:
+                    if self.ended:  # what was handed over before it died is ours still
+                        handed = bell.settle(request_id)
+                        if handed is not None:
+                            return handed
                         raise BrokerExited(f"the broker at {self.address} exited")
                     bell.wait(seen, WATCH_STEP_MS / 1000)
             if reply is None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -73,10 +74,14 @@ class Writes:
     # -- sending ---------------------------------------------------------------------------
 
     def seal(
-        self, message: dict[str, Any], key: str | None, label: str, put: int | None, wait: bool
-    ) -> dict[str, Any] | None:
+        self, message: dict[str, Any], key: str | None, label: str, put: int | None, wait: bool,
+        hand_over: Callable[[dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any] | None:  # fmt: skip
         """Send a seal (`message`: a write or a seal) after every earlier one; its reply if
-        `wait`, else None at once. `put`: the put lease that ends with the reply."""
+        `wait`, else None at once. `put`: the put lease that ends with the reply.
+        `hand_over(message)` may hand the item to a consumer first (Note [direct handoff] in
+        common/mailbox.py): it runs only with every earlier seal answered, and under the
+        lock, so that no seal of another thread's goes between it and this seal."""
         self.conn.check_usable()
         message["id"] = rid = self.conn.next_id()
         while True:
@@ -87,6 +92,10 @@ class Writes:
                 except BrokerExited:  # a broker that restarted, not yet come back to
                     pass
                 else:
+                    if hand_over is not None:
+                        self._take_ready(channel)
+                        if not self._out:
+                            hand_over(message)
                     self._out[rid] = _Out(message, key, label, put, wait)
                     if key is not None:
                         self._keys[key] = rid
@@ -297,13 +306,6 @@ class Writes:
             last = next(reversed(self._out), None)
         if last is not None:
             self._wait(last, take=False)
-
-    def all_answered(self) -> bool:
-        """Whether every seal sent is answered, once the replies already here are read (a
-        direct handoff needs it: Note [direct handoff] in common/mailbox.py)."""
-        if self._out:
-            self.poll()
-        return not self._out
 
     def give_back(self, grant: Grant) -> None:
         """A grant taken and not written (the copy failed): kept for the next put."""

@@ -25,8 +25,8 @@
  *    12  bodylen  u32
  *    16  body[bodylen]  (up to BODY_END)
  *   256  offer: a grant offered to the client as a producer, written by the broker under a
- *        seqlock: seq u64 (odd while written), queue, token, region, lease, version u64,
- *        consumer[32] (its session token)
+ *        seqlock: seq u64 (odd while written), queue, token, mailbox index, lease, version,
+ *        request (the consumer's get) u64, consumer[32] (its session token)
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -44,8 +44,9 @@
 #define BODY_END 256
 #define MAILBOX_BODY (BODY_END - 16)
 #define OFFER 256
-#define OFFER_WORDS 6
+#define OFFER_WORDS 7
 #define CONSUMER 32
+#define M_OPEN 1
 #define M_CLAIMED 2
 #define M_FILLED 3
 
@@ -373,7 +374,7 @@ static PyObject *bell_wait(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *mailbox_fill(PyObject *self, PyObject *args) {
+static PyObject *mailbox_hand(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *a;
     unsigned long long token;
@@ -386,15 +387,19 @@ static PyObject *mailbox_fill(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "mailbox body too long");
         return NULL;
     }
-    uint32_t len = (uint32_t)n;
+    /* One call, so that no Python exception can fall between the claim and the fill. */
+    uint64_t want = (token << 8) | M_OPEN;
+    if (!__atomic_compare_exchange_n((uint64_t *)addr, &want, (token << 8) | M_CLAIMED, 0,
+                                     __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        return PyLong_FromLong(0);
     memcpy((char *)(addr + 16), body, (size_t)n);
-    __atomic_store_n((uint32_t *)(addr + 12), len, __ATOMIC_RELAXED);
-    uint64_t want = (token << 8) | M_CLAIMED;
+    __atomic_store_n((uint32_t *)(addr + 12), (uint32_t)n, __ATOMIC_RELAXED);
+    want = (token << 8) | M_CLAIMED;
     if (!__atomic_compare_exchange_n((uint64_t *)addr, &want, (token << 8) | M_FILLED, 0,
                                      __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
-        Py_RETURN_FALSE;
+        return PyLong_FromLong(2);
     bell_ring(addr);
-    Py_RETURN_TRUE;
+    return PyLong_FromLong(1);
 }
 
 static PyObject *mailbox_read(PyObject *self, PyObject *arg) {
@@ -419,8 +424,8 @@ static PyObject *offer_write(PyObject *self, PyObject *args) {
     const char *consumer;
     Py_ssize_t n;
     uintptr_t addr;
-    if (!PyArg_ParseTuple(args, "OKKKKKy#", &a, &f[0], &f[1], &f[2], &f[3], &f[4], &consumer,
-                          &n) ||
+    if (!PyArg_ParseTuple(args, "OKKKKKKy#", &a, &f[0], &f[1], &f[2], &f[3], &f[4], &f[5],
+                          &consumer, &n) ||
         get_addr(a, &addr) < 0)
         return NULL;
     if (n > CONSUMER) {
@@ -460,9 +465,9 @@ static PyObject *offer_read(PyObject *self, PyObject *arg) {
     Py_ssize_t n = 0;
     while (n < CONSUMER && c[n])
         n++;
-    return Py_BuildValue("(KKKKKs#)", (unsigned long long)f[0], (unsigned long long)f[1],
+    return Py_BuildValue("(KKKKKKs#)", (unsigned long long)f[0], (unsigned long long)f[1],
                          (unsigned long long)f[2], (unsigned long long)f[3],
-                         (unsigned long long)f[4], c, n);
+                         (unsigned long long)f[4], (unsigned long long)f[5], c, n);
 }
 
 static PyMethodDef methods[] = {
@@ -486,14 +491,16 @@ static PyMethodDef methods[] = {
     {"bell", bell, METH_O, "bell(mailbox) -> the bell's count."},
     {"bell_wait", bell_wait, METH_VARARGS,
      "bell_wait(mailbox, seen, timeout): sleep while the bell is `seen`, at most `timeout` s."},
-    {"mailbox_fill", mailbox_fill, METH_VARARGS,
-     "mailbox_fill(mailbox, token, body) -> bool: write a claimed mailbox, fill it, ring."},
+    {"mailbox_hand", mailbox_hand, METH_VARARGS,
+     "mailbox_hand(mailbox, token, body) -> 0 not claimed (OPEN(token) no more), 1 claimed, "
+     "filled and rung, 2 claimed but taken back before it was filled."},
     {"mailbox_read", mailbox_read, METH_O,
      "mailbox_read(mailbox) -> (state, body or None unless filled)."},
     {"offer_write", offer_write, METH_VARARGS,
-     "offer_write(mailbox, queue, token, region, lease, version, consumer) under its seqlock."},
+     "offer_write(mailbox, queue, token, index, lease, version, request, consumer) under its "
+     "seqlock."},
     {"offer_read", offer_read, METH_O,
-     "offer_read(mailbox) -> (queue, token, region, lease, version, consumer) | None."},
+     "offer_read(mailbox) -> (queue, token, index, lease, version, request, consumer) | None."},
     {NULL, NULL, 0, NULL},
 };
 

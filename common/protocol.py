@@ -342,6 +342,7 @@ _FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
         "bundle": (_bool, False),
         "evictable": (_bool, False),
         "direct": (_direct, False),  # [grant token, consumer's session, lease, version]
+        "undone": (_int, False),  # a grant claimed and not filled (Note [direct handoff])
     },
     Op.GET: {
         "key": (check_key, True),

@@ -12,7 +12,6 @@ from typing import Any
 import msgpack
 
 from ..common import _shm
-from ..common.directory import REGIONS
 from ..common.errors import InvalidRequest, QueueClosed, Timeout
 from ..common.mailbox import CLAIMED, FILLED, IDLE, MAILBOX, OPEN, word
 from ..common.protocol import reply_error
@@ -23,99 +22,124 @@ from .state import Journal
 
 log = logging.getLogger(__name__)
 
+MAILBOXES = 1024  # clients with a mailbox at once (512 KiB); more go through the broker
+UNKNOWN_RELEASES = 4096  # leases let go that a restarted broker did not know, remembered
+
 
 class MailboxTable(_Mapped):
-    """One mailbox per lease-slot region. A new segment for each broker: one that restarts
-    needs nothing from the last one's (a seal sent again says where its item went)."""
+    """The mailboxes, and which are free. A new segment for each broker: a seal sent again to
+    one that restarted says itself where its item went."""
 
     def __init__(
-        self, shm_dir: str, prefix: str, journal: Journal, regions: int = REGIONS,
+        self, shm_dir: str, prefix: str, journal: Journal, count: int = MAILBOXES,
         group: int | None = None,
     ) -> None:  # fmt: skip
-        super().__init__(shm_dir, prefix, regions * MAILBOX, journal, "mailboxes", None, group)
+        super().__init__(shm_dir, prefix, count * MAILBOX, journal, "mailboxes", None, group)
+        self._free = list(range(count - 1, -1, -1))
 
-    def at(self, region: int) -> int:
-        return self.addr + region * MAILBOX
+    def at(self, index: int) -> int:
+        return self.addr + index * MAILBOX
 
-    def reset(self, region: int) -> None:
-        """Its client is gone: whoever has the region next finds no item and no offer."""
-        _shm.store(self.at(region), word(0, IDLE))
-        _shm.offer_write(self.at(region), 0, 0, 0, 0, 0, b"")
+    def assign(self) -> int | None:
+        return self._free.pop() if self._free else None
 
-    def offer(self, d: Direct, region: int) -> None:
-        """Offer grant `d` to the producer whose mailbox is `region`."""
-        consumer = d.waiter.session
-        assert consumer.region is not None
-        _shm.offer_write(
-            self.at(region), d.queue.id, d.token, consumer.region, d.lease, d.version,
-            consumer.token.encode(),
-        )  # fmt: skip
+    def release(self, index: int) -> None:
+        """Its client is gone and no grant on it is out: empty it for the next one."""
+        _shm.store(self.at(index), word(0, IDLE))
+        _shm.offer_write(self.at(index), 0, 0, 0, 0, 0, 0, b"")
+        self._free.append(index)
 
 
 @dataclass(eq=False, slots=True)
 class Direct:
-    """A grant offered to `producer`: its next item of `queue` may go to the consumer parked
-    in `waiter`, through the mailbox at `mailbox`, as `version`, on lease `lease`."""
+    """A grant offered to `producer`: its next item of `queue` may go to the get parked in
+    `waiter`, through mailbox `index`, as `version`, on lease `lease`. `claimed` once the
+    broker knows the producer took it (its item is then counted in flight in the queue)."""
 
     token: int
     queue: Any  # a BrokerQueue
     waiter: Waiter
     producer: Session
-    mailbox: int
+    index: int
+    mailbox: int  # its address
     lease: int
     version: int
-    consumer_gone: bool = False
+    claimed: bool = False
 
 
 @dataclass(slots=True)
 class Bound:
-    """A direct item as its seal binds it: whose it is (None: no one's any more)."""
+    """A direct item as its seal binds it: whose it is (None: no one's any more), and
+    whether its claim counted it in flight already."""
 
     queue: Any
     consumer: Session | None
     lease: int
     version: int
+    counted: bool
 
 
 class Handoffs:
-    """Direct grants: offered (one per queue at a time), claimed and not yet sealed, and the
-    bells to ring after replies. `retry(waiter)` handles a consumer's get again."""
+    """Direct grants: offered (one per queue, and one per mailbox, at a time), claimed and
+    not yet sealed, and the bells to ring after replies. Queues gives `retry(waiter)` (handle
+    a consumer's get again) and `undo(d)` (a claimed item that never came)."""
 
     def __init__(
-        self, registry: Registry, lot: ParkingLot, retry: Callable[[Waiter], None]
+        self,
+        registry: Registry,
+        lot: ParkingLot,
+        retry: Callable[[Waiter], None],
+        undo: Callable[[Direct], None],
     ) -> None:
-        self.registry, self.lot, self._retry = registry, lot, retry
+        self.registry, self.lot, self._retry, self._undo = registry, lot, retry, undo
         self.mailboxes: MailboxTable | None = None  # the broker sets it: none, no handoffs
         self.sessions: dict[str, Session] = {}  # the broker's, by token
         self.offered: dict[int, Direct] = {}  # queue id -> its grant
         self.claimed: dict[int, Direct] = {}  # token -> claimed, seal not seen yet
-        self._busy: set[int] = set()  # mailboxes holding a claimed item (not offered again)
+        self._out: dict[int, Direct] = {}  # mailbox index -> its grant, offered or claimed
+        self._release_later: set[int] = set()  # mailboxes of clients gone, grants still out
         self._leases: dict[tuple[str, int], Direct] = {}  # consumer's lease set aside
         self._early: set[tuple[str, int]] = set()  # of those, let go before the seal came
+        self._unknown: dict[tuple[str, int], None] = {}  # let go, unknown (after a restart)
         self._rings: dict[bytes, tuple[int, Session]] = {}  # route -> bell, after its reply
         self.handed = 0  # items handed over directly
+
+    # -- clients -----------------------------------------------------------------------------
+
+    def assign(self, session: Session) -> None:
+        """A mailbox for a client whose death the broker sees (one with lease slots)."""
+        if self.mailboxes is not None and session.mailbox is None and session.region is not None:
+            session.mailbox = self.mailboxes.assign()
+
+    def _alive(self, session: Session) -> bool:
+        """Still known (a client that closed while its arrays live on is, until it exits)."""
+        return self.sessions.get(session.token) is session
 
     # -- offering ---------------------------------------------------------------------------
 
     def offer(self, q: Any, w: Waiter) -> None:
         """`w`, a get that waits on its bell, parked on the empty ordinary queue `q`: offer
         the queue's last producer a grant to hand it its next item."""
-        mailboxes, consumer = self.mailboxes, w.session
+        mailboxes, consumer, producer = self.mailboxes, w.session, q.producer
         if mailboxes is None or q.subs is not None or q.id in self.offered:
             return
-        if consumer.region is None or q.producer is None or not w.request.fields.get("mailbox"):
+        index = consumer.mailbox
+        if index is None or index in self._out or not w.request.fields.get("mailbox"):
             return
-        producer = q.producer
-        mailbox = mailboxes.at(consumer.region)
-        if not producer.routes or producer.region is None or mailbox in self._busy:
-            return  # gone (or going: its routes go first), or no mailbox to offer it in
+        if producer is None or not producer.routes or producer.mailbox is None:
+            return  # none yet, gone (or going: its routes go first), or no mailbox
         token, lease = self.registry.new_id(), self.registry.new_id()
-        d = Direct(token, q, w, producer, mailbox, lease, q.sealed + 1)
-        _shm.store(mailbox, word(token, OPEN))
-        self.offered[q.id] = d
+        address = mailboxes.at(index)
+        d = Direct(token, q, w, producer, index, address, lease, q.sealed + 1)
+        _shm.store(address, word(token, OPEN))
+        self.offered[q.id] = self._out[index] = d
         self._leases[consumer.token, lease] = d
         w.at_deadline = partial(self._deadline, d, w.at_deadline)
-        mailboxes.offer(d, producer.region)
+        w.on_leave = partial(self._left, d)
+        _shm.offer_write(
+            mailboxes.at(producer.mailbox), q.id, token, index, lease, d.version, w.request.id,
+            consumer.token.encode(),
+        )  # fmt: skip
 
     def take_back(self, q: Any) -> bool:
         """The wait of `q`'s grant ends another way: take the grant back. False if it was;
@@ -131,15 +155,26 @@ class Handoffs:
         return True
 
     def _claim(self, d: Direct) -> None:
-        d.queue.sealed = max(d.queue.sealed, d.version)
+        """The producer claimed `d`: its item is in flight, numbered, and answers the get."""
+        d.claimed = True
+        q = d.queue
+        q.sealed = max(q.sealed, d.version)
+        q.in_flight += 1  # until it is freed, like any item
+        q.pending += 1  # until its seal comes
+        self.claimed[d.token] = d
         if not d.waiter.done:
             self.lot.unpark(d.waiter)  # answered by the item, not by the broker
-        self.claimed[d.token] = d
-        self._busy.add(d.mailbox)
+
+    def _left(self, d: Direct) -> None:
+        """The get left its line (answered, timed out, cancelled, its socket or client gone):
+        its grant goes back, unless the producer claimed it first."""
+        if self.offered.get(d.queue.id) is d:
+            self.take_back(d.queue)
 
     def _deadline(self, d: Direct, then: Callable[[], bytes | None] | None) -> bytes | None:
-        """A get whose grant is out timed out: its Timeout, unless the grant was claimed."""
-        if self.offered.get(d.queue.id) is d and self.take_back(d.queue):
+        """A get whose grant was out timed out: its Timeout, unless the grant was claimed
+        (when it left its line, `_left`): then the item is its answer."""
+        if d.claimed:
             return None
         if then is not None:
             return then()
@@ -147,10 +182,15 @@ class Handoffs:
         return reply_error(w.request.id, Timeout(w.timeout_message))
 
     def _forget(self, d: Direct) -> None:
+        """`d` is over (taken back, sealed, or come to nothing)."""
         key = (d.waiter.session.token, d.lease)
         self._leases.pop(key, None)
         self._early.discard(key)
-        self._busy.discard(d.mailbox)
+        if self._out.get(d.index) is d:
+            del self._out[d.index]
+            if d.index in self._release_later and self.mailboxes is not None:
+                self._release_later.discard(d.index)
+                self.mailboxes.release(d.index)
 
     # -- the seal ---------------------------------------------------------------------------
 
@@ -164,13 +204,14 @@ class Handoffs:
                 return self._bind_unknown(token, consumer_token, lease, version, fields, queues)
             del self.offered[fields["queue"]]
             self._claim(d)
-        d.producer = producer  # whoever claimed it handed it over
         del self.claimed[token]
-        early = (d.waiter.session.token, d.lease) in self._early
+        d.producer = producer  # whoever claimed it handed it over
+        consumer = d.waiter.session
+        early = (consumer.token, d.lease) in self._early
         self._forget(d)
         self.handed += 1
-        gone = d.consumer_gone or d.waiter.session.closed or early
-        return Bound(d.queue, None if gone else d.waiter.session, d.lease, d.version)
+        keeps = self._alive(consumer) and not early
+        return Bound(d.queue, consumer if keeps else None, d.lease, d.version, counted=True)
 
     def _bind_unknown(
         self, token: int, consumer_token: str, lease: int, version: int,
@@ -185,27 +226,46 @@ class Handoffs:
             raise QueueClosed(f"queue {fields.get('name', fields['queue'])!r} is gone")
         q.sealed = max(q.sealed, version)
         consumer = self.sessions.get(consumer_token)
+        let_go = (consumer_token, lease) in self._unknown  # before this seal came
+        self._unknown.pop((consumer_token, lease), None)
         self.handed += 1
-        return Bound(q, None if consumer is None or consumer.closed else consumer, lease, version)
+        return Bound(q, None if let_go else consumer, lease, version, counted=False)
+
+    def undone(self, producer: Session, token: int) -> None:
+        """The producer claimed grant `token` and could not fill it (its consumer's mailbox was
+        emptied meanwhile): its item comes through the queue instead."""
+        d = self.claimed.pop(token, None)
+        if d is None:
+            return
+        self._forget(d)
+        self._undo(d)
+        if self._alive(d.waiter.session):
+            self._retry(d.waiter)
 
     def released_early(self, session: Session, leases: list[int]) -> list[int]:
         """Of the leases `session` let go that the broker does not know, those set aside for
-        direct items whose seals have not come yet are noted; the others returned."""
+        direct items whose seals have not come yet are noted; the others returned (after a
+        restart they are remembered: a seal sent again may name one)."""
         unknown = []
         for lease in leases:
             if (session.token, lease) in self._leases:
                 self._early.add((session.token, lease))
             else:
                 unknown.append(lease)
+        if unknown and self.registry.first_id > 1:
+            for lease in unknown:
+                self._unknown[session.token, lease] = None
+            while len(self._unknown) > UNKNOWN_RELEASES:
+                del self._unknown[next(iter(self._unknown))]
         return unknown
 
     # -- clients that go -------------------------------------------------------------------
 
-    def session_gone(self, session: Session) -> list[tuple[Direct, dict[str, Any] | None]]:
-        """`session` closed or died. Its grants go back; those it claimed as a consumer have
-        no one to go to. Returns the claimed grants its death left unsealed, each with the
-        body it filled (the broker seals it), or None (never filled: its consumer asks
-        again)."""
+    def session_gone(self, session: Session) -> list[tuple[Direct, dict[str, Any]]]:
+        """`session` closed or died: its grants go back, and its mailbox once none is out on
+        it. Returns the claimed grants its death left unsealed whose mailbox it filled, with
+        the body (the broker seals those); a claim it never filled is taken back, and its
+        consumer asks again."""
         for route in [r for r, (_, s) in self._rings.items() if s is session]:
             del self._rings[route]
         for d in list(self.offered.values()):
@@ -213,51 +273,41 @@ class Handoffs:
                 self.take_back(d.queue)
         left = []
         for d in list(self.claimed.values()):
-            if d.waiter.session is session:
-                d.consumer_gone = True
-                self._busy.discard(d.mailbox)
             if d.producer is session:
-                left.append((d, self._read_body(d)))
-        if self.mailboxes is not None and session.region is not None:
-            # A producer that claimed this mailbox and did not fill it yet now fails to: its
-            # item goes to the queue (unfilled).
-            self.mailboxes.reset(session.region)
+                body = self._filled(d)
+                if body is not None:
+                    left.append((d, body))
+        index, session.mailbox = session.mailbox, None
+        if index is not None and self.mailboxes is not None:
+            if index in self._out:
+                self._release_later.add(index)  # a producer may still write into it
+            else:
+                self.mailboxes.release(index)
         return left
 
-    def unfilled(self, producer: Session, q: Any) -> None:
-        """`producer` sent an item of `q` through the broker: a grant of `q` it claimed and
-        has not sealed came to nothing (its seals come in order, and a claim it could not
-        fill is sent so: its consumer died and the mailbox was emptied)."""
-        for d in [d for d in self.claimed.values() if d.producer is producer and d.queue is q]:
-            del self.claimed[d.token]
-            self._forget(d)
-
-    def _read_body(self, d: Direct) -> dict[str, Any] | None:
-        """The body its dead producer filled, or None if it died before (then the mailbox is
-        emptied, and the grant forgotten)."""
+    def _filled(self, d: Direct) -> dict[str, Any] | None:
+        """The body its dead producer left in the mailbox; None if it died before filling it
+        (then the claim is taken back and its consumer asks again)."""
         state, body = _shm.mailbox_read(d.mailbox)
+        if state == word(d.token, CLAIMED) and not _shm.cas(d.mailbox, state, word(0, IDLE)):
+            state, body = _shm.mailbox_read(d.mailbox)  # filled meanwhile
         if state == word(d.token, FILLED) and body is not None:
             try:
                 found = msgpack.unpackb(body, raw=False, strict_map_key=True)
-                if isinstance(found, dict):
-                    return found
             except (ValueError, msgpack.UnpackException):
-                pass
+                found = None
+            if isinstance(found, dict):
+                return found
             log.warning("the mailbox of %s held an item it could not read", d.waiter.session)
-        elif state == word(d.token, CLAIMED):
-            _shm.cas(d.mailbox, state, word(0, IDLE))
-        del self.claimed[d.token]
-        self._forget(d)
-        if not d.consumer_gone and not d.waiter.session.closed:
-            self._retry(d.waiter)
+        self.undone(d.producer, d.token)
         return None
 
     # -- bells --------------------------------------------------------------------------
 
     def ring_after_reply(self, route: bytes, session: Session) -> None:
         """The get just handled waits on its bell: ring it once its reply is sent."""
-        if self.mailboxes is not None and session.region is not None:
-            self._rings[route] = (self.mailboxes.at(session.region), session)
+        if self.mailboxes is not None and session.mailbox is not None:
+            self._rings[route] = (self.mailboxes.at(session.mailbox), session)
 
     def sent(self, route: bytes) -> None:
         """A message went to `route`: ring the bell it waits on, if it does."""

@@ -111,7 +111,7 @@ class Queues:
         self._ended: dict[int, BrokerQueue] = {}  # ended queues, oldest first
         self._roomy: set[BrokerQueue] = set()  # queues that freed a slot since the last look
         self._sub_ids = itertools.count(1)
-        self.handoffs = Handoffs(self.registry, self.lot, self._get_again)
+        self.handoffs = Handoffs(self.registry, self.lot, self._get_again, self._undo_claim)
 
     def open(self, session: Session, route: bytes, req: Request) -> Reply:
         name, maxsize = req.fields["name"], req.fields.get("maxsize", 0)
@@ -160,14 +160,14 @@ class Queues:
         queue needs none): sealed at once; the reply tops up the producer's credits."""
         f, put_id = req.fields, req.fields["put"]
         direct: Bound | None = None
+        if "undone" in f:  # a grant it claimed and could not fill: the item comes this way
+            self.handoffs.undone(session, f["undone"])
         try:
             if "direct" in f:  # handed to a consumer already (Note [direct handoff])
                 direct = self.handoffs.bind(session, f, self.by_id)
                 q = direct.queue
             else:
                 q = self._queue(req)
-                if self.handoffs.claimed:
-                    self.handoffs.unfilled(session, q)
                 self._check_open(q)
             credited = self._use_credit(session, q)
             obj = self.registry.fill(
@@ -176,8 +176,9 @@ class Queues:
         except BrokerError:
             self.objects.drop_grant(session, put_id)
             raise
-        q.in_flight += 1
-        q.pending += 1
+        if direct is None or not direct.counted:  # a claim counts its item already
+            q.in_flight += 1
+            q.pending += 1
         q.producer = session
         if direct is not None:
             reply = self._seal_direct(session, put_id, direct)
@@ -203,7 +204,20 @@ class Queues:
             self.registry.retire(obj)
         if q.getters:
             self.handoffs.offer(q, q.getters[0])
+        self._note_if_ended(q)
         return {"version": obj.version}
+
+    def _undo_claim(self, d: Direct) -> None:
+        """A claimed item that never came: it no longer holds a slot."""
+        q = d.queue
+        q.in_flight -= 1
+        q.pending -= 1
+        if q.removed:
+            if not q.in_flight:
+                self.registry.journal.queue_gone(q)
+            return
+        self._roomy.add(q)
+        self._note_if_ended(q)
 
     def _seal_left(self, producer: Session, d: Direct, body: dict[str, Any]) -> None:
         """The producer died after handing its item over, before its seal: seal it from the

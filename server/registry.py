@@ -135,6 +135,7 @@ class Session:
     last_seen: float = 0.0  # for sessions without a pidfd: heartbeats keep them alive
     closed: bool = False  # said bye, kept only for the leases its process still holds
     region: int | None = None  # its lease-slot region (Note [directory and lease slots])
+    mailbox: int | None = None  # its mailbox (Note [direct handoff] in common/mailbox.py)
     awaiting: bool = False  # adopted from a broker that died: not back yet (Note [recovery])
     grants: dict[int, int] = field(default_factory=dict)  # size class -> blocks granted ahead
     credits: dict[int, int] = field(default_factory=dict)  # queue id -> slots granted ahead

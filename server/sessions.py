@@ -58,6 +58,7 @@ class Sessions:
         self.unwatched: set[Session] = set()  # kept alive by heartbeats
         self.on_drop: Callable[[Session], None] = lambda session: None  # before its puts end
         self.mailboxes: Any = None  # the broker's MailboxTable (handoff.py), named at hello
+        self.assign_mailbox: Callable[[Session], None] = lambda session: None
 
     def hello(self, route: bytes, req: Request, peer: Peer | None = None) -> dict[str, Any]:
         """`peer`: the kernel's word for the process that sent it (None: it cannot say)."""
@@ -105,6 +106,7 @@ class Sessions:
                 "hello from pid %s, uid %s (%s)", session.pid, session.uid,
                 "watched" if session.pidfd else "heartbeat",
             )  # fmt: skip
+        self.assign_mailbox(session)
         old = self.routes.get(route)
         if old is not None and old is not session:
             old.routes.discard(route)
@@ -176,8 +178,8 @@ class Sessions:
             out["directory"] = [directory.name, directory.size]
         if slots is not None and session is not None and session.region is not None:
             out["slots"] = [slots.name, session.region * slots.region_bytes, slots.slots]
-            if self.mailboxes is not None:  # Note [direct handoff] in common/mailbox.py
-                out["mailboxes"] = [self.mailboxes.name, self.mailboxes.size, session.region]
+        if self.mailboxes is not None and session is not None and session.mailbox is not None:
+            out["mailboxes"] = [self.mailboxes.name, self.mailboxes.size, session.mailbox]
         return out
 
     def bye(self, session: Session, req: Request) -> None:

@@ -16,6 +16,7 @@ from support import SPAWN, join_all, wait_until
 from workers import shm_mapping
 
 import tensorbroker as tb
+from tensorbroker.common.mailbox import CLAIMED, OPEN, word
 
 
 def in_thread(fn: Any) -> tuple[threading.Thread, list[Any]]:
@@ -95,9 +96,14 @@ def dying_producer(address: str, name: str, where: str) -> None:
             seal = writes.Writes.seal
 
             def die_at_direct_seal(self: Any, message: dict[str, Any], *args: Any) -> Any:
-                if "direct" in message:
-                    os._exit(0)
-                return seal(self, message, *args)
+                *first, hand_over = args
+
+                def then_die(m: dict[str, Any]) -> None:
+                    hand_over(m)
+                    if "direct" in m:
+                        os._exit(0)
+
+                return seal(self, message, *first, then_die)
 
             writes.Writes.seal = die_at_direct_seal  # type: ignore[method-assign]
         else:
@@ -107,15 +113,20 @@ def dying_producer(address: str, name: str, where: str) -> None:
 
 
 class _Dying:
-    """The _shm module, but the process dies when it would fill a claimed mailbox."""
+    """The _shm module, but the process dies between claiming a mailbox and filling it."""
 
     def __init__(self, real: Any) -> None:
         self._real = real
 
     def __getattr__(self, name: str) -> Any:
-        if name == "mailbox_fill":
+        if name != "mailbox_hand":
+            return getattr(self._real, name)
+
+        def claim_then_die(address: int, token: int, body: bytes) -> int:
+            self._real.cas(address, word(token, OPEN), word(token, CLAIMED))
             os._exit(0)
-        return getattr(self._real, name)
+
+        return claim_then_die
 
 
 def parked_consumer(address: str, name: str) -> None:
@@ -278,3 +289,115 @@ def test_a_consumer_that_dies_waiting_loses_no_item(c: tb.Client) -> None:
     assert item.numpy().tolist() == [3, 3, 3, 3]
     del item
     assert wait_until(lambda: settled(c), 5)
+
+
+# -- the broker dies mid-handoff ----------------------------------------------------------------
+
+
+def test_an_item_handed_over_as_the_broker_dies_is_neither_lost_nor_queued_again() -> None:
+    """The producer filled the consumer's mailbox, and the broker died before its seal: the
+    consumer has the item; the seal, sent again to the broker that comes back, binds it to
+    that consumer (its lease claimed at its hello) instead of queueing it a second time."""
+    from tensorbroker.client import writes
+
+    with tb.start_broker(memory="64MiB") as broker:
+        with tb.connect(broker.address) as p, tb.connect(broker.address) as c:
+            q = p.queue("restart")
+            q.put(np.full(16, 1, np.int64))
+            first = c.queue("restart").get(timeout=5)
+            del first
+            waiting, out = in_thread(lambda: c.queue("restart").get(timeout=30))
+            assert wait_until(lambda: offered(p), 10)
+            seal = writes.Writes.seal
+            restarted = threading.Thread(target=broker.restart)
+
+            def crash_then_seal(self: Any, message: dict[str, Any], *args: Any) -> Any:
+                *first, hand_over = args
+
+                def then_crash(m: dict[str, Any]) -> None:
+                    hand_over(m)
+                    if "direct" in m:  # handed over: the broker dies before the seal
+                        broker.send_signal(signal.SIGKILL)
+                        broker.wait(10)
+                        restarted.start()
+
+                return seal(self, message, *first, then_crash if hand_over else None)
+
+            writes.Writes.seal = crash_then_seal  # type: ignore[method-assign]
+            try:
+                assert q.put(np.full(16, 2, np.int64)) == 2
+            finally:
+                writes.Writes.seal = seal  # type: ignore[method-assign]
+            restarted.join(30)
+            waiting.join(30)
+            item = out[0]
+            assert item.version == 2 and item.numpy()[0] == 2
+            assert len(q) == 0, "the item handed over was queued again"
+            assert q.put(np.full(16, 3, np.int64)) == 3
+            assert c.queue("restart").get(timeout=5).numpy()[0] == 3
+            del item, out[:]
+            assert wait_until(lambda: settled(p), 5)
+
+
+class _GaveUp(Exception):
+    pass
+
+
+def test_a_get_given_up_never_answers_a_later_get_of_another_queue(c: tb.Client) -> None:
+    """A get interrupted while it waits (Ctrl-C, say) stays parked in the broker, which may
+    still offer its grant: what a producer hands to it is never taken as the answer to a
+    later get of this client's."""
+    a, b = c.queue("given-up"), c.queue("other")
+    with tb.connect(c.address) as p:
+        pa = p.queue("given-up")
+        pa.put(np.zeros(4))  # `p` is the last producer of "given-up"
+        a.get()
+
+        def give_up(signum: int, frame: Any) -> None:
+            raise _GaveUp
+
+        old = signal.signal(signal.SIGALRM, give_up)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            with pytest.raises(_GaveUp):
+                a.get(timeout=10)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+        assert offered(p)
+        pa.put(np.full(4, 9.0))  # handed to the get given up
+        with pytest.raises(tb.Timeout):
+            b.get(timeout=0.3)
+        assert len(a) == 0
+
+
+def test_producer_threads_of_one_client_keep_their_order(c: tb.Client) -> None:
+    results = SPAWN.Queue()
+    proc = SPAWN.Process(target=consumer_of, args=(c.address, "threads", 200, results))
+    proc.start()
+    q = c.queue("threads", maxsize=4)
+
+    def put(tag: int) -> None:
+        for i in range(100):
+            time.sleep(0.001)
+            q.put(np.full(16, tag * 1000 + i, np.int64), wait=i % 2 == 0)
+
+    threads = [threading.Thread(target=put, args=(tag,)) for tag in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    got = results.get(timeout=60)
+    join_all([proc])
+    assert sorted(got) == sorted(tag * 1000 + i for tag in (1, 2) for i in range(100))
+    for tag in (1, 2):
+        mine = [x for x in got if x // 1000 == tag]
+        assert mine == sorted(mine)
+    assert c.stats()["direct_handoffs"] > 0
+    assert wait_until(lambda: settled(c), 5)
+
+
+def consumer_of(address: str, name: str, count: int, results: Any) -> None:
+    with tb.connect(address) as client:
+        q = client.queue(name)
+        results.put([int(q.get(timeout=30).numpy()[0]) for _ in range(count)])
