@@ -93,7 +93,8 @@ class Writes:
                     pass
                 else:
                     if hand_over is not None:
-                        self._take_ready(channel)
+                        if self._out:  # answers may be here already
+                            self._take_ready(channel)
                         if not self._out:
                             hand_over(message)
                     self._out[rid] = _Out(message, key, label, put, wait)

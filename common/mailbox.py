@@ -10,34 +10,41 @@ grant*: "your next item may go straight into this consumer's mailbox". The produ
 wakes only the consumer; the broker learns of the item from the seal that follows, off the
 consumer's path.
 
-    mailbox segment (the broker's, new with each broker): one MAILBOX of 512 B per client,
-    at its lease-slot region's index (common/_shm.c has the layout)
+    mailbox segment (the broker's, new with each broker): MAILBOX bytes per client, one
+    each, assigned at hello (common/_shm.c has the layout)
     ┌ state: token << 8 | IDLE/OPEN/CLAIMED/FILLED ┬ bell (futex) ┬ body ┬ offer (seqlock) ┐
 
     consumer: qget(mailbox) ─> broker: queue empty: park; state = OPEN(t) in the consumer's
-              mailbox; the grant (queue, t, where, lease, version) in the producer's offer
-    producer q.put: copy into a granted block; offer for this queue? CAS OPEN(t) ->
-                    CLAIMED(t); write the body (the consumer's reply); CAS CLAIMED(t) ->
-                    FILLED(t); ring the bell;  then the seal goes, with t
-    consumer: wakes on the bell, reads FILLED(t)'s body: the item, with the lease the
-              broker set aside for it
-    broker:   any other way the wait could end (another item sealed, its timeout, the queue
-              closed, either client gone) first takes the grant back: CAS OPEN(t) -> IDLE.
-              If that fails the producer claimed it: the item is the consumer's answer.
+              mailbox; in the producer's offer: (queue, t, mailbox, lease, version, get id)
+    producer q.put: copy into a granted block; then, under its seal lock and with every
+              earlier seal answered, if the offer is for this queue, in one C call: CAS
+              OPEN(t) -> CLAIMED(t); write the body (the get's reply); CAS CLAIMED(t) ->
+              FILLED(t); ring the bell. Its seal then goes, saying "direct t".
+    consumer: wakes on the bell, reads FILLED(t)'s body, addressed to its get: the item,
+              with the lease the broker set aside for it
+    broker:   any other way the wait can end (another item sealed, its timeout, the queue
+              closed, the get cancelled, either client gone) first takes the grant back:
+              CAS OPEN(t) -> IDLE. If that fails the producer claimed it: the item answers
+              the get, takes its place in the stream and counts in flight from then.
 
-One CAS decides between the producer and the broker, so each item goes to one consumer. A
-producer uses a grant only with no seal of its own still unanswered: then every item it put
-before is in the queue already (or answered the consumer's wait, which took the grant
-back), and its items keep their order. The broker reserves the item's place in the stream
-and the consumer's lease id when it offers the grant; a mailbox is offered again only once
-the item claimed from it is known to the broker (by its seal, or by its producer's death,
-when the body in the mailbox says what was handed over). A producer that dies between
-claim and fill leaves CLAIMED(t): the broker takes it back and the consumer asks again.
+One CAS decides between the producer and the broker, so each item goes to one consumer, and
+one producer's items keep their order: it claims only with all its earlier seals answered
+(its earlier items are in the queue, or answered this get, which took the grant back), and
+no seal of its other threads goes between its claim and its seal. A mailbox has one grant
+out at a time, and a client's mailbox is given to another only once none is out on it (a
+producer that claimed it may still be writing). A body names the get it answers: a get
+given up (Ctrl-C) leaves what is handed to it where it is, never answering a later get.
+
+When it goes wrong: a producer that dies after filling leaves the body, from which the
+broker seals the item. One that dies between claim and fill leaves CLAIMED(t): the broker
+takes it back and handles the get again. A claim whose fill fails (its consumer died and
+the mailbox was emptied) goes through the queue, its seal saying "undone t". A consumer
+whose broker dies takes what was handed to it, or takes the grant back itself, before it
+asks the broker that comes back; the producer's seal, sent again, says where its item went.
 
 The bell also says "a reply is on your socket": the broker rings it after answering a get
 that waits on it, so the consumer sleeps on one futex for either. Offers live in shared
-memory, not in messages, so that a put does not read its socket to find one. The broker that
-restarts makes a new segment: a seal sent again with an old grant says who the item went to.
+memory, not in messages, so that a put does not read its socket to find one.
 """
 
 from __future__ import annotations
