@@ -209,15 +209,9 @@ class Queues:
 
     def _undo_claim(self, d: Direct) -> None:
         """A claimed item that never came: it no longer holds a slot."""
-        q = d.queue
-        q.in_flight -= 1
-        q.pending -= 1
-        if q.removed:
-            if not q.in_flight:
-                self.registry.journal.queue_gone(q)
-            return
-        self._roomy.add(q)
-        self._note_if_ended(q)
+        self._slot_back(d.queue, unsealed=True)
+        if not d.queue.removed:
+            self._note_if_ended(d.queue)
 
     def _seal_left(self, producer: Session, d: Direct, body: dict[str, Any]) -> None:
         """The producer died after handing its item over, before its seal: seal it from the
@@ -516,9 +510,12 @@ class Queues:
     def item_freed(self, obj: StoredObject) -> None:
         """The registry freed an item's memory: its slot opens (given by `admit_putters`,
         after the request at hand)."""
-        q: BrokerQueue = obj.queue
+        self._slot_back(obj.queue, unsealed=obj.version == 0)  # 0: aborted unsealed
+
+    def _slot_back(self, q: BrokerQueue, unsealed: bool) -> None:
+        """An item of `q` is gone: its slot opens (a removed queue's row goes with its last)."""
         q.in_flight -= 1
-        if obj.version == 0:  # aborted before it was sealed
+        if unsealed:
             q.pending -= 1
         if q.removed:
             if not q.in_flight:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import multiprocessing as mp
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -58,3 +59,18 @@ def free_tcp_address() -> str:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+
+
+def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    """Run `fn` in a thread; the list gets its result, or the exception it raised."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:
+            out.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out

@@ -12,25 +12,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from support import SPAWN, join_all, wait_until
+from support import SPAWN, in_thread, join_all, wait_until
 from workers import shm_mapping
 
 import tensorbroker as tb
 from tensorbroker.common.mailbox import CLAIMED, OPEN, word
-
-
-def in_thread(fn: Any) -> tuple[threading.Thread, list[Any]]:
-    out: list[Any] = []
-
-    def run() -> None:
-        try:
-            out.append(fn())
-        except BaseException as exc:
-            out.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, out
 
 
 def offered(c: tb.Client) -> bool:

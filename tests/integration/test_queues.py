@@ -4,31 +4,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
-from support import wait_until
+from support import in_thread, wait_until
 
 import tensorbroker as tb
 
 MiB = 2**20
-
-
-def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
-    """Run `fn` in a thread; the list gets its result, or the exception it raised."""
-    out: list[Any] = []
-
-    def run() -> None:
-        try:
-            out.append(fn())
-        except BaseException as exc:
-            out.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, out
 
 
 @pytest.fixture
