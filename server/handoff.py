@@ -219,7 +219,8 @@ class Handoffs:
     ) -> Bound:  # fmt: skip
         """A seal sent again to a broker that restarted, of an item a grant of the one that
         died handed over: the producer says where it went."""
-        if token >= self.registry.first_id:
+        first = self.registry.first_id  # ids below it were given by a broker that died
+        if not 0 < token < first or not 0 < lease < first:
             raise InvalidRequest(f"write: no direct grant {token} is out (it was taken back)")
         q = queues.get(fields["queue"])
         if q is None:

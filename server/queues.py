@@ -195,11 +195,15 @@ class Queues:
     def _seal_direct(self, session: Session, put_id: int, direct: Bound) -> Reply:
         """Seal an item its producer handed to a consumer itself: the consumer's lease (set
         aside with the grant) is all that keeps it."""
-        q = direct.queue
+        q, consumer = direct.queue, direct.consumer
+        held = consumer.leases.get(direct.lease) if consumer is not None else None
+        if held is not None and held is not self.registry.pending.get(put_id):
+            log.warning("%s: the lease of a direct item is another's; the item is let go", consumer)
+            consumer = None  # (its own lease, claimed after a restart, is fine)
         obj = self.registry.seal(session, put_id, False, version=direct.version)
         q.pending -= 1
-        if direct.consumer is not None:
-            self.registry.hand_over(direct.consumer, obj, None, lease_id=direct.lease)
+        if consumer is not None:
+            self.registry.hand_over(consumer, obj, None, lease_id=direct.lease)
         else:  # its consumer is gone (or let go of it before this seal came)
             self.registry.retire(obj)
         if q.getters:

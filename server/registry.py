@@ -411,8 +411,10 @@ class Registry:
         which the object keeps once the lease ends."""
         if not lease_id:
             lease_id = self._id()
-        elif session.leases.get(lease_id) is obj:
-            return lease_id  # claimed already, by a client back after a restart
+        elif lease_id in session.leases:
+            if session.leases[lease_id] is obj:
+                return lease_id  # claimed already, by a client back after a restart
+            raise InvalidRequest(f"lease {lease_id} is taken already")
         session.leases[lease_id] = obj
         obj.leases += 1
         self.lease_count += 1

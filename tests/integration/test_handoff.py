@@ -387,3 +387,12 @@ def consumer_of(address: str, name: str, count: int, results: Any) -> None:
     with tb.connect(address) as client:
         q = client.queue(name)
         results.put([int(q.get(timeout=30).numpy()[0]) for _ in range(count)])
+
+
+def test_a_seal_naming_a_grant_never_given_is_refused(c: tb.Client) -> None:
+    q = c.queue("forged")
+    fields = {"queue": q._id, "name": "forged", "tensors": [["", "float32", [4]]]}
+    for direct in ([0, "x" * 32, 1, 1], [10**9, "x" * 32, 1, 1], [1, "x" * 32, 0, 1]):
+        with pytest.raises(tb.InvalidRequest, match="no direct grant"):
+            c._conn.call("write", put=123, direct=direct, **fields)
+    assert c.stats()["queue_in_flight"] == 0 and len(q) == 0
