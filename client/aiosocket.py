@@ -55,6 +55,9 @@ class AsyncChannel:
         self._waiting: dict[int, asyncio.Future[Reply]] = {}
         self._late: dict[int, Late] = {}  # requests given up whose answer may still come
         self._cancels: dict[int, int] = {}  # id of a cancel sent -> id of what it cancels
+        # Answers that came after their caller's future was cancelled, before the caller
+        # gave up (_give_up runs when the cancelled task resumes): it takes them there.
+        self._crossed: dict[int, Reply] = {}
         self._loop = asyncio.get_running_loop()
         self._reader = self._loop.create_task(self._read())
         self.broken: BrokerUnavailable | None = None
@@ -108,8 +111,12 @@ class AsyncChannel:
         answer if it came (or comes) anyway."""
         self._waiting.pop(rid, None)
         if future.done() and not future.cancelled():  # answered as the task was cancelled
-            if late is not None and future.result().get("ok"):
-                late.undo(future.result())
+            crossed: Reply | None = future.result()
+        else:
+            crossed = self._crossed.pop(rid, None)
+        if crossed is not None:
+            if late is not None and crossed.get("ok"):
+                late.undo(crossed)
             return
         if late is not None:
             late.pending = True
@@ -132,6 +139,8 @@ class AsyncChannel:
                 if future is not None:
                     if not future.done():
                         future.set_result(reply)
+                    else:  # cancelled: its task has yet to give up (_give_up)
+                        self._crossed[rid] = reply  # type: ignore[index]
                     continue
                 late = self._late.pop(rid, None) if isinstance(rid, int) else None
                 if late is not None:
@@ -168,6 +177,7 @@ class AsyncChannel:
                 future.set_exception(self.broken)
         lates, self._late = list(self._late.values()), {}
         self._cancels.clear()
+        self._crossed.clear()
         for late in lates:
             late.settle(None)
 
