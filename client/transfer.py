@@ -23,7 +23,7 @@ import numpy as np
 from ..common import _shm
 from ..common.config import SHM_DIR
 from ..common.cudart import STREAM_LEGACY, device_index, parse_device
-from ..common.descriptors import ObjectDesc, TensorDesc, compact_strides, layout
+from ..common.descriptors import ObjectDesc, TensorDesc, laid_out, layout
 from ..common.directory import DirectoryView, decode_desc, map_segment
 from ..common.dtypes import DType
 from ..common.dtypes import dtype as lookup_dtype
@@ -330,11 +330,7 @@ class Transfer:
         offered = bell.offer()
         if offered is None or offered.queue != queue:
             return
-        wires = [
-            TensorDesc(n, dt.name, tuple(src.shape), compact_strides(tuple(src.shape)),
-                       grant.segment, grant.offset + offset, "cpu").to_wire()
-            for (n, src, dt), offset in zip(plan.items, plan.offsets, strict=True)
-        ]  # fmt: skip
+        wires = laid_out(plan.specs, plan.offsets, grant.segment, grant.offset, "cpu")
         name = plan.fields.get("name", "")
         done = hand_over(mailboxes, offered, name, plan.bundle, wires, grant.oid, grant.put)
         if done is not None:

@@ -3,6 +3,7 @@ short msgpack lists (see `to_wire` / `from_wire`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +82,19 @@ class TensorDesc:
     def from_wire(cls, w: list[Any]) -> TensorDesc:
         name, dtype, shape, strides, segment, offset, device = w
         return cls(name, dtype, tuple(shape), tuple(strides), segment, offset, device)
+
+
+def laid_out(
+    specs: Sequence[Sequence[Any]], offsets: list[int], segment: str, base: int, device: str
+) -> list[Any]:
+    """The wire form of the tensors of `specs` ([name, dtype, shape]) laid out at `offsets`
+    from `base` in `segment`."""
+    return [
+        TensorDesc(
+            name, dtype, tuple(shape), compact_strides(tuple(shape)), segment, base + off, device
+        ).to_wire()
+        for (name, dtype, shape), off in zip(specs, offsets, strict=True)
+    ]
 
 
 @dataclass(frozen=True, slots=True)

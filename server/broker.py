@@ -166,7 +166,7 @@ class Broker:
         self.queues = Queues(self.objects)
         self.handoffs = self.queues.handoffs  # Note [direct handoff] in common/mailbox.py
         self.handoffs.mailboxes, self.handoffs.sessions = self.mailboxes, self.sessions.by_token
-        self.sessions.mailboxes, self.sessions.assign_mailbox = self.mailboxes, self.handoffs.assign
+        self.sessions.mailboxes = self.mailboxes
         self.sessions.on_drop = self.queues.session_gone
         self.inventory = Inventory(
             self.registry, self.queues, self.sessions.by_token.values(), self.lot

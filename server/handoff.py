@@ -104,13 +104,6 @@ class Handoffs:
         self._rings: dict[bytes, tuple[int, Session]] = {}  # route -> bell, after its reply
         self.handed = 0  # items handed over directly
 
-    # -- clients -----------------------------------------------------------------------------
-
-    def assign(self, session: Session) -> None:
-        """A mailbox for a client whose death the broker sees (one with lease slots)."""
-        if self.mailboxes is not None and session.mailbox is None and session.region is not None:
-            session.mailbox = self.mailboxes.assign()
-
     def _alive(self, session: Session) -> bool:
         """Still known (a client that closed while its arrays live on is, until it exits)."""
         return self.sessions.get(session.token) is session
@@ -134,7 +127,7 @@ class Handoffs:
         _shm.store(address, word(token, OPEN))
         self.offered[q.id] = self._out[index] = d
         self._leases[consumer.token, lease] = d
-        w.at_deadline = partial(self._deadline, d, w.at_deadline)
+        w.at_deadline = partial(self._deadline, d)
         w.on_leave = partial(self._left, d)
         _shm.offer_write(
             mailboxes.at(producer.mailbox), q.id, token, index, lease, d.version, w.request.id,
@@ -171,15 +164,11 @@ class Handoffs:
         if self.offered.get(d.queue.id) is d:
             self.take_back(d.queue)
 
-    def _deadline(self, d: Direct, then: Callable[[], bytes | None] | None) -> bytes | None:
+    def _deadline(self, d: Direct) -> bytes | None:
         """A get whose grant was out timed out: its Timeout, unless the grant was claimed
         (when it left its line, `_left`): then the item is its answer."""
-        if d.claimed:
-            return None
-        if then is not None:
-            return then()
         w = d.waiter
-        return reply_error(w.request.id, Timeout(w.timeout_message))
+        return None if d.claimed else reply_error(w.request.id, Timeout(w.timeout_message))
 
     def _forget(self, d: Direct) -> None:
         """`d` is over (taken back, sealed, or come to nothing)."""
@@ -269,8 +258,8 @@ class Handoffs:
         consumer asks again."""
         for route in [r for r, (_, s) in self._rings.items() if s is session]:
             del self._rings[route]
-        for d in list(self.offered.values()):
-            if d.producer is session or d.waiter.session is session:
+        for d in list(self.offered.values()):  # its own gets took theirs back as they left
+            if d.producer is session:
                 self.take_back(d.queue)
         left = []
         for d in list(self.claimed.values()):

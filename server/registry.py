@@ -56,7 +56,7 @@ from typing import Any, NamedTuple
 
 from ..common.config import format_size
 from ..common.cudart import device_index
-from ..common.descriptors import MIN_ALIGN, PAGE, TensorDesc, compact_strides, layout
+from ..common.descriptors import MIN_ALIGN, PAGE, TensorDesc, laid_out, layout
 from ..common.dtypes import dtype
 from ..common.errors import CapacityError, InvalidRequest, NotFound
 from .arena import Arena, Block, ShmExhausted
@@ -208,7 +208,7 @@ class Registry:
         arena = self.arena if device == "cpu" else self.devices.arena(device)
         offsets, size, align = layout(specs, MIN_ALIGN if device == "cpu" else DEVICE_ALIGN)
         block = self._allocate(arena, key, size, align)
-        wire = _wire(specs, offsets, block, device)
+        wire = laid_out(specs, offsets, block.segment, block.offset, device)
         obj = StoredObject(key, bundle, block, wire, queue=queue, device=device)
         obj.oid = self._id()
         if device != "cpu":
@@ -270,7 +270,7 @@ class Registry:
             )
         self._ungrant(session, obj)
         obj.key, obj.bundle, obj.queue = key, bundle, queue
-        obj.wire = _wire(specs, offsets, obj.block, "cpu")
+        obj.wire = laid_out(specs, offsets, obj.block.segment, obj.block.offset, "cpu")
         return obj
 
     def _ungrant(self, session: Session, obj: StoredObject) -> None:
@@ -640,15 +640,3 @@ class Registry:
             # retired, unleased, and freed once a scan finds no lease slot holding them
             "waiting_bytes": sum(obj.block.size for obj in self._unlisted.values()),
         }
-
-
-def _wire(
-    specs: list[tuple[str, str, tuple[int, ...]]], offsets: list[int], block: Block, device: str
-) -> list[Any]:
-    """The wire form of the tensors of `specs` laid out at `offsets` in `block`."""
-    return [
-        TensorDesc(
-            name, dtype, shape, compact_strides(shape), block.segment, block.offset + off, device
-        ).to_wire()
-        for (name, dtype, shape), off in zip(specs, offsets, strict=True)
-    ]

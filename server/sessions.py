@@ -58,7 +58,6 @@ class Sessions:
         self.unwatched: set[Session] = set()  # kept alive by heartbeats
         self.on_drop: Callable[[Session], None] = lambda session: None  # before its puts end
         self.mailboxes: Any = None  # the broker's MailboxTable (handoff.py), named at hello
-        self.assign_mailbox: Callable[[Session], None] = lambda session: None
 
     def hello(self, route: bytes, req: Request, peer: Peer | None = None) -> dict[str, Any]:
         """`peer`: the kernel's word for the process that sent it (None: it cannot say)."""
@@ -106,7 +105,8 @@ class Sessions:
                 "hello from pid %s, uid %s (%s)", session.pid, session.uid,
                 "watched" if session.pidfd else "heartbeat",
             )  # fmt: skip
-        self.assign_mailbox(session)
+        if self.mailboxes is not None and session.mailbox is None and session.region is not None:
+            session.mailbox = self.mailboxes.assign()  # Note [direct handoff] in mailbox.py
         old = self.routes.get(route)
         if old is not None and old is not session:
             old.routes.discard(route)
