@@ -137,6 +137,7 @@ class Session:
     region: int | None = None  # its lease-slot region (Note [directory and lease slots])
     mailbox: int | None = None  # its mailbox (Note [direct handoff] in common/mailbox.py)
     awaiting: bool = False  # adopted from a broker that died: not back yet (Note [recovery])
+    came_back: bool = False  # adopted, and its hello with its leases was answered
     grants: dict[int, int] = field(default_factory=dict)  # size class -> blocks granted ahead
     credits: dict[int, int] = field(default_factory=dict)  # queue id -> slots granted ahead
     uid: int | None = None  # the kernel's word for the user it runs as (None: tcp://)

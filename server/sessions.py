@@ -75,11 +75,16 @@ class Sessions:
                 "this broker restarted and waits for the client to say hello with its leases"
             )
         if session is not None and session.awaiting:  # back after the broker restarted
-            session.awaiting = False
+            session.awaiting, session.came_back = False, True
             lost = self.registry.claim(session, f["leases"], f.get("calls", []))
             resumed = {"lost": lost}
             log.info("%s is back (%d leases lost)", session, len(lost))
             self._settle_if_all_back()
+        elif session is not None and session.came_back and "leases" in f:
+            # Said again: the answer to the first did not reach it in time (a busy machine).
+            # The leases were claimed then; the client has sent nothing since.
+            resumed = {"lost": [lease for lease, _ in f["leases"] if lease not in session.leases]}
+            log.info("%s is back again (its first hello went unanswered)", session)
         if session is None:
             # The kernel's word for the process, never the client's claim: a session the
             # kernel cannot name (tcp://, another pid namespace) is kept by heartbeats.

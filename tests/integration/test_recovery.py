@@ -19,8 +19,10 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
+import zmq
 
 import tensorbroker as tb
+from tensorbroker.common.protocol import decode, encode
 from tensorbroker.server.state import discard, read_journal
 from tests.integration import chaos
 from tests.support import SPAWN, join_all, wait_until
@@ -97,6 +99,35 @@ def test_a_parked_get_resumes_on_the_new_broker(crashable: tb.BrokerProcess) -> 
         assert not waiter.is_alive() and got[0].numpy().tolist() == [9] * 4
         del got
         writer.delete("late")
+
+
+def test_a_client_whose_first_answer_from_the_new_broker_was_lost_keeps_its_state(
+    crashable: tb.BrokerProcess,
+) -> None:
+    """A resume hello that timed out (a busy machine) is said again on a new socket: the
+    second one must be told the session carried over, not that it was lost."""
+    with tb.connect(crashable.address) as c:
+        q = c.queue("kept", maxsize=2)
+        c.put("x", np.arange(4))
+        held = c.get("x")
+        conn = c._conn
+        assert conn is not None
+        _crash(crashable)
+        crashable.restart()
+        with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(crashable.address)
+            hello = {**conn.hello_message(), "leases": [n for p in conn.held.items() for n in p]}
+            sock.send(encode(hello))
+            assert sock.poll(10_000)  # answered, and the answer never reaches the client
+            assert decode(sock.recv())["resumed"] is True
+        assert q.put(np.ones(3)) == 1  # raised "restarted without the state" before
+        assert conn.resumed and c.stats()["leases"] >= 1
+        assert held.numpy().tolist() == [0, 1, 2, 3]
+        del held
+        assert q.get(timeout=5).numpy().tolist() == [1, 1, 1]
+        c.delete("x")
+        q.close()
 
 
 def test_a_removed_queue_stays_removed_across_a_kill(crashable: tb.BrokerProcess) -> None:
