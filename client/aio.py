@@ -134,7 +134,9 @@ class AsyncClient:
         self._transfer.writes.settle(key)
         result = self._transfer.read_directly(key)
         if result is None:
-            reply = await self._call(Op.GET, wait, Late(self._let_go), key=key, timeout=timeout)
+            reply = await self._call(
+                Op.GET, wait, Late(self._transfer.let_go), key=key, timeout=timeout
+            )
             result = self._transfer.read(reply)
         return self._transfer.move(key, result, want, copy)
 
@@ -145,7 +147,7 @@ class AsyncClient:
         seen = 0
         while True:
             reply = await self._call(
-                Op.GET, wait, Late(self._let_go), key=key, timeout=timeout, after=seen
+                Op.GET, wait, Late(self._transfer.let_go), key=key, timeout=timeout, after=seen
             )
             seen = reply["version"]
             yield self._transfer.read(reply)
@@ -232,10 +234,6 @@ class AsyncClient:
         if _nbytes(plan) > INLINE_BYTES:
             return await asyncio.to_thread(transfer.fill, plan, reply, block)
         return transfer.fill(plan, reply, block)
-
-    def _let_go(self, reply: Reply) -> None:
-        """A get's answer that came after it was cancelled: its lease goes back."""
-        self._transfer.read(reply)  # dropped at once: the lease is released
 
     def _abort(self, reply: Reply) -> None:
         """Memory granted to a put after it was cancelled: given back."""

@@ -129,7 +129,7 @@ class Client:
         self._transfer.writes.settle(key)  # this client's put of it, if still on its way
         result = self._transfer.read_directly(key)
         if result is None:  # not listed (or not yet there): the broker answers, or waits
-            result = self._transfer.read(self._call(Op.GET, key=key, timeout=timeout, wait=wait))
+            result = self._transfer.read(self._get(wait, key=key, timeout=timeout))
         return self._transfer.move(key, result, want, copy)
 
     def get_many(self, keys: Sequence[str], timeout: float | None = 0.0) -> dict[str, Item]:
@@ -198,7 +198,7 @@ class Client:
         self._transfer.writes.settle(key)
         seen = 0
         while True:
-            reply = self._call(Op.GET, key=key, timeout=timeout, after=seen, wait=wait)
+            reply = self._get(wait, key=key, timeout=timeout, after=seen)
             seen = reply["version"]
             yield self._transfer.read(reply)
 
@@ -334,6 +334,12 @@ class Client:
     def _call(self, op: str, wait: float | None = REQUEST_TIMEOUT, **fields: Any) -> dict[str, Any]:
         assert self._conn is not None
         return self._conn.call(op, wait, **fields)
+
+    def _get(self, wait: float | None, **fields: Any) -> dict[str, Any]:
+        """A get that may wait in the broker; if given up, an answer that comes anyway is
+        let go."""
+        assert self._conn is not None
+        return self._conn.call(Op.GET, wait, late=self._transfer.let_go, **fields)
 
     # -- closing ---------------------------------------------------------------------------
 

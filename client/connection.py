@@ -36,7 +36,7 @@ from ..common.config import check_address, default_address
 from ..common.curve import client_keys
 from ..common.errors import BrokerError, BrokerUnavailable
 from ..common.protocol import MAX_RELEASES, PROTOCOL_VERSION, Op
-from .transport import BrokerExited, Channel, ChannelPool
+from .transport import BrokerExited, Channel, ChannelPool, NoReply
 
 if TYPE_CHECKING:
     from .handoff import Bell
@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 REQUEST_TIMEOUT = 30.0  # for requests the broker answers at once
 RECONNECT_TIMEOUT = 30.0  # how long a client waits for a broker that exited to come back
 HELLO_STEP = 0.5  # each hello to a broker that may not be there yet waits this long
+CANCEL_WAIT = 2.0  # a call given up waits this long for the broker to confirm its cancel
 # Calls sent again to a broker that adopted the state of the one that died: reads, and
 # writes the broker recognises when they come twice (a seal by its put id, a queue get by
 # its request id, a grant's first copy aborted as the client did not claim it).
@@ -194,13 +195,17 @@ class Connection:
 
     def call(
         self, op: str, wait: float | None = REQUEST_TIMEOUT, bell: Bell | None = None,
-        **fields: Any,
+        late: Callable[[dict[str, Any]], None] | None = None, **fields: Any,
     ) -> dict[str, Any]:  # fmt: skip
         """Send one request (with the releases due) and wait up to `wait` seconds for its
         reply; the reply's fields, or the broker's error raised. If the broker exits
         meanwhile, wait for it to come back and send the request again where that is safe
         (RESENT), else raise BrokerUnavailable saying what may be lost. A queue get may wait
-        on this client's `bell` (Note [direct handoff] in common/mailbox.py)."""
+        on this client's `bell` (Note [direct handoff] in common/mailbox.py).
+
+        With `late`, a request that waits in the broker and is given up (interrupted: Ctrl-C,
+        a signal handler's exception; or no reply in time) is cancelled there, and an answer
+        that came anyway is handed to `late` (`give_up`)."""
         self.check_usable()
         message = {"op": op, "id": next(self._ids), **fields}
         releases = _drain(self.releases, self.held)
@@ -208,13 +213,13 @@ class Connection:
             message["rel"] = releases
         self._calls.add(message["id"])
         try:
-            return self._call(message, op, wait, fields, bell)
+            return self._call(message, op, wait, fields, bell, late)
         finally:
             self._calls.discard(message["id"])
 
     def _call(
         self, message: dict[str, Any], op: str, wait: float | None, fields: dict[str, Any],
-        bell: Bell | None,
+        bell: Bell | None, late: Callable[[dict[str, Any]], None] | None,
     ) -> dict[str, Any]:  # fmt: skip
         while True:
             generation = self.generation
@@ -229,11 +234,48 @@ class Connection:
                 if channel is not None:
                     self._pool.discard(channel)
                     channel = None
+            except BaseException as exc:
+                if channel is not None and late is not None and given_up(exc):
+                    if not self.give_up(channel, message["id"], bell, late):
+                        self._pool.discard(channel)
+                        channel = None
+                raise
             finally:
                 if channel is not None:
                     self._pool.give_back(channel)
             self.reconnect(generation)  # the releases go again: claimed at the hello, maybe
             self._check_resent(op, fields)
+
+    def give_up(
+        self, channel: Channel, request_id: int, bell: Bell | None,
+        late: Callable[[dict[str, Any]], None],
+    ) -> bool:  # fmt: skip
+        """The caller stopped waiting for request `request_id` on `channel`: cancel it in
+        the broker, and hand the answer that came anyway (on the socket, or to the `bell`)
+        to `late`. Whether the channel is clean again (False: discard it, the broker did
+        not confirm the cancel in time)."""
+        cancel = self.next_id()
+        try:
+            channel.send({"op": Op.CANCEL, "id": cancel, "call": request_id})
+            answer: dict[str, Any] | None = None
+            deadline = time.monotonic() + CANCEL_WAIT
+            while time.monotonic() < deadline:
+                reply = channel.receive()
+                if reply is None:
+                    continue
+                if reply.get("id") == request_id:  # answered before the cancel came
+                    answer = reply
+                elif reply.get("id") == cancel:
+                    if not reply.get("cancelled") and answer is None and bell is not None:
+                        answer = bell.settle(request_id)  # a producer handed it an item
+                    if answer is not None and answer.get("ok"):
+                        late(answer)
+                    return True
+        except BaseException:  # interrupted again, or the broker exited: the socket goes
+            log.warning("a call given up (request %d) was not cancelled", request_id)
+            return False
+        log.warning("the broker did not confirm the cancel of request %d", request_id)
+        return False
 
     def _fresh_channel(self) -> Channel:
         """A new socket, once no reconnection is under way (its hello would come first)."""
@@ -354,6 +396,12 @@ class Connection:
         for fd in self._old_pidfds:
             os.close(fd)
         self._old_pidfds.clear()
+
+
+def given_up(exc: BaseException) -> bool:
+    """Whether a call that raised `exc` was given up while it waited (its answer may still
+    come), not answered with an error or left by a broker that exited."""
+    return isinstance(exc, NoReply) or not isinstance(exc, BrokerError)
 
 
 def _drain(releases: queue.SimpleQueue[int], held: dict[int, int]) -> list[int]:

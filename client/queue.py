@@ -149,10 +149,9 @@ class Subscription:
         `timeout` seconds (None: as long as it takes; 0: Timeout at once). QueueClosed once
         the queue is closed and this subscription has every item put before."""
         timeout, wait = waits(timeout)
-        reply = self._transfer.conn.call(
-            Op.QGET, wait, queue=self._id, name=self.name, timeout=timeout, sub=self._sub
-        )
-        return self._transfer.read(reply)
+        return self._transfer.queue_get(
+            timeout, wait, queue=self._id, name=self.name, sub=self._sub
+        )  # fmt: skip
 
     def close(self) -> None:
         """End the subscription: the items waiting for it are no longer kept for it."""

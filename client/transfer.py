@@ -10,6 +10,7 @@ the copier of large host puts. It talks to the broker only through its `Connecti
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -111,6 +112,9 @@ class Transfer:
         self.mailboxes: Mailboxes | None = None  # Note [direct handoff] in common/mailbox.py
         self.bell: Bell | None = None  # this client's own mailbox
         self._descs: dict[int, tuple[bool, tuple[TensorDesc, ...]]] = {}
+        # Items answered to queue gets given up: (queue, subscription) -> their replies,
+        # taken by this client's next gets of that line (`queue_get`).
+        self._kept: dict[tuple[int, int | None], collections.deque[dict[str, Any]]] = {}
         self._shared: dict[str, Any] = {}
         self._generation = -1
         self._attach()
@@ -337,18 +341,36 @@ class Transfer:
             message[done[0]] = done[1]
 
     def queue_get(self, timeout: float | None, wait: float | None, **fields: Any) -> Item:
-        """A queue's next item: the broker's reply, or (waiting on this client's bell, if no
-        other thread does) one a producer handed over."""
+        """A queue's (or a subscription's, `sub`) next item: one answered to a get of this
+        client's given up before, the broker's reply, or (waiting on this client's bell, if
+        no other thread does) one a producer handed over."""
+        line = (fields["queue"], fields.get("sub"))
+        kept = self._kept.get(line)
+        if kept:
+            with contextlib.suppress(IndexError):  # another thread took it
+                return self.read(kept.popleft())
+        late = functools.partial(self._keep, line)
         if self._generation != self.conn.generation:
             self._attach()
         bell = self.bell
-        if bell is None or timeout == 0 or not bell.lock.acquire(blocking=False):
-            return self.read(self.conn.call(Op.QGET, wait, timeout=timeout, **fields))
+        if bell is None or timeout == 0 or "sub" in fields or not bell.lock.acquire(False):
+            return self.read(self.conn.call(Op.QGET, wait, late=late, timeout=timeout, **fields))
         try:
-            reply = self.conn.call(Op.QGET, wait, bell, timeout=timeout, mailbox=True, **fields)
+            reply = self.conn.call(
+                Op.QGET, wait, bell, late, timeout=timeout, mailbox=True, **fields
+            )  # fmt: skip
         finally:
             bell.lock.release()
         return self.read(reply)
+
+    def _keep(self, line: tuple[int, int | None], reply: dict[str, Any]) -> None:
+        """An item answered to a get given up: the next get of `line` takes it, in order."""
+        self.conn.hold(reply["lease"], reply["oid"])  # claimed again if the broker restarts
+        self._kept.setdefault(line, collections.deque()).append(reply)
+
+    def let_go(self, reply: dict[str, Any]) -> None:
+        """An object answered to a get given up: its lease goes back."""
+        self.conn.releases.put(reply["lease"])
 
     def _write_device(self, items: list[tuple[str, Source, DType]], reply: dict[str, Any]) -> None:
         """Enqueue the copies into device memory on the sources' streams and record the
@@ -427,7 +449,11 @@ class Transfer:
 
     def finish(self) -> None:
         """Before bye: the copies of this client's puts have run, so the objects hold them;
-        read-done events of leases let go of are recorded."""
+        read-done events of leases let go of are recorded; items kept for gets that will
+        not come are let go."""
+        for kept in self._kept.values():
+            while kept:
+                self.let_go(kept.popleft())
         with contextlib.suppress(Exception):
             self.devices.drain()
             self.devices.settle()

@@ -38,6 +38,10 @@ class BrokerExited(BrokerUnavailable):
     connection waits for a broker to come back (Connection.reconnect)."""
 
 
+class NoReply(BrokerUnavailable):
+    """No reply came within the time a call waits for one (the broker may still answer)."""
+
+
 class Channel:
     """One socket that has said hello. A call blocks in a receive (cheaper than a poller on
     the hot path) in steps of WATCH_STEP_MS, so that a deadline is seen."""
@@ -92,7 +96,7 @@ class Channel:
             if reply is None:
                 if deadline is None or time.monotonic() < deadline:
                     continue
-                raise BrokerUnavailable(
+                raise NoReply(
                     f"no reply from the broker at {self.address} within {timeout:.1f}s "
                     f"(op {message['op']!r}); is it running? Try `tensorbroker ping --address "
                     f"{self.address}`"

@@ -620,13 +620,14 @@ class Broker:
 
     def _on_cancel(self, session: Session, route: bytes, req: Request) -> dict[str, Any]:
         """A request of this socket that waits in the broker, given up by its caller (an
-        asyncio task cancelled): it leaves its line and is never answered. Replies on a
-        socket keep their order, so if it was answered already, that answer came first."""
+        asyncio task cancelled, a sync call interrupted): it leaves its line and is never
+        answered. Replies on a socket keep their order, so if it was answered already, that
+        answer came first; `cancelled` False without one: a producer handed it an item."""
         call = req.fields["call"]
         for w in self.lot.of(session):
             if w.route == route and w.request.id == call:
-                self.lot.unpark(w)
-                return {"cancelled": True}
+                self.lot.unpark(w)  # its grant taken back, unless a producer claimed it
+                return {"cancelled": not self.handoffs.answered(w)}
         return {"cancelled": False}
 
     def _on_bye(self, session: Session, route: bytes, req: Request) -> None:

@@ -158,6 +158,10 @@ class Handoffs:
         if not d.waiter.done:
             self.lot.unpark(d.waiter)  # answered by the item, not by the broker
 
+    def answered(self, w: Waiter) -> bool:
+        """Whether a producer claimed the grant of get `w` (its item is the answer)."""
+        return any(d.waiter is w for d in self.claimed.values())
+
     def _left(self, d: Direct) -> None:
         """The get left its line (answered, timed out, cancelled, its socket or client gone):
         its grant goes back, unless the producer claimed it first."""

@@ -3,12 +3,14 @@ waiting for a condition."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import multiprocessing as mp
+import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from tensorbroker.server.state import read_journal
@@ -74,3 +76,24 @@ def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread, out
+
+
+class GaveUp(Exception):
+    """Raised by `interrupt_after`'s default handler: a caller that stops waiting."""
+
+
+def _give_up() -> None:
+    raise GaveUp
+
+
+@contextlib.contextmanager
+def interrupt_after(seconds: float, then: Callable[[], None] = _give_up) -> Iterator[None]:
+    """Run `then` from a SIGALRM handler `seconds` after entering (its exception interrupts
+    what the main thread is doing, as Ctrl-C's does); the old handler is restored."""
+    old = signal.signal(signal.SIGALRM, lambda signum, frame: then())
+    try:
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)

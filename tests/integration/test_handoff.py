@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from support import SPAWN, in_thread, join_all, wait_until
+from support import SPAWN, GaveUp, in_thread, interrupt_after, join_all, wait_until
 from workers import shm_mapping
 
 import tensorbroker as tb
@@ -325,36 +325,40 @@ def test_an_item_handed_over_as_the_broker_dies_is_neither_lost_nor_queued_again
             assert wait_until(lambda: settled(p), 5)
 
 
-class _GaveUp(Exception):
-    pass
-
-
-def test_a_get_given_up_never_answers_a_later_get_of_another_queue(c: tb.Client) -> None:
-    """A get interrupted while it waits (Ctrl-C, say) stays parked in the broker, which may
-    still offer its grant: what a producer hands to it is never taken as the answer to a
-    later get of this client's."""
+def test_a_get_given_up_leaves_its_line_and_loses_no_item(c: tb.Client) -> None:
+    """A get interrupted while it waits (Ctrl-C, say) is cancelled in the broker: its grant
+    is taken back, and the next item goes to the next get, never to the get given up or to
+    a get of another queue."""
     a, b = c.queue("given-up"), c.queue("other")
     with tb.connect(c.address) as p:
         pa = p.queue("given-up")
         pa.put(np.zeros(4))  # `p` is the last producer of "given-up"
         a.get()
-
-        def give_up(signum: int, frame: Any) -> None:
-            raise _GaveUp
-
-        old = signal.signal(signal.SIGALRM, give_up)
-        try:
-            signal.setitimer(signal.ITIMER_REAL, 0.3)
-            with pytest.raises(_GaveUp):
-                a.get(timeout=10)
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, old)
-        assert offered(p)
-        pa.put(np.full(4, 9.0))  # handed to the get given up
+        with interrupt_after(0.3), pytest.raises(GaveUp):
+            a.get(timeout=10)
+        assert not offered(p)
+        pa.put(np.full(4, 9.0))
         with pytest.raises(tb.Timeout):
             b.get(timeout=0.3)
-        assert len(a) == 0
+        assert a.get(timeout=5).numpy().tolist() == [9.0] * 4
+
+
+def test_an_item_handed_to_a_get_as_it_is_given_up_goes_to_the_next_get(c: tb.Client) -> None:
+    with tb.connect(c.address) as p:
+        q, pq = c.queue("crossed"), p.queue("crossed")
+        pq.put(np.zeros(4))  # `p` is the last producer
+        q.get()
+
+        def hand_then_give_up() -> None:
+            pq.put(np.full(4, 7.0))  # handed to the waiting get, which gives up before it looks
+            raise GaveUp
+
+        before = c.stats()["direct_handoffs"]
+        with interrupt_after(0.3, hand_then_give_up), pytest.raises(GaveUp):
+            q.get(timeout=10)
+        assert c.stats()["direct_handoffs"] == before + 1
+        assert q.get(timeout=0).numpy().tolist() == [7.0] * 4
+    assert wait_until(lambda: settled(c), 5)
 
 
 def test_producer_threads_of_one_client_keep_their_order(c: tb.Client) -> None:

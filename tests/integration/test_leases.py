@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import workers
-from support import SPAWN, seconds_until
+from support import SPAWN, GaveUp, interrupt_after, seconds_until, wait_until
 
 import tensorbroker as tb
 
@@ -53,6 +53,22 @@ def test_release_travels_with_the_next_request(fresh_broker: tb.BrokerProcess) -
         # The release is queued when the Tensor dies; the next call carries it if the
         # background flusher has not sent it already. Either way stats sees it.
         assert c.stats()["used_bytes"] == 0
+
+
+def test_a_get_given_up_as_it_is_answered_holds_nothing(fresh_broker: tb.BrokerProcess) -> None:
+    """A get waiting for a key, interrupted (Ctrl-C) just as the broker answers it: the
+    lease of that answer goes back; the object is not held until the client closes."""
+    with tb.connect(fresh_broker.address) as c, tb.connect(fresh_broker.address) as p:
+
+        def put_then_give_up() -> None:
+            p.put("late", np.ones(4))
+            assert wait_until(lambda: p.stats()["leases"] == 1, 5)  # answered: c's lease
+            raise GaveUp
+
+        with interrupt_after(0.3, put_then_give_up), pytest.raises(GaveUp):
+            c.get("late", timeout=10)
+        assert c.exists("late")  # a call sends the releases due
+        assert wait_until(lambda: p.stats()["leases"] == 0, 5)
 
 
 def test_readers_sigkilled_give_their_leases_back_within_a_second(

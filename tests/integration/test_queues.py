@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
 import pytest
-from support import in_thread, wait_until
+from support import GaveUp, in_thread, interrupt_after, wait_until
 
 import tensorbroker as tb
 
@@ -75,6 +77,44 @@ def test_get_waits_for_a_put_and_times_out_on_an_empty_queue(c: tb.Client) -> No
     q.put(np.arange(3))
     thread.join(10)
     assert out == [[0, 1, 2]]
+
+
+@pytest.mark.usefixtures("transport")
+def test_an_item_answered_to_a_get_given_up_goes_to_the_next_get(
+    fresh_broker: tb.BrokerProcess,
+) -> None:
+    """A get interrupted while it waits (Ctrl-C, a signal handler's exception) is cancelled
+    in the broker; an item answered to it meanwhile is not lost: the next get takes it. The
+    same for a subscription of a broadcast queue."""
+    with tb.connect(fresh_broker.address) as c, tb.connect(fresh_broker.address) as p:
+        q, pq = c.queue("crossed"), p.queue("crossed")
+        caster = p.broadcast("cast")
+        sub = c.subscribe("cast")
+
+        def answer_then_give_up(put: Callable[[], Any], taken: Callable[[], bool]) -> None:
+            put()
+            assert wait_until(taken, 5)  # the broker answered the waiting get
+            raise GaveUp
+
+        with interrupt_after(0.3), pytest.raises(GaveUp):  # nothing came: it leaves its line
+            q.get(timeout=10)
+        crossing = partial(
+            answer_then_give_up, lambda: pq.put(np.full(4, 7.0)),
+            lambda: pq.in_flight() == 1 and len(pq) == 0,
+        )  # fmt: skip
+        with interrupt_after(0.3, crossing), pytest.raises(GaveUp):
+            q.get(timeout=10)
+        pq.put(np.full(4, 8.0))
+        assert [q.get(timeout=0).numpy()[0] for _ in range(2)] == [7.0, 8.0]
+
+        crossing = partial(
+            answer_then_give_up, lambda: caster.put(np.full(4, 5.0)),
+            lambda: c.stats()["queue_in_flight"] == 1,
+        )  # fmt: skip
+        with interrupt_after(0.3, crossing), pytest.raises(GaveUp):
+            sub.get(timeout=10)
+        assert sub.get(timeout=0).numpy().tolist() == [5.0] * 4
+        assert wait_until(lambda: c.stats()["queue_in_flight"] == 0, 5)
 
 
 def test_a_full_queue_blocks_put_until_a_consumer_lets_go(c: tb.Client) -> None:
