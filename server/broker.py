@@ -295,7 +295,10 @@ class Broker:
             self._ipc_inode, self._ipc = os.stat(path).st_ino, True
         lane = lane_path(self.address)
         if lane is not None:
-            self.lanes = Lanes(lane, self._watch, self._poller.unregister, self.sessions.route_gone)
+            self.lanes = Lanes(
+                lane, self._watch, self._poller.unregister, self.sessions.route_gone,
+                self.handoffs.sent,  # a bell rings once the reply is there to read
+            )  # fmt: skip
             self.lanes.listen()
         if path is not None and self._gid is not None:
             share_sockets(self._gid, path, lane)
@@ -592,7 +595,6 @@ class Broker:
             self._outbox.append((route, payload))
             return
         if self.lanes is not None and self.lanes.send(route, payload):
-            self.handoffs.sent(route)
             return
         if self._backlogs is not None:
             self._backlogs.send(route, payload)

@@ -304,7 +304,8 @@ class Handoffs:
             self._rings[route] = (self.mailboxes.at(session.mailbox), session)
 
     def sent(self, route: bytes) -> None:
-        """A message went to `route`: ring the bell it waits on, if it does."""
+        """What was sent to `route` is all there to read: ring the bell it waits on, if it
+        does (not before: a consumer woken early would sleep again, up to WATCH_STEP_MS)."""
         rung = self._rings.pop(route, None)
         if rung is not None:
             _shm.ring(rung[0])

@@ -73,7 +73,8 @@ class Lane:
 class Lanes:
     """The listening socket and its connections. `watch(fd, writable)` puts a descriptor in
     the broker's poller (again, to change what it waits for); `unwatch(fd)` takes it out;
-    `route_gone(route)` is told when a lane closes."""
+    `route_gone(route)` is told when a lane closes; `delivered(route)` when the replies
+    sent to a lane are all in the kernel's hands (none left in its buffer)."""
 
     def __init__(
         self,
@@ -81,9 +82,11 @@ class Lanes:
         watch: Callable[[int, bool], None],
         unwatch: Callable[[int], None],
         route_gone: Callable[[bytes], None],
+        delivered: Callable[[bytes], None] = lambda route: None,
     ) -> None:
         self.path = path
         self._watch, self._unwatch, self._route_gone = watch, unwatch, route_gone
+        self._delivered = delivered
         self.by_fd: dict[int, Lane] = {}
         self.by_route: dict[bytes, Lane] = {}
         self._to_close: list[socket.socket] = []
@@ -181,6 +184,7 @@ class Lanes:
             except OSError:  # the client is gone; its read of EOF closes the lane
                 return True
             if sent == len(payload):
+                self._delivered(route)
                 return True
             lane.out += payload[sent:]
             self._watch(lane.sock.fileno(), True)
@@ -195,7 +199,7 @@ class Lanes:
     def write(self, fd: int) -> None:
         """The socket of a lane with replies waiting is writable."""
         lane = self.by_fd.get(fd)
-        if lane is None:
+        if lane is None or not lane.out:  # an event of the batch before it drained
             return
         try:
             sent = lane.sock.send(lane.out)
@@ -207,6 +211,7 @@ class Lanes:
         del lane.out[:sent]
         if not lane.out:
             self._watch(fd, False)
+            self._delivered(lane.route)
 
     def _close(self, lane: Lane) -> None:
         fd = lane.sock.fileno()

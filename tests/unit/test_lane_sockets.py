@@ -23,6 +23,7 @@ class Watched:
     def __init__(self) -> None:
         self.fds: dict[int, bool] = {}
         self.gone: list[bytes] = []
+        self.delivered: list[bytes] = []
 
     def watch(self, fd: int, writable: bool) -> None:
         self.fds[fd] = writable
@@ -34,7 +35,9 @@ class Watched:
 @pytest.fixture
 def lanes(tmp_path: Path) -> Iterator[tuple[Lanes, Watched]]:
     w = Watched()
-    lanes = Lanes(str(tmp_path / "b.sock.lane"), w.watch, w.unwatch, w.gone.append)
+    lanes = Lanes(
+        str(tmp_path / "b.sock.lane"), w.watch, w.unwatch, w.gone.append, w.delivered.append
+    )  # fmt: skip
     lanes.listen()
     yield lanes, w
     lanes.close()
@@ -105,4 +108,26 @@ def test_a_client_that_reads_nothing_is_cut_off_at_the_backlog(
         assert sent < 1000, "never cut off"
     assert watched.gone == [route] and not watched.fds.keys() - {lanes_._listener.fileno()}
     assert lanes_.send(route, reply)  # a closed lane's reply is dropped, not sent by ZeroMQ
+    client.close()
+
+
+def test_a_reply_is_delivered_only_once_nothing_of_it_waits_in_the_buffer(
+    lanes: tuple[Lanes, Watched],
+) -> None:
+    """A bell rings on `delivered` (Note [direct handoff]): a consumer woken while part of its
+    reply still waits in the broker's buffer would find nothing and sleep again."""
+    lanes_, watched = lanes
+    client = _connect(lanes_)
+    (route,) = lanes_.by_route
+    (fd,) = lanes_.by_fd
+    assert lanes_.send(route, b"small")
+    assert watched.delivered == [route]
+    big = b"x" * (8 << 20)  # more than the kernel takes at once
+    assert lanes_.send(route, big)
+    assert watched.delivered == [route] and watched.fds[fd]  # the rest waits for writable
+    received = 0
+    while received < len(big) + len(b"small"):
+        received += len(client.recv(1 << 20))
+        lanes_.write(fd)
+    assert watched.delivered == [route, route] and not watched.fds[fd]
     client.close()
