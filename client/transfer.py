@@ -73,19 +73,21 @@ class WritePlan:
 
 
 class LeaseSlots:
-    """This client's region of lease slots, mapped read-write. Free slots are a list: pop and
-    append are atomic under the GIL, and `give_back` runs from finalisers on any thread. The
-    mapping lives while any SlotLease holds this object."""
+    """This client's region of lease slots, mapped read-write. Free slots are a deque, taken
+    from the front and given back at the end (popleft and append are atomic under the GIL,
+    and `give_back` runs from finalisers on any thread): a slot let go keeps the id of what
+    it held, for the broker's LRU, until its turn comes again (Note [eviction] in
+    server/eviction.py). The mapping lives while any SlotLease holds this object."""
 
     def __init__(self, path: str, offset: int, count: int) -> None:
         self.pid = os.getpid()
         self.size = count * 8
         self.addr = map_segment(path, self.size, writable=True, offset=offset)
-        self._free = [self.addr + 8 * i for i in range(count - 1, -1, -1)]
+        self._free = collections.deque(self.addr + 8 * i for i in range(count))
 
     def take(self) -> int | None:
         try:
-            return self._free.pop()
+            return self._free.popleft()
         except IndexError:  # every slot holds an object: the broker leases the next ones
             return None
 

@@ -267,14 +267,49 @@ static PyObject *slot_publish(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* A slot let go keeps its object id with this bit set until the client takes the slot again
+ * or the broker harvests it (slots_harvest): a read the broker can count as a use. */
+#define RELEASED (1ULL << 63)
+
 /* Client: let go; every read of the object happened before (release). */
 static PyObject *slot_clear(PyObject *self, PyObject *arg) {
     (void)self;
     uintptr_t a;
     if (get_addr(arg, &a) < 0)
         return NULL;
-    __atomic_store_n((uint64_t *)a, 0, __ATOMIC_RELEASE);
+    uint64_t oid = __atomic_load_n((uint64_t *)a, __ATOMIC_RELAXED); /* only this client's */
+    __atomic_store_n((uint64_t *)a, oid == 0 ? 0 : oid | RELEASED, __ATOMIC_RELEASE);
     Py_RETURN_NONE;
+}
+
+/* Broker: the object ids of the slots let go since the last harvest, in `count` slots from
+ * `addr`; each such slot becomes empty (a CAS: a slot its client took again keeps what it
+ * holds). */
+static PyObject *slots_harvest(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *addr;
+    Py_ssize_t count;
+    uintptr_t a;
+    if (!PyArg_ParseTuple(args, "On:slots_harvest", &addr, &count) || get_addr(addr, &a) < 0)
+        return NULL;
+    PyObject *used = PySet_New(NULL);
+    if (used == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        uint64_t *slot = (uint64_t *)a + i;
+        uint64_t v = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+        if (!(v & RELEASED) ||
+            !__atomic_compare_exchange_n(slot, &v, 0, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            continue;
+        PyObject *k = PyLong_FromUnsignedLongLong(v & ~RELEASED);
+        if (k == NULL || PySet_Add(used, k) < 0) {
+            Py_XDECREF(k);
+            Py_DECREF(used);
+            return NULL;
+        }
+        Py_DECREF(k);
+    }
+    return used;
 }
 
 /* Broker: after a full fence (its directory writes before it), the object ids held in
@@ -292,7 +327,7 @@ static PyObject *slots_scan(PyObject *self, PyObject *args) {
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     for (Py_ssize_t i = 0; i < count; i++) {
         uint64_t oid = __atomic_load_n((uint64_t *)a + i, __ATOMIC_ACQUIRE);
-        if (oid == 0)
+        if (oid == 0 || (oid & RELEASED))
             continue;
         PyObject *k = PyLong_FromUnsignedLongLong(oid);
         if (k == NULL)
@@ -483,8 +518,11 @@ static PyMethodDef methods[] = {
      "lookup(base, entries, entry_size, key) -> (index, oid, version, desc) | None | False."},
     {"entry_holds", entry_holds, METH_VARARGS, "entry_holds(address, oid) -> bool."},
     {"slot_publish", slot_publish, METH_VARARGS, "slot_publish(address, oid), then a fence."},
-    {"slot_clear", slot_clear, METH_O, "slot_clear(address) (release)."},
+    {"slot_clear", slot_clear, METH_O,
+     "slot_clear(address): let go (release); the id stays, marked, for slots_harvest."},
     {"slots_scan", slots_scan, METH_VARARGS, "slots_scan(address, count) -> {oid: slots}."},
+    {"slots_harvest", slots_harvest, METH_VARARGS,
+     "slots_harvest(address, count) -> {oid of a slot let go since}; those slots emptied."},
     {"fence", fence, METH_NOARGS, "A full (seq_cst) fence."},
     {"cas", cas, METH_VARARGS, "cas(address, expected, new) -> bool (acq_rel)."},
     {"ring", ring, METH_O, "ring(mailbox): bump its bell and wake one waiter."},

@@ -223,6 +223,7 @@ class SlotTable(_Mapped):
     def clear_free(self) -> None:
         """Zero the regions no live client has (after adoption: those of dead clients)."""
         for region in self._free:
+            self.used(region)  # empties the slots let go
             if self.held(region):
                 self._zero(region)
 
@@ -244,6 +245,16 @@ class SlotTable(_Mapped):
         start = self.addr + region * self.region_bytes
         for i in range(self.slots):
             _shm.store(start + 8 * i, 0)
+
+    def used(self, region: int | None = None) -> set[int]:
+        """The objects read through a slot let go since the last look, in the assigned
+        regions (or one): their slots are emptied."""
+        if region is not None:
+            return _shm.slots_harvest(self.addr + region * self.region_bytes, self.slots)
+        out: set[int] = set()
+        for r in self.assigned:
+            out |= _shm.slots_harvest(self.addr + r * self.region_bytes, self.slots)
+        return out
 
     def held(self, region: int | None = None) -> dict[int, int]:
         """oid -> slots holding it, in the assigned regions (or one), after a full fence."""

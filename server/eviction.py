@@ -3,14 +3,24 @@ no one holds, oldest first, and only then refuse the put (CapacityError).
 
 An object is evictable if its put said so (`evictable=True`), or every keyed host object is
 (`serve --evict lru`). An evicted key behaves as deleted: gets say NotFound, watch_prefix
-sees a delete, stats() counts it (`evicted`). "Used" is when it was put, read through the
-broker, or found held by a reader: gets served from the directory do not reach the broker,
-so for those the order is the order of puts, and one held when the broker looks is never
-evicted (neither by a lease nor by a lease slot).
+sees a delete, stats() counts it (`evicted`).
+
+Note [eviction]
+~~~~~~~~~~~~~~~
+"Used" is when an object was put or read. A read through the broker stamps it then; a read
+from the directory never reaches the broker, so its lease slot tells: a client lets a slot
+go by marking the id in it released (not by zeroing it), and takes its free slots in turn
+(a FIFO), so a slot keeps that id until its turn comes again, a region's worth of reads
+later. Each eviction pass first harvests the marks (`SlotTable.used`: a CAS empties each),
+and what they name counts as used now. So directory reads are ordered by the passes they
+fall between, as in CLOCK: an object read since the last pass outlives one put before that
+pass and not read since. One held when the broker looks is never evicted (neither by a
+lease nor by a lease slot).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from .registry import Registry, StoredObject
@@ -34,15 +44,17 @@ class Eviction:
         registry, arena = self.registry, self.registry.arena
         if registry.adopted or size > arena.capacity:
             return False
-        held = registry.slots.held() if registry.slots is not None else {}
-        candidates = sorted(
-            (
-                obj
-                for obj in registry.objects.values()
-                if self.evictable(obj) and obj.leases == 0 and obj.oid not in held
-            ),
-            key=lambda obj: obj.last_use,
-        )
+        used, held = set(), {}
+        if registry.slots is not None:
+            used, held = registry.slots.used(), registry.slots.held()
+        now = time.monotonic()
+        candidates = []
+        for obj in registry.objects.values():
+            if obj.oid in used:  # read from the directory since the last pass
+                obj.last_use = now
+            if self.evictable(obj) and obj.leases == 0 and obj.oid not in held:
+                candidates.append(obj)
+        candidates.sort(key=lambda obj: obj.last_use)
         if arena.free_bytes + sum(obj.block.size for obj in candidates) < size:
             return False
         short = max(size - arena.free_bytes, 1)  # a free block large enough may still lack

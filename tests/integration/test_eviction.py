@@ -39,6 +39,23 @@ def test_a_full_store_frees_the_oldest_evictable_objects(small_broker: tb.Broker
         assert ("delete", "e-0", 1) in seen and ("put", "e-39", 1) in seen
 
 
+def test_a_read_from_the_directory_counts_as_a_use(small_broker: tb.BrokerProcess) -> None:
+    """Gets served from shared memory never reach the broker; the object they read, and let
+    go, still outlives objects put before the read and not read since (Note [eviction])."""
+    with tb.connect(small_broker.address) as c, tb.connect(small_broker.address) as reader:
+        for i in range(10):
+            c.put(f"e-{i}", block(i), evictable=True)
+        for i in (0, 3):
+            got = reader.get(f"e-{i}")
+            assert (got.numpy() == i).all()
+            del got  # let go: only the use is left
+        for i in range(10, 20):  # 10 MiB more through a 16 MiB store
+            c.put(f"e-{i}", block(i), evictable=True)
+        alive = {i for i in range(20) if c.exists(f"e-{i}")}
+        assert {0, 3} <= alive and not alive & {1, 2, 4}
+        assert c.stats()["evicted"] == 20 - len(alive)
+
+
 def test_an_object_held_or_not_evictable_is_never_evicted(small_broker: tb.BrokerProcess) -> None:
     with tb.connect(small_broker.address) as c:
         c.put("keep", block(-1))  # not evictable

@@ -65,9 +65,11 @@ def test_a_client_finds_what_the_broker_listed(
         assert leased is not None
         oid, version, desc, slot = leased
         assert (oid, version) == (7, 1) and decode_desc(desc) == (False, _wire(3))
-        assert table.held() == {7: 1}  # the slot holds it until given back
+        assert table.held() == {7: 1} and table.used() == set()  # held until given back
         client.give_back(slot)
         assert table.held() == {}
+        assert table.used() == {7} and table.used() == set()  # a use, harvested once
+        assert client.take() != slot  # free slots go in turn: this one keeps its mark longest
         assert d.publish("x", 9, 2, True, _wire(4))  # a new version replaces it in place
         found = Found(view, client, b"x")
         assert (found.oid, found.version) == (9, 2)
