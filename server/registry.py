@@ -535,7 +535,7 @@ class Registry:
                 self.journal.freed(row)
                 continue
             obj = StoredObject(row.key, row.bundle, block, row.wire, row.version, queue=q)
-            obj.oid = row.oid
+            obj.oid, obj.evictable = row.oid, row.evictable
             self.adopted[obj.oid] = obj
             owner = sessions.get(row.session)
             if row.state == PENDING:

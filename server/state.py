@@ -84,6 +84,7 @@ class Row:
     put: int
     taker: str | None
     took: int | None
+    evictable: bool = False  # journals before it have 14 fields
 
 
 @dataclass
@@ -327,7 +328,7 @@ class State(Journal):
     def granted(self, obj: Any, token: str, put: int) -> None:
         b, q = obj.block, obj.queue
         row = [obj.oid, obj.key, 0, PENDING, obj.bundle, b.segment, b.offset, b.size, obj.wire,
-               q.id if q is not None else None, token, put, None, None]  # fmt: skip
+               q.id if q is not None else None, token, put, None, None, False]  # fmt: skip
         self._rows[obj.oid] = row
         self._put(("obj", row))
 
@@ -336,6 +337,7 @@ class State(Journal):
         q = obj.queue
         row[1:5] = [obj.key, obj.version, LIVE, obj.bundle]
         row[8:10] = [obj.wire, q.id if q is not None else None]
+        row[14] = obj.evictable
         self._put(("obj", row))
         if q is not None:
             self._queue_row(q)

@@ -3,6 +3,7 @@ one holds, oldest first; never one someone holds, never one not evictable."""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 
 import numpy as np
@@ -54,6 +55,19 @@ def test_a_read_from_the_directory_counts_as_a_use(small_broker: tb.BrokerProces
         alive = {i for i in range(20) if c.exists(f"e-{i}")}
         assert {0, 3} <= alive and not alive & {1, 2, 4}
         assert c.stats()["evicted"] == 20 - len(alive)
+
+
+def test_objects_stay_evictable_across_a_broker_kill(small_broker: tb.BrokerProcess) -> None:
+    with tb.connect(small_broker.address) as c:
+        for i in range(10):
+            c.put(f"e-{i}", block(i), evictable=True)
+        small_broker.send_signal(signal.SIGKILL)
+        small_broker.wait(10)
+        small_broker.restart()
+        for i in range(10, 20):  # the store is full: the adopted objects make room
+            c.put(f"e-{i}", block(i), evictable=True)
+        assert not c.exists("e-0") and c.exists("e-19")
+        assert c.stats()["evicted"] >= 4
 
 
 def test_an_object_held_or_not_evictable_is_never_evicted(small_broker: tb.BrokerProcess) -> None:
