@@ -229,7 +229,7 @@ class Broker:
             [Block(row.segment, row.offset, row.size) for row in found.objects],
         )
         held = self.sessions.adopt(found.sessions)
-        self.queues.adopt(found.queues, found.objects)
+        self.queues.adopt(found.queues, found.objects, self.sessions.by_token)
         self.registry.adopt(found.objects, self.sessions.by_token, self.queues.by_id)
         self.registry.versions(found.versions)
         for token, oids in held.items():

@@ -29,8 +29,11 @@ sealed), all from the one copy: each gets a lease of its own on the item, and th
 leaves `items` (retired, freed once the last lease ends) when the last of them took it. Its
 slot is taken until then, so `maxsize` bounds the items in flight until the slowest
 subscriber let go, and the producer waits for it. A subscriber that unsubscribes, closes or
-dies is taken off every item waiting for it. Broadcast queues are not journaled as such: a
-broker that restarts takes them back as ordinary queues, and their subscriptions end.
+dies is taken off every item waiting for it. A broker that restarts takes a broadcast queue
+back with the subscriptions of the clients that come back (the journal's queue row lists
+them) and, for each item, the subscriptions not yet given it and the gets it was given to
+(the item's row: `given`), so each subscriber goes on where it was, and a get whose answer
+the broker that died never sent gets the same item when it is sent again.
 """
 
 from __future__ import annotations
@@ -111,6 +114,7 @@ class Queues:
         self._ended: dict[int, BrokerQueue] = {}  # ended queues, oldest first
         self._roomy: set[BrokerQueue] = set()  # queues that freed a slot since the last look
         self._sub_ids = itertools.count(1)
+        self._unseen: dict[int, set[int]] = {}  # adopted broadcast items' rows, until `adopted`
         self.handoffs = Handoffs(self.registry, self.lot, self._get_again, self._undo_claim)
 
     def open(self, session: Session, route: bytes, req: Request) -> Reply:
@@ -360,6 +364,7 @@ class Queues:
             raise InvalidRequest(f"queue {q.name!r} is an ordinary queue: read it with get")
         sub = next(self._sub_ids)
         q.subs[sub] = session
+        self.registry.journal.queue(q)
         return {"sub": sub}
 
     def unsubscribe(self, session: Session, route: bytes, req: Request) -> Reply:
@@ -373,6 +378,7 @@ class Queues:
         assert q.subs is not None
         q.items.append(obj)
         q.unseen[obj.oid] = set(q.subs)
+        self.registry.journal.given(obj, q.unseen[obj.oid], None, None)
         for w in list(q.getters):
             if not w.done and w.request.fields["sub"] in q.unseen.get(obj.oid, ()):
                 reply = self._give(w.session, w.request, obj)
@@ -386,6 +392,7 @@ class Queues:
         reply = self.objects.describe(session, obj, req.id, shared=True)
         unseen = q.unseen[obj.oid]
         unseen.discard(req.fields["sub"])
+        self.registry.journal.given(obj, unseen, session.token, req.id)
         if not unseen:
             self._done_with(q, obj)
         return reply
@@ -402,6 +409,7 @@ class Queues:
         and the items waiting for it no longer do."""
         assert q.subs is not None
         del q.subs[sub]
+        self.registry.journal.queue(q)
         for w in [w for w in q.getters if w.request.fields.get("sub") == sub]:
             ended = QueueClosed(f"the subscription to queue {q.name!r} ended")
             self.objects.answer(w, reply_error(w.request.id, ended))
@@ -416,10 +424,15 @@ class Queues:
     ) -> Reply | None:
         assert q.subs is not None
         sub = req.fields.get("sub")
-        if sub is None or q.subs.get(sub) is not session:
+        if sub is None:
             raise InvalidRequest(
-                f"queue {q.name!r} is a broadcast queue: read it through a subscription of "
-                "this client's (c.subscribe), which ends if the broker restarts"
+                f"queue {q.name!r} is a broadcast queue: read it through a subscription "
+                "(c.subscribe)"
+            )
+        if q.subs.get(sub) is not session:
+            raise QueueClosed(
+                f"the subscription to queue {q.name!r} ended (closed, or this client's state "
+                "was lost when the broker restarted): subscribe again"
             )
         for obj in q.items:
             if sub in q.unseen[obj.oid]:
@@ -444,14 +457,11 @@ class Queues:
             self.handoffs.ring_after_reply(route, session)
         again = self.registry.retake(session, req.id)
         if again is not None:  # sent again after a restart: the item it was handed
-            return self.objects.describe(session, again, req.id)
+            return self.objects.describe(session, again, req.id, shared=q.subs is not None)
         if q.subs is not None:
             return self._get_broadcast(session, route, req, q)
         if "sub" in req.fields:
-            raise InvalidRequest(
-                f"queue {q.name!r} is not a broadcast queue (any more: the broker restarted, "
-                "and broadcast queues do not carry over): subscribe again"
-            )
+            raise InvalidRequest(f"queue {q.name!r} is an ordinary queue: read it with get")
         if q.items:
             reply = self.objects.describe(session, q.items.popleft(), req.id)
             self._note_if_ended(q)
@@ -559,11 +569,19 @@ class Queues:
                 del self.by_name[old.name]
             self.registry.journal.queue_gone(old)
 
-    def adopt(self, rows: list[tuple[int, str, int, bool, int, bool]], objects: list[Row]) -> None:
+    def adopt(
+        self, rows: list[tuple[int, str, int, bool, int, bool, Any]], objects: list[Row],
+        sessions: dict[str, Session],
+    ) -> None:  # fmt: skip
         """The queues of a broker that died (Note [recovery] in state.py), each item of the
-        journal holding its slot as before; `settle` orders them once their items are in."""
-        for qid, name, maxsize, closed, sealed, removed in rows:
+        journal holding its slot as before; `adopted` orders them once their items are in.
+        A broadcast queue keeps the subscriptions of the `sessions` still alive."""
+        subs_seen = 0
+        for qid, name, maxsize, closed, sealed, removed, subs in rows:
             q = BrokerQueue(name, qid, maxsize, closed, sealed=sealed, removed=removed)
+            if subs is not None:
+                q.subs = {sub: sessions[t] for sub, t in subs if t in sessions}
+                subs_seen = max([subs_seen, *(sub for sub, _ in subs)])
             self.by_id[qid] = q  # a removed queue only until its items are adopted
             if not removed:
                 self.by_name[name] = q
@@ -572,17 +590,31 @@ class Queues:
             if item_of is not None:
                 item_of.in_flight += 1
                 item_of.pending += row.state == PENDING
+                if row.unseen is not None:
+                    self._unseen[row.oid] = set(row.unseen)
         self._ids = itertools.count(max(self.by_id, default=0) + 1)
+        self._sub_ids = itertools.count(subs_seen + 1)
 
     def adopted(self) -> None:
-        """The adopted items are in their queues: put them in order. Removed queues are
-        known to their items only (gone from the journal once the last is freed)."""
+        """The adopted items are in their queues: put them in order (a broadcast queue's
+        still to be given to subscriptions that carried over). Removed queues are known to
+        their items only (gone from the journal once the last is freed)."""
         for q in [q for q in self.by_id.values() if q.removed]:
             del self.by_id[q.id]
             if not q.in_flight:
                 self.registry.journal.queue_gone(q)
+        unseen, self._unseen = self._unseen, {}
         for q in list(self.by_name.values()):
             q.items = deque(sorted(q.items, key=lambda o: o.version))
+            if q.subs is not None:
+                for obj in list(q.items):
+                    left = unseen.get(obj.oid, set()) & q.subs.keys()
+                    if left:
+                        q.unseen[obj.oid] = left
+                    else:  # every subscription that carried over has it
+                        q.items.remove(obj)
+                        self.registry.retire_adopted(obj)
+                self.registry.journal.queue(q)  # without the subscriptions that ended
             self._note_if_ended(q)
 
     def stats(self) -> Reply:

@@ -478,6 +478,13 @@ class Registry:
         no lease holds it."""
         self._retire(obj)
 
+    def retire_adopted(self, obj: StoredObject) -> None:
+        """An adopted item no one is to be given any more: retired, and held until `settle`
+        (its readers may not be back yet with their leases)."""
+        obj.leases += 1
+        self._holding.append(obj)
+        self._retire(obj)
+
     def _retire(self, obj: StoredObject, taker: str | None = None, took: int | None = None) -> None:
         obj.live = False
         obj.retired = True
@@ -554,6 +561,10 @@ class Registry:
                 self.lease_count += 1
                 continue
             self._sealed_puts[row.session, row.put] = obj
+            for taker, took in row.gives:  # a broadcast item given to these gets
+                if taker in sessions:  # held until the taker asks again, or says it has it
+                    self.taken[taker, took] = obj
+                    obj.leases += 1
             if row.state == LIVE:
                 obj.live = True
                 self._versions[obj.key] = max(self._versions.get(obj.key, 0), obj.version)

@@ -85,6 +85,10 @@ class Row:
     taker: str | None
     took: int | None
     evictable: bool = False  # journals before it have 14 fields
+    # An item of a broadcast queue (Note [broadcast] in queues.py): the subscriptions not yet
+    # given it, and [session, request] of each get it was given to.
+    unseen: list[int] | None = None
+    gives: list[list[Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -95,7 +99,11 @@ class Recovered:
     segments: dict[str, tuple[int, str]]  # name -> size, kind
     meta: dict[str, Any]
     objects: list[Row] = field(default_factory=list)
-    queues: list[tuple[int, str, int, bool, int, bool]] = field(default_factory=list)
+    # id, name, maxsize, closed, sealed, removed, subscriptions ([sub, session]; None: not a
+    # broadcast queue)
+    queues: list[tuple[int, str, int, bool, int, bool, list[list[Any]] | None]] = field(
+        default_factory=list
+    )
     sessions: list[tuple[str, int | None, str | None, int | None, int | None, bool, list[int]]] = (
         field(default_factory=list)
     )
@@ -113,6 +121,7 @@ class Journal:
     def meta(self, name: str, value: Any) -> None: ...
     def granted(self, obj: Any, token: str, put: int) -> None: ...
     def sealed(self, obj: Any) -> None: ...
+    def given(self, obj: Any, unseen: set[int], taker: str | None, took: int | None) -> None: ...
     def retired(self, obj: Any, taker: str | None = None, took: int | None = None) -> None: ...
     def freed(self, obj: Any) -> None: ...
     def key_deleted(self, key: str, version: int) -> None: ...
@@ -170,8 +179,11 @@ def read_journal(path: str) -> Recovered | None:
         raise ValueError(f"record {len(rows)}: {type(exc).__name__}: {exc}") from None
     out = Recovered(str(meta.get("owner", "?")), segments, meta)
     out.objects = [Row(*rows[oid]) for oid in sorted(rows)]
-    # A queue removed (qdelete) while consumers held items has a 6th field (older: 5).
-    out.queues = [(i, n, m, bool(c), s, bool(r and r[0])) for i, n, m, c, s, *r in queues.values()]
+    # Older journals: 5 fields, or 6 for a queue removed (qdelete) while consumers held items.
+    out.queues = [
+        (i, n, m, bool(c), s, bool(r and r[0]), r[1] if len(r) > 1 else None)
+        for i, n, m, c, s, *r in queues.values()
+    ]
     out.sessions = [(t, p, b, st, rg, bool(c), h) for t, p, b, st, rg, c, h in sessions.values()]
     out.versions = versions
     return out
@@ -328,7 +340,8 @@ class State(Journal):
     def granted(self, obj: Any, token: str, put: int) -> None:
         b, q = obj.block, obj.queue
         row = [obj.oid, obj.key, 0, PENDING, obj.bundle, b.segment, b.offset, b.size, obj.wire,
-               q.id if q is not None else None, token, put, None, None, False]  # fmt: skip
+               q.id if q is not None else None, token, put, None, None,
+               False, None, []]  # fmt: skip
         self._rows[obj.oid] = row
         self._put(("obj", row))
 
@@ -341,6 +354,15 @@ class State(Journal):
         self._put(("obj", row))
         if q is not None:
             self._queue_row(q)
+
+    def given(self, obj: Any, unseen: set[int], taker: str | None, took: int | None) -> None:
+        """A broadcast item was published (`taker` None) or given to get `took` of `taker`:
+        the subscriptions still to be given it."""
+        row = self._rows[obj.oid]
+        row[15] = sorted(unseen)
+        if taker is not None:
+            row[16].append([taker, took])
+        self._put(("obj", row))
 
     def retired(self, obj: Any, taker: str | None = None, took: int | None = None) -> None:
         row = self._rows[obj.oid]
@@ -359,7 +381,8 @@ class State(Journal):
         self._queue_row(q)
 
     def _queue_row(self, q: Any) -> None:
-        row = (q.id, q.name, q.maxsize, q.closed, q.sealed, *((True,) if q.removed else ()))
+        subs = None if q.subs is None else [[sub, s.token] for sub, s in q.subs.items()]
+        row = (q.id, q.name, q.maxsize, q.closed, q.sealed, q.removed, subs)
         self._queues[q.id] = row
         self._put(("q", row))
 

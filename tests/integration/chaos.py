@@ -90,6 +90,53 @@ def produce(address: str, worker: int, stop: Any, out: Any) -> None:
     out.put({"worker": worker, "errors": errors, "sent": sent})
 
 
+def cast(address: str, stop: Any, out: Any) -> None:
+    """Put numbered items into the broadcast queue "cast" until `stop`, then close it; logs
+    the numbers whose put returned."""
+    errors: list[str] = []
+    sent: list[int] = []
+    with tb.connect(address, reconnect_timeout=60) as c:
+        q = c.broadcast("cast", maxsize=8)
+        n = 0
+        while not stop.is_set() and len(errors) < 5:
+            try:
+                q.put(np.array([n, n * 7 % 1013], dtype=np.int64), timeout=5)
+                sent.append(n)
+            except tb.Timeout:
+                pass
+            except Exception as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+            n += 1
+        q.close()
+    out.put({"worker": "cast", "errors": errors, "sent": sent})
+
+
+def subscribe(address: str, worker: int, ready: Any, out: Any) -> None:
+    """Take every item of the broadcast queue "cast" until it is closed; logs the numbers."""
+    errors: list[str] = []
+    taken: list[int] = []
+    with tb.connect(address, reconnect_timeout=60) as c:
+        c.broadcast("cast", maxsize=8)
+        sub = c.subscribe("cast")
+        ready.set()
+        while len(errors) < 5:
+            try:
+                item = sub.get(timeout=5)
+            except tb.QueueClosed:
+                break
+            except tb.Timeout:
+                continue
+            except Exception as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+                continue
+            n, check = item.numpy().tolist()
+            if check != n * 7 % 1013:
+                errors.append(f"item {n} came back as {check}")
+            taken.append(n)
+            del item
+    out.put({"worker": worker, "errors": errors, "taken": taken})
+
+
 def consume(address: str, worker: int, out: Any) -> None:
     """Take items until the queue is closed and drained; logs the numbers taken."""
     errors: list[str] = []

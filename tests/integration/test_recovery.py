@@ -130,6 +130,35 @@ def test_a_client_whose_first_answer_from_the_new_broker_was_lost_keeps_its_stat
         q.close()
 
 
+def test_a_broadcast_queue_and_its_subscriptions_survive_a_kill(
+    crashable: tb.BrokerProcess,
+) -> None:
+    """Each subscriber goes on where it was (every item once, in order), an item held across
+    the kill keeps its value, and the queue takes new subscriptions."""
+    address = crashable.address
+    with tb.connect(address) as p, tb.connect(address) as a, tb.connect(address) as b:
+        cast = p.broadcast("cast", maxsize=8)
+        sa, sb = a.subscribe("cast"), b.subscribe("cast")
+        for i in range(3):
+            cast.put(np.full(4, i))
+        held = sa.get(timeout=5)
+        _crash(crashable)
+        crashable.restart()
+
+        cast.put(np.full(4, 3))
+        assert [sa.get(timeout=5).numpy()[0] for _ in range(3)] == [1, 2, 3]
+        assert [sb.get(timeout=5).numpy()[0] for _ in range(4)] == [0, 1, 2, 3]
+        assert held.numpy().tolist() == [0] * 4
+        late = p.subscribe("cast")  # what is sealed from now on
+        cast.put(np.full(4, 4))
+        assert [s.get(timeout=5).numpy()[0] for s in (sa, sb, late)] == [4, 4, 4]
+        del held
+        cast.close()
+        with pytest.raises(tb.QueueClosed):
+            sa.get(timeout=5)
+        assert wait_until(lambda: p.stats()["used_bytes"] == 0, 5), p.stats()
+
+
 def test_a_removed_queue_stays_removed_across_a_kill(crashable: tb.BrokerProcess) -> None:
     """Its item a consumer holds stays valid and takes memory until let go; its name starts
     a new queue, before and after the restart."""
@@ -262,6 +291,48 @@ def test_clients_and_the_broker_survive_twenty_kills() -> None:
             assert not [t for t in sent if t not in taken], "an item that was put was lost"
             for key in c.keys():
                 c.delete(key)
+            assert wait_until(lambda: c.stats()["used_bytes"] == 0, 10), c.stats()
+
+
+def test_broadcast_subscribers_get_every_item_once_in_order_through_kills() -> None:
+    """A producer and two subscriber processes on a broadcast queue while the broker is
+    SIGKILLed and restarted 8 times: each subscriber gets every item whose put returned,
+    once, in order."""
+    rng = random.Random(15)
+    with tb.start_broker(memory="64MiB") as broker:
+        stop, out = SPAWN.Event(), SPAWN.Queue()
+        ready = [SPAWN.Event(), SPAWN.Event()]
+        subs = [
+            SPAWN.Process(target=chaos.subscribe, args=(broker.address, i, ready[i], out))
+            for i in range(2)
+        ]
+        for p in subs:
+            p.start()
+        assert all(r.wait(60) for r in ready)
+        producer = SPAWN.Process(target=chaos.cast, args=(broker.address, stop, out))
+        producer.start()
+        for _ in range(8):
+            time.sleep(rng.uniform(0.05, 0.4))
+            _crash(broker)
+            broker.restart()
+        time.sleep(0.5)
+        stop.set()
+        reports = {}
+        for _ in range(3):
+            r = out.get(timeout=120)
+            reports[r["worker"]] = r
+        join_all([producer, *subs])
+        errors = {w: r["errors"] for w, r in reports.items() if r["errors"]}
+        assert not errors, errors
+        sent = reports["cast"]["sent"]
+        assert len(sent) > 20
+        for i in range(2):
+            taken = reports[i]["taken"]
+            assert taken == sorted(set(taken)), f"subscriber {i}: twice or out of order"
+            assert set(sent) <= set(taken), (
+                f"subscriber {i} missed {sorted(set(sent) - set(taken))[:10]}"
+            )
+        with tb.connect(broker.address) as c:
             assert wait_until(lambda: c.stats()["used_bytes"] == 0, 10), c.stats()
 
 
