@@ -141,15 +141,12 @@ class Client:
         keys = list(keys)
         if len(set(keys)) != len(keys):
             raise InvalidRequest(f"get_many: keys must be distinct, got {keys!r:.200}")
-        items: dict[str, Item] = {}
-        missing = []
-        for key in keys:
-            self._transfer.writes.settle(key)
-            item = self._transfer.read_directly(key)
-            if item is None:
-                missing.append(key)
-            else:
-                items[key] = item
+        writes = self._transfer.writes
+        if writes.outstanding:  # this client's puts of them, if still on their way
+            for key in keys:
+                writes.settle(key)
+        items = self._transfer.read_many(keys)
+        missing = [key for key in keys if key not in items]
         if missing and timeout != 0.0:
             self.wait(missing, timeout=timeout)
         for key in missing:

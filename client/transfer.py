@@ -172,15 +172,46 @@ class Transfer:
             return None
         if leased is None:
             return None
-        oid, version, desc, slot = leased
         try:
-            bundle, tensors = self._desc(oid, desc)
-            lease = SlotLease(self.segments.get(tensors[0].segment), slot, slots)
+            return self._item(key, *leased)
         except BaseException:
-            slots.give_back(slot)
+            slots.give_back(leased[3])
             raise
-        out = {t.name: Tensor(key, version, t, lease) for t in tensors}
-        return out if bundle else out[""]
+
+    def read_many(self, keys: Sequence[str]) -> dict[str, Item]:
+        """`read_directly` of each of `keys` at once: the ones read, by key (the others the
+        broker must answer)."""
+        if self._generation != self.conn.generation:
+            self._attach()
+        directory, slots = self.directory, self.slots
+        if directory is None or slots is None:
+            return {}
+        self.conn.check_usable()
+        try:
+            found = directory.lease_many([key.encode() for key in keys], slots)
+        except (OSError, ValueError):  # moved where the view cannot follow: ask the broker
+            self._reattach()
+            return {}
+        out: dict[str, Item] = {}
+        try:
+            for i, (key, leased) in enumerate(zip(keys, found, strict=True)):
+                if leased is not None:
+                    out[key] = self._item(key, *leased)
+                    found[i] = None  # the item holds its slot now
+        finally:
+            for leased in found:
+                if leased is not None:  # an item not built: its slot goes back
+                    slots.give_back(leased[3])
+        return out
+
+    def _item(self, key: str, oid: int, version: int, desc: bytes, slot: int) -> Item:
+        """The Tensors of `key` leased through `slot` (SlotLease gives it back)."""
+        assert self.slots is not None
+        bundle, tensors = self._desc(oid, desc)
+        lease = SlotLease(self.segments.get(tensors[0].segment), slot, self.slots)
+        if not bundle:
+            return Tensor(key, version, tensors[0], lease)
+        return {t.name: Tensor(key, version, t, lease) for t in tensors}
 
     def _desc(self, oid: int, desc: bytes) -> tuple[bool, tuple[TensorDesc, ...]]:
         found = self._descs.get(oid)

@@ -237,6 +237,93 @@ static PyObject *lookup(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* Client: lease the live objects under `keys` (a list of bytes) at once, each through the
+ * lease slot at the same place in `slots` (Note [directory and lease slots], steps 1 to 3):
+ * find each entry, publish the object ids, one full fence, then check that each entry still
+ * holds its id in a table not moved (the word at `moved`). A list: (oid, version, desc) for
+ * a key leased; None if absent or torn (ask the broker); True if its entry changed or the
+ * table moved under the lease (its slot is cleared: try again). */
+static PyObject *lease_entries(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *addr, *keys, *slots, *moved_addr;
+    unsigned long long n, size;
+    uintptr_t base, moved;
+    if (!PyArg_ParseTuple(args, "OKKO!O!O:lease_entries", &addr, &n, &size, &PyList_Type, &keys,
+                          &PyList_Type, &slots, &moved_addr) ||
+        get_addr(addr, &base) < 0 || get_addr(moved_addr, &moved) < 0)
+        return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(keys);
+    if (PyList_GET_SIZE(slots) != count) {
+        PyErr_SetString(PyExc_ValueError, "lease_entries: one slot per key");
+        return NULL;
+    }
+    PyObject *out = PyList_New(count);
+    size_t bufsize = size > HEAD ? (size_t)size - HEAD : 0;
+    char *buf = PyMem_Malloc(bufsize + 1);
+    unsigned long long *found = PyMem_Malloc(sizeof(unsigned long long) * (size_t)(count + 1));
+    if (out == NULL || buf == NULL || found == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < count; i++) { /* steps 1 and 2: find, publish */
+        PyObject *key = PyList_GET_ITEM(keys, i);
+        uintptr_t slot;
+        if (!PyBytes_Check(key)) {
+            PyErr_SetString(PyExc_TypeError, "lease_entries: keys must be bytes");
+            goto fail;
+        }
+        if (get_addr(PyList_GET_ITEM(slots, i), &slot) < 0)
+            goto fail;
+        const char *k = PyBytes_AS_STRING(key);
+        Py_ssize_t keylen = PyBytes_GET_SIZE(key);
+        uint64_t h = fnv1a(k, keylen);
+        PyObject *result = Py_None;
+        for (unsigned long long j = 0; n > 0 && bufsize > 0 && j < n; j++) {
+            unsigned long long index = (h + j) % n;
+            Entry head;
+            if (read_entry((Entry *)(base + index * size), &head, buf, bufsize) < 0 ||
+                head.state == 0)
+                break;
+            if (head.state == 1 && head.hash == h && head.keylen == (uint32_t)keylen &&
+                (size_t)head.keylen + head.desclen <= bufsize && memcmp(buf, k, keylen) == 0) {
+                result = Py_BuildValue("KKy#", head.oid, head.version, buf + keylen,
+                                       (Py_ssize_t)head.desclen);
+                if (result == NULL)
+                    goto fail;
+                found[i] = index;
+                __atomic_store_n((uint64_t *)slot, head.oid, __ATOMIC_SEQ_CST);
+                break;
+            }
+        }
+        if (result == Py_None)
+            Py_INCREF(result);
+        PyList_SET_ITEM(out, i, result);
+    }
+    __atomic_thread_fence(__ATOMIC_SEQ_CST); /* the slots seen before the entries are read again */
+    int table_moved = __atomic_load_n((uint64_t *)moved, __ATOMIC_ACQUIRE) != 0;
+    for (Py_ssize_t i = 0; i < count; i++) { /* step 3: still listed, in a table not moved */
+        PyObject *result = PyList_GET_ITEM(out, i);
+        if (result == Py_None)
+            continue;
+        uint64_t oid = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(result, 0));
+        Entry now;
+        if (!table_moved && read_entry((Entry *)(base + found[i] * size), &now, NULL, 0) == 0 &&
+            now.state == 1 && now.oid == oid)
+            continue;
+        uintptr_t slot;
+        get_addr(PyList_GET_ITEM(slots, i), &slot); /* read once already */
+        __atomic_store_n((uint64_t *)slot, 0, __ATOMIC_RELEASE);
+        PyList_SET_ITEM(out, i, Py_NewRef(Py_True));
+        Py_DECREF(result);
+    }
+    PyMem_Free(buf);
+    PyMem_Free(found);
+    return out;
+fail:
+    Py_XDECREF(out);
+    PyMem_Free(buf);
+    PyMem_Free(found);
+    return PyErr_Occurred() ? NULL : PyErr_NoMemory();
+}
+
 /* Client: whether the entry at `addr` is still live with object `oid`. */
 static PyObject *entry_holds(PyObject *self, PyObject *args) {
     (void)self;
@@ -517,6 +604,9 @@ static PyMethodDef methods[] = {
     {"lookup", lookup, METH_VARARGS,
      "lookup(base, entries, entry_size, key) -> (index, oid, version, desc) | None | False."},
     {"entry_holds", entry_holds, METH_VARARGS, "entry_holds(address, oid) -> bool."},
+    {"lease_entries", lease_entries, METH_VARARGS,
+     "lease_entries(base, entries, entry_size, keys, slots, moved) -> [(oid, version, desc) | "
+     "None absent or torn | True changed under the lease (slot cleared)]."},
     {"slot_publish", slot_publish, METH_VARARGS, "slot_publish(address, oid), then a fence."},
     {"slot_clear", slot_clear, METH_O,
      "slot_clear(address): let go (release); the id stays, marked, for slots_harvest."},

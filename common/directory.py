@@ -162,12 +162,66 @@ class DirectoryView:
                 slots.give_back(slot)
             return None
         finally:
-            self._inside.pop()
-            if self._stale or self._closed:
-                with self._lock:
-                    stale = self._release_stale()
-                for addr, size in stale:
-                    _shm.unmap(addr, size)
+            self._leave()
+
+    def lease_many(self, keys: list[bytes], slots: Any) -> list[tuple[int, int, bytes, int] | None]:
+        """`lease` of each of `keys` at once (one fence for all): (oid, version, descriptor,
+        slot) of each, or None where the broker must answer. OSError or ValueError if the
+        directory moved where this view cannot follow."""
+        out: list[tuple[int, int, bytes, int] | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        self._inside.append(None)
+        try:
+            for _ in range(DIRECT_TRIES):
+                if self._closed or not todo:
+                    break
+                table = self._table
+                header, entries, entry_size, _ = table
+                if _shm.load(header + H_MOVED):
+                    self._follow(table)
+                    continue
+                taken = [slots.take() for _ in todo]
+                if None in taken:  # too few free slots: the broker leases the rest
+                    for slot in taken:
+                        if slot is not None:
+                            slots.give_back(slot)
+                    break
+                try:
+                    found = _shm.lease_entries(
+                        header + HEADER, entries, entry_size, [keys[i] for i in todo], taken,
+                        header + H_MOVED,
+                    )  # fmt: skip
+                except BaseException:
+                    for slot in taken:
+                        slots.give_back(slot)
+                    raise
+                again = []
+                for i, slot, result in zip(todo, taken, found, strict=True):
+                    if isinstance(result, tuple):
+                        out[i] = (*result, slot)
+                        continue
+                    slots.give_back(slot)
+                    if result is True:  # replaced under the lease: once more
+                        again.append(i)
+                todo = again
+            return out
+        except BaseException:
+            for leased in out:
+                if leased is not None:
+                    slots.give_back(leased[3])
+            raise
+        finally:
+            self._leave()
+
+    def _leave(self) -> None:
+        """A lease is done with the tables: those left behind are unmapped once no thread
+        is inside one."""
+        self._inside.pop()
+        if self._stale or self._closed:
+            with self._lock:
+                stale = self._release_stale()
+            for addr, size in stale:
+                _shm.unmap(addr, size)
 
     def _release_stale(self) -> list[tuple[int, int]]:
         """With the lock held: the mappings nobody can be reading any more."""

@@ -176,3 +176,34 @@ def test_an_entry_of_a_replaced_table_never_passes_the_check(shm_dir: str) -> No
         assert _shm.load(old + H_MOVED) == 1  # ... but its table says it was replaced
     finally:
         d.close()
+
+
+def test_many_keys_are_leased_at_once(shm_dir: str, slots: tuple[SlotTable, LeaseSlots]) -> None:
+    table, client = slots
+    d = Directory(shm_dir, entries=64)
+    view = DirectoryView(shm_dir, d.name, d.size)
+    try:
+        for i in range(5):
+            assert d.publish(f"k{i}", 10 + i, 1, False, _wire(i))
+        leased = view.lease_many([b"k0", b"nope", b"k3"], client)
+        assert leased[1] is None  # the broker answers that one
+        first, third = leased[0], leased[2]
+        assert first is not None and third is not None
+        assert (first[0], third[0]) == (10, 13) and decode_desc(third[2]) == (False, _wire(3))
+        assert table.held() == {10: 1, 13: 1}
+        for got in (first, third):
+            client.give_back(got[3])
+        assert table.held() == {}
+        old = d._table.addr
+        slot = client.take()
+        assert slot is not None
+        for i in range(5, 60):  # a rebuild: the old table's entries are stale
+            d.publish(f"k{i}", 10 + i, 1, False, _wire(i))
+        assert d._table.addr != old
+        stale = _shm.lease_entries(old + HEADER, 64, ENTRY_SIZE, [b"k0"], [slot], old + H_MOVED)
+        assert stale == [True] and _shm.load(slot) == 0  # try again; the slot was cleared
+        client.give_back(slot)
+        assert [got is not None for got in view.lease_many([b"k0", b"k59"], client)] == [True] * 2
+    finally:
+        view.close()
+        d.close()
