@@ -72,93 +72,76 @@ def keyed(address: str, worker: int, stop: Any, out: Any) -> None:
 
 def produce(address: str, worker: int, stop: Any, out: Any) -> None:
     """Put numbered items into the queue; logs the numbers whose put returned."""
-    errors: list[str] = []
-    sent: list[int] = []
     with tb.connect(address, reconnect_timeout=60) as c:
-        q = c.queue("chaos", maxsize=16)
-        n = 0
-        while not stop.is_set() and len(errors) < 5:
-            tag = worker * 1_000_000 + n
-            try:
-                q.put(np.array([tag, tag * 7 % 1013], dtype=np.int64), timeout=5)
-                sent.append(tag)
-            except tb.Timeout:
-                pass  # the consumers are slow, or the broker was down for a while
-            except Exception as exc:
-                errors.append(f"{type(exc).__name__}: {exc}")
-            n += 1
+        sent, errors = _put_numbered(c.queue("chaos", maxsize=16), worker * 1_000_000, stop)
     out.put({"worker": worker, "errors": errors, "sent": sent})
 
 
 def cast(address: str, stop: Any, out: Any) -> None:
-    """Put numbered items into the broadcast queue "cast" until `stop`, then close it; logs
-    the numbers whose put returned."""
-    errors: list[str] = []
-    sent: list[int] = []
+    """The same into the broadcast queue "cast", then close it."""
     with tb.connect(address, reconnect_timeout=60) as c:
         q = c.broadcast("cast", maxsize=8)
-        n = 0
-        while not stop.is_set() and len(errors) < 5:
-            try:
-                q.put(np.array([n, n * 7 % 1013], dtype=np.int64), timeout=5)
-                sent.append(n)
-            except tb.Timeout:
-                pass
-            except Exception as exc:
-                errors.append(f"{type(exc).__name__}: {exc}")
-            n += 1
+        sent, errors = _put_numbered(q, 0, stop)
         q.close()
     out.put({"worker": "cast", "errors": errors, "sent": sent})
 
 
+def consume(address: str, worker: int, out: Any) -> None:
+    """Take items until the queue is closed and drained; logs the numbers taken."""
+    with tb.connect(address, reconnect_timeout=60) as c:
+        taken, errors = _take_all(c.queue("chaos").get)
+    out.put({"worker": worker, "errors": errors, "taken": taken})
+
+
 def subscribe(address: str, worker: int, ready: Any, out: Any) -> None:
-    """Take every item of the broadcast queue "cast" until it is closed; logs the numbers."""
-    errors: list[str] = []
-    taken: list[int] = []
+    """The same from a subscription of the broadcast queue "cast"."""
     with tb.connect(address, reconnect_timeout=60) as c:
         c.broadcast("cast", maxsize=8)
         sub = c.subscribe("cast")
         ready.set()
-        while len(errors) < 5:
-            try:
-                item = sub.get(timeout=5)
-            except tb.QueueClosed:
-                break
-            except tb.Timeout:
-                continue
-            except Exception as exc:
-                errors.append(f"{type(exc).__name__}: {exc}")
-                continue
-            n, check = item.numpy().tolist()
-            if check != n * 7 % 1013:
-                errors.append(f"item {n} came back as {check}")
-            taken.append(n)
-            del item
+        taken, errors = _take_all(sub.get)
     out.put({"worker": worker, "errors": errors, "taken": taken})
 
 
-def consume(address: str, worker: int, out: Any) -> None:
-    """Take items until the queue is closed and drained; logs the numbers taken."""
+def _put_numbered(q: Any, first: int, stop: Any) -> tuple[list[int], list[str]]:
+    """Put items numbered from `first` until `stop`: the numbers whose put returned, and
+    the errors that are not documented."""
+    errors: list[str] = []
+    sent: list[int] = []
+    n = first
+    while not stop.is_set() and len(errors) < 5:
+        try:
+            q.put(np.array([n, n * 7 % 1013], dtype=np.int64), timeout=5)
+            sent.append(n)
+        except tb.Timeout:
+            pass  # the consumers are slow, or the broker was down for a while
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+        n += 1
+    return sent, errors
+
+
+def _take_all(get: Any) -> tuple[list[int], list[str]]:
+    """Take items with `get` until their queue is closed and drained: the numbers taken,
+    and the errors seen (an item that came back wrong is one)."""
     errors: list[str] = []
     taken: list[int] = []
-    with tb.connect(address, reconnect_timeout=60) as c:
-        q = c.queue("chaos")
-        while len(errors) < 5:
-            try:
-                item = q.get(timeout=5)
-            except tb.QueueClosed:
-                break
-            except tb.Timeout:
-                continue
-            except Exception as exc:
-                errors.append(f"{type(exc).__name__}: {exc}")
-                continue
-            tag, check = item.numpy().tolist()
-            if check != tag * 7 % 1013:
-                errors.append(f"item {tag} came back as {check}")
-            taken.append(tag)
-            del item
-    out.put({"worker": worker, "errors": errors, "taken": taken})
+    while len(errors) < 5:
+        try:
+            item = get(timeout=5)
+        except tb.QueueClosed:
+            break
+        except tb.Timeout:
+            continue
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+            continue
+        n, check = item.numpy().tolist()
+        if check != n * 7 % 1013:
+            errors.append(f"item {n} came back as {check}")
+        taken.append(n)
+        del item
+    return taken, errors
 
 
 def hold_through(address: str, ready: Any, go: Any, out: Any) -> None:

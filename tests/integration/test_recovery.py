@@ -37,6 +37,24 @@ def _crash(broker: tb.BrokerProcess) -> None:
     broker.wait(10)
 
 
+def _kill_and_restart(broker: tb.BrokerProcess, times: int, rng: random.Random) -> None:
+    """SIGKILL the broker and restart it, `times` times at random moments."""
+    for _ in range(times):
+        time.sleep(rng.uniform(0.05, 0.4))
+        _crash(broker)
+        broker.restart()
+    time.sleep(0.5)
+
+
+def _reports(out: Any, count: int) -> dict[Any, dict[str, Any]]:
+    """The next `count` reports of chaos workers, by worker."""
+    reports = {}
+    for _ in range(count):
+        r = out.get(timeout=120)
+        reports[r["worker"]] = r
+    return reports
+
+
 def _serve(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-P", "-m", "tensorbroker", "serve", "--memory", "16MiB", *args],
@@ -268,16 +286,9 @@ def test_clients_and_the_broker_survive_twenty_kills() -> None:
             p.start()
         with tb.connect(address) as c:
             assert wait_until(lambda: len(c.keys()) >= 6, 60)
-        for _ in range(20):
-            time.sleep(rng.uniform(0.05, 0.4))
-            _crash(broker)
-            broker.restart()
-        time.sleep(0.5)
+        _kill_and_restart(broker, 20, rng)
         stop.set()
-        reports = {}
-        for _ in range(3):
-            r = out.get(timeout=120)
-            reports[r["worker"]] = r
+        reports = _reports(out, 3)
         with tb.connect(address) as c:
             c.queue("chaos").close()  # the consumer drains what is left, then ends
             reports[3] = out.get(timeout=120)
@@ -311,16 +322,9 @@ def test_broadcast_subscribers_get_every_item_once_in_order_through_kills() -> N
         assert all(r.wait(60) for r in ready)
         producer = SPAWN.Process(target=chaos.cast, args=(broker.address, stop, out))
         producer.start()
-        for _ in range(8):
-            time.sleep(rng.uniform(0.05, 0.4))
-            _crash(broker)
-            broker.restart()
-        time.sleep(0.5)
+        _kill_and_restart(broker, 8, rng)
         stop.set()
-        reports = {}
-        for _ in range(3):
-            r = out.get(timeout=120)
-            reports[r["worker"]] = r
+        reports = _reports(out, 3)
         join_all([producer, *subs])
         errors = {w: r["errors"] for w, r in reports.items() if r["errors"]}
         assert not errors, errors
