@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 Item = Tensor | dict[str, Tensor]
 DESC_CACHE = 4096  # descriptors decoded, by object id
+PLAN_CACHE = 256  # put plans of plain NumPy arrays, by dtype and shape
 
 
 class WritePlan:
@@ -114,6 +115,8 @@ class Transfer:
         self.mailboxes: Mailboxes | None = None  # Note [direct handoff] in common/mailbox.py
         self.bell: Bell | None = None  # this client's own mailbox
         self._descs: dict[int, tuple[bool, tuple[TensorDesc, ...]]] = {}
+        # Plans of plain NumPy puts: (dtype, shape) -> its DType, specs, offsets, block size.
+        self._plans: dict[tuple[Any, ...], tuple[DType, list[list[Any]], list[int], int]] = {}
         # Items answered to queue gets given up: (queue, subscription) -> their replies,
         # taken by this client's next gets of that line (`queue_get`).
         self._kept: dict[tuple[int, int | None], collections.deque[dict[str, Any]]] = {}
@@ -285,7 +288,16 @@ class Transfer:
     ) -> WritePlan:
         """What a put of `value` writes where, with a block granted ahead taken if it fits
         one (then `write_granted`; else the broker is asked with `plan.request`, and `fill`
-        writes into what it answers)."""
+        writes into what it answers). A plain NumPy array's plan is made once for its dtype
+        and shape (`_plans`)."""
+        plain = (value.dtype, value.shape) if type(value) is np.ndarray and device is None else None
+        if plain is not None:
+            known = self._plans.get(plain)
+            if known is not None:
+                dt, specs, offsets, size = known
+                plan = WritePlan(label, [("", value, dt)], "cpu", specs, False, fields)
+                plan.offsets, plan.grant = offsets, self.writes.take_grant(size)
+                return plan
         items, bundle = entries(label, value)
         target, items = placement.place(self.devices, label, items, device, copy)
         specs = [[name, dt.name, list(src.shape)] for name, src, dt in items]
@@ -293,6 +305,10 @@ class Transfer:
         if target == "cpu":
             plan.offsets, size, _ = layout([(n, dt.name, tuple(src.shape)) for n, src, dt in items])
             plan.grant = self.writes.take_grant(size)
+            if plain is not None and items[0][1] is value:  # stored as it is (no view, no swap)
+                if len(self._plans) >= PLAN_CACHE:
+                    self._plans.clear()
+                self._plans[plain] = (items[0][2], specs, plan.offsets, size)
         else:
             fields["device"] = target
         return plan

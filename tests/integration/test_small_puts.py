@@ -34,6 +34,27 @@ def test_a_put_that_waits_takes_one_trip_once_granted(fresh_broker: tb.BrokerPro
         assert c.stats()["granted_bytes"] == 0 and c.stats()["pending"] == 0
 
 
+def test_puts_of_the_same_shape_and_another_dtype_or_byte_order_keep_theirs(
+    fresh_broker: tb.BrokerProcess,
+) -> None:
+    """A plain array's put plan is made once per dtype and shape: arrays that share the
+    shape and not the dtype (or byte order) must not share it."""
+    values = [
+        np.arange(4, dtype=np.float32),
+        np.arange(4, dtype=np.int64) * 3,
+        np.arange(4, dtype=">f4") + 0.5,  # stored in native order
+        np.arange(8, dtype=np.float32).reshape(4, 2),
+        np.arange(4, dtype=np.float32) * 2,
+    ]
+    with tb.connect(fresh_broker.address) as c:
+        for i, v in enumerate(values):
+            c.put(f"k{i}", v, wait=i % 2 == 0)
+        for i, v in enumerate(values):
+            got = c.get(f"k{i}").numpy()
+            assert got.dtype == v.dtype.newbyteorder("=") and got.shape == v.shape
+            assert (got == v).all()
+
+
 def test_read_your_writes_from_several_threads(fresh_broker: tb.BrokerProcess) -> None:
     errors: list[BaseException] = []
     with tb.connect(fresh_broker.address) as c:
