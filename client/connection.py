@@ -267,7 +267,9 @@ class Connection:
                     answer = reply
                 elif reply.get("id") == cancel:
                     if not reply.get("cancelled") and answer is None and bell is not None:
-                        answer = bell.settle(request_id)  # a producer handed it an item
+                        # A producer claimed its grant: the item is (or soon is) in the
+                        # mailbox, addressed to this request.
+                        answer = bell.settle(request_id, CANCEL_WAIT)
                     if answer is not None and answer.get("ok"):
                         late(answer)
                     return True

@@ -62,11 +62,12 @@ class Bell:
         reply["id"], reply["ok"] = request_id, True
         return reply
 
-    def settle(self, request_id: int) -> dict[str, Any] | None:
-        """The broker died while get `request_id` waited: the item a producer handed to it,
-        if one did (waiting a moment for a fill under way); else the grant is taken back
-        here, so that no producer hands it one after the get is sent again elsewhere."""
-        deadline = time.monotonic() + SETTLE_WAIT
+    def settle(self, request_id: int, wait: float = SETTLE_WAIT) -> dict[str, Any] | None:
+        """The broker died while get `request_id` waited (or it was given up after a
+        producer claimed its grant): the item a producer handed to it, if one did (waiting
+        up to `wait` seconds for a fill under way); else the grant is taken back here, so
+        that no producer hands it one after the get is sent again elsewhere."""
+        deadline = time.monotonic() + wait
         while True:
             state = _shm.load(self.address)
             if state & 0xFF == OPEN and _shm.cas(self.address, state, word(0, IDLE)):

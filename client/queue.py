@@ -155,6 +155,7 @@ class Subscription:
 
     def close(self) -> None:
         """End the subscription: the items waiting for it are no longer kept for it."""
+        self._transfer.forget_kept((self._id, self._sub))
         self._transfer.conn.call(Op.QUNSUB, queue=self._id, name=self.name, sub=self._sub)
 
     def __iter__(self) -> Iterator[Item]:

@@ -175,11 +175,7 @@ class Transfer:
             return None
         if leased is None:
             return None
-        try:
-            return self._item(key, *leased)
-        except BaseException:
-            slots.give_back(leased[3])
-            raise
+        return self._item(key, *leased)
 
     def read_many(self, keys: Sequence[str]) -> dict[str, Item]:
         """`read_directly` of each of `keys` at once: the ones read, by key (the others the
@@ -199,8 +195,8 @@ class Transfer:
         try:
             for i, (key, leased) in enumerate(zip(keys, found, strict=True)):
                 if leased is not None:
+                    found[i] = None  # `_item` owns its slot: given back once, whatever happens
                     out[key] = self._item(key, *leased)
-                    found[i] = None  # the item holds its slot now
         finally:
             for leased in found:
                 if leased is not None:  # an item not built: its slot goes back
@@ -208,10 +204,17 @@ class Transfer:
         return out
 
     def _item(self, key: str, oid: int, version: int, desc: bytes, slot: int) -> Item:
-        """The Tensors of `key` leased through `slot` (SlotLease gives it back)."""
-        assert self.slots is not None
-        bundle, tensors = self._desc(oid, desc)
-        lease = SlotLease(self.segments.get(tensors[0].segment), slot, self.slots)
+        """The Tensors of `key` leased through `slot`, which is given back if this raises,
+        or by the SlotLease once the Tensors are gone (never both)."""
+        slots = self.slots
+        assert slots is not None
+        try:
+            bundle, tensors = self._desc(oid, desc)
+            mapping = self.segments.get(tensors[0].segment)
+        except BaseException:
+            slots.give_back(slot)
+            raise
+        lease = SlotLease(mapping, slot, slots)  # from here on the slot is the lease's
         if not bundle:
             return Tensor(key, version, tensors[0], lease)
         return {t.name: Tensor(key, version, t, lease) for t in tensors}
@@ -395,9 +398,13 @@ class Transfer:
         no other thread does) one a producer handed over."""
         line = (fields["queue"], fields.get("sub"))
         kept = self._kept.get(line)
-        if kept:
-            with contextlib.suppress(IndexError):  # another thread took it
-                return self.read(kept.popleft())
+        while kept:
+            try:
+                reply = kept.popleft()
+            except IndexError:  # another thread took it
+                break
+            if self._still_held(reply):
+                return self.read(reply)
         late = functools.partial(self._keep, line)
         if self._generation != self.conn.generation:
             self._attach()
@@ -416,6 +423,19 @@ class Transfer:
         """An item answered to a get given up: the next get of `line` takes it, in order."""
         self.conn.hold(reply["lease"], reply["oid"])  # claimed again if the broker restarts
         self._kept.setdefault(line, collections.deque()).append(reply)
+
+    def _still_held(self, reply: dict[str, Any]) -> bool:
+        """Whether this client still holds the lease of a kept item: not if the broker
+        restarted without the state (every lease lost: ids start again), or lost it."""
+        return bool(self.conn.held.get(reply["lease"]) == reply["oid"])
+
+    def forget_kept(self, line: tuple[int, int | None]) -> None:
+        """The items kept for `line` (a subscription that ends) are let go."""
+        kept = self._kept.pop(line, None)
+        while kept:
+            reply = kept.popleft()
+            if self._still_held(reply):
+                self.let_go(reply)
 
     def let_go(self, reply: dict[str, Any]) -> None:
         """An object answered to a get given up: its lease goes back."""
@@ -500,9 +520,8 @@ class Transfer:
         """Before bye: the copies of this client's puts have run, so the objects hold them;
         read-done events of leases let go of are recorded; items kept for gets that will
         not come are let go."""
-        for kept in self._kept.values():
-            while kept:
-                self.let_go(kept.popleft())
+        for line in list(self._kept):
+            self.forget_kept(line)
         with contextlib.suppress(Exception):
             self.devices.drain()
             self.devices.settle()

@@ -173,7 +173,10 @@ class Lanes:
         """Write a reply to the lane of `route`; False if `route` is not a lane's."""
         lane = self.by_route.get(route)
         if lane is None:
-            return route.startswith(ROUTE_PREFIX)  # a lane that closed: the reply is dropped
+            if not route.startswith(ROUTE_PREFIX):
+                return False
+            self._delivered(route)  # a lane that closed: the reply is dropped
+            return True
         if lane.out:
             lane.out += payload
         else:

@@ -430,9 +430,9 @@ class Queues:
                 "(c.subscribe)"
             )
         if q.subs.get(sub) is not session:
-            raise QueueClosed(
-                f"the subscription to queue {q.name!r} ended (closed, or this client's state "
-                "was lost when the broker restarted): subscribe again"
+            raise InvalidRequest(
+                f"this client has no subscription {sub} to queue {q.name!r} (closed, or lost "
+                "with this client's state when the broker restarted): subscribe again"
             )
         for obj in q.items:
             if sub in q.unseen[obj.oid]:

@@ -562,7 +562,7 @@ class Registry:
                 continue
             self._sealed_puts[row.session, row.put] = obj
             for taker, took in row.gives:  # a broadcast item given to these gets
-                if taker in sessions:  # held until the taker asks again, or says it has it
+                if _asks_again(sessions, taker):  # held until it asks again, or has it
                     self.taken[taker, took] = obj
                     obj.leases += 1
             if row.state == LIVE:
@@ -579,7 +579,11 @@ class Registry:
             else:  # retired: leases or slots may hold it
                 obj.retired = obj.listed = True
                 obj.leases += 1
-                if row.taker is not None and row.took is not None and row.taker in sessions:
+                if (
+                    row.taker is not None
+                    and row.took is not None
+                    and _asks_again(sessions, row.taker)
+                ):
                     self.taken[row.taker, row.took] = obj  # held until the taker asks again
                 else:
                     self._holding.append(obj)
@@ -652,3 +656,10 @@ class Registry:
             # retired, unleased, and freed once a scan finds no lease slot holding them
             "waiting_bytes": sum(obj.block.size for obj in self._unlisted.values()),
         }
+
+
+def _asks_again(sessions: dict[str, Session], token: str) -> bool:
+    """Whether the client of `token` may send a get again after a restart (alive and open:
+    a client closed with arrays alive says which it holds otherwise, and asks nothing)."""
+    session = sessions.get(token)
+    return session is not None and not session.closed

@@ -358,7 +358,9 @@ class State(Journal):
     def given(self, obj: Any, unseen: set[int], taker: str | None, took: int | None) -> None:
         """A broadcast item was published (`taker` None) or given to get `took` of `taker`:
         the subscriptions still to be given it."""
-        row = self._rows[obj.oid]
+        row = self._rows.get(obj.oid)
+        if row is None:  # a device item: not journaled
+            return
         row[15] = sorted(unseen)
         if taker is not None:
             row[16].append([taker, took])

@@ -203,6 +203,19 @@ def test_queue_slots_open_only_when_device_memory_is_back(sim: SimBroker, c: tb.
     assert q.put(SimCudaTensor(sim.rt, 0, np.ones(1024, np.float32)), timeout=5) == 2
 
 
+def test_a_broadcast_queue_carries_device_items(sim: SimBroker, c: tb.Client) -> None:
+    """Device items are not journaled: giving one to a subscriber must not ask the journal
+    for its row."""
+    cast = c.broadcast("steps", maxsize=2)
+    with sim.connect() as reader:
+        sub = reader.subscribe("steps")
+        cast.put(SimCudaTensor(sim.rt, 0, np.full(16, 3.0, np.float32)))
+        item = sub.get(timeout=5)
+        assert isinstance(item, tb.Tensor) and item.device == "cuda:0"
+        del item
+    cast.close()
+
+
 def test_create_on_a_device_records_the_write_event_on_the_writer_stream(
     sim: SimBroker, c: tb.Client
 ) -> None:

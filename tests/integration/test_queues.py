@@ -115,6 +115,11 @@ def test_an_item_answered_to_a_get_given_up_goes_to_the_next_get(
             sub.get(timeout=10)
         assert sub.get(timeout=0).numpy().tolist() == [5.0] * 4
         assert wait_until(lambda: c.stats()["queue_in_flight"] == 0, 5)
+        with interrupt_after(0.3, crossing), pytest.raises(GaveUp):
+            sub.get(timeout=10)
+        sub.close()  # what was kept for it is let go
+        assert c.exists("nothing") is False  # a call sends the releases due
+        assert wait_until(lambda: c.stats()["queue_in_flight"] == 0, 5)
 
 
 def test_a_full_queue_blocks_put_until_a_consumer_lets_go(c: tb.Client) -> None:
