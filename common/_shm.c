@@ -195,8 +195,27 @@ static int read_entry(Entry *e, Entry *head, char *buf, size_t bufsize) {
     return -1;
 }
 
-/* Client: find `key`. (index, oid, version, desc) if live, None if absent (an empty entry
- * ends the probe, or every entry was probed), or False if an entry stayed torn. */
+/* Find `key` (hash `h`) in the `n` entries of `size` bytes from `base`: 1 if live, with its
+ * entry's index and head (its key and descriptor copied to `buf`); 0 if absent (an empty
+ * entry ends the probe, or every entry was probed); -1 if an entry stayed torn. */
+static int find(uintptr_t base, unsigned long long n, unsigned long long size, const char *key,
+                Py_ssize_t keylen, uint64_t h, char *buf, size_t bufsize,
+                unsigned long long *index, Entry *head) {
+    for (unsigned long long i = 0; i < n; i++) {
+        *index = (h + i) % n;
+        if (read_entry((Entry *)(base + *index * size), head, buf, bufsize) < 0)
+            return -1;
+        if (head->state == 0)
+            return 0;
+        if (head->state == 1 && head->hash == h && head->keylen == (uint32_t)keylen &&
+            (size_t)head->keylen + head->desclen <= bufsize && memcmp(buf, key, keylen) == 0)
+            return 1;
+    }
+    return 0;
+}
+
+/* Client: find `key`. (index, oid, version, desc) if live, None if absent, or False if an
+ * entry stayed torn. */
 static PyObject *lookup(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *addr;
@@ -209,29 +228,23 @@ static PyObject *lookup(PyObject *self, PyObject *args) {
         return NULL;
     if (n == 0 || size <= HEAD)
         Py_RETURN_NONE;
-    uint64_t h = fnv1a(key, keylen);
     size_t bufsize = (size_t)size - HEAD;
     char *buf = PyMem_Malloc(bufsize);
     if (buf == NULL)
         return PyErr_NoMemory();
-    PyObject *result = Py_None;
-    Py_INCREF(result);
-    for (unsigned long long i = 0; i < n; i++) {
-        unsigned long long index = (h + i) % n;
-        Entry head;
-        if (read_entry((Entry *)(base + index * size), &head, buf, bufsize) < 0) {
-            Py_SETREF(result, Py_NewRef(Py_False));
-            break;
-        }
-        if (head.state == 0)
-            break;
-        if (head.state == 1 && head.hash == h && head.keylen == (uint32_t)keylen &&
-            (size_t)head.keylen + head.desclen <= bufsize && memcmp(buf, key, keylen) == 0) {
-            Py_SETREF(result,
-                      Py_BuildValue("KKKy#", index, head.oid, head.version, buf + keylen,
-                                    (Py_ssize_t)head.desclen));
-            break;
-        }
+    unsigned long long index;
+    Entry head;
+    PyObject *result;
+    switch (find(base, n, size, key, keylen, fnv1a(key, keylen), buf, bufsize, &index, &head)) {
+    case 1:
+        result = Py_BuildValue("KKKy#", index, head.oid, head.version, buf + keylen,
+                               (Py_ssize_t)head.desclen);
+        break;
+    case 0:
+        result = Py_NewRef(Py_None);
+        break;
+    default:
+        result = Py_NewRef(Py_False);
     }
     PyMem_Free(buf);
     return result;
@@ -274,27 +287,19 @@ static PyObject *lease_entries(PyObject *self, PyObject *args) {
             goto fail;
         const char *k = PyBytes_AS_STRING(key);
         Py_ssize_t keylen = PyBytes_GET_SIZE(key);
-        uint64_t h = fnv1a(k, keylen);
-        PyObject *result = Py_None;
-        for (unsigned long long j = 0; n > 0 && bufsize > 0 && j < n; j++) {
-            unsigned long long index = (h + j) % n;
-            Entry head;
-            if (read_entry((Entry *)(base + index * size), &head, buf, bufsize) < 0 ||
-                head.state == 0)
-                break;
-            if (head.state == 1 && head.hash == h && head.keylen == (uint32_t)keylen &&
-                (size_t)head.keylen + head.desclen <= bufsize && memcmp(buf, k, keylen) == 0) {
-                result = Py_BuildValue("KKy#", head.oid, head.version, buf + keylen,
-                                       (Py_ssize_t)head.desclen);
-                if (result == NULL)
-                    goto fail;
-                found[i] = index;
-                __atomic_store_n((uint64_t *)slot, head.oid, __ATOMIC_SEQ_CST);
-                break;
-            }
-        }
-        if (result == Py_None)
+        Entry head;
+        PyObject *result = Py_None; /* absent, or torn: the broker answers */
+        if (bufsize > 0 &&
+            find(base, n, size, k, keylen, fnv1a(k, keylen), buf, bufsize, &found[i], &head) ==
+                1) {
+            result = Py_BuildValue("KKy#", head.oid, head.version, buf + keylen,
+                                   (Py_ssize_t)head.desclen);
+            if (result == NULL)
+                goto fail;
+            __atomic_store_n((uint64_t *)slot, head.oid, __ATOMIC_SEQ_CST);
+        } else {
             Py_INCREF(result);
+        }
         PyList_SET_ITEM(out, i, result);
     }
     __atomic_thread_fence(__ATOMIC_SEQ_CST); /* the slots seen before the entries are read again */

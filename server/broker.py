@@ -234,7 +234,7 @@ class Broker:
         self.registry.versions(found.versions)
         for token, oids in held.items():
             self.registry.hold(self.sessions.by_token[token], oids)
-        self.queues.adopted()
+        self.queues.adopted(found.objects)
         old = found.meta.get("directory")
         if old in found.segments:
             self.directory.adopt(old)

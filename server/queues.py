@@ -114,7 +114,6 @@ class Queues:
         self._ended: dict[int, BrokerQueue] = {}  # ended queues, oldest first
         self._roomy: set[BrokerQueue] = set()  # queues that freed a slot since the last look
         self._sub_ids = itertools.count(1)
-        self._unseen: dict[int, set[int]] = {}  # adopted broadcast items' rows, until `adopted`
         self.handoffs = Handoffs(self.registry, self.lot, self._get_again, self._undo_claim)
 
     def open(self, session: Session, route: bytes, req: Request) -> Reply:
@@ -590,20 +589,19 @@ class Queues:
             if item_of is not None:
                 item_of.in_flight += 1
                 item_of.pending += row.state == PENDING
-                if row.unseen is not None:
-                    self._unseen[row.oid] = set(row.unseen)
         self._ids = itertools.count(max(self.by_id, default=0) + 1)
         self._sub_ids = itertools.count(subs_seen + 1)
 
-    def adopted(self) -> None:
+    def adopted(self, objects: list[Row]) -> None:
         """The adopted items are in their queues: put them in order (a broadcast queue's
-        still to be given to subscriptions that carried over). Removed queues are known to
-        their items only (gone from the journal once the last is freed)."""
+        still to be given to the subscriptions that carried over, as its row in `objects`
+        says). Removed queues are known to their items only (gone from the journal once the
+        last is freed)."""
         for q in [q for q in self.by_id.values() if q.removed]:
             del self.by_id[q.id]
             if not q.in_flight:
                 self.registry.journal.queue_gone(q)
-        unseen, self._unseen = self._unseen, {}
+        unseen = {row.oid: set(row.unseen) for row in objects if row.unseen is not None}
         for q in list(self.by_name.values()):
             q.items = deque(sorted(q.items, key=lambda o: o.version))
             if q.subs is not None:
