@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import msgpack
 
 from ..common import _shm
-from ..common.descriptors import ObjectDesc
+from ..common.descriptors import object_wire
 from ..common.mailbox import CLAIMED, FILLED, IDLE, MAILBOX_BODY, OPEN, Mailboxes, word
 
 SETTLE_WAIT = 0.2  # seconds a consumer whose broker died waits for a claimed mailbox's fill
@@ -85,7 +85,7 @@ def hand_over(
     of `grant`: the seal's field for it, ("direct", ...) if handed over, ("undone", token)
     if claimed and then taken back before it was filled; None if not claimed (the grant was
     taken back, or the item does not fit a mailbox): then it goes through the broker."""
-    body = ObjectDesc.wire(name, grant.version, bundle, wires, grant.lease)
+    body = object_wire(name, grant.version, bundle, wires, grant.lease)
     body["oid"], body["put"], body["for"] = oid, put, grant.request
     packed = msgpack.packb(body)
     if len(packed) > MAILBOX_BODY:

@@ -24,7 +24,7 @@ import numpy as np
 from ..common import _shm
 from ..common.config import SHM_DIR
 from ..common.cudart import STREAM_LEGACY, device_index, parse_device
-from ..common.descriptors import ObjectDesc, TensorDesc, laid_out, layout
+from ..common.descriptors import TensorDesc, compact_strides, layout
 from ..common.directory import DirectoryView, decode_desc, map_segment
 from ..common.dtypes import DType
 from ..common.dtypes import dtype as lookup_dtype
@@ -52,7 +52,10 @@ class WritePlan:
     """A put under way: its tensors placed, and the block granted ahead it writes into (None:
     the broker is asked for memory with `request`)."""
 
-    __slots__ = ("label", "items", "target", "specs", "bundle", "fields", "offsets", "grant")
+    __slots__ = (
+        "label", "items", "target", "specs", "bundle", "fields", "offsets", "grant", "raw",
+        "template",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -67,10 +70,22 @@ class WritePlan:
         self.specs, self.bundle, self.fields = specs, bundle, fields
         self.offsets: list[int] = []
         self.grant: Grant | None = None
+        self.raw = False  # its one array is stored byte for byte as it is (a plain ndarray)
+        self.template: list[tuple[Any, ...]] | None = None  # see `wires`
 
     @property
     def request(self) -> dict[str, Any]:
         return {"tensors": self.specs, "bundle": self.bundle, **self.fields}
+
+    def wires(self, segment: str, base: int) -> list[list[Any]]:
+        """The wire form of its tensors laid out from `base` in `segment` (`laid_out`, with
+        the strides worked out once per plan)."""
+        if self.template is None:
+            self.template = [
+                (name, dtype, shape, list(compact_strides(tuple(shape))), offset)
+                for (name, dtype, shape), offset in zip(self.specs, self.offsets, strict=True)
+            ]
+        return [[n, d, sh, st, segment, base + off, "cpu"] for n, d, sh, st, off in self.template]
 
 
 class LeaseSlots:
@@ -116,7 +131,7 @@ class Transfer:
         self.bell: Bell | None = None  # this client's own mailbox
         self._descs: dict[int, tuple[bool, tuple[TensorDesc, ...]]] = {}
         # Plans of plain NumPy puts: (dtype, shape) -> its DType, specs, offsets, block size.
-        self._plans: dict[tuple[Any, ...], tuple[DType, list[list[Any]], list[int], int]] = {}
+        self._plans: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         # Items answered to queue gets given up: (queue, subscription) -> their replies,
         # taken by this client's next gets of that line (`queue_get`).
         self._kept: dict[tuple[int, int | None], collections.deque[dict[str, Any]]] = {}
@@ -239,15 +254,17 @@ class Transfer:
 
     def read(self, reply: dict[str, Any]) -> Item:
         """The Tensors of an object descriptor the broker sent, with its lease."""
-        obj = ObjectDesc.from_wire(reply)
-        self.conn.hold(obj.lease, reply["oid"])
+        lease_id, key, version = reply["lease"], reply["key"], reply["version"]
+        self.conn.hold(lease_id, reply["oid"])
         try:
-            lease = self.lease(obj.lease, obj.tensors[0], reply, reader=True)
+            descs = [TensorDesc.from_wire(w) for w in reply["tensors"]]
+            lease = self.lease(lease_id, descs[0], reply, reader=True)
         except BaseException:
-            self.conn.releases.put(obj.lease)
+            self.conn.releases.put(lease_id)
             raise
-        tensors = {t.name: Tensor(obj.key, obj.version, t, lease) for t in obj.tensors}
-        return tensors if obj.bundle else tensors[""]
+        if not reply["bundle"]:
+            return Tensor(key, version, descs[0], lease)
+        return {t.name: Tensor(key, version, t, lease) for t in descs}
 
     def move(self, key: str, result: Item, want: str | None, copy: bool) -> Item:
         """`result` on the device `want` (see placement.move)."""
@@ -297,9 +314,10 @@ class Transfer:
         if plain is not None:
             known = self._plans.get(plain)
             if known is not None:
-                dt, specs, offsets, size = known
+                dt, specs, offsets, size, template = known
                 plan = WritePlan(label, [("", value, dt)], "cpu", specs, False, fields)
                 plan.offsets, plan.grant = offsets, self.writes.take_grant(size)
+                plan.raw, plan.template = True, template
                 return plan
         items, bundle = entries(label, value)
         target, items = placement.place(self.devices, label, items, device, copy)
@@ -311,7 +329,9 @@ class Transfer:
             if plain is not None and items[0][1] is value:  # stored as it is (no view, no swap)
                 if len(self._plans) >= PLAN_CACHE:
                     self._plans.clear()
-                self._plans[plain] = (items[0][2], specs, plan.offsets, size)
+                plan.raw = True
+                plan.wires("", 0)  # its template, kept with the plan
+                self._plans[plain] = (items[0][2], specs, plan.offsets, size, plan.template)
         else:
             fields["device"] = target
         return plan
@@ -352,9 +372,11 @@ class Transfer:
             mapping = self.segments.get(grant.segment)
             for (_, src, dt), offset in zip(items, plan.offsets, strict=True):
                 assert isinstance(src, np.ndarray)  # placed on the host
-                count = src.size
+                if plan.raw and src.flags.c_contiguous:
+                    _shm.copy_in(mapping.address + grant.offset + offset, src)
+                    continue
                 dst = np.frombuffer(
-                    mapping.mmap, np.dtype(dt.typestr), count, grant.offset + offset
+                    mapping.mmap, np.dtype(dt.typestr), src.size, grant.offset + offset
                 )
                 self.copier.copy(dst.reshape(src.shape), src)
         except BaseException:
@@ -386,7 +408,7 @@ class Transfer:
         offered = bell.offer()
         if offered is None or offered.queue != queue:
             return
-        wires = laid_out(plan.specs, plan.offsets, grant.segment, grant.offset, "cpu")
+        wires = plan.wires(grant.segment, grant.offset)
         name = plan.fields.get("name", "")
         done = hand_over(mailboxes, offered, name, plan.bundle, wires, grant.oid, grant.put)
         if done is not None:

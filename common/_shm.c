@@ -529,6 +529,27 @@ static PyObject *mailbox_hand(PyObject *self, PyObject *args) {
     return PyLong_FromLong(1);
 }
 
+/* The bytes of a C-contiguous buffer, copied to `address`: one call for a small put's copy. */
+static PyObject *copy_in(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *a, *src;
+    uintptr_t addr;
+    Py_buffer view;
+    if (!PyArg_ParseTuple(args, "OO:copy_in", &a, &src) || get_addr(a, &addr) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(src, &view, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (view.len >= (1 << 16)) {
+        Py_BEGIN_ALLOW_THREADS
+        memcpy((void *)addr, view.buf, (size_t)view.len);
+        Py_END_ALLOW_THREADS
+    } else {
+        memcpy((void *)addr, view.buf, (size_t)view.len);
+    }
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
 static PyObject *mailbox_read(PyObject *self, PyObject *arg) {
     (void)self;
     uintptr_t addr;
@@ -627,6 +648,8 @@ static PyMethodDef methods[] = {
     {"mailbox_hand", mailbox_hand, METH_VARARGS,
      "mailbox_hand(mailbox, token, body) -> 0 not claimed (OPEN(token) no more), 1 claimed, "
      "filled and rung, 2 claimed but taken back before it was filled."},
+    {"copy_in", copy_in, METH_VARARGS,
+     "copy_in(address, buffer): its bytes (C-contiguous) copied to `address`."},
     {"mailbox_read", mailbox_read, METH_O,
      "mailbox_read(mailbox) -> (state, body or None unless filled)."},
     {"offer_write", offer_write, METH_VARARGS,

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from ..common.descriptors import ObjectDesc, grant_class
+from ..common.descriptors import grant_class, object_wire
 from ..common.errors import BrokerError, CapacityError, InvalidRequest, NotFound, Timeout
 from ..common.protocol import Request, reply_error, reply_ok
 from .events import EventLog
@@ -195,7 +195,7 @@ class Objects:
         else:
             lease = self.registry.lease(session, obj, reader=True)
             obj.last_use = time.monotonic()
-        reply = ObjectDesc.wire(obj.key, obj.version, obj.bundle, obj.wire, lease)
+        reply = object_wire(obj.key, obj.version, obj.bundle, obj.wire, lease)
         reply["oid"] = obj.oid
         if obj.events is not None:  # and the event this reader records when it lets go
             done = session.read_events[lease]

@@ -38,13 +38,16 @@ def test_puts_of_the_same_shape_and_another_dtype_or_byte_order_keep_theirs(
     fresh_broker: tb.BrokerProcess,
 ) -> None:
     """A plain array's put plan is made once per dtype and shape: arrays that share the
-    shape and not the dtype (or byte order) must not share it."""
+    shape and not the dtype (or byte order) must not share it, and arrays that share it and
+    are not contiguous are copied element by element, not byte for byte."""
     values = [
         np.arange(4, dtype=np.float32),
         np.arange(4, dtype=np.int64) * 3,
         np.arange(4, dtype=">f4") + 0.5,  # stored in native order
         np.arange(8, dtype=np.float32).reshape(4, 2),
         np.arange(4, dtype=np.float32) * 2,
+        np.arange(8, dtype=np.float32)[::2],  # strided, the shape and dtype of the first
+        np.asfortranarray(np.arange(8, dtype=np.float32).reshape(4, 2) + 1),
     ]
     with tb.connect(fresh_broker.address) as c:
         for i, v in enumerate(values):
