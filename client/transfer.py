@@ -274,7 +274,8 @@ class Transfer:
         """A lease over the memory `desc` names: a mapped segment, or an opened device chunk
         with the object's events (opened once per Client)."""
         if desc.device == "cpu":
-            return Lease(lease_id, self.segments.get(desc.segment), self.conn.releases)
+            mapping = self.segments.get(desc.segment, populate=not reader)
+            return Lease(lease_id, mapping, self.conn.releases)
         index, link = device_index(desc.device), self.devices
         chunk = link.chunk(index, desc.segment, reply["handle"])
         write = link.event(index, *reply["event"])
@@ -369,7 +370,7 @@ class Transfer:
         try:
             if queue is not None:
                 credited = self.writes.take_credit(queue, fields.get("timeout"), wait)
-            mapping = self.segments.get(grant.segment)
+            mapping = self.segments.get(grant.segment, populate=True)
             for (_, src, dt), offset in zip(items, plan.offsets, strict=True):
                 assert isinstance(src, np.ndarray)  # placed on the host
                 if plan.raw and src.flags.c_contiguous:
@@ -486,7 +487,7 @@ class Transfer:
 
     def _view(self, desc: TensorDesc, typestr: str) -> np.ndarray[Any, Any]:
         """A writable NumPy view of a tensor being put (the mapping is held by the cache)."""
-        mapping = self.segments.get(desc.segment)
+        mapping = self.segments.get(desc.segment, populate=True)
         count = int(np.prod(desc.shape))
         flat = np.frombuffer(mapping.mmap, np.dtype(typestr), count, desc.offset)
         return flat.reshape(desc.shape)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -28,6 +29,35 @@ def test_put_get_round_trip_and_metadata(client: tb.Client) -> None:
     np.testing.assert_array_equal(np.asarray(t), x)
     assert client.exists("x") and not client.exists("y")
     assert client.keys() == ["x"]
+
+
+def _resident_bytes(address: int) -> tuple[int, int]:
+    """The size and resident bytes (Rss) of this process's mapping that starts at `address`."""
+    size = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+            if head:
+                start, end = int(head[1], 16), int(head[2], 16)
+                size = end - start if start == address else None
+            elif size is not None and line.startswith("Rss:"):
+                return size, int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping starts at {address:#x}")
+
+
+def test_a_reader_maps_a_segment_without_faulting_it_all_in(broker: tb.BrokerProcess) -> None:
+    """A client that only reads maps the broker's segment lazily (Note [populating mappings]
+    in client/shm.py): its first get does not bring the whole segment in (about 20-40 ms per
+    256 MiB), and what it reads is there."""
+    x = np.arange(1024, dtype=np.float32)
+    with tb.connect(broker.address) as writer, tb.connect(broker.address) as reader:
+        writer.put("lazy", x)
+        t = reader.get("lazy")
+        np.testing.assert_array_equal(t.numpy(), x)
+        size, resident = _resident_bytes(t.lease.mapping.address)
+        assert size >= 64 * 2**20, size  # the module's broker: one 256 MiB segment
+        assert resident <= 4 * 2**20, f"{resident} of {size} bytes resident after one 4 KiB get"
+        del t
 
 
 def test_put_accepts_every_kind_of_source(client: tb.Client) -> None:
