@@ -51,7 +51,9 @@ class Channel:
     ended = False  # a look that did not wait found the broker's end closed
     rings = False  # whether a get may wait on its bell instead (only a lane: see `call`)
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: dict[str, Any], timeout: float | None = None) -> None:
+        """Send a request; NoReply if the broker takes none within `timeout` seconds (None:
+        as long as it lives)."""
         raise NotImplementedError
 
     def receive(self, block: bool = True) -> dict[str, Any] | None:
@@ -74,7 +76,7 @@ class Channel:
         its mailbox, Note [direct handoff] in common/mailbox.py) it sleeps on the bell, which
         rings for a reply on this socket as well as for an item handed over.
         """
-        self.send(message)
+        self.send(message, timeout)
         request_id = message["id"]
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -128,6 +130,8 @@ class ZmqChannel(Channel):
         self.socket = ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVTIMEO, WATCH_STEP_MS)
+        # A DEALER whose only peer was dropped (a CURVE handshake refused) blocks in send.
+        self.socket.setsockopt(zmq.SNDTIMEO, WATCH_STEP_MS)
         if keys is not None:
             keys.apply(self.socket)
         self.socket.connect(address)
@@ -137,8 +141,22 @@ class ZmqChannel(Channel):
         self._broker = select.poll()
         self._broker.register(pidfd, select.POLLIN)
 
-    def send(self, message: dict[str, Any]) -> None:
-        self.socket.send(encode(message), copy=True)
+    def send(self, message: dict[str, Any], timeout: float | None = None) -> None:
+        frame = encode(message)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                self.socket.send(frame, copy=True)
+                return
+            except zmq.Again:
+                if self._broker is not None and self._broker.poll(0):
+                    raise BrokerExited(f"the broker at {self.address} exited") from None
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise NoReply(
+                        f"the broker at {self.address} took no request within {timeout:.1f}s "
+                        f"(op {message['op']!r}); is it running, and does it take this "
+                        "client's keys?"
+                    ) from None
 
     def receive(self, block: bool = True) -> dict[str, Any] | None:
         try:
@@ -177,7 +195,7 @@ class LaneChannel(Channel):
             raw=False, strict_map_key=True, max_buffer_size=MAX_REPLY_BYTES
         )
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: dict[str, Any], timeout: float | None = None) -> None:
         try:
             self.socket.sendall(encode(message), socket.MSG_NOSIGNAL)
         except OSError:  # EPIPE, ECONNRESET: the broker is gone, and the next receive says so
