@@ -220,7 +220,7 @@ class AsyncClient:
         conn = self.sync._conn
         if conn is None or self._closed:
             raise BrokerUnavailable(f"this client of {self.address} is closed")
-        conn.check_usable()  # raises the error of a put that did not wait
+        conn.check_usable(settle=False)  # raises the error of a put that did not wait
         channel = await self._socket()
         return await channel.call({"op": op, "id": conn.next_id(), **fields}, wait, late)
 

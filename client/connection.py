@@ -94,7 +94,7 @@ class Connection:
         self.held: dict[int, int] = {}  # lease id -> object id, claimed again after a restart
         self._calls: set[int] = set()  # ids of the calls waiting for their answers
         self._failed: list[BrokerError] = []  # errors of puts that did not wait, to raise
-        self.poll_writes: Callable[[], None] = lambda: None  # reads their replies (writes.py)
+        self.poll_writes: Callable[[bool], None] = lambda settle: None  # their replies (writes.py)
         self.reconnect_timeout = reconnect_timeout
         self.generation = 0  # brokers this connection has said hello to, less one
         self.resumed = True  # whether the broker of this generation kept the session
@@ -353,7 +353,11 @@ class Connection:
     def forget(self, lease: int) -> None:
         self.held.pop(lease, None)
 
-    def check_usable(self) -> None:
+    def check_usable(self, settle: bool = True, poll: bool = True) -> None:
+        """Raise why this client cannot be used, or the error of a put that did not wait
+        (`poll`: after reading the replies to those already there). `settle`: first wait for
+        the answers to this client's items handed straight to a consumer (Note [writes] in
+        writes.py), so that what the broker says next sees them."""
         if os.getpid() != self.pid:
             raise BrokerError(
                 f"this Client was made in process {self.pid} and cannot be used in a forked "
@@ -363,7 +367,12 @@ class Connection:
             raise BrokerError(f"this Client of {self.address} is closed")
         if self._broken:
             raise BrokerUnavailable(self._broken)
-        self.poll_writes()
+        if poll:
+            self.poll_writes(settle)
+        self.raise_failed()
+
+    def raise_failed(self) -> None:
+        """Raise the error of a put that did not wait, if one came (with how many more)."""
         if self._failed:
             failed, self._failed = self._failed, []
             if len(failed) > 1:

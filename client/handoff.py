@@ -19,7 +19,8 @@ SETTLE_WAIT = 0.2  # seconds a consumer whose broker died waits for a claimed ma
 class DirectGrant(NamedTuple):
     """A grant offered to this client as a producer (read from its mailbox's offer): its
     next item of `queue` may go to get `request` of the consumer `consumer`, through mailbox
-    number `mailbox`, as `version`, on lease `lease`."""
+    number `mailbox`, as `version`, on lease `lease`; `applied`: the id of this client's
+    last seal the broker had applied then."""
 
     queue: int
     token: int
@@ -27,6 +28,7 @@ class DirectGrant(NamedTuple):
     lease: int
     version: int
     request: int
+    applied: int
     consumer: str  # its session token
 
 

@@ -35,7 +35,7 @@ from . import placement
 from .connection import Connection
 from .copy import Copier
 from .cuda import DeviceLink
-from .handoff import Bell, hand_over
+from .handoff import Bell, DirectGrant, hand_over
 from .shm import SegmentCache
 from .sources import Source, entries
 from .tensor import DeviceLease, Lease, SlotLease, Tensor
@@ -182,7 +182,7 @@ class Transfer:
         directory, slots = self.directory, self.slots
         if directory is None or slots is None:
             return None
-        self.conn.check_usable()
+        self.conn.check_usable(settle=False)  # no queue item can change a key
         try:
             leased = directory.lease(key.encode(), slots)
         except (OSError, ValueError):  # moved where the view cannot follow: ask the broker
@@ -200,7 +200,7 @@ class Transfer:
         directory, slots = self.directory, self.slots
         if directory is None or slots is None:
             return {}
-        self.conn.check_usable()
+        self.conn.check_usable(settle=False)  # no queue item can change a key
         try:
             found = directory.lease_many([key.encode() for key in keys], slots)
         except (OSError, ValueError):  # moved where the view cannot follow: ask the broker
@@ -398,22 +398,31 @@ class Transfer:
         return None if sealed is None else int(sealed["version"])
 
     def _hand_over(
-        self, plan: WritePlan, grant: Grant, queue: int, message: dict[str, Any]
+        self, plan: WritePlan, grant: Grant, queue: int, message: dict[str, Any], last: int
     ) -> None:
         """Hand the item just written straight to a consumer waiting for it, if the broker
-        offered a grant for `queue` (Note [direct handoff] in common/mailbox.py), and say so
-        in its seal, `message`. Runs with every earlier seal of this client's answered."""
-        bell, mailboxes = self.bell, self.mailboxes
-        if bell is None or mailboxes is None or bell.generation != self.conn.generation:
-            return
-        offered = bell.offer()
-        if offered is None or offered.queue != queue:
+        offered a grant for `queue` (Note [direct handoff] in common/mailbox.py) once it had
+        applied seal `last`, this client's last sent (so the items keep their order), and say
+        so in its seal, `message`."""
+        offered, mailboxes = self._offered(queue, last), self.mailboxes
+        if offered is None or mailboxes is None:
             return
         wires = plan.wires(grant.segment, grant.offset)
         name = plan.fields.get("name", "")
         done = hand_over(mailboxes, offered, name, plan.bundle, wires, grant.oid, grant.put)
         if done is not None:
             message[done[0]] = done[1]
+
+    def _offered(self, queue: int, last: int) -> DirectGrant | None:
+        """The grant offered to this client for `queue`, if the broker had applied seal
+        `last` (this client's last sent) when it offered it."""
+        bell = self.bell
+        if bell is None or bell.generation != self.conn.generation:
+            return None
+        offered = bell.offer()
+        if offered is None or offered.queue != queue or offered.applied < last:
+            return None
+        return offered
 
     def queue_get(self, timeout: float | None, wait: float | None, **fields: Any) -> Item:
         """A queue's (or a subscription's, `sub`) next item: one answered to a get of this

@@ -11,9 +11,13 @@ The replies of those are read whenever the socket is next used (a put, `flush`, 
 of a key whose seal is still out): they refill the grants and credits, and an error in one
 is kept and raised, with its key, by the client's next call (`Connection.fail_later`).
 A get, exists or delete of a key first waits for this client's seal of that key still out
-(read your writes); other keys do not wait. If the broker restarts, the seals still out
-are sent again, in order, to the one that comes back (it answers a seal it has applied
-already by its put id); the grants and credits held are let go.
+(read your writes); other keys do not wait. A queue item handed straight to a consumer
+(Note [direct handoff] in common/mailbox.py) is that consumer's once its mailbox is filled,
+at the place in the stream its grant named: a put that waits returns then, with that place,
+without waiting for the broker's answer to its seal; the client's next call waits for that
+answer first, so that whatever it asks the broker sees the put. If the broker restarts, the
+seals still out are sent again, in order, to the one that comes back (it answers a seal it
+has applied already by its put id); the grants and credits held are let go.
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ class Writes:
         self._generation = conn.generation  # of the broker the channel talks to
         self._out: dict[int, _Out] = {}  # request id -> seal not answered yet, in order
         self._keys: dict[str, int] = {}  # key -> the request id of its last seal out
+        self._owed: set[int] = set()  # seals of items handed over, returned before answered
+        self.last = 0  # the request id of the last seal sent
         self._answers: dict[int, dict[str, Any]] = {}  # replies waited for, not yet taken
         self.grants: dict[int, list[Grant]] = {}  # size class -> blocks granted ahead
         self._refused: dict[int, float] = {}  # size class -> when grants were last refused
@@ -75,15 +81,16 @@ class Writes:
 
     def seal(
         self, message: dict[str, Any], key: str | None, label: str, put: int | None, wait: bool,
-        hand_over: Callable[[dict[str, Any]], None] | None = None,
+        hand_over: Callable[[dict[str, Any], int], None] | None = None,
     ) -> dict[str, Any] | None:  # fmt: skip
         """Send a seal (`message`: a write or a seal) after every earlier one; its reply if
         `wait`, else None at once. `put`: the put lease that ends with the reply.
-        `hand_over(message)` may hand the item to a consumer first (Note [direct handoff] in
-        common/mailbox.py): it runs only with every earlier seal answered, and under the
-        lock, so that no seal of another thread's goes between it and this seal."""
-        self.conn.check_usable()
-        message["id"] = rid = self.conn.next_id()
+        `hand_over(message, last)` may hand the item to a consumer first (Note [direct
+        handoff] in common/mailbox.py), if the broker had applied seal `last`, this client's
+        last sent, when it offered the grant; it runs under the lock, so that no seal of
+        another thread's goes between it and this seal. The replies already there are read
+        first, except by an item handed over: the next call reads them."""
+        self.conn.check_usable(settle=False, poll=hand_over is None)
         while True:
             with self._lock:
                 generation = self.conn.generation
@@ -92,27 +99,44 @@ class Writes:
                 except BrokerExited:  # a broker that restarted, not yet come back to
                     pass
                 else:
+                    if "id" not in message:  # under the lock: the ids rise as the seals go
+                        message["id"] = self.conn.next_id()
+                    rid = message["id"]
                     if hand_over is not None:
-                        if self._out:  # answers may be here already
+                        hand_over(message, self.last)
+                        if "direct" not in message:  # as any call: earlier errors first
                             self._take_ready(channel)
-                        if not self._out:
-                            hand_over(message)
+                            if "undone" not in message:  # (the broker must hear of that)
+                                self.conn.raise_failed()
+                    handed = wait and "direct" in message  # the consumer has it: done
+                    if handed:
+                        label, wait = f"{label} (handed to a consumer)", False
+                        self._owed.add(rid)
                     self._out[rid] = _Out(message, key, label, put, wait)
                     if key is not None:
                         self._keys[key] = rid
-                    channel.send(message)  # the replies already there were read first
+                    channel.send(message)
+                    self.last = rid
                     stale = self._stale
                     break
             self._broker_exited(generation)
         if stale:  # the broker restarted: come back to it now, the seals go again
             self._broker_exited(generation)
+        if handed:
+            return {"ok": True, "version": message["direct"][3]}
         return self._wait(rid) if wait else None
 
     # -- waiting ---------------------------------------------------------------------------
 
-    def poll(self) -> None:
+    def poll(self, settle: bool = True) -> None:
         """Read the replies already there, if no other thread is reading (every call does
-        this first, so that an error of a put that did not wait is raised by the next one)."""
+        this first, so that an error of a put that did not wait is raised by the next one);
+        `settle`: first wait for those to the items handed over (see the Note)."""
+        if settle and self._owed:
+            with self._lock:
+                last = max(self._owed, default=None)
+            if last is not None:
+                self._wait(last, take=False)
         if self._out and self._channel is not None and self._lock.acquire(blocking=False):
             try:
                 self._take_ready(self._channel)
@@ -181,6 +205,7 @@ class Writes:
             self._stale = True  # a broker that restarted: sent again once it knows us
             return
         del self._out[rid]  # type: ignore[arg-type]
+        self._owed.discard(rid)
         if out.key is not None and self._keys.get(out.key) == rid:
             del self._keys[out.key]
         if out.put is not None:  # the put lease ends with the answer, whatever it is
@@ -246,6 +271,7 @@ class Writes:
             f"the broker at {self.conn.address} restarted without the state of the one "
             "before (or did not come back): this put was lost; put it again"
         )
+        self._owed.clear()
         for rid, out in list(self._out.items()):
             del self._out[rid]
             if out.wait:

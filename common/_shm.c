@@ -26,7 +26,8 @@
  *    16  body[bodylen]  (up to BODY_END)
  *   256  offer: a grant offered to the client as a producer, written by the broker under a
  *        seqlock: seq u64 (odd while written), queue, token, mailbox index, lease, version,
- *        request (the consumer's get) u64, consumer[32] (its session token)
+ *        request (the consumer's get), applied (the id of the producer's last seal the
+ *        broker had applied) u64, consumer[32] (its session token)
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -44,7 +45,7 @@
 #define BODY_END 256
 #define MAILBOX_BODY (BODY_END - 16)
 #define OFFER 256
-#define OFFER_WORDS 7
+#define OFFER_WORDS 8
 #define CONSUMER 32
 #define M_OPEN 1
 #define M_CLAIMED 2
@@ -572,8 +573,8 @@ static PyObject *offer_write(PyObject *self, PyObject *args) {
     const char *consumer;
     Py_ssize_t n;
     uintptr_t addr;
-    if (!PyArg_ParseTuple(args, "OKKKKKKy#", &a, &f[0], &f[1], &f[2], &f[3], &f[4], &f[5],
-                          &consumer, &n) ||
+    if (!PyArg_ParseTuple(args, "OKKKKKKKy#", &a, &f[0], &f[1], &f[2], &f[3], &f[4], &f[5],
+                          &f[6], &consumer, &n) ||
         get_addr(a, &addr) < 0)
         return NULL;
     if (n > CONSUMER) {
@@ -613,9 +614,10 @@ static PyObject *offer_read(PyObject *self, PyObject *arg) {
     Py_ssize_t n = 0;
     while (n < CONSUMER && c[n])
         n++;
-    return Py_BuildValue("(KKKKKKs#)", (unsigned long long)f[0], (unsigned long long)f[1],
+    return Py_BuildValue("(KKKKKKKs#)", (unsigned long long)f[0], (unsigned long long)f[1],
                          (unsigned long long)f[2], (unsigned long long)f[3],
-                         (unsigned long long)f[4], (unsigned long long)f[5], c, n);
+                         (unsigned long long)f[4], (unsigned long long)f[5],
+                         (unsigned long long)f[6], c, n);
 }
 
 static PyMethodDef methods[] = {
@@ -653,10 +655,11 @@ static PyMethodDef methods[] = {
     {"mailbox_read", mailbox_read, METH_O,
      "mailbox_read(mailbox) -> (state, body or None unless filled)."},
     {"offer_write", offer_write, METH_VARARGS,
-     "offer_write(mailbox, queue, token, index, lease, version, request, consumer) under its "
-     "seqlock."},
+     "offer_write(mailbox, queue, token, index, lease, version, request, applied, consumer) "
+     "under its seqlock."},
     {"offer_read", offer_read, METH_O,
-     "offer_read(mailbox) -> (queue, token, index, lease, version, request, consumer) | None."},
+     "offer_read(mailbox) -> (queue, token, index, lease, version, request, applied, consumer)"
+     " | None."},
     {NULL, NULL, 0, NULL},
 };
 

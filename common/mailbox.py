@@ -15,11 +15,13 @@ consumer's path.
     ┌ state: token << 8 | IDLE/OPEN/CLAIMED/FILLED ┬ bell (futex) ┬ body ┬ offer (seqlock) ┐
 
     consumer: qget(mailbox) ─> broker: queue empty: park; state = OPEN(t) in the consumer's
-              mailbox; in the producer's offer: (queue, t, mailbox, lease, version, get id)
-    producer q.put: copy into a granted block; then, under its seal lock and with every
-              earlier seal answered, if the offer is for this queue, in one C call: CAS
+              mailbox; in the producer's offer: (queue, t, mailbox, lease, version, get id,
+              applied: the id of the producer's last seal the broker had applied)
+    producer q.put: copy into a granted block; then, under its seal lock, if the offer is
+              for this queue and `applied` is its last seal sent, in one C call: CAS
               OPEN(t) -> CLAIMED(t); write the body (the get's reply); CAS CLAIMED(t) ->
-              FILLED(t); ring the bell. Its seal then goes, saying "direct t".
+              FILLED(t); ring the bell. Its seal then goes, saying "direct t"; a put that
+              waits returns then, with the version the offer named (Note [writes]).
     consumer: wakes on the bell, reads FILLED(t)'s body, addressed to its get: the item,
               with the lease the broker set aside for it
     broker:   any other way the wait can end (another item sealed, its timeout, the queue
@@ -28,12 +30,15 @@ consumer's path.
               the get, takes its place in the stream and counts in flight from then.
 
 One CAS decides between the producer and the broker, so each item goes to one consumer, and
-one producer's items keep their order: it claims only with all its earlier seals answered
-(its earlier items are in the queue, or answered this get, which took the grant back), and
-no seal of its other threads goes between its claim and its seal. A mailbox has one grant
-out at a time, and a client's mailbox is given to another only once none is out on it (a
-producer that claimed it may still be writing). A body names the get it answers: a get
-given up (Ctrl-C) leaves what is handed to it where it is, never answering a later get.
+one producer's items keep their order: it claims only if the broker had applied all its
+earlier seals when it made the offer (its earlier items are in the queue, or answered this
+get, which took the grant back; a seal applied later would have taken it back too), and no
+seal of its other threads goes between its claim and its seal. The broker rewrites the
+offer as each seal of the producer's is applied, and the producer reads no socket first.
+A mailbox has one grant out at a time, and a client's mailbox is given to another only once
+none is out on it (a producer that claimed it may still be writing). A body names the get it
+answers: a get given up (Ctrl-C) leaves what is handed to it where it is, never answering a
+later get.
 
 When it goes wrong: a producer that dies after filling leaves the body, from which the
 broker seals the item. One that dies between claim and fill leaves CLAIMED(t): the broker

@@ -602,6 +602,12 @@ class Broker:
     # -- the few handlers that span concerns -------------------------------------------------
 
     def _on_seal(self, session: Session, route: bytes, req: Request) -> dict[str, Any]:
+        try:
+            return self._seal(session, req)
+        finally:
+            self.handoffs.applied(session, req.id)
+
+    def _seal(self, session: Session, req: Request) -> dict[str, Any]:
         put_id, keep = req.fields["put"], req.fields.get("keep", False)
         done = self.registry.sealed_before(session, put_id)
         if done is not None:  # sealed by the broker that died; its answer was lost
@@ -612,6 +618,12 @@ class Broker:
         return self.objects.seal(session, put_id, keep)
 
     def _on_write(self, session: Session, route: bytes, req: Request) -> dict[str, Any]:
+        try:
+            return self._write(session, route, req)
+        finally:
+            self.handoffs.applied(session, req.id)
+
+    def _write(self, session: Session, route: bytes, req: Request) -> dict[str, Any]:
         """A block granted ahead, written: sealed as a put of its key, or a queue item."""
         done = self.registry.sealed_before(session, req.fields["put"])
         if done is not None:  # sealed by the broker that died; its answer was lost

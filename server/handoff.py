@@ -46,7 +46,7 @@ class MailboxTable(_Mapped):
     def release(self, index: int) -> None:
         """Its client is gone and no grant on it is out: empty it for the next one."""
         _shm.store(self.at(index), word(0, IDLE))
-        _shm.offer_write(self.at(index), 0, 0, 0, 0, 0, 0, b"")
+        _shm.offer_write(self.at(index), 0, 0, 0, 0, 0, 0, 0, b"")
         self._free.append(index)
 
 
@@ -129,10 +129,25 @@ class Handoffs:
         self._leases[consumer.token, lease] = d
         w.at_deadline = partial(self._deadline, d)
         w.on_leave = partial(self._left, d)
+        self._write_offer(d)
+
+    def _write_offer(self, d: Direct) -> None:
+        """`d` into its producer's offer, with the id of the producer's last seal applied: the
+        producer hands over only if it sent none since (its items keep their order)."""
+        producer, mailboxes = d.producer, self.mailboxes
+        if mailboxes is None or producer.mailbox is None:
+            return
         _shm.offer_write(
-            mailboxes.at(producer.mailbox), q.id, token, index, lease, d.version, w.request.id,
-            consumer.token.encode(),
+            mailboxes.at(producer.mailbox), d.queue.id, d.token, d.index, d.lease, d.version,
+            d.waiter.request.id, producer.applied, d.waiter.session.token.encode(),
         )  # fmt: skip
+
+    def applied(self, producer: Session, request_id: int) -> None:
+        """`producer`'s seal `request_id` was applied (or refused): its offers say so."""
+        producer.applied = max(producer.applied, request_id)
+        for d in self.offered.values():
+            if d.producer is producer:
+                self._write_offer(d)
 
     def take_back(self, q: Any) -> bool:
         """The wait of `q`'s grant ends another way: take the grant back. False if it was;

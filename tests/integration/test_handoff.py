@@ -84,8 +84,8 @@ def dying_producer(address: str, name: str, where: str) -> None:
             def die_at_direct_seal(self: Any, message: dict[str, Any], *args: Any) -> Any:
                 *first, hand_over = args
 
-                def then_die(m: dict[str, Any]) -> None:
-                    hand_over(m)
+                def then_die(m: dict[str, Any], last: int) -> None:
+                    hand_over(m, last)
                     if "direct" in m:
                         os._exit(0)
 
@@ -132,6 +132,8 @@ def test_items_put_while_a_consumer_waits_go_to_it_directly(c: tb.Client) -> Non
         if i:  # from the second on: this client is the queue's last producer
             assert wait_until(lambda: offered(c), 10), "no grant was offered to the producer"
         assert q.put(np.full(16, i, np.int64)) == i + 1
+        # The put returned once the consumer had the item; this client's next call sees it.
+        assert c.stats()["direct_handoffs"] == i
     got = results.get(timeout=30)
     join_all([proc])
     assert [v for v, _, _ in got] == list(range(1, 21))  # each its place in the stream
@@ -300,8 +302,8 @@ def test_an_item_handed_over_as_the_broker_dies_is_neither_lost_nor_queued_again
             def crash_then_seal(self: Any, message: dict[str, Any], *args: Any) -> Any:
                 *first, hand_over = args
 
-                def then_crash(m: dict[str, Any]) -> None:
-                    hand_over(m)
+                def then_crash(m: dict[str, Any], last: int) -> None:
+                    hand_over(m, last)
                     if "direct" in m:  # handed over: the broker dies before the seal
                         broker.send_signal(signal.SIGKILL)
                         broker.wait(10)
