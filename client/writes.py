@@ -15,14 +15,18 @@ A get, exists or delete of a key first waits for this client's seal of that key 
 (Note [direct handoff] in common/mailbox.py) is that consumer's once its mailbox is filled,
 at the place in the stream its grant named: a put that waits returns then, with that place,
 without waiting for the broker's answer to its seal; the client's next call waits for that
-answer first, so that whatever it asks the broker sees the put. If the broker restarts, the
-seals still out are sent again, in order, to the one that comes back (it answers a seal it
-has applied already by its put id); the grants and credits held are let go.
+answer first, so that whatever it asks the broker sees the put. Having rung the consumer, the
+producer yields its CPU before it sends the seal: on the 2-core VM the woken consumer mostly
+ran on the producer's CPU, after it (a traced 4 KiB handoff: the consumer held the item 79 us
+into the put without the yield, 70 us with it). If the broker restarts, the seals still out
+are sent again, in order, to the one that comes back (it answers a seal it has applied
+already by its put id); the grants and credits held are let go.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -104,7 +108,9 @@ class Writes:
                     rid = message["id"]
                     if hand_over is not None:
                         hand_over(message, self.last)
-                        if "direct" not in message:  # as any call: earlier errors first
+                        if "direct" in message:  # its consumer first (see the Note)
+                            os.sched_yield()
+                        else:  # as any call: earlier errors first
                             self._take_ready(channel)
                             if "undone" not in message:  # (the broker must hear of that)
                                 self.conn.raise_failed()
