@@ -94,7 +94,7 @@ class Connection:
         self.held: dict[int, int] = {}  # lease id -> object id, claimed again after a restart
         self._calls: set[int] = set()  # ids of the calls waiting for their answers
         self._failed: list[BrokerError] = []  # errors of puts that did not wait, to raise
-        self.poll_writes: Callable[[bool], None] = lambda settle: None  # their replies (writes.py)
+        self.poll_writes: Callable[[bool, float | None], None] = lambda settle, wait: None
         self.reconnect_timeout = reconnect_timeout
         self.generation = 0  # brokers this connection has said hello to, less one
         self.resumed = True  # whether the broker of this generation kept the session
@@ -206,7 +206,7 @@ class Connection:
         With `late`, a request that waits in the broker and is given up (interrupted: Ctrl-C,
         a signal handler's exception; or no reply in time) is cancelled there, and an answer
         that came anyway is handed to `late` (`give_up`)."""
-        self.check_usable()
+        self.check_usable(wait=wait)
         message = {"op": op, "id": next(self._ids), **fields}
         releases = _drain(self.releases, self.held)
         if releases:
@@ -353,11 +353,13 @@ class Connection:
     def forget(self, lease: int) -> None:
         self.held.pop(lease, None)
 
-    def check_usable(self, settle: bool = True, poll: bool = True) -> None:
+    def check_usable(
+        self, settle: bool = True, poll: bool = True, wait: float | None = REQUEST_TIMEOUT
+    ) -> None:
         """Raise why this client cannot be used, or the error of a put that did not wait
-        (`poll`: after reading the replies to those already there). `settle`: first wait for
-        the answers to this client's items handed straight to a consumer (Note [writes] in
-        writes.py), so that what the broker says next sees them."""
+        (`poll`: after reading the replies to those already there). `settle`: first wait (up
+        to `wait` seconds) for the answers to this client's items handed straight to a
+        consumer (Note [writes] in writes.py), so that what the broker says next sees them."""
         if os.getpid() != self.pid:
             raise BrokerError(
                 f"this Client was made in process {self.pid} and cannot be used in a forked "
@@ -368,7 +370,7 @@ class Connection:
         if self._broken:
             raise BrokerUnavailable(self._broken)
         if poll:
-            self.poll_writes(settle)
+            self.poll_writes(settle, wait)
         self.raise_failed()
 
     def raise_failed(self) -> None:
@@ -472,14 +474,17 @@ def _flush_releases(
             except Exception as exc:
                 log.warning("settling device leases failed: %s", exc)
             ids, now = _drain(releases, held), time.monotonic()
-            if ids:
-                channel.send({"op": Op.RELEASE, "id": 0, "rel": ids})
-                delay, last_sent = RELEASE_WINDOW, now
-            else:
-                delay = min(2 * delay, RELEASE_IDLE_WINDOW)
-                if heartbeat is not None and now - last_sent >= heartbeat:
-                    channel.send({"op": Op.HEARTBEAT, "id": 0})
-                    last_sent = now
+            try:
+                if ids:  # (held no more: a broker that comes back drops them)
+                    channel.send({"op": Op.RELEASE, "id": 0, "rel": ids})
+                    delay, last_sent = RELEASE_WINDOW, now
+                else:
+                    delay = min(2 * delay, RELEASE_IDLE_WINDOW)
+                    if heartbeat is not None and now - last_sent >= heartbeat:
+                        channel.send({"op": Op.HEARTBEAT, "id": 0})
+                        last_sent = now
+            except BrokerExited:  # the next turn comes back to the broker that replaces it
+                exited = True
             if heartbeat is not None:
                 delay = min(delay, heartbeat)
     except zmq.ZMQError as exc:

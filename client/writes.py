@@ -116,14 +116,17 @@ class Writes:
                                 self.conn.raise_failed()
                     handed = wait and "direct" in message  # the consumer has it: done
                     if handed:
-                        label, wait = f"{label} (handed to a consumer)", False
+                        wait = False
                         self._owed.add(rid)
                     self._out[rid] = _Out(message, key, label, put, wait)
                     if key is not None:
                         self._keys[key] = rid
-                    channel.send(message)
                     self.last = rid
-                    stale = self._stale
+                    try:
+                        channel.send(message)
+                        stale = self._stale
+                    except BrokerExited:  # it goes again, with the rest, once one is back
+                        stale = True
                     break
             self._broker_exited(generation)
         if stale:  # the broker restarted: come back to it now, the seals go again
@@ -134,15 +137,17 @@ class Writes:
 
     # -- waiting ---------------------------------------------------------------------------
 
-    def poll(self, settle: bool = True) -> None:
+    def poll(self, settle: bool = True, wait: float | None = REQUEST_TIMEOUT) -> None:
         """Read the replies already there, if no other thread is reading (every call does
         this first, so that an error of a put that did not wait is raised by the next one);
-        `settle`: first wait for those to the items handed over (see the Note)."""
+        `settle`: first wait up to `wait` seconds (None: as long as the broker lives) for
+        those to the items handed over (see the Note)."""
         if settle and self._owed:
             with self._lock:
                 last = max(self._owed, default=None)
             if last is not None:
-                self._wait(last, take=False)
+                deadline = None if wait is None else time.monotonic() + wait
+                self._wait(last, take=False, deadline=deadline)
         if self._out and self._channel is not None and self._lock.acquire(blocking=False):
             try:
                 self._take_ready(self._channel)
@@ -154,7 +159,7 @@ class Writes:
         rid = self._keys.get(key)
         if rid is not None:
             self._wait(rid, take=False)
-        self.conn.check_usable()
+        self.conn.check_usable(settle=False)  # no queue item can change a key
 
     def flush(self) -> None:
         """Wait until every seal sent is answered; raise the first error of a put that did
@@ -172,10 +177,14 @@ class Writes:
         """Seals sent and not answered yet."""
         return len(self._out)
 
-    def _wait(self, rid: int, take: bool = True) -> dict[str, Any] | None:
-        """Read replies until the one to `rid` came. `take` (its caller): the reply if the
-        seal was waited for (its error raised), else None."""
+    def _wait(
+        self, rid: int, take: bool = True, deadline: float | None = None
+    ) -> dict[str, Any] | None:
+        """Read replies until the one to `rid` came (or `deadline` passed: then None). `take`
+        (its caller): the reply if the seal was waited for (its error raised), else None."""
         while True:
+            if deadline is not None and time.monotonic() > deadline:
+                return None
             with self._lock:
                 if rid not in self._out:
                     reply = self._answers.pop(rid, None) if take else None
@@ -211,6 +220,7 @@ class Writes:
             self._stale = True  # a broker that restarted: sent again once it knows us
             return
         del self._out[rid]  # type: ignore[arg-type]
+        handed = rid in self._owed
         self._owed.discard(rid)
         if out.key is not None and self._keys.get(out.key) == rid:
             del self._keys[out.key]
@@ -227,7 +237,8 @@ class Writes:
             self._answers[rid] = reply  # type: ignore[index]
         elif not reply.get("ok"):
             error = error_from_wire(str(reply.get("code")), str(reply.get("error")))
-            self.conn.fail_later(type(error)(f"{out.label} (a put that did not wait): {error}"))
+            how = "handed to its consumer first" if handed else "a put that did not wait"
+            self.conn.fail_later(type(error)(f"{out.label} ({how}): {error}"))
 
     # -- the broker restarted (Note [recovery] in server/state.py) ---------------------------
 
@@ -277,13 +288,19 @@ class Writes:
             f"the broker at {self.conn.address} restarted without the state of the one "
             "before (or did not come back): this put was lost; put it again"
         )
-        self._owed.clear()
+        handed_gone = (
+            f"the broker at {self.conn.address} restarted without the state of the one "
+            "before: this item was handed to its consumer, which has it, but the broker "
+            "does not know of it (its queue is new); do not put it again"
+        )
         for rid, out in list(self._out.items()):
             del self._out[rid]
             if out.wait:
                 self._answers[rid] = {"id": rid, "ok": False, "code": "unavailable", "error": gone}
             else:
-                self.conn.fail_later(BrokerUnavailable(f"{out.label}: {gone}"))
+                why = handed_gone if rid in self._owed else gone
+                self.conn.fail_later(BrokerUnavailable(f"{out.label}: {why}"))
+        self._owed.clear()
         self._keys.clear()
 
     def _lost_ahead(self) -> None:

@@ -47,6 +47,7 @@
 #define OFFER 256
 #define OFFER_WORDS 8
 #define CONSUMER 32
+#define MAX_OFFER_TRIES 64
 #define M_OPEN 1
 #define M_CLAIMED 2
 #define M_FILLED 3
@@ -602,14 +603,24 @@ static PyObject *offer_read(PyObject *self, PyObject *arg) {
     uint64_t *w = (uint64_t *)(addr + OFFER);
     uint64_t f[OFFER_WORDS - 1];
     char c[CONSUMER];
-    uint64_t seq = __atomic_load_n(w, __ATOMIC_ACQUIRE);
-    if (seq == 0 || seq & 1)
-        Py_RETURN_NONE;
-    for (int i = 0; i < OFFER_WORDS - 1; i++)
-        f[i] = __atomic_load_n(&w[1 + i], __ATOMIC_RELAXED);
-    memcpy(c, (char *)&w[OFFER_WORDS], CONSUMER);
-    __atomic_thread_fence(__ATOMIC_ACQUIRE);
-    if (__atomic_load_n(w, __ATOMIC_RELAXED) != seq || f[1] == 0)
+    /* The broker rewrites an offer as each of the producer's seals is applied: a read that
+     * meets a write under way tries again, a few times, rather than miss the offer. */
+    for (int tries = 0;; tries++) {
+        uint64_t seq = __atomic_load_n(w, __ATOMIC_ACQUIRE);
+        if (seq == 0)
+            Py_RETURN_NONE;
+        if (!(seq & 1)) {
+            for (int i = 0; i < OFFER_WORDS - 1; i++)
+                f[i] = __atomic_load_n(&w[1 + i], __ATOMIC_RELAXED);
+            memcpy(c, (char *)&w[OFFER_WORDS], CONSUMER);
+            __atomic_thread_fence(__ATOMIC_ACQUIRE);
+            if (__atomic_load_n(w, __ATOMIC_RELAXED) == seq)
+                break;
+        }
+        if (tries == MAX_OFFER_TRIES)
+            Py_RETURN_NONE;
+    }
+    if (f[1] == 0)
         Py_RETURN_NONE;
     Py_ssize_t n = 0;
     while (n < CONSUMER && c[n])

@@ -23,7 +23,7 @@ from .cudart import device_index, parse_device
 from .dtypes import DTYPES
 from .errors import BrokerError, InvalidRequest, ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: direct-handoff offers carry the producer's last seal applied
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_KEY_BYTES = 1024
 MAX_NDIM = 32

@@ -475,6 +475,7 @@ class Broker:
 
     def _commit(self) -> None:
         self.state.commit()
+        self.handoffs.committed()
         outbox, self._outbox = self._outbox, None
         for route, payload in outbox or ():
             self._send(route, payload)

@@ -102,6 +102,7 @@ class Handoffs:
         self._early: set[tuple[str, int]] = set()  # of those, let go before the seal came
         self._unknown: dict[tuple[str, int], None] = {}  # let go, unknown (after a restart)
         self._rings: dict[bytes, tuple[int, Session]] = {}  # route -> bell, after its reply
+        self._applied: dict[str, tuple[Session, int]] = {}  # seals applied, not yet journaled
         self.handed = 0  # items handed over directly
 
     def _alive(self, session: Session) -> bool:
@@ -143,11 +144,22 @@ class Handoffs:
         )  # fmt: skip
 
     def applied(self, producer: Session, request_id: int) -> None:
-        """`producer`'s seal `request_id` was applied (or refused): its offers say so."""
-        producer.applied = max(producer.applied, request_id)
-        for d in self.offered.values():
-            if d.producer is producer:
-                self._write_offer(d)
+        """`producer`'s seal `request_id` was applied (or refused): its offers say so once
+        the journal has it (`committed`)."""
+        known = self._applied.get(producer.token)
+        if known is None or known[1] < request_id:
+            self._applied[producer.token] = (producer, request_id)
+
+    def committed(self) -> None:
+        """The journal has the seals applied so far: their producers' offers say so now, not
+        before (a broker that died before the journal had a seal would hand its item out
+        again after a later one the producer had handed over)."""
+        for producer, request_id in self._applied.values():
+            producer.applied = max(producer.applied, request_id)
+            for d in self.offered.values():
+                if d.producer is producer:
+                    self._write_offer(d)
+        self._applied.clear()
 
     def take_back(self, q: Any) -> bool:
         """The wait of `q`'s grant ends another way: take the grant back. False if it was;

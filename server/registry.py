@@ -136,7 +136,7 @@ class Session:
     closed: bool = False  # said bye, kept only for the leases its process still holds
     region: int | None = None  # its lease-slot region (Note [directory and lease slots])
     mailbox: int | None = None  # its mailbox (Note [direct handoff] in common/mailbox.py)
-    applied: int = 0  # the request id of its last seal applied (or refused)
+    applied: int = 0  # the request id of its last seal applied (or refused) and journaled
     awaiting: bool = False  # adopted from a broker that died: not back yet (Note [recovery])
     came_back: bool = False  # adopted, and its hello with its leases was answered
     grants: dict[int, int] = field(default_factory=dict)  # size class -> blocks granted ahead
