@@ -360,7 +360,7 @@ class Connection:
         (`poll`: after reading the replies to those already there). `settle`: first wait (up
         to `wait` seconds) for the answers to this client's items handed straight to a
         consumer (Note [writes] in writes.py), so that what the broker says next sees them."""
-        if os.getpid() != self.pid:
+        if host.pid() != self.pid:
             raise BrokerError(
                 f"this Client was made in process {self.pid} and cannot be used in a forked "
                 "child: call tb.connect() in the child (or use the spawn start method)"

@@ -133,7 +133,6 @@ class Tensor:
         "shape",
         "strides",
         "dtype",
-        "nbytes",
         "_dt",
         "_ptr",
         "_lease",
@@ -152,7 +151,6 @@ class Tensor:
         self.strides = desc.strides
         self.dtype = desc.dtype
         self._dt: DType = DTYPES[desc.dtype]
-        self.nbytes = desc.nbytes
         self.device = desc.device
         self._ptr = lease.mapping.address + desc.offset
         self._lease = lease
@@ -169,6 +167,11 @@ class Tensor:
     def lease(self) -> Lease:
         """The broker lease this tensor reads under (ends when it and its arrays are gone)."""
         return self._lease
+
+    @property
+    def nbytes(self) -> int:
+        """Its size in bytes."""
+        return self._dt.nbytes(self.shape)
 
     @property
     def data_ptr(self) -> int:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..common import _shm
+from ..common import _shm, host
 from ..common.config import SHM_DIR
 from ..common.cudart import STREAM_LEGACY, device_index, parse_device
 from ..common.descriptors import TensorDesc, compact_strides, layout
@@ -108,7 +108,7 @@ class LeaseSlots:
             return None
 
     def give_back(self, slot: int) -> None:
-        if os.getpid() != self.pid:  # a forked child's copy: the slot is its parent's
+        if host.pid() != self.pid:  # a forked child's copy: the slot is its parent's
             return
         _shm.slot_clear(slot)
         self._free.append(slot)

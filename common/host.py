@@ -5,6 +5,22 @@ from __future__ import annotations
 import functools
 import os
 
+_pid = os.getpid()
+
+
+def _forked() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def pid() -> int:
+    """This process's id, kept across a fork: no system call (os.getpid() makes one, 145 ns
+    here, and every get asked twice)."""
+    return _pid
+
 
 @functools.cache
 def boot_id() -> str:
