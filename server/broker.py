@@ -77,6 +77,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+SEALS = frozenset({Op.SEAL, Op.WRITE})  # a client's seals, in order over one socket
+
 MAX_POLL_S = 3600.0  # a far deadline is waited for in steps zmq can take
 # Requests ZeroMQ reads ahead per client: one that sends faster than the broker answers waits
 # in its own socket (nothing is dropped), and holds at most RCVHWM frames here.
@@ -580,7 +582,11 @@ class Broker:
                 log.warning("%s released %d leases it does not hold (%s%s)", session,
                             len(unknown), ", ".join(map(str, unknown[:5])),
                             ", ..." if len(unknown) > 5 else "")  # fmt: skip
-        return self._handlers[request.op](session, route, request)
+        try:
+            return self._handlers[request.op](session, route, request)
+        finally:
+            if request.op in SEALS:  # applied or refused: its offers say so (Note [direct handoff])
+                self.handoffs.applied(session, request.id)
 
     def _fail(self, route: bytes, request_id: int, exc: Exception) -> None:
         self.opstats.refuse(exc.code if isinstance(exc, BrokerError) else BrokerError.code)
@@ -603,12 +609,6 @@ class Broker:
     # -- the few handlers that span concerns -------------------------------------------------
 
     def _on_seal(self, session: Session, route: bytes, req: Request) -> dict[str, Any]:
-        try:
-            return self._seal(session, req)
-        finally:
-            self.handoffs.applied(session, req.id)
-
-    def _seal(self, session: Session, req: Request) -> dict[str, Any]:
         put_id, keep = req.fields["put"], req.fields.get("keep", False)
         done = self.registry.sealed_before(session, put_id)
         if done is not None:  # sealed by the broker that died; its answer was lost
@@ -619,12 +619,6 @@ class Broker:
         return self.objects.seal(session, put_id, keep)
 
     def _on_write(self, session: Session, route: bytes, req: Request) -> dict[str, Any]:
-        try:
-            return self._write(session, route, req)
-        finally:
-            self.handoffs.applied(session, req.id)
-
-    def _write(self, session: Session, route: bytes, req: Request) -> dict[str, Any]:
         """A block granted ahead, written: sealed as a put of its key, or a queue item."""
         done = self.registry.sealed_before(session, req.fields["put"])
         if done is not None:  # sealed by the broker that died; its answer was lost
