@@ -183,6 +183,7 @@ class Broker:
         self.lanes: Lanes | None = None
         self._wake_r, self._wake_w = socket.socketpair()
         self._outbox: list[tuple[bytes, bytes]] | None = None  # replies held for a commit
+        self._after: list[tuple[bytes, bytes]] = []  # answers that go after the outbox's
         self._wake_w.setblocking(False)
         self._exporter: Exporter | None = None  # serve --metrics: export_metrics()
         self.opstats = OpStats()
@@ -481,13 +482,20 @@ class Broker:
         outbox, self._outbox = self._outbox, None
         for route, payload in outbox or ():
             self._send(route, payload)
+        after, self._after = self._after, []
+        for route, payload in after:
+            self._send(route, payload)
 
-    def _answer(self, route: bytes, payload: bytes) -> None:
+    def _answer(self, route: bytes, payload: bytes, last: bool = False) -> None:
         """The reply to a request that waited (a consumer parked on a queue, say): it goes
         out at once, after the journal records so far, not at the end of the batch, so that
-        the work left (refilling the producer's grants) is not on the consumer's path."""
+        the work left (refilling the producer's grants) is not on the consumer's path.
+        `last`: after the batch's replies instead (Note [broadcast] in queues.py)."""
         if self._outbox is None:
             self._send(route, payload)
+            return
+        if last:
+            self._after.append((route, payload))
             return
         self._outbox.append((route, payload))
         self._commit()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from ..common.descriptors import grant_class, object_wire
 from ..common.errors import BrokerError, CapacityError, InvalidRequest, NotFound, Timeout
@@ -28,12 +28,16 @@ DEVICE_PUTS = ("device puts",)  # the parking lot's line of device puts waiting 
 Reply = dict[str, Any]
 
 
+class Send(Protocol):
+    """Sends a reply: at once, or with `last` after the replies of the requests at hand."""
+
+    def __call__(self, route: bytes, payload: bytes, last: bool = False) -> None: ...
+
+
 class Objects:
     """The handlers of keyed objects. `send(route, payload)` sends a reply."""
 
-    def __init__(
-        self, registry: Registry, lot: ParkingLot, send: Callable[[bytes, bytes], None]
-    ) -> None:
+    def __init__(self, registry: Registry, lot: ParkingLot, send: Send) -> None:
         self.registry, self.devices, self.lot, self._send = registry, registry.devices, lot, send
         self._memory_back = False  # device memory was freed since device puts last tried
         self.refills: list[tuple[Session, bytes, int]] = []  # grants to top up (refill_later)
@@ -44,9 +48,10 @@ class Objects:
     def _evicted(self, obj: StoredObject) -> None:
         self.events.record("delete", obj.key, obj.version)
 
-    def answer(self, w: Waiter, payload: bytes) -> None:
+    def answer(self, w: Waiter, payload: bytes, last: bool = False) -> None:
+        """Answer a request that waited (`last`: as `Send`)."""
         self.lot.unpark(w)
-        self._send(w.route, payload)
+        self._send(w.route, payload, last)
 
     # -- writing ---------------------------------------------------------------------------
 

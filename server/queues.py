@@ -34,6 +34,10 @@ back with the subscriptions of the clients that come back (the journal's queue r
 them) and, for each item, the subscriptions not yet given it and the gets it was given to
 (the item's row: `given`), so each subscriber goes on where it was, and a get whose answer
 the broker that died never sent gets the same item when it is sent again.
+
+The subscribers waiting for an item are answered after the reply to its seal: the producer
+of a stream waits for its slowest subscriber anyway, and so asks for its next item's memory
+while they read this one, instead of after them.
 """
 
 from __future__ import annotations
@@ -381,7 +385,7 @@ class Queues:
         for w in list(q.getters):
             if not w.done and w.request.fields["sub"] in q.unseen.get(obj.oid, ()):
                 reply = self._give(w.session, w.request, obj)
-                self.objects.answer(w, reply_ok(w.request.id, **reply))
+                self.objects.answer(w, reply_ok(w.request.id, **reply), last=True)
         if not q.unseen.get(obj.oid, True):  # no subscriber: no one to give it to
             self._done_with(q, obj)
 
