@@ -5,31 +5,15 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgpack
 
 from ..common import _shm
-from ..common.descriptors import object_wire
-from ..common.mailbox import CLAIMED, FILLED, IDLE, MAILBOX_BODY, OPEN, Mailboxes, word
+from ..common.mailbox import CLAIMED, IDLE, OPEN, Mailboxes, item_reply, word
 
 SETTLE_WAIT = 0.2  # seconds a consumer whose broker died waits for a claimed mailbox's fill
-
-
-class DirectGrant(NamedTuple):
-    """A grant offered to this client as a producer (read from its mailbox's offer): its
-    next item of `queue` may go to get `request` of the consumer `consumer`, through mailbox
-    number `mailbox`, as `version`, on lease `lease`; `applied`: the id of this client's
-    last seal the broker had applied then."""
-
-    queue: int
-    token: int
-    mailbox: int
-    lease: int
-    version: int
-    request: int
-    applied: int
-    consumer: str  # its session token
+TAILS = 64  # body tails a bell keeps unpacked
 
 
 class Bell:
@@ -39,11 +23,7 @@ class Bell:
     def __init__(self, address: int, generation: int) -> None:
         self.address, self.generation = address, generation
         self.lock = threading.Lock()
-
-    def offer(self) -> DirectGrant | None:
-        """The grant offered to this client as a producer, if any (maybe taken back since)."""
-        found = _shm.offer_read(self.address)
-        return None if found is None else DirectGrant(*found)
+        self._tails: dict[bytes, Any] = {}  # the body tails seen, unpacked (a few layouts)
 
     def count(self) -> int:
         """Read before looking for what it rings for: a ring after that ends `wait` at once."""
@@ -55,14 +35,16 @@ class Bell:
     def take(self, request_id: int) -> dict[str, Any] | None:
         """The item a producer handed to get `request_id`, as its reply; None if none (an
         item for a get given up earlier stays where it is)."""
-        state, body = _shm.mailbox_read(self.address)
-        if body is None or state & 0xFF != FILLED:
+        found = _shm.mailbox_take(self.address, request_id)
+        if found is None:
             return None
-        reply: dict[str, Any] = msgpack.unpackb(body, raw=False)
-        if reply.get("for") != request_id:
-            return None
-        reply["id"], reply["ok"] = request_id, True
-        return reply
+        lease, version, oid, put, base, tail = found
+        unpacked = self._tails.get(tail)
+        if unpacked is None:
+            if len(self._tails) >= TAILS:
+                self._tails.clear()
+            unpacked = self._tails[tail] = msgpack.unpackb(tail, raw=False)
+        return item_reply(request_id, lease, version, oid, put, base, unpacked)
 
     def settle(self, request_id: int, wait: float = SETTLE_WAIT) -> dict[str, Any] | None:
         """The broker died while get `request_id` waited (or it was given up after a
@@ -80,25 +62,21 @@ class Bell:
 
 
 def hand_over(
-    mailboxes: Mailboxes, grant: DirectGrant, name: str, bundle: bool, wires: list[Any],
-    oid: int, put: int,
+    bell: Bell, mailboxes: Mailboxes, queue: int, last: int, oid: int, put: int, base: int,
+    tail: bytes,
 ) -> tuple[str, Any] | None:  # fmt: skip
-    """Hand an item written at `wires` (the block of put `put`, object `oid`) to the consumer
-    of `grant`: the seal's field for it, ("direct", ...) if handed over, ("undone", token)
-    if claimed and then taken back before it was filled; None if not claimed (the grant was
-    taken back, or the item does not fit a mailbox): then it goes through the broker."""
-    body = object_wire(name, grant.version, bundle, wires, grant.lease)
-    body["oid"], body["put"], body["for"] = oid, put, grant.request
-    packed = msgpack.packb(body)
-    if len(packed) > MAILBOX_BODY:
+    """Hand an item of `queue` written at `base` (the block of put `put`, object `oid`) to
+    the consumer of the grant offered to this client (at its `bell`), if the broker offered
+    it once it had applied seal `last`: the seal's field for it, ("direct", ...) if handed
+    over, ("undone", token) if claimed and then taken back before it was filled; None if not
+    claimed (no such offer, taken back, or the item does not fit a mailbox): then it goes
+    through the broker. `tail`: the body's tail (`body_tail`)."""
+    done = _shm.hand_over(
+        bell.address, mailboxes.addr, mailboxes.size, queue, last, oid, put, base, tail
+    )
+    if done is None:
         return None
-    try:
-        address = mailboxes.at(grant.mailbox)
-    except ValueError:
-        return None
-    done = _shm.mailbox_hand(address, grant.token, packed)
-    if done == 1:
-        return "direct", [grant.token, grant.consumer, grant.lease, grant.version]
-    if done == 2:
-        return "undone", grant.token
-    return None
+    handed, token, consumer, lease, version = done
+    if handed == 1:
+        return "direct", [token, consumer, lease, version]
+    return "undone", token

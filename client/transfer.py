@@ -29,13 +29,13 @@ from ..common.directory import DirectoryView, decode_desc, map_segment
 from ..common.dtypes import DType
 from ..common.dtypes import dtype as lookup_dtype
 from ..common.errors import BrokerError
-from ..common.mailbox import Mailboxes
+from ..common.mailbox import Mailboxes, Template, body_tail
 from ..common.protocol import Op
 from . import placement
 from .connection import Connection
 from .copy import Copier
 from .cuda import DeviceLink
-from .handoff import Bell, DirectGrant, hand_over
+from .handoff import Bell, hand_over
 from .shm import SegmentCache
 from .sources import Source, entries
 from .tensor import DeviceLease, Lease, SlotLease, Tensor
@@ -54,7 +54,7 @@ class WritePlan:
 
     __slots__ = (
         "label", "items", "target", "specs", "bundle", "fields", "offsets", "grant", "raw",
-        "template",
+        "template", "tails",
     )  # fmt: skip
 
     def __init__(
@@ -71,21 +71,32 @@ class WritePlan:
         self.offsets: list[int] = []
         self.grant: Grant | None = None
         self.raw = False  # its one array is stored byte for byte as it is (a plain ndarray)
-        self.template: list[tuple[Any, ...]] | None = None  # see `wires`
+        self.template: Template | None = None  # see `tail`
+        self.tails: dict[tuple[str, str], bytes] | None = None  # kept with a plan reused
 
     @property
     def request(self) -> dict[str, Any]:
         return {"tensors": self.specs, "bundle": self.bundle, **self.fields}
 
-    def wires(self, segment: str, base: int) -> list[list[Any]]:
-        """The wire form of its tensors laid out from `base` in `segment` (`laid_out`, with
-        the strides worked out once per plan)."""
+    def tail(self, segment: str) -> bytes:
+        """The tail of a mailbox body for this item in `segment` (`body_tail`): packed once
+        per queue and segment for a plan reused (`tails`), the strides once per plan."""
+        name = self.fields.get("name", "")
+        tails = self.tails
+        found = None if tails is None else tails.get((name, segment))
+        if found is not None:
+            return found
         if self.template is None:
             self.template = [
-                (name, dtype, shape, list(compact_strides(tuple(shape))), offset)
-                for (name, dtype, shape), offset in zip(self.specs, self.offsets, strict=True)
+                (tensor, dtype, shape, list(compact_strides(tuple(shape))), offset)
+                for (tensor, dtype, shape), offset in zip(self.specs, self.offsets, strict=True)
             ]
-        return [[n, d, sh, st, segment, base + off, "cpu"] for n, d, sh, st, off in self.template]
+        tail = body_tail(name, self.bundle, segment, self.template)
+        if tails is not None:
+            if len(tails) >= PLAN_CACHE:
+                tails.clear()
+            tails[name, segment] = tail
+        return tail
 
 
 class LeaseSlots:
@@ -315,10 +326,10 @@ class Transfer:
         if plain is not None:
             known = self._plans.get(plain)
             if known is not None:
-                dt, specs, offsets, size, template = known
+                dt, specs, offsets, size, tails = known
                 plan = WritePlan(label, [("", value, dt)], "cpu", specs, False, fields)
                 plan.offsets, plan.grant = offsets, self.writes.take_grant(size)
-                plan.raw, plan.template = True, template
+                plan.raw, plan.tails = True, tails
                 return plan
         items, bundle = entries(label, value)
         target, items = placement.place(self.devices, label, items, device, copy)
@@ -331,8 +342,8 @@ class Transfer:
                 if len(self._plans) >= PLAN_CACHE:
                     self._plans.clear()
                 plan.raw = True
-                plan.wires("", 0)  # its template, kept with the plan
-                self._plans[plain] = (items[0][2], specs, plan.offsets, size, plan.template)
+                plan.tails = {}  # its mailbox body tails, kept with the plan
+                self._plans[plain] = (items[0][2], specs, plan.offsets, size, plan.tails)
         else:
             fields["device"] = target
         return plan
@@ -404,25 +415,13 @@ class Transfer:
         offered a grant for `queue` (Note [direct handoff] in common/mailbox.py) once it had
         applied seal `last`, this client's last sent (so the items keep their order), and say
         so in its seal, `message`."""
-        offered, mailboxes = self._offered(queue, last), self.mailboxes
-        if offered is None or mailboxes is None:
+        bell, mailboxes = self.bell, self.mailboxes
+        if bell is None or mailboxes is None or bell.generation != self.conn.generation:
             return
-        wires = plan.wires(grant.segment, grant.offset)
-        name = plan.fields.get("name", "")
-        done = hand_over(mailboxes, offered, name, plan.bundle, wires, grant.oid, grant.put)
+        tail = plan.tail(grant.segment)
+        done = hand_over(bell, mailboxes, queue, last, grant.oid, grant.put, grant.offset, tail)
         if done is not None:
             message[done[0]] = done[1]
-
-    def _offered(self, queue: int, last: int) -> DirectGrant | None:
-        """The grant offered to this client for `queue`, if the broker had applied seal
-        `last` (this client's last sent) when it offered it."""
-        bell = self.bell
-        if bell is None or bell.generation != self.conn.generation:
-            return None
-        offered = bell.offer()
-        if offered is None or offered.queue != queue or offered.applied < last:
-            return None
-        return offered
 
     def queue_get(self, timeout: float | None, wait: float | None, **fields: Any) -> Item:
         """A queue's (or a subscription's, `sub`) next item: one answered to a get of this

@@ -23,7 +23,9 @@
  *     0  state    u64   token << 8 | IDLE 0, OPEN 1, CLAIMED 2, FILLED 3
  *     8  bell     u32   a futex word: bumped (and woken) for each thing its client waits for
  *    12  bodylen  u32
- *    16  body[bodylen]  (up to BODY_END)
+ *    16  body[bodylen]  (up to BODY_END): the get it answers, lease, version, oid, put, base
+ *        (the block's offset) u64; then the tail, msgpack [name, bundle, segment, [[name,
+ *        dtype, shape, strides, offset from base], ...]] (common/mailbox.py)
  *   256  offer: a grant offered to the client as a producer, written by the broker under a
  *        seqlock: seq u64 (odd while written), queue, token, mailbox index, lease, version,
  *        request (the consumer's get), applied (the id of the producer's last seal the
@@ -44,6 +46,7 @@
 #define MAILBOX 512
 #define BODY_END 256
 #define MAILBOX_BODY (BODY_END - 16)
+#define BODY_HEAD 48
 #define OFFER 256
 #define OFFER_WORDS 8
 #define CONSUMER 32
@@ -503,32 +506,96 @@ static PyObject *bell_wait(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *mailbox_hand(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *a;
-    unsigned long long token;
-    const char *body;
-    Py_ssize_t n;
-    uintptr_t addr;
-    if (!PyArg_ParseTuple(args, "OKy#", &a, &token, &body, &n) || get_addr(a, &addr) < 0)
-        return NULL;
-    if (n > MAILBOX_BODY) {
-        PyErr_SetString(PyExc_ValueError, "mailbox body too long");
-        return NULL;
+/* The offer made to the client of mailbox `addr`, read under its seqlock into f (queue,
+ * token, mailbox index, lease, version, request, applied) and c (the consumer's session
+ * token); 0 if there is none. The broker rewrites an offer as each of the producer's seals
+ * is applied: a read that meets a write under way tries again, a few times, rather than
+ * miss the offer. */
+static int read_offer(uintptr_t addr, uint64_t *f, char *c) {
+    uint64_t *w = (uint64_t *)(addr + OFFER);
+    for (int tries = 0;; tries++) {
+        uint64_t seq = __atomic_load_n(w, __ATOMIC_ACQUIRE);
+        if (seq == 0)
+            return 0;
+        if (!(seq & 1)) {
+            for (int i = 0; i < OFFER_WORDS - 1; i++)
+                f[i] = __atomic_load_n(&w[1 + i], __ATOMIC_RELAXED);
+            memcpy(c, (char *)&w[OFFER_WORDS], CONSUMER);
+            __atomic_thread_fence(__ATOMIC_ACQUIRE);
+            if (__atomic_load_n(w, __ATOMIC_RELAXED) == seq)
+                return f[1] != 0;
+        }
+        if (tries == MAX_OFFER_TRIES)
+            return 0;
     }
+}
+
+static Py_ssize_t token_len(const char *c) {
+    Py_ssize_t n = 0;
+    while (n < CONSUMER && c[n])
+        n++;
+    return n;
+}
+
+static PyObject *hand_over(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *a, *b;
+    unsigned long long size, queue, last, oid, put, base;
+    const char *tail;
+    Py_ssize_t n;
+    uintptr_t addr, boxes;
+    if (!PyArg_ParseTuple(args, "OOKKKKKKy#", &a, &b, &size, &queue, &last, &oid, &put, &base,
+                          &tail, &n) ||
+        get_addr(a, &addr) < 0 || get_addr(b, &boxes) < 0)
+        return NULL;
+    uint64_t f[OFFER_WORDS - 1];
+    char c[CONSUMER];
+    if (!read_offer(addr, f, c) || f[0] != queue || f[6] < last)
+        Py_RETURN_NONE;
+    uint64_t token = f[1], index = f[2], lease = f[3], version = f[4], request = f[5];
+    if (index >= size / MAILBOX || n > MAILBOX_BODY - BODY_HEAD)
+        Py_RETURN_NONE; /* an index out of the segment, or an item too big: the broker's way */
+    uintptr_t box = boxes + index * MAILBOX;
     /* One call, so that no Python exception can fall between the claim and the fill. */
     uint64_t want = (token << 8) | M_OPEN;
-    if (!__atomic_compare_exchange_n((uint64_t *)addr, &want, (token << 8) | M_CLAIMED, 0,
+    if (!__atomic_compare_exchange_n((uint64_t *)box, &want, (token << 8) | M_CLAIMED, 0,
                                      __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
-        return PyLong_FromLong(0);
-    memcpy((char *)(addr + 16), body, (size_t)n);
-    __atomic_store_n((uint32_t *)(addr + 12), (uint32_t)n, __ATOMIC_RELAXED);
+        Py_RETURN_NONE;
+    uint64_t head[6] = {request, lease, version, oid, put, base};
+    memcpy((char *)(box + 16), head, BODY_HEAD);
+    memcpy((char *)(box + 16 + BODY_HEAD), tail, (size_t)n);
+    __atomic_store_n((uint32_t *)(box + 12), (uint32_t)(BODY_HEAD + n), __ATOMIC_RELAXED);
     want = (token << 8) | M_CLAIMED;
-    if (!__atomic_compare_exchange_n((uint64_t *)addr, &want, (token << 8) | M_FILLED, 0,
-                                     __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
-        return PyLong_FromLong(2);
-    bell_ring(addr);
-    return PyLong_FromLong(1);
+    long done = 2;
+    if (__atomic_compare_exchange_n((uint64_t *)box, &want, (token << 8) | M_FILLED, 0,
+                                    __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+        bell_ring(box);
+        done = 1;
+    }
+    return Py_BuildValue("(lKs#KK)", done, (unsigned long long)token, c, token_len(c),
+                         (unsigned long long)lease, (unsigned long long)version);
+}
+
+/* The item handed to get `request` in mailbox `addr`, if it is filled and for that get. */
+static PyObject *mailbox_take(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *a;
+    unsigned long long request;
+    uintptr_t addr;
+    if (!PyArg_ParseTuple(args, "OK", &a, &request) || get_addr(a, &addr) < 0)
+        return NULL;
+    uint64_t state = __atomic_load_n((uint64_t *)addr, __ATOMIC_ACQUIRE);
+    uint32_t len = __atomic_load_n((uint32_t *)(addr + 12), __ATOMIC_RELAXED);
+    if ((state & 0xff) != M_FILLED || len < BODY_HEAD || len > MAILBOX_BODY)
+        Py_RETURN_NONE;
+    uint64_t head[6];
+    memcpy(head, (char *)(addr + 16), BODY_HEAD);
+    if (head[0] != request)
+        Py_RETURN_NONE; /* for a get given up earlier: it stays where it is */
+    return Py_BuildValue("(KKKKKy#)", (unsigned long long)head[1], (unsigned long long)head[2],
+                         (unsigned long long)head[3], (unsigned long long)head[4],
+                         (unsigned long long)head[5], (const char *)(addr + 16 + BODY_HEAD),
+                         (Py_ssize_t)(len - BODY_HEAD));
 }
 
 /* The bytes of a C-contiguous buffer, copied to `address`: one call for a small put's copy. */
@@ -600,35 +667,14 @@ static PyObject *offer_read(PyObject *self, PyObject *arg) {
     uintptr_t addr;
     if (get_addr(arg, &addr) < 0)
         return NULL;
-    uint64_t *w = (uint64_t *)(addr + OFFER);
     uint64_t f[OFFER_WORDS - 1];
     char c[CONSUMER];
-    /* The broker rewrites an offer as each of the producer's seals is applied: a read that
-     * meets a write under way tries again, a few times, rather than miss the offer. */
-    for (int tries = 0;; tries++) {
-        uint64_t seq = __atomic_load_n(w, __ATOMIC_ACQUIRE);
-        if (seq == 0)
-            Py_RETURN_NONE;
-        if (!(seq & 1)) {
-            for (int i = 0; i < OFFER_WORDS - 1; i++)
-                f[i] = __atomic_load_n(&w[1 + i], __ATOMIC_RELAXED);
-            memcpy(c, (char *)&w[OFFER_WORDS], CONSUMER);
-            __atomic_thread_fence(__ATOMIC_ACQUIRE);
-            if (__atomic_load_n(w, __ATOMIC_RELAXED) == seq)
-                break;
-        }
-        if (tries == MAX_OFFER_TRIES)
-            Py_RETURN_NONE;
-    }
-    if (f[1] == 0)
+    if (!read_offer(addr, f, c))
         Py_RETURN_NONE;
-    Py_ssize_t n = 0;
-    while (n < CONSUMER && c[n])
-        n++;
     return Py_BuildValue("(KKKKKKKs#)", (unsigned long long)f[0], (unsigned long long)f[1],
                          (unsigned long long)f[2], (unsigned long long)f[3],
                          (unsigned long long)f[4], (unsigned long long)f[5],
-                         (unsigned long long)f[6], c, n);
+                         (unsigned long long)f[6], c, token_len(c));
 }
 
 static PyMethodDef methods[] = {
@@ -658,9 +704,14 @@ static PyMethodDef methods[] = {
     {"bell", bell, METH_O, "bell(mailbox) -> the bell's count."},
     {"bell_wait", bell_wait, METH_VARARGS,
      "bell_wait(mailbox, seen, timeout): sleep while the bell is `seen`, at most `timeout` s."},
-    {"mailbox_hand", mailbox_hand, METH_VARARGS,
-     "mailbox_hand(mailbox, token, body) -> 0 not claimed (OPEN(token) no more), 1 claimed, "
-     "filled and rung, 2 claimed but taken back before it was filled."},
+    {"hand_over", hand_over, METH_VARARGS,
+     "hand_over(bell, mailboxes, size, queue, last, oid, put, base, tail) -> None if not "
+     "claimed (no offer for `queue` made once seal `last` was applied, or OPEN(token) no "
+     "more), else (done, token, consumer, lease, version): done 1 claimed, filled and rung, 2 "
+     "claimed but taken back before it was filled."},
+    {"mailbox_take", mailbox_take, METH_VARARGS,
+     "mailbox_take(mailbox, request) -> (lease, version, oid, put, base, tail) of the item "
+     "filled for get `request`, or None."},
     {"copy_in", copy_in, METH_VARARGS,
      "copy_in(address, buffer): its bytes (C-contiguous) copied to `address`."},
     {"mailbox_read", mailbox_read, METH_O,
@@ -686,7 +737,8 @@ PyMODINIT_FUNC PyInit__shm(void) {
         return NULL;
     if (PyModule_AddIntConstant(m, "ENTRY_HEAD", HEAD) < 0 ||
         PyModule_AddIntConstant(m, "MAILBOX", MAILBOX) < 0 ||
-        PyModule_AddIntConstant(m, "MAILBOX_BODY", MAILBOX_BODY) < 0) {
+        PyModule_AddIntConstant(m, "MAILBOX_BODY", MAILBOX_BODY) < 0 ||
+        PyModule_AddIntConstant(m, "BODY_HEAD", BODY_HEAD) < 0) {
         Py_DECREF(m);
         return NULL;
     }

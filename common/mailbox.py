@@ -17,11 +17,13 @@ consumer's path.
     consumer: qget(mailbox) ─> broker: queue empty: park; state = OPEN(t) in the consumer's
               mailbox; in the producer's offer: (queue, t, mailbox, lease, version, get id,
               applied: the id of the producer's last seal the broker had applied)
-    producer q.put: copy into a granted block; then, under its seal lock, if the offer is
-              for this queue and `applied` is its last seal sent, in one C call: CAS
-              OPEN(t) -> CLAIMED(t); write the body (the get's reply); CAS CLAIMED(t) ->
-              FILLED(t); ring the bell. Its seal then goes, saying "direct t"; a put that
-              waits returns then, with the version the offer named (Note [writes]).
+    producer q.put: copy into a granted block; then, under its seal lock, in one C call
+              (_shm.hand_over): if the offer is for this queue and `applied` is its last
+              seal sent, CAS OPEN(t) -> CLAIMED(t); write the body (the get's reply: a
+              head of the item's own numbers, then a tail its producer packed once for
+              the layout, `body_tail`); CAS CLAIMED(t) -> FILLED(t); ring the bell. Its
+              seal then goes, saying "direct t"; a put that waits returns then, with the
+              version the offer named (Note [writes]).
     consumer: wakes on the bell, reads FILLED(t)'s body, addressed to its get: the item,
               with the lease the broker set aside for it
     broker:   any other way the wait can end (another item sealed, its timeout, the queue
@@ -54,12 +56,53 @@ memory, not in messages, so that a put does not read its socket to find one.
 
 from __future__ import annotations
 
+import struct
+from typing import Any
+
+import msgpack
+
 from . import _shm
 from .directory import map_segment
 
 IDLE, OPEN, CLAIMED, FILLED = 0, 1, 2, 3
 MAILBOX = _shm.MAILBOX  # bytes per client: its mailbox, and the offer made to it
 MAILBOX_BODY = _shm.MAILBOX_BODY  # the longest body: a bigger item goes through the broker
+BODY_HEAD = struct.Struct("<6Q")  # a body's head: the get it answers, lease, version, oid,
+assert BODY_HEAD.size == _shm.BODY_HEAD  # put, base (the offset of the item's block)
+
+Template = list[tuple[str, str, list[int], list[int], int]]  # name, dtype, shape, strides,
+# and offset from the block, of each tensor
+
+
+def body_tail(name: str, bundle: bool, segment: str, template: Template) -> bytes:
+    """A body's tail: what the items of one layout in one segment share, so that a
+    producer packs it once (the head, written in C, holds what each item has of its own)."""
+    packed: bytes = msgpack.packb([name, bundle, segment, template])
+    return packed
+
+
+def item_reply(
+    request: int, lease: int, version: int, oid: int, put: int, base: int, tail: Any
+) -> dict[str, Any]:
+    """The reply to get `request` that a body says (`tail` unpacked): the item, as the
+    broker would have answered it, on the lease the broker set aside for it."""
+    name, bundle, segment, template = tail
+    tensors = [[n, dt, shape, strides, segment, base + off, "cpu"]
+               for n, dt, shape, strides, off in template]  # fmt: skip
+    return {"id": request, "ok": True, "key": name, "version": version, "bundle": bundle,
+            "tensors": tensors, "lease": lease, "oid": oid, "put": put}  # fmt: skip
+
+
+def read_body(body: bytes) -> dict[str, Any]:
+    """A whole body, as `item_reply` (ValueError if it is not one)."""
+    if len(body) < BODY_HEAD.size:
+        raise ValueError(f"a mailbox body of {len(body)} bytes")
+    request, lease, version, oid, put, base = BODY_HEAD.unpack_from(body)
+    try:
+        tail = msgpack.unpackb(body[BODY_HEAD.size :], raw=False, strict_map_key=True)
+        return item_reply(request, lease, version, oid, put, base, tail)
+    except (TypeError, msgpack.UnpackException) as exc:
+        raise ValueError(f"a mailbox body that does not say an item: {exc}") from None
 
 
 def word(token: int, state: int) -> int:

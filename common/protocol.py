@@ -23,7 +23,7 @@ from .cudart import device_index, parse_device
 from .dtypes import DTYPES
 from .errors import BrokerError, InvalidRequest, ProtocolError
 
-PROTOCOL_VERSION = 2  # 2: direct-handoff offers carry the producer's last seal applied
+PROTOCOL_VERSION = 3  # 3: mailbox bodies are a head of u64s and a tail packed once per layout
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_KEY_BYTES = 1024
 MAX_NDIM = 32

@@ -9,11 +9,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import msgpack
-
 from ..common import _shm
 from ..common.errors import InvalidRequest, QueueClosed, Timeout
-from ..common.mailbox import CLAIMED, FILLED, IDLE, MAILBOX, OPEN, word
+from ..common.mailbox import CLAIMED, FILLED, IDLE, MAILBOX, OPEN, read_body, word
 from ..common.protocol import reply_error
 from .directory import _Mapped
 from .parking import ParkingLot, Waiter
@@ -314,12 +312,10 @@ class Handoffs:
             state, body = _shm.mailbox_read(d.mailbox)  # filled meanwhile
         if state == word(d.token, FILLED) and body is not None:
             try:
-                found = msgpack.unpackb(body, raw=False, strict_map_key=True)
-            except (ValueError, msgpack.UnpackException):
-                found = None
-            if isinstance(found, dict):
-                return found
-            log.warning("the mailbox of %s held an item it could not read", d.waiter.session)
+                return read_body(body)
+            except ValueError as exc:
+                log.warning("the mailbox of %s held an item it could not read: %s",
+                            d.waiter.session, exc)  # fmt: skip
         self.undone(d.producer, d.token)
         return None
 

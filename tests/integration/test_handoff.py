@@ -16,7 +16,7 @@ from support import SPAWN, GaveUp, in_thread, interrupt_after, join_all, wait_un
 from workers import shm_mapping
 
 import tensorbroker as tb
-from tensorbroker.common.mailbox import CLAIMED, OPEN, word
+from tensorbroker.common.mailbox import CLAIMED, MAILBOX, OPEN, word
 
 
 def offered(c: tb.Client) -> bool:
@@ -105,10 +105,14 @@ class _Dying:
         self._real = real
 
     def __getattr__(self, name: str) -> Any:
-        if name != "mailbox_hand":
+        if name != "hand_over":
             return getattr(self._real, name)
 
-        def claim_then_die(address: int, token: int, body: bytes) -> int:
+        def claim_then_die(bell: int, mailboxes: int, *rest: Any) -> Any:
+            offer = self._real.offer_read(bell)  # (queue, token, mailbox index, ...)
+            if offer is None:
+                return None
+            token, address = offer[1], mailboxes + offer[2] * MAILBOX
             self._real.cas(address, word(token, OPEN), word(token, CLAIMED))
             os._exit(0)
 
