@@ -354,12 +354,17 @@ class Connection:
         self.held.pop(lease, None)
 
     def check_usable(
-        self, settle: bool = True, poll: bool = True, wait: float | None = REQUEST_TIMEOUT
+        self,
+        settle: bool = True,
+        poll: bool = True,
+        wait: float | None = REQUEST_TIMEOUT,
+        earlier: bool = True,
     ) -> None:
-        """Raise why this client cannot be used, or the error of a put that did not wait
-        (`poll`: after reading the replies to those already there). `settle`: first wait (up
-        to `wait` seconds) for the answers to this client's items handed straight to a
-        consumer (Note [writes] in writes.py), so that what the broker says next sees them."""
+        """Raise why this client cannot be used, or (`earlier`) the error of a put that did
+        not wait (`poll`: after reading the replies to those already there). `settle`: first
+        wait (up to `wait` seconds) for the answers to this client's items handed straight
+        to a consumer (Note [writes] in writes.py), so that what the broker says next sees
+        them."""
         if host.pid() != self.pid:
             raise BrokerError(
                 f"this Client was made in process {self.pid} and cannot be used in a forked "
@@ -371,7 +376,8 @@ class Connection:
             raise BrokerUnavailable(self._broken)
         if poll:
             self.poll_writes(settle, wait)
-        self.raise_failed()
+        if earlier:
+            self.raise_failed()
 
     def raise_failed(self) -> None:
         """Raise the error of a put that did not wait, if one came (with how many more)."""

@@ -377,8 +377,10 @@ class Transfer:
         grant, items, specs, fields = plan.grant, plan.items, plan.specs, plan.fields
         assert grant is not None
         queue = fields.get("queue")
+        handing = queue is not None and self.bell is not None
         credited = False
-        try:
+        try:  # earlier errors first (read from the socket unless it may hand the item over)
+            self.conn.check_usable(settle=False, poll=not handing)
             if queue is not None:
                 credited = self.writes.take_credit(queue, fields.get("timeout"), wait)
             mapping = self.segments.get(grant.segment, populate=True)
@@ -403,7 +405,7 @@ class Transfer:
         key = fields.get("key")
         label = f"put {key!r}" if key is not None else f"put to queue {fields.get('name')!r}"
         hand_over = None
-        if queue is not None and self.bell is not None:
+        if handing and queue is not None:
             hand_over = functools.partial(self._hand_over, plan, grant, queue)
         sealed = self.writes.seal(message, key, label, grant.put, block, hand_over)
         return None if sealed is None else int(sealed["version"])

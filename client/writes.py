@@ -92,9 +92,10 @@ class Writes:
         `hand_over(message, last)` may hand the item to a consumer first (Note [direct
         handoff] in common/mailbox.py), if the broker had applied seal `last`, this client's
         last sent, when it offered the grant; it runs under the lock, so that no seal of
-        another thread's goes between it and this seal. The replies already there are read
-        first, except by an item handed over: the next call reads them."""
-        self.conn.check_usable(settle=False, poll=hand_over is None)
+        another thread's goes between it and this seal. It raises no error of an earlier put
+        that did not wait: what it seals is written already, so those come with the next
+        call (the caller raised those already there before it wrote)."""
+        self.conn.check_usable(settle=False, poll=False, earlier=False)
         while True:
             with self._lock:
                 generation = self.conn.generation
@@ -110,10 +111,6 @@ class Writes:
                         hand_over(message, self.last)
                         if "direct" in message:  # its consumer first (see the Note)
                             os.sched_yield()
-                        else:  # as any call: earlier errors first
-                            self._take_ready(channel)
-                            if "undone" not in message:  # (the broker must hear of that)
-                                self.conn.raise_failed()
                     handed = wait and "direct" in message  # the consumer has it: done
                     if handed:
                         wait = False

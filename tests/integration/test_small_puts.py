@@ -107,6 +107,28 @@ def test_errors_of_puts_that_did_not_wait_come_with_their_key(
         assert c.keys() == [] and c.stats()["pending"] == 0
 
 
+def test_an_earlier_error_raised_by_a_put_costs_that_put_nothing(
+    fresh_broker: tb.BrokerProcess,
+) -> None:
+    """The put that raises an earlier put's error raises it before it writes: its block
+    granted ahead goes back to the client's stock (every block the broker granted is in
+    it), and nothing of it is published."""
+    with tb.connect(fresh_broker.address) as c, tb.connect(fresh_broker.address) as other:
+        q = c.queue("frames")
+        q.put(np.ones(16), wait=False)  # credits, and grants of this size class, in stock
+        other.queue("frames").close()
+        q.put(np.full(16, 2.0), wait=False)  # refused by the broker, after this returned
+        time.sleep(0.2)  # the broker has answered by now
+        with pytest.raises(tb.QueueClosed, match="put to queue 'frames'"):
+            c.put("next", np.ones(16))
+        time.sleep(0.2)  # the grants topped up since have come
+        assert not c.exists("next")  # (and are read)
+        stock = sum(len(blocks) for blocks in c._transfer.writes.grants.values())
+        assert c.stats()["granted_bytes"] == stock * 4096
+        c.put("next", np.ones(16))  # and the one after goes through
+        assert c.get("next").numpy().tolist() == [1.0] * 16
+
+
 def test_a_producer_that_found_a_queue_unbounded_heeds_a_bound_set_later(
     fresh_broker: tb.BrokerProcess,
 ) -> None:
