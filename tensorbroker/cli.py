@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
+import threading
 from collections.abc import Sequence
+from typing import Any
 
 from .common.config import (
     SHM_DIR,
@@ -78,12 +81,26 @@ def _serve(args: argparse.Namespace) -> int:
             os.write(args.ready_fd, b"ready\n")
             os.close(args.ready_fd)
 
+    if args.parent_fd is not None:  # started by tb.start_broker: ends with its process
+        threading.Thread(
+            target=_stop_with_parent, args=(broker, args.parent_fd), name="parent", daemon=True
+        ).start()
     broker.serve(ready)
     if broker.keep_state:
         log.info("stopped; the objects stay in %s for the next broker", broker.state.path)
     else:
         log.info("stopped; shared memory released")
     return 0
+
+
+def _stop_with_parent(broker: Any, fd: int) -> None:
+    """Stop the broker (as SIGTERM does) once the process that started it has exited,
+    however it exited: the other end of pipe `fd`, which only that process holds, closes."""
+    with contextlib.suppress(OSError):
+        while os.read(fd, 64):
+            pass
+    log.warning("the process that started this broker exited: stopping")
+    broker.stop()
 
 
 def _keys(args: argparse.Namespace) -> int:
@@ -268,6 +285,7 @@ def parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    serve.add_argument("--parent-fd", type=int, help=argparse.SUPPRESS)
     serve.set_defaults(run=_serve)
     for name, run, help in (
         ("ping", _ping, "check that a broker answers"),

@@ -25,9 +25,12 @@ class BrokerProcess:
     socket; the broker unlinks its shared memory as it exits (unless given a `state_dir`:
     then its objects stay there for the next broker). `.restart()` starts a new broker on
     the same address and state, which adopts what a killed one left. A broker started here
-    and never stopped is sent SIGTERM when this interpreter exits."""
+    and never stopped is sent SIGTERM when this interpreter exits, and stops by itself when
+    this process ends any other way (a signal, os._exit): it watches a pipe only this process
+    holds (and children it forks, until they exit)."""
 
     _proc: subprocess.Popen[bytes] | None = None
+    _parent: int = -1  # our end of a pipe whose closing (this process exits) stops the broker
     _tmpdir: str | None = None  # the temporary address's directory, until stopped
     _own_dir: str | None = None
     _unstopped: ClassVar[set[int]] = set()  # pids started by this process and not stopped
@@ -87,6 +90,9 @@ class BrokerProcess:
         log_dir = self._tmpdir or tempfile.gettempdir()
         self.log_path = os.path.join(log_dir, f"broker-{os.getpid()}-{time.monotonic_ns()}.log")
         read_fd, write_fd = os.pipe()
+        if self._parent >= 0:  # the last broker's (restart)
+            os.close(self._parent)
+        parent_r, self._parent = os.pipe()  # (neither is inherited by what this runs later)
         try:
             with open(self.log_path, "wb") as log:
                 self._proc = subprocess.Popen(
@@ -104,8 +110,10 @@ class BrokerProcess:
                         *once,
                         "--ready-fd",
                         str(write_fd),
+                        "--parent-fd",
+                        str(parent_r),
                     ],
-                    pass_fds=(write_fd,),
+                    pass_fds=(write_fd, parent_r),
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
@@ -124,6 +132,7 @@ class BrokerProcess:
             raise
         finally:
             os.close(read_fd)
+            os.close(parent_r)
             if write_fd >= 0:
                 os.close(write_fd)
 
@@ -174,6 +183,9 @@ class BrokerProcess:
                 proc.kill()
                 code = proc.wait()
             BrokerProcess._unstopped.discard(proc.pid)
+            if self._parent >= 0:
+                os.close(self._parent)
+                self._parent = -1
             if code != 0 and self.state_dir is None:  # killed: it left its state behind
                 with contextlib.suppress(BrokerError):  # unless another broker holds it
                     discard(default_state_dir(self.address))

@@ -3,8 +3,10 @@ learn at once that their broker is gone."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import resource
+import shutil
 import signal
 import threading
 import time
@@ -14,7 +16,7 @@ import numpy as np
 import pytest
 
 import tensorbroker as tb
-from tests.support import segments_of
+from tests.support import segments_of, wait_until
 
 
 def test_segments_of_a_killed_broker_are_adopted_by_the_next_one_and_then_removed() -> None:
@@ -106,3 +108,45 @@ def test_the_broker_takes_every_descriptor_the_kernel_allows() -> None:
             line = next(line for line in f if line.startswith("Max open files"))
         broker_soft, broker_hard = line.split()[3:5]
         assert broker_soft == broker_hard != "1024", line
+
+
+def _start_then_die(conn: Any) -> None:
+    """Start a broker, say where, and die without a word (as a SIGKILL would)."""
+    broker = tb.start_broker(memory="16MiB")
+    with tb.connect(broker.address) as c:
+        c.put("x", np.ones(1000))
+        conn.send((broker.pid, broker.address, c.stats()["state_dir"]))
+    conn.recv()  # until the test has looked
+    os._exit(0)
+
+
+def test_a_broker_from_start_broker_ends_with_the_process_that_started_it() -> None:
+    """Its owner killed (no atexit, no stop): the broker stops as on SIGTERM, and removes
+    its segments, instead of running on with them."""
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    owner = ctx.Process(target=_start_then_die, args=(there,))
+    owner.start()
+    pid, address, state = here.recv()
+    try:
+        left = segments_of(state)
+        assert left and all(os.path.exists(p) for p in left)
+        here.send("die")
+        owner.join(10)
+        assert wait_until(lambda: not _running(pid), 10), (
+            f"the broker {pid} outlived the process that started it"
+        )
+        assert not any(os.path.exists(p) for p in left)
+    finally:
+        if _running(pid):  # (SIGTERM: it cleans up)
+            os.kill(pid, signal.SIGTERM)
+            wait_until(lambda: not _running(pid), 10)
+        shutil.rmtree(os.path.dirname(address.removeprefix("ipc://")), ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
