@@ -111,6 +111,8 @@ class Writes:
                         hand_over(message, self.last)
                         if "direct" in message:  # its consumer first (see the Note)
                             os.sched_yield()
+                        else:  # the replies there: credits, grants, errors for the next call
+                            self._take_ready(channel)
                     handed = wait and "direct" in message  # the consumer has it: done
                     if handed:
                         wait = False

@@ -556,24 +556,38 @@ static PyObject *hand_over(PyObject *self, PyObject *args) {
     if (index >= size / MAILBOX || n > MAILBOX_BODY - BODY_HEAD)
         Py_RETURN_NONE; /* an index out of the segment, or an item too big: the broker's way */
     uintptr_t box = boxes + index * MAILBOX;
-    /* One call, so that no Python exception can fall between the claim and the fill. */
+    /* The answer is made first: no Python error may come once the mailbox is claimed. */
+    PyObject *handed = Py_BuildValue("(iKs#KK)", 1, (unsigned long long)token, c, token_len(c),
+                                     (unsigned long long)lease, (unsigned long long)version);
+    PyObject *undone = PyLong_FromLong(2);
+    if (handed == NULL || undone == NULL) {
+        Py_XDECREF(handed);
+        Py_XDECREF(undone);
+        return NULL; /* nothing claimed: the item goes through the broker */
+    }
     uint64_t want = (token << 8) | M_OPEN;
     if (!__atomic_compare_exchange_n((uint64_t *)box, &want, (token << 8) | M_CLAIMED, 0,
-                                     __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+                                     __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+        Py_DECREF(handed);
+        Py_DECREF(undone);
         Py_RETURN_NONE;
+    }
     uint64_t head[6] = {request, lease, version, oid, put, base};
     memcpy((char *)(box + 16), head, BODY_HEAD);
     memcpy((char *)(box + 16 + BODY_HEAD), tail, (size_t)n);
     __atomic_store_n((uint32_t *)(box + 12), (uint32_t)(BODY_HEAD + n), __ATOMIC_RELAXED);
     want = (token << 8) | M_CLAIMED;
-    long done = 2;
     if (__atomic_compare_exchange_n((uint64_t *)box, &want, (token << 8) | M_FILLED, 0,
                                     __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
         bell_ring(box);
-        done = 1;
+        Py_DECREF(undone);
+        return handed;
     }
-    return Py_BuildValue("(lKs#KK)", done, (unsigned long long)token, c, token_len(c),
-                         (unsigned long long)lease, (unsigned long long)version);
+    /* Taken back before the fill: (2, token, ...). The tuple is ours alone, just made. */
+    PyObject *one = PyTuple_GET_ITEM(handed, 0);
+    PyTuple_SET_ITEM(handed, 0, undone);
+    Py_DECREF(one);
+    return handed;
 }
 
 /* The item handed to get `request` in mailbox `addr`, if it is filled and for that get. */

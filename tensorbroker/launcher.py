@@ -174,6 +174,7 @@ class BrokerProcess:
         Idempotent. Returns the broker's exit code."""
         proc, self._proc = self._proc, None
         code = None
+        parent, self._parent = self._parent, -1
         if proc is not None:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -183,12 +184,11 @@ class BrokerProcess:
                 proc.kill()
                 code = proc.wait()
             BrokerProcess._unstopped.discard(proc.pid)
-            if self._parent >= 0:
-                os.close(self._parent)
-                self._parent = -1
             if code != 0 and self.state_dir is None:  # killed: it left its state behind
                 with contextlib.suppress(BrokerError):  # unless another broker holds it
                     discard(default_state_dir(self.address))
+        if parent >= 0:
+            os.close(parent)
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
