@@ -54,7 +54,7 @@ class WritePlan:
 
     __slots__ = (
         "label", "items", "target", "specs", "bundle", "fields", "offsets", "grant", "raw",
-        "template", "tails",
+        "tails",
     )  # fmt: skip
 
     def __init__(
@@ -71,7 +71,6 @@ class WritePlan:
         self.offsets: list[int] = []
         self.grant: Grant | None = None
         self.raw = False  # its one array is stored byte for byte as it is (a plain ndarray)
-        self.template: Template | None = None  # see `tail`
         self.tails: dict[tuple[str, str], bytes] | None = None  # kept with a plan reused
 
     @property
@@ -80,18 +79,17 @@ class WritePlan:
 
     def tail(self, segment: str) -> bytes:
         """The tail of a mailbox body for this item in `segment` (`body_tail`): packed once
-        per queue and segment for a plan reused (`tails`), the strides once per plan."""
+        per queue and segment for a plan reused (`tails`)."""
         name = self.fields.get("name", "")
         tails = self.tails
         found = None if tails is None else tails.get((name, segment))
         if found is not None:
             return found
-        if self.template is None:
-            self.template = [
-                (tensor, dtype, shape, list(compact_strides(tuple(shape))), offset)
-                for (tensor, dtype, shape), offset in zip(self.specs, self.offsets, strict=True)
-            ]
-        tail = body_tail(name, self.bundle, segment, self.template)
+        template: Template = [
+            (tensor, dtype, shape, list(compact_strides(tuple(shape))), offset)
+            for (tensor, dtype, shape), offset in zip(self.specs, self.offsets, strict=True)
+        ]
+        tail = body_tail(name, self.bundle, segment, template)
         if tails is not None:
             if len(tails) >= PLAN_CACHE:
                 tails.clear()

@@ -10,7 +10,7 @@ import os
 import sys
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .common.config import (
     SHM_DIR,
@@ -23,6 +23,9 @@ from .common.config import (
     shm_bytes_available,
 )
 from .common.errors import BrokerError, NotFound
+
+if TYPE_CHECKING:
+    from .server.broker import Broker
 
 log = logging.getLogger("tensorbroker")
 
@@ -93,7 +96,7 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stop_with_parent(broker: Any, fd: int) -> None:
+def _stop_with_parent(broker: Broker, fd: int) -> None:
     """Stop the broker (as SIGTERM does) once the process that started it has exited,
     however it exited: the other end of pipe `fd`, which only that process holds, closes."""
     with contextlib.suppress(OSError):
