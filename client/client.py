@@ -20,6 +20,7 @@ from ..common.protocol import Op
 from .connection import RECONNECT_TIMEOUT, REQUEST_TIMEOUT, Connection
 from .cuda import DeviceLink
 from .queue import Queue, Subscription
+from .ring import RingView
 from .tensor import Tensor
 from .transfer import Item, Transfer
 from .transport import waits
@@ -243,8 +244,22 @@ class Client:
         item put from now on, in order, zero copy. `for item in sub` until the queue is
         closed; `sub.close()` ends it (so does closing this client, or its process dying)."""
         q = self._open_queue(name, 0, broadcast=True)
-        reply = self._call(Op.QSUB, queue=q._id, name=name)
-        return Subscription(self._transfer, name, q._id, reply["sub"])
+        local = self._transfer.directory is not None  # it maps the broker's segments
+        conn = self._transfer.conn
+        generation = conn.generation
+        reply = self._call(Op.QSUB, queue=q._id, name=name, ring=local)
+        where = reply.get("ring")
+        if where is None or generation != conn.generation:
+            return Subscription(self._transfer, name, q._id, reply["sub"], None)
+        segment, size, slots, bit, cursor = where
+        try:
+            ring = RingView(segment, size, slots, bit, cursor, q._id, generation)
+        except (OSError, ValueError) as exc:  # its items come through messages: slower
+            log.warning("cannot map the ring of queue %r (%s)", name, exc)
+            self._call(Op.QUNSUB, queue=q._id, name=name, sub=reply["sub"])
+            reply = self._call(Op.QSUB, queue=q._id, name=name)
+            return Subscription(self._transfer, name, q._id, reply["sub"], None)
+        return Subscription(self._transfer, name, q._id, reply["sub"], ring)
 
     def _open_queue(self, name: str, maxsize: int, broadcast: bool = False) -> Queue:
         if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 0:

@@ -91,6 +91,8 @@ class Connection:
         self.keys = keys = client_keys(self.address, server_key)
         self.pid = os.getpid()
         self.releases: queue.SimpleQueue[int] = queue.SimpleQueue()
+        # Ring slots found idle, (queue id, version), for the broker (Note [broadcast ring]).
+        self.done: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
         self.held: dict[int, int] = {}  # lease id -> object id, claimed again after a restart
         self._calls: set[int] = set()  # ids of the calls waiting for their answers
         self._failed: list[BrokerError] = []  # errors of puts that did not wait, to raise
@@ -117,8 +119,8 @@ class Connection:
         self._stop = threading.Event()
         self._flusher = threading.Thread(
             target=_flush_releases,
-            args=(weakref.ref(self), self.releases, self.held, self._stop, self._heartbeat,
-                  flusher_channel, self._pool, on_idle),
+            args=(weakref.ref(self), self.releases, self.held, self.done, self._stop,
+                  self._heartbeat, flusher_channel, self._pool, on_idle),
             daemon=True,
             name=f"tensorbroker-release-{self._session[:6]}",
         )  # fmt: skip
@@ -181,6 +183,26 @@ class Connection:
 
     def next_id(self) -> int:
         return next(self._ids)
+
+    def send_due(self) -> None:
+        """Send the releases and idle ring slots due now, without waiting for an answer (a
+        subscriber about to sleep: the producer may be waiting for those slots). Lost if
+        the broker has gone: one that comes back finds the slots idle itself."""
+        message = _release_message(self.releases, self.held, self.done)
+        if message is None:
+            return
+        channel = self._pool.borrow()
+        try:
+            if channel is None:
+                channel = self._fresh_channel()
+            channel.send(message)
+        except (BrokerExited, zmq.ZMQError):
+            if channel is not None:
+                self._pool.discard(channel)
+                channel = None
+        finally:
+            if channel is not None:
+                self._pool.give_back(channel)
 
     def open_channel(self) -> Channel:
         """A socket of its own that has said hello (a caller that needs one: writes.py)."""
@@ -404,8 +426,12 @@ class Connection:
         idle = self._pool.close()
         if idle and not self._broken:
             with contextlib.suppress(zmq.ZMQError):
-                while len(releases := _drain(self.releases, self.held)) == MAX_RELEASES:
-                    idle[0].send({"op": Op.RELEASE, "id": 0, "rel": releases})
+                releases: list[int] = []
+                while message := _release_message(self.releases, self.held, self.done):
+                    if len(message["rel"]) < MAX_RELEASES and "done" not in message:
+                        releases = message["rel"]  # the last go with the bye
+                        break
+                    idle[0].send(message)
                 idle[0].send({"op": Op.BYE, "id": 0, "keep_leases": True, "rel": releases})
         for channel in idle:
             self._pool.discard(channel)
@@ -437,10 +463,30 @@ def _drain(releases: queue.SimpleQueue[int], held: dict[int, int]) -> list[int]:
     return out
 
 
+def _release_message(
+    releases: queue.SimpleQueue[int], held: dict[int, int], done: queue.SimpleQueue[tuple[int, int]]
+) -> dict[str, Any] | None:
+    """A one-way message with the releases and idle ring slots queued now; None if none."""
+    ids = _drain(releases, held)
+    slots: list[int] = []
+    while not done.empty() and len(slots) < MAX_RELEASES:
+        try:
+            slots.extend(done.get_nowait())
+        except queue.Empty:
+            break
+    if not ids and not slots:
+        return None
+    message: dict[str, Any] = {"op": Op.RELEASE, "id": 0, "rel": ids}
+    if slots:
+        message["done"] = slots
+    return message
+
+
 def _flush_releases(
     connection: weakref.ref[Connection],
     releases: queue.SimpleQueue[int],
     held: dict[int, int],
+    done: queue.SimpleQueue[tuple[int, int]],
     stop: threading.Event,
     heartbeat: float | None,
     channel: Channel,
@@ -479,10 +525,10 @@ def _flush_releases(
                 on_idle()  # device leases: record their read-done events, then release them
             except Exception as exc:
                 log.warning("settling device leases failed: %s", exc)
-            ids, now = _drain(releases, held), time.monotonic()
+            message, now = _release_message(releases, held, done), time.monotonic()
             try:
-                if ids:  # (held no more: a broker that comes back drops them)
-                    channel.send({"op": Op.RELEASE, "id": 0, "rel": ids})
+                if message is not None:  # (held no more: a broker that comes back drops them)
+                    channel.send(message)
                     delay, last_sent = RELEASE_WINDOW, now
                 else:
                     delay = min(2 * delay, RELEASE_IDLE_WINDOW)

@@ -9,14 +9,19 @@ out. `maxsize` bounds the items in flight (see Note [queue slots] in server/queu
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, overload
 
-from ..common.errors import QueueClosed
+from ..common.errors import InvalidRequest, QueueClosed, Timeout
 from ..common.protocol import Op
+from ..common.ring import ASK, REMOVED
+from .ring import RingView
 from .tensor import Tensor
 from .transfer import Transfer
 from .transport import waits
+
+RING_LOOK = 1.0  # seconds a subscriber sleeps on its ring before it looks at its broker
 
 Item = Tensor | dict[str, Tensor]
 
@@ -139,22 +144,93 @@ class Subscription:
     """Every item put to a broadcast queue since it was made, in order, zero copy. Make one
     with `client.subscribe(name)`; `for item in sub` until the queue is closed."""
 
-    def __init__(self, transfer: Transfer, name: str, queue_id: int, sub: int) -> None:
+    def __init__(
+        self, transfer: Transfer, name: str, queue_id: int, sub: int, ring: RingView | None
+    ) -> None:
         self.name = name
         self._transfer = transfer
         self._id, self._sub = queue_id, sub
+        self._ring = ring  # its items come through the queue's ring (Note [broadcast ring])
+        self._ended = False
 
     def get(self, timeout: float | None = None) -> Item:
         """The next item, zero copy (its `version` is its place in the stream). Waits up to
         `timeout` seconds (None: as long as it takes; 0: Timeout at once). QueueClosed once
         the queue is closed and this subscription has every item put before."""
+        if self._ring is not None:
+            return self._take(timeout)
         timeout, wait = waits(timeout)
+        return self._ask(timeout, wait)
+
+    def _ask(self, timeout: float | None, wait: float | None) -> Item:
         return self._transfer.queue_get(
             timeout, wait, queue=self._id, name=self.name, sub=self._sub
         )  # fmt: skip
 
+    def _take(self, timeout: float | None) -> Item:
+        """The next item from the ring: no message, unless it is one the ring does not
+        describe (then it is asked for), or this subscriber let go of the last hold on a
+        slot (then the broker is told, before this sleeps)."""
+        ring, transfer = self._ring, self._transfer
+        assert ring is not None
+        conn = transfer.conn
+        deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+        with ring.lock:
+            while True:
+                if self._ended:
+                    raise QueueClosed(f"the subscription to queue {self.name!r} ended")
+                conn.check_usable(settle=False)
+                seen = ring.bell()
+                got = ring.take()
+                if isinstance(got, tuple):
+                    break
+                if got is False:
+                    self._end(-1)
+                self._end(ring.ended())
+                self._look(ring)
+                conn.send_due()  # the slots this subscriber let go of: a producer may wait
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise Timeout(
+                        f"queue {self.name!r} is empty" if not timeout
+                        else f"queue {self.name!r} stayed empty for {timeout:g}s"
+                    )  # fmt: skip
+                ring.wait(seen, RING_LOOK if left is None else min(left, RING_LOOK))
+            version = ring.cursor - 1
+            flags, oid, base, tail, idle = got
+            if not flags & ASK:
+                return ring.item(transfer, version, oid, base, tail)
+            if idle:
+                conn.done.put((self._id, version))
+        return self._ask(None, None)  # the broker has it ready for this subscription
+
+    def _end(self, why: int) -> None:
+        if why == REMOVED:
+            raise QueueClosed(f"queue {self.name!r} was removed")
+        if why > 0:
+            raise QueueClosed(f"queue {self.name!r} is closed and drained")
+        if why < 0:
+            self._ended = True
+            raise QueueClosed(f"the subscription to queue {self.name!r} ended")
+
+    def _look(self, ring: RingView) -> None:
+        """Between sleeps: a broker that exited is waited for (BrokerUnavailable if none
+        comes back), and one that came back without the state of the one before has no
+        ring for this subscription."""
+        conn = self._transfer.conn
+        if conn.broker_exited():
+            conn.reconnect(conn.generation)
+        if conn.generation != ring.generation:
+            if not conn.resumed:
+                raise InvalidRequest(
+                    f"this client has no subscription to queue {self.name!r} (lost with this "
+                    "client's state when the broker restarted): subscribe again"
+                )
+            ring.generation = conn.generation
+
     def close(self) -> None:
         """End the subscription: the items waiting for it are no longer kept for it."""
+        self._ended = True
         self._transfer.forget_kept((self._id, self._sub))
         self._transfer.conn.call(Op.QUNSUB, queue=self._id, name=self.name, sub=self._sub)
 

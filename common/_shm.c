@@ -30,6 +30,25 @@
  *        seqlock: seq u64 (odd while written), queue, token, mailbox index, lease, version,
  *        request (the consumer's get), applied (the id of the producer's last seal the
  *        broker had applied) u64, consumer[32] (its session token)
+ *
+ * Broadcast ring (one segment per ring of a broadcast queue, the broker's; its subscribers
+ * map it read-write; Note [broadcast ring] in common/ring.py):
+ *
+ *     header (RING_HEADER bytes): magic u64, bell u32 (a futex word: bumped, and every
+ *         waiter woken, for each batch of items published and when the stream ends), pad,
+ *         slots u64, members u64 (the bits of the subscriptions it serves), end u64 (0:
+ *         open; else the last version it will publish, plus 1), why u64 (1 closed, 2 removed),
+ *         top u64 (the last version written to a slot)
+ *     slot i (RING_SLOT bytes), for the item whose version % slots == i:
+ *         0  seq      u64   its version, stored last (release); 0: free
+ *         8  unread   u64   the subscriptions that have not taken it yet, a bit each
+ *        16  held     u64   those that took it and still hold it
+ *        24  flags    u32   RING_ASK: not described here (ask the broker for it)
+ *        28  taillen  u32
+ *        32  oid, put, base (the block's offset) u64; 56 unused
+ *        64  tail[taillen]  as a mailbox body's (common/mailbox.py)
+ *     A subscriber sets its bit in `held` before it clears it in `unread`; whoever reads
+ *     both zero (unread first) after clearing a bit tells the broker, which frees the slot.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -54,6 +73,10 @@
 #define M_OPEN 1
 #define M_CLAIMED 2
 #define M_FILLED 3
+#define RING_HEADER 64
+#define RING_SLOT 512
+#define RING_TAIL (RING_SLOT - 64)
+#define RING_ASK 1
 
 typedef struct {
     uint64_t seq;
@@ -612,6 +635,124 @@ static PyObject *mailbox_take(PyObject *self, PyObject *args) {
                          (Py_ssize_t)(len - BODY_HEAD));
 }
 
+/* ---- broadcast rings ------------------------------------------------------------------ */
+
+static inline uint64_t *ring_slot(uintptr_t ring, uint64_t index) {
+    return (uint64_t *)(ring + RING_HEADER + index * RING_SLOT);
+}
+
+/* Both bit sets of a slot empty: `unread` loaded first (a taker sets `held` before it clears
+ * `unread`, so this order never sees a taken item as let go). */
+static inline int ring_slot_idle(uint64_t *slot) {
+    return __atomic_load_n(&slot[1], __ATOMIC_SEQ_CST) == 0 &&
+           __atomic_load_n(&slot[2], __ATOMIC_SEQ_CST) == 0;
+}
+
+static PyObject *ring_publish(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *a;
+    unsigned long long index, version, unread, oid, put, base;
+    unsigned int flags;
+    const char *tail;
+    Py_ssize_t taillen;
+    uintptr_t ring;
+    if (!PyArg_ParseTuple(args, "OKKKIKKKy#:ring_publish", &a, &index, &version, &unread,
+                          &flags, &oid, &put, &base, &tail, &taillen) ||
+        get_addr(a, &ring) < 0)
+        return NULL;
+    if (taillen > RING_TAIL) {
+        PyErr_Format(PyExc_ValueError, "a ring slot's tail of %zd bytes (at most %d)", taillen,
+                     RING_TAIL);
+        return NULL;
+    }
+    uint64_t *slot = ring_slot(ring, index);
+    __atomic_store_n(&slot[1], (uint64_t)unread, __ATOMIC_RELAXED);
+    __atomic_store_n(&slot[2], (uint64_t)0, __ATOMIC_RELAXED);
+    uint32_t *f = (uint32_t *)&slot[3];
+    f[0] = flags;
+    f[1] = (uint32_t)taillen;
+    slot[4] = oid;
+    slot[5] = put;
+    slot[6] = base;
+    memcpy(&slot[8], tail, (size_t)taillen);
+    __atomic_store_n(&slot[0], (uint64_t)version, __ATOMIC_RELEASE);
+    Py_RETURN_NONE;
+}
+
+static PyObject *ring_wake(PyObject *self, PyObject *arg) {
+    (void)self;
+    uintptr_t ring;
+    if (get_addr(arg, &ring) < 0)
+        return NULL;
+    uint32_t *bell = (uint32_t *)(ring + 8);
+    __atomic_add_fetch(bell, 1, __ATOMIC_SEQ_CST);
+    syscall(SYS_futex, bell, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+    Py_RETURN_NONE;
+}
+
+static PyObject *ring_take(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *a;
+    unsigned long long index, version;
+    unsigned int bit;
+    uintptr_t ring;
+    if (!PyArg_ParseTuple(args, "OKKI:ring_take", &a, &index, &version, &bit) ||
+        get_addr(a, &ring) < 0)
+        return NULL;
+    uint64_t *slot = ring_slot(ring, index);
+    if (__atomic_load_n(&slot[0], __ATOMIC_ACQUIRE) != version)
+        Py_RETURN_NONE;
+    uint64_t mine = (uint64_t)1 << (bit & 63);
+    if (!(__atomic_load_n(&slot[1], __ATOMIC_SEQ_CST) & mine))
+        Py_RETURN_FALSE; /* not for this subscription (ended, or subscribed after it) */
+    uint32_t *f = (uint32_t *)&slot[3];
+    uint32_t flags = f[0], taillen = f[1];
+    if (flags & RING_ASK) {
+        __atomic_fetch_and(&slot[1], ~mine, __ATOMIC_SEQ_CST);
+        return Py_BuildValue("(IKKKy#O)", flags, 0ULL, 0ULL, 0ULL, "", (Py_ssize_t)0,
+                             ring_slot_idle(slot) ? Py_True : Py_False);
+    }
+    /* The slot stays as it is while this subscription's bit is set: read it first. */
+    if (taillen > RING_TAIL)
+        taillen = 0;
+    PyObject *out = Py_BuildValue("(IKKKy#O)", flags, (unsigned long long)slot[4],
+                                  (unsigned long long)slot[5], (unsigned long long)slot[6],
+                                  (const char *)&slot[8], (Py_ssize_t)taillen, Py_False);
+    if (out == NULL)
+        return NULL;
+    __atomic_fetch_or(&slot[2], mine, __ATOMIC_SEQ_CST);
+    __atomic_fetch_and(&slot[1], ~mine, __ATOMIC_SEQ_CST);
+    return out;
+}
+
+static PyObject *ring_release(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *a;
+    unsigned long long index, version, unread, held;
+    uintptr_t ring;
+    if (!PyArg_ParseTuple(args, "OKKKK:ring_release", &a, &index, &version, &unread, &held) ||
+        get_addr(a, &ring) < 0)
+        return NULL;
+    uint64_t *slot = ring_slot(ring, index);
+    if (__atomic_load_n(&slot[0], __ATOMIC_ACQUIRE) != version)
+        Py_RETURN_FALSE; /* emptied already: its subscribers' bits went with it */
+    if (unread)
+        __atomic_fetch_and(&slot[1], ~(uint64_t)unread, __ATOMIC_SEQ_CST);
+    if (held)
+        __atomic_fetch_and(&slot[2], ~(uint64_t)held, __ATOMIC_SEQ_CST);
+    return PyBool_FromLong(ring_slot_idle(slot));
+}
+
+static PyObject *ring_idle(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *a;
+    unsigned long long index;
+    uintptr_t ring;
+    if (!PyArg_ParseTuple(args, "OK:ring_idle", &a, &index) || get_addr(a, &ring) < 0)
+        return NULL;
+    return PyBool_FromLong(ring_slot_idle(ring_slot(ring, index)));
+}
+
 /* The bytes of a C-contiguous buffer, copied to `address`: one call for a small put's copy. */
 static PyObject *copy_in(PyObject *self, PyObject *args) {
     (void)self;
@@ -736,6 +877,19 @@ static PyMethodDef methods[] = {
     {"offer_read", offer_read, METH_O,
      "offer_read(mailbox) -> (queue, token, index, lease, version, request, applied, consumer)"
      " | None."},
+    {"ring_publish", ring_publish, METH_VARARGS,
+     "ring_publish(ring, index, version, unread, flags, oid, put, base, tail): fill slot "
+     "`index`, its version stored last (release). No wake: ring_wake."},
+    {"ring_wake", ring_wake, METH_O, "ring_wake(ring): bump its bell and wake every waiter."},
+    {"ring_take", ring_take, METH_VARARGS,
+     "ring_take(ring, index, version, bit) -> None if slot `index` does not hold `version`, "
+     "False if not for subscription `bit`, else (flags, oid, put, base, tail, idle): taken "
+     "(held, unless an ASK slot; idle: an ASK slot every subscription took)."},
+    {"ring_release", ring_release, METH_VARARGS,
+     "ring_release(ring, index, version, unread, held) -> whether slot `index`, if it still "
+     "holds `version`, is idle once those bits are cleared from its unread and held sets."},
+    {"ring_idle", ring_idle, METH_VARARGS,
+     "ring_idle(ring, index) -> whether no subscription has slot `index` to take or holds it."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -752,7 +906,11 @@ PyMODINIT_FUNC PyInit__shm(void) {
     if (PyModule_AddIntConstant(m, "ENTRY_HEAD", HEAD) < 0 ||
         PyModule_AddIntConstant(m, "MAILBOX", MAILBOX) < 0 ||
         PyModule_AddIntConstant(m, "MAILBOX_BODY", MAILBOX_BODY) < 0 ||
-        PyModule_AddIntConstant(m, "BODY_HEAD", BODY_HEAD) < 0) {
+        PyModule_AddIntConstant(m, "BODY_HEAD", BODY_HEAD) < 0 ||
+        PyModule_AddIntConstant(m, "RING_HEADER", RING_HEADER) < 0 ||
+        PyModule_AddIntConstant(m, "RING_SLOT", RING_SLOT) < 0 ||
+        PyModule_AddIntConstant(m, "RING_TAIL", RING_TAIL) < 0 ||
+        PyModule_AddIntConstant(m, "RING_ASK", RING_ASK) < 0) {
         Py_DECREF(m);
         return NULL;
     }

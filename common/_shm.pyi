@@ -4,6 +4,10 @@ ENTRY_HEAD: int
 MAILBOX: int
 MAILBOX_BODY: int
 BODY_HEAD: int
+RING_HEADER: int
+RING_SLOT: int
+RING_TAIL: int
+RING_ASK: int
 
 def key_hash(key: bytes) -> int: ...
 def map_fd(fd: int, size: int, writable: bool, offset: int = 0) -> int: ...
@@ -55,3 +59,20 @@ def offer_write(
     consumer: bytes,
 ) -> None: ...
 def offer_read(mailbox: int) -> tuple[int, int, int, int, int, int, int, str] | None: ...
+def ring_publish(
+    ring: int,
+    index: int,
+    version: int,
+    unread: int,
+    flags: int,
+    oid: int,
+    put: int,
+    base: int,
+    tail: bytes,
+) -> None: ...
+def ring_wake(ring: int) -> None: ...
+def ring_take(
+    ring: int, index: int, version: int, bit: int
+) -> tuple[int, int, int, int, bytes, bool] | bool | None: ...
+def ring_release(ring: int, index: int, version: int, unread: int, held: int) -> bool: ...
+def ring_idle(ring: int, index: int) -> bool: ...

@@ -59,7 +59,7 @@ class Op:
     EXISTS = "exists"  # key -> exists
     KEYS = "keys"  # -> keys
     STATS = "stats"  # -> counters
-    RELEASE = "release"  # rel; no reply
+    RELEASE = "release"  # rel, done (idle ring slots); no reply
     PING = "ping"  # -> pid, version
     HEARTBEAT = "hb"  # no reply
     BYE = "bye"  # the client is closing; no reply
@@ -272,6 +272,17 @@ def _opt_start(value: Any) -> int | None:
     return None if value is None else _int(value)
 
 
+def _ring_slots(value: Any) -> list[tuple[int, int]]:
+    """Ring slots a subscriber found idle, flat: [queue id, version, ...] (one array, not an
+    array per slot: Budget; Note [broadcast ring])."""
+    if (
+        not isinstance(value, list) or len(value) % 2 or len(value) > MAX_ARRAY
+        or not all(type(v) is int and v >= 0 for v in value)
+    ):  # fmt: skip
+        raise InvalidRequest(f"expected [queue id, version, ...], got {shown(value)}")
+    return list(zip(value[::2], value[1::2], strict=True))
+
+
 def _str(value: Any) -> str:
     if not isinstance(value, str) or len(value) > 256:
         raise InvalidRequest(f"expected a short string, got {shown(value)}")
@@ -360,12 +371,12 @@ _FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
     Op.EXISTS: {"key": (check_key, True)},
     Op.KEYS: {},
     Op.STATS: {},
-    Op.RELEASE: {},
+    Op.RELEASE: {"done": (_ring_slots, False)},
     Op.PING: {},
     Op.HEARTBEAT: {},
     Op.BYE: {"keep_leases": (_bool, False)},
     Op.QOPEN: {"name": (check_key, True), "maxsize": (_int, False), "broadcast": (_bool, False)},
-    Op.QSUB: {"queue": (_int, True), "name": (check_key, False)},
+    Op.QSUB: {"queue": (_int, True), "name": (check_key, False), "ring": (_bool, False)},
     Op.QUNSUB: {"queue": (_int, True), "sub": (_int, True), "name": (check_key, False)},
     # Queue ops name the queue by the id `qopen` gave; "name" only words their errors.
     Op.QPUT: {

@@ -68,6 +68,7 @@ from .opstats import OpStats
 from .parking import ParkingLot
 from .queues import Queues
 from .registry import Registry, Session, StoredObject
+from .rings import Ring
 from .sessions import HEARTBEAT_INTERVAL, Sessions
 from .sockets import AddressInUse, frame_peer, raise_fd_limit, refuse_if_served, share_sockets
 from .state import Recovered, State
@@ -83,6 +84,7 @@ MAX_POLL_S = 3600.0  # a far deadline is waited for in steps zmq can take
 # Requests ZeroMQ reads ahead per client: one that sends faster than the broker answers waits
 # in its own socket (nothing is dropped), and holds at most RCVHWM frames here.
 RCVHWM = 128
+RING_SCAN = 0.05  # seconds between looks at the rings whose producers wait (scan_rings)
 DRAIN_BATCH = 512  # requests handled before the loop looks at timers and pidfds again
 # plain ints: enum arithmetic costs
 _EVENTS, _POLLIN, _POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
@@ -166,10 +168,15 @@ class Broker:
         self.objects.eviction.every_object = evict == "lru"
         self.devices.on_free = self.objects.memory_back
         self.queues = Queues(self.objects)
+        self.queues.make_ring = lambda slots, existing: Ring(
+            shm_dir, state.prefix, state, slots, self._gid, existing
+        )  # fmt: skip
         self.handoffs = self.queues.handoffs  # Note [direct handoff] in common/mailbox.py
         self.handoffs.mailboxes, self.handoffs.sessions = self.mailboxes, self.sessions.by_token
         self.sessions.mailboxes = self.mailboxes
         self.sessions.on_drop = self.queues.session_gone
+        self.sessions.holds_ring = self.queues.holds_ring
+        self.sessions.ring_held = self.queues.ring_held
         self.inventory = Inventory(
             self.registry, self.queues, self.sessions.by_token.values(), self.lot
         )
@@ -184,6 +191,7 @@ class Broker:
         self._wake_r, self._wake_w = socket.socketpair()
         self._outbox: list[tuple[bytes, bytes]] | None = None  # replies held for a commit
         self._after: list[tuple[bytes, bytes]] = []  # answers that go after the outbox's
+        self._ring_scan = 0.0  # when the rings are looked at next (scan_rings)
         self._wake_w.setblocking(False)
         self._exporter: Exporter | None = None  # serve --metrics: export_metrics()
         self.opstats = OpStats()
@@ -201,7 +209,7 @@ class Broker:
             Op.EXISTS: self.objects.exists,
             Op.KEYS: self.objects.keys,
             Op.STATS: self._on_stats,
-            Op.RELEASE: _nothing,
+            Op.RELEASE: self._on_release,
             Op.HEARTBEAT: _nothing,
             Op.BYE: self._on_bye,
             Op.QOPEN: self.queues.open,
@@ -243,6 +251,7 @@ class Broker:
             self.directory.adopt(old)
         ours = {*self.arena.segments, *self.directory.segments, self.slots.name}
         ours.add(self.mailboxes.name)
+        ours.update(self.queues.ring_segments)
         for name in os.listdir(self._shm_dir):  # made but not journaled, or replaced
             if name.startswith(self.state.prefix) and name not in ours:
                 os.unlink(os.path.join(self._shm_dir, name))
@@ -374,6 +383,7 @@ class Broker:
         self.directory.close(unlink)
         self.slots.close(unlink)
         self.mailboxes.close(unlink)
+        self.queues.close_rings(unlink)
         self.state.close(keep=self.keep_state)
         self.devices.close()
 
@@ -448,6 +458,9 @@ class Broker:
             self.registry.reclaim()
             self.devices.reclaim()
             self.objects.retry_device_puts()
+            if now >= self._ring_scan:
+                self._ring_scan = now + RING_SCAN
+                self.queues.scan_rings()
             self.queues.admit_putters()
             if exporter is not None and exporter.wanted:  # a scrape waits (Note [metrics])
                 try:
@@ -464,6 +477,8 @@ class Broker:
             timeout = max(0.0, deadline - time.monotonic())
         if self.devices.quarantine or self.registry.scanning:
             timeout = min(timeout if timeout is not None else RECLAIM_POLL, RECLAIM_POLL)
+        if self.queues.rings_waited_on:  # a "done" lost: found by the scan
+            timeout = min(timeout if timeout is not None else RING_SCAN, RING_SCAN)
         if self.sessions.unwatched:
             timeout = min(timeout if timeout is not None else math.inf, HEARTBEAT_INTERVAL)
         if self._backlogs:
@@ -485,6 +500,7 @@ class Broker:
         after, self._after = self._after, []
         for route, payload in after:
             self._send(route, payload)
+        self.queues.flush_rings()  # Note [broadcast ring]
 
     def _answer(self, route: bytes, payload: bytes, last: bool = False) -> None:
         """The reply to a request that waited (a consumer parked on a queue, say): it goes
@@ -652,6 +668,12 @@ class Broker:
 
     def _item_freed(self, obj: StoredObject) -> None:
         self.queues.item_freed(obj)
+
+    def _on_release(self, session: Session, route: bytes, req: Request) -> None:
+        """Releases (taken in `_dispatch`), and ring slots a subscriber found idle."""
+        done = req.fields.get("done")
+        if done:
+            self.queues.ring_done(done)
 
     def _on_stats(self, session: Session, route: bytes, req: Request) -> dict[str, Any]:
         return self.stats()

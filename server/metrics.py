@@ -98,6 +98,11 @@ COUNTERS = (  # prometheus_client adds _total
         "tensorbroker_evicted_objects",
         "Objects evicted to make room for others.",
     ),
+    (
+        "ring_items",
+        "tensorbroker_broadcast_ring_items",
+        "Broadcast items posted to rings, taken by subscribers without a message each.",
+    ),
 )
 # Per device, where the broker measures it: (suffix of the stats() key, help)
 MEMORY = (

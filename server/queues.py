@@ -45,15 +45,18 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..common.errors import BrokerError, InvalidRequest, NotFound, QueueClosed, Timeout
 from ..common.protocol import Op, Request, reply_error, reply_ok
+from ..common.ring import CLOSED, REMOVED
 from .handoff import Bound, Direct, Handoffs
 from .objects import Objects
 from .parking import Waiter, secs
 from .registry import Session, StoredObject
+from .rings import MAX_SLOTS, Ring
 from .state import PENDING, Row
 
 log = logging.getLogger(__name__)
@@ -83,6 +86,7 @@ class BrokerQueue:
     unseen: dict[int, set[int]] = field(default_factory=dict)  # item's oid -> subscribers
     removed: bool = False  # by `qdelete`: its name may start a new queue already
     producer: Any = None  # the session of the last item written: offered direct grants
+    ring: Ring | None = None  # a bounded broadcast queue's (Note [broadcast ring])
 
     @property
     def full(self) -> bool:
@@ -98,7 +102,10 @@ class BrokerQueue:
     @property
     def ended(self) -> bool:
         """Closed, and nothing left to take or still being written."""
-        return self.closed and not self.items and self.pending == 0
+        return (
+            self.closed and not self.items and self.pending == 0
+            and (self.ring is None or not self.ring.posted)
+        )  # fmt: skip
 
     def describe(self) -> str:
         bound = f"of {self.maxsize} " if self.maxsize else ""
@@ -119,6 +126,13 @@ class Queues:
         self._roomy: set[BrokerQueue] = set()  # queues that freed a slot since the last look
         self._sub_ids = itertools.count(1)
         self.handoffs = Handoffs(self.registry, self.lot, self._get_again, self._undo_claim)
+        # Makes a ring of that many slots (or maps an existing one, by name); None: no rings.
+        self.make_ring: Callable[[int, str | None], Ring] | None = None
+        self._rings_due: set[Ring] = set()  # rings with writes waiting for the commit
+        self._with_rings: dict[int, BrokerQueue] = {}  # queues (removed ones too) with a ring
+        self._ended_bits: dict[int, int] = {}  # adopted: queue id -> bits of subscriptions gone
+        self._rings_closing: list[Ring] = []  # rings of queues that ended, closed after a flush
+        self.ring_items = 0  # items posted to rings
 
     def open(self, session: Session, route: bytes, req: Request) -> Reply:
         name, maxsize = req.fields["name"], req.fields.get("maxsize", 0)
@@ -298,16 +312,19 @@ class Queues:
             session.credits[q.id] = session.credits.get(q.id, 0) + given
         return given
 
-    def session_gone(self, session: Session) -> None:
-        """A client closed or died: its credits go back to their queues, its subscriptions
-        end, and its direct grants are taken back (or sealed, if it handed an item over)."""
+    def session_gone(self, session: Session, gone: bool = True) -> None:
+        """A client closed or died (`gone`: its process too, or it holds nothing): its
+        credits go back to their queues, its subscriptions end, and its direct grants are
+        taken back (or sealed, if it handed an item over)."""
         for d, body in self.handoffs.session_gone(session):
             if body is not None:
                 self._seal_left(session, d, body)
         for bq in list(self.by_id.values()):
             if bq.subs is not None:
                 for sub in [sub for sub, s in bq.subs.items() if s is session]:
-                    self._drop_sub(bq, sub)
+                    self._drop_sub(bq, sub, gone)
+            if gone and bq.ring is not None and bq.ring.parted:
+                self._slots_done(bq, bq.ring.session_gone(session))
         for qid, n in session.credits.items():
             q = self.by_id.get(qid)
             if q is not None and n:
@@ -367,21 +384,50 @@ class Queues:
             raise InvalidRequest(f"queue {q.name!r} is an ordinary queue: read it with get")
         sub = next(self._sub_ids)
         q.subs[sub] = session
+        reply: Reply = {"sub": sub}
+        ring = self._ring(q) if req.fields.get("ring") else None
+        bit = ring.join(sub, q.sealed + 1) if ring is not None else None
+        if ring is not None and bit is not None:  # from the next item sealed on
+            reply["ring"] = [*ring.describe(), bit, q.sealed + 1]
         self.registry.journal.queue(q)
-        return {"sub": sub}
+        return reply
+
+    def _ring(self, q: BrokerQueue) -> Ring | None:
+        """The ring of a bounded broadcast queue, made at its first subscription that can map
+        it (None: its subscribers read through messages)."""
+        if (
+            q.ring is None and self.make_ring is not None and not q.closed
+            and 0 < q.maxsize <= MAX_SLOTS // 2
+        ):  # fmt: skip
+            q.ring = self.make_ring(2 * q.maxsize, None)
+            self._with_rings[q.id] = q
+        return q.ring
 
     def unsubscribe(self, session: Session, route: bytes, req: Request) -> Reply:
         q = self.by_id.get(req.fields["queue"])
         sub = req.fields["sub"]
         if q is not None and q.subs is not None and q.subs.get(sub) is session:
-            self._drop_sub(q, sub)
+            self._drop_sub(q, sub, gone=False)
         return {}
 
     def _publish(self, q: BrokerQueue, obj: StoredObject) -> None:
+        """Give a sealed item to every subscription: in its ring slot to those with a bit
+        (Note [broadcast ring]), through `items` to the others (and to all of them, if the
+        slot cannot describe the item: they ask for it)."""
         assert q.subs is not None
+        unseen = set(q.subs)
+        ring = q.ring
+        if ring is not None and ring.bits:
+            tail = ring.tail(obj)
+            if tail is not None:
+                unseen -= ring.bits.keys()
+                self.registry.pin(obj)  # the ring's hold, until its slot is done
+            ring.post(obj.version, ring.mask_for(obj.version), obj if tail else None, tail or b"")
+            self._rings_due.add(ring)
+            self.ring_items += 1
         q.items.append(obj)
-        q.unseen[obj.oid] = set(q.subs)
-        self.registry.journal.given(obj, q.unseen[obj.oid], None, None)
+        q.unseen[obj.oid] = unseen
+        self.registry.journal.given(obj, unseen, None, None)
         for w in list(q.getters):
             if not w.done and w.request.fields["sub"] in q.unseen.get(obj.oid, ()):
                 reply = self._give(w.session, w.request, obj)
@@ -407,11 +453,14 @@ class Queues:
         self.registry.retire(obj)
         self._note_if_ended(q)
 
-    def _drop_sub(self, q: BrokerQueue, sub: int) -> None:
+    def _drop_sub(self, q: BrokerQueue, sub: int, gone: bool) -> None:
         """End a subscription: its gets waiting end (QueueClosed: a subscriber's loop ends),
-        and the items waiting for it no longer do."""
+        and the items waiting for it no longer do (nor, if its process is `gone`, the ring
+        slots it holds)."""
         assert q.subs is not None
-        del q.subs[sub]
+        session = q.subs.pop(sub)
+        if q.ring is not None and sub in q.ring.bits:
+            self._slots_done(q, q.ring.leave(sub, session, gone))
         self.registry.journal.queue(q)
         for w in [w for w in q.getters if w.request.fields.get("sub") == sub]:
             ended = QueueClosed(f"the subscription to queue {q.name!r} ended")
@@ -478,6 +527,9 @@ class Queues:
             return {}  # closing a closed queue succeeds
         q.closed = True
         self.registry.journal.queue(q)
+        if q.ring is not None:
+            q.ring.end(CLOSED, q.sealed)
+            self._rings_due.add(q.ring)
         self.handoffs.take_back(q)  # an item handed over already came before the close
         for w in [*q.getters, *q.putters]:
             closed = QueueClosed(f"queue {q.name!r} was closed")
@@ -508,10 +560,18 @@ class Queues:
             self.registry.journal.queue_gone(q)
         items, q.items = list(q.items), deque()
         q.unseen.clear()
+        idle = []
+        if q.ring is not None:  # what the subscribers took stays theirs until they let go
+            q.ring.end(REMOVED, q.sealed)
+            self._rings_due.add(q.ring)
+            for sub, s in (q.subs or {}).items():
+                if sub in q.ring.bits:
+                    idle += q.ring.leave(sub, s, gone=False)
         if q.subs is not None:
             q.subs.clear()
         for obj in items:
             self.registry.retire(obj)
+        self._slots_done(q, idle)
         return {}
 
     def info(self, session: Session, route: bytes, req: Request) -> Reply:
@@ -537,6 +597,7 @@ class Queues:
         if q.removed:
             if not q.in_flight:
                 self.registry.journal.queue_gone(q)
+                self._close_ring(q)
             return
         self._roomy.add(q)
 
@@ -564,6 +625,7 @@ class Queues:
         (their names then start new queues)."""
         if not q.ended or q.removed or q.id in self._ended:
             return
+        self._close_ring(q)
         self._ended[q.id] = q
         while len(self._ended) > ENDED_QUEUES:
             old = self._ended.pop(next(iter(self._ended)))
@@ -572,19 +634,123 @@ class Queues:
                 del self.by_name[old.name]
             self.registry.journal.queue_gone(old)
 
+    # -- broadcast rings (Note [broadcast ring]) ---------------------------------------------
+
+    def ring_done(self, versions: list[tuple[int, int]]) -> None:
+        """Subscribers found these slots ([queue id, version]) idle: their items are done."""
+        for qid, version in versions:
+            q = self._with_rings.get(qid)
+            if q is not None:
+                self._slots_done(q, [version])
+
+    def _slots_done(self, q: BrokerQueue, versions: list[int]) -> None:
+        """Empty the idle slots of these versions: each item goes (unless subscribers through
+        messages still have it to take)."""
+        ring = q.ring
+        if ring is None:
+            return
+        for version in versions:
+            posted = ring.done(version)
+            if posted is not None and posted.item is not None:
+                self.registry.unpin(posted.item)
+        if ring.staged:
+            self._rings_due.add(ring)
+        self._note_if_ended(q)
+
+    def holds_ring(self, session: Session) -> bool:
+        """Whether `session`'s subscribers hold ring slots (its arrays live on after a bye)."""
+        return any(self._ring_holds(q, session) for q in self._with_rings.values())
+
+    def ring_held(self, session: Session) -> list[int]:
+        """The items `session`'s subscribers hold in ring slots (journaled with a closed
+        session whose arrays live on, so that a broker that comes back keeps them)."""
+        return [oid for q in self._with_rings.values() for oid in self._ring_holds(q, session)]
+
+    @staticmethod
+    def _ring_holds(q: BrokerQueue, session: Session) -> list[int]:
+        ring = q.ring
+        if ring is None:
+            return []
+        mask = 0
+        for sub, s in (q.subs or {}).items():
+            if s is session and sub in ring.bits:
+                mask |= 1 << ring.bits[sub]
+        for bit, s in ring.parted.items():
+            if s is session:
+                mask |= 1 << bit
+        return ring.held_items(mask) if mask else []
+
+    def flush_rings(self) -> None:
+        """The journal has this batch: write the rings' slots (after its replies)."""
+        due, self._rings_due = self._rings_due, set()
+        for ring in due:
+            ring.flush()
+        closing, self._rings_closing = self._rings_closing, []
+        for ring in closing:
+            ring.close()
+
+    def scan_rings(self) -> None:
+        """Slots found idle whose "done" did not come (lost with a broker that died, or with
+        a subscriber's message): the rings of queues whose producers wait are looked at."""
+        for q in list(self._with_rings.values()):
+            if q.ring is not None and (q.putters or q.closed):
+                idle = q.ring.idle()
+                if idle:
+                    self._slots_done(q, idle)
+
+    @property
+    def rings_waited_on(self) -> bool:
+        """Whether a producer waits for a ring's slots (the broker then scans them)."""
+        return any(q.putters for q in self._with_rings.values())
+
+    def _close_ring(self, q: BrokerQueue) -> None:
+        """A queue that ended (or was removed and let go of its last item): its ring goes."""
+        ring = q.ring
+        if ring is None or ring.posted:
+            return
+        q.ring = None
+        self._with_rings.pop(q.id, None)
+        self._rings_due.add(ring)  # its end is written, then it goes (`flush_rings`)
+        self._rings_closing.append(ring)
+        if not q.removed or q.in_flight:
+            self.registry.journal.queue(q)
+
+    def close_rings(self, unlink: bool) -> None:
+        self.flush_rings()
+        for q in self._with_rings.values():
+            if q.ring is not None:
+                q.ring.close(unlink)
+        self._with_rings.clear()
+
+    @property
+    def ring_segments(self) -> list[str]:
+        return [q.ring.name for q in self._with_rings.values() if q.ring is not None]
+
     def adopt(
-        self, rows: list[tuple[int, str, int, bool, int, bool, Any]], objects: list[Row],
-        sessions: dict[str, Session],
+        self, rows: list[tuple[int, str, int, bool, int, bool, Any, str | None]],
+        objects: list[Row], sessions: dict[str, Session],
     ) -> None:  # fmt: skip
         """The queues of a broker that died (Note [recovery] in state.py), each item of the
         journal holding its slot as before; `adopted` orders them once their items are in.
-        A broadcast queue keeps the subscriptions of the `sessions` still alive."""
+        A broadcast queue keeps the subscriptions of the `sessions` still alive, and its
+        ring, with their bits (Note [broadcast ring])."""
         subs_seen = 0
-        for qid, name, maxsize, closed, sealed, removed, subs in rows:
+        for qid, name, maxsize, closed, sealed, removed, subs, ring in rows:
             q = BrokerQueue(name, qid, maxsize, closed, sealed=sealed, removed=removed)
+            if ring is not None and self.make_ring is not None:
+                q.ring = self.make_ring(0, ring)
+                self._with_rings[qid] = q
             if subs is not None:
-                q.subs = {sub: sessions[t] for sub, t in subs if t in sessions}
-                subs_seen = max([subs_seen, *(sub for sub, _ in subs)])
+                q.subs = {}
+                for sub, token, *ringed in subs:
+                    bit, start = ringed if len(ringed) == 2 else (None, 0)
+                    if token in sessions:
+                        q.subs[sub] = sessions[token]
+                        if q.ring is not None and bit is not None:
+                            q.ring.bits[sub], q.ring.starts[sub] = bit, start
+                    elif bit is not None:
+                        self._ended_bits[qid] = self._ended_bits.get(qid, 0) | 1 << bit
+                    subs_seen = max(subs_seen, sub)
             self.by_id[qid] = q  # a removed queue only until its items are adopted
             if not removed:
                 self.by_name[name] = q
@@ -601,10 +767,13 @@ class Queues:
         still to be given to the subscriptions that carried over, as its row in `objects`
         says). Removed queues are known to their items only (gone from the journal once the
         last is freed)."""
+        for q in list(self._with_rings.values()):  # its slots: held again, or done
+            self._adopt_ring(q)
         for q in [q for q in self.by_id.values() if q.removed]:
             del self.by_id[q.id]
             if not q.in_flight:
                 self.registry.journal.queue_gone(q)
+                self._close_ring(q)
         unseen = {row.oid: set(row.unseen) for row in objects if row.unseen is not None}
         for q in list(self.by_name.values()):
             q.items = deque(sorted(q.items, key=lambda o: o.version))
@@ -619,10 +788,35 @@ class Queues:
                 self.registry.journal.queue(q)  # without the subscriptions that ended
             self._note_if_ended(q)
 
+    def _adopt_ring(self, q: BrokerQueue) -> None:
+        """The ring of an adopted queue: its slots held again, the subscriptions that did not
+        come back let go, and the items never written to it posted (Note [broadcast ring])."""
+        ring = q.ring
+        assert ring is not None
+        for posted in ring.adopt(self.registry.adopted):
+            if posted.item is not None:
+                self.registry.pin(posted.item)
+        # Bits of subscriptions that did not come back, or that had ended (a closed
+        # client's arrays that live on hold their items by leases now: Sessions.adopt).
+        stray = self._ended_bits.get(q.id, 0) | ring.marked() & ~ring.members
+        self._slots_done(q, ring.forget(stray) if stray else ring.idle())
+        top = ring.top
+        lost = [o for o in self.registry.adopted.values() if o.queue is q and o.version > top]
+        for obj in sorted(lost, key=lambda o: o.version):
+            mask = ring.mask_for(obj.version)
+            if mask:
+                tail = ring.tail(obj)
+                if tail is not None:
+                    self.registry.pin(obj)
+                ring.post(obj.version, mask, obj if tail else None, tail or b"")
+        if ring.staged:
+            self._rings_due.add(ring)
+
     def stats(self) -> Reply:
         return {
             "queues": len(self.by_name) - len(self._ended),  # not ended yet
             "queued_items": sum(len(q.items) for q in self.by_name.values()),
             "queue_in_flight": sum(q.in_flight for q in self.by_name.values()),
+            "ring_items": self.ring_items,  # broadcast items posted to rings
             **self.handoffs.stats(),
         }

@@ -474,6 +474,15 @@ class Registry:
 
     # -- memory --------------------------------------------------------------------------
 
+    def pin(self, obj: StoredObject) -> None:
+        """A hold on `obj` that is no session's (a broadcast ring's slot): it is not freed
+        until `unpin`."""
+        obj.leases += 1
+
+    def unpin(self, obj: StoredObject) -> None:
+        obj.leases -= 1
+        self._maybe_free(obj)
+
     def retire(self, obj: StoredObject) -> None:
         """No longer live (an item every subscriber of its broadcast queue has): freed once
         no lease holds it."""

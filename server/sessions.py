@@ -56,7 +56,10 @@ class Sessions:
         # one's event (a live process taken for dead).
         self.to_close: list[int] = []
         self.unwatched: set[Session] = set()  # kept alive by heartbeats
-        self.on_drop: Callable[[Session], None] = lambda session: None  # before its puts end
+        # Told before its puts end; with False when its process lives on, holding things.
+        self.on_drop: Callable[[Session, bool], None] = lambda session, gone: None
+        self.holds_ring: Callable[[Session], bool] = lambda session: False  # ring slots
+        self.ring_held: Callable[[Session], list[int]] = lambda session: []  # their items' oids
         self.mailboxes: Any = None  # the broker's MailboxTable (handoff.py), named at hello
 
     def hello(self, route: bytes, req: Request, peer: Peer | None = None) -> dict[str, Any]:
@@ -192,7 +195,7 @@ class Sessions:
         self.drop(session, keep_leases=keep)
         if session.closed and session.token in self.by_token:  # kept for its arrays
             held = [obj.oid for obj in session.leases.values() if obj.device == "cpu"]
-            self.registry.journal.session_closed(session, held)
+            self.registry.journal.session_closed(session, held + self.ring_held(session))
 
     def exited(self, pidfd: int) -> None:
         """The process behind `pidfd` exited: drop each of its sessions."""
@@ -239,8 +242,9 @@ class Sessions:
             self.lot.unpark(w)
         keep = keep_leases and (
             bool(session.leases) or self.registry.writing(session) or self.registry.slotted(session)
-        )
-        self.on_drop(session)
+            or self.holds_ring(session)
+        )  # fmt: skip
+        self.on_drop(session, not keep)
         self.registry.drop_session(session, keep_leases=keep)
         session.closed = True
         if keep:

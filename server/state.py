@@ -99,9 +99,9 @@ class Recovered:
     segments: dict[str, tuple[int, str]]  # name -> size, kind
     meta: dict[str, Any]
     objects: list[Row] = field(default_factory=list)
-    # id, name, maxsize, closed, sealed, removed, subscriptions ([sub, session]; None: not a
-    # broadcast queue)
-    queues: list[tuple[int, str, int, bool, int, bool, list[list[Any]] | None]] = field(
+    # id, name, maxsize, closed, sealed, removed, subscriptions ([sub, session], and its ring
+    # bit and first version if it has one; None: not a broadcast queue), ring segment or None
+    queues: list[tuple[int, str, int, bool, int, bool, list[list[Any]] | None, str | None]] = field(
         default_factory=list
     )
     sessions: list[tuple[str, int | None, str | None, int | None, int | None, bool, list[int]]] = (
@@ -179,14 +179,25 @@ def read_journal(path: str) -> Recovered | None:
         raise ValueError(f"record {len(rows)}: {type(exc).__name__}: {exc}") from None
     out = Recovered(str(meta.get("owner", "?")), segments, meta)
     out.objects = [Row(*rows[oid]) for oid in sorted(rows)]
-    # Older journals: 5 fields, or 6 for a queue removed (qdelete) while consumers held items.
+    # Older journals: 5 fields, or 6 for a queue removed (qdelete) while consumers held items,
+    # or 7 before broadcast rings.
     out.queues = [
-        (i, n, m, bool(c), s, bool(r and r[0]), r[1] if len(r) > 1 else None)
+        (i, n, m, bool(c), s, bool(r and r[0]), r[1] if len(r) > 1 else None,
+         r[2] if len(r) > 2 else None)
         for i, n, m, c, s, *r in queues.values()
-    ]
+    ]  # fmt: skip
     out.sessions = [(t, p, b, st, rg, bool(c), h) for t, p, b, st, rg, c, h in sessions.values()]
     out.versions = versions
     return out
+
+
+def _ringed(q: Any, sub: int) -> list[int]:
+    """A subscription's bit in its queue's ring and the first version it takes; none if it
+    reads through messages."""
+    ring = q.ring
+    if ring is None or sub not in ring.bits:
+        return []
+    return [ring.bits[sub], ring.starts[sub]]
 
 
 class State(Journal):
@@ -383,8 +394,9 @@ class State(Journal):
         self._queue_row(q)
 
     def _queue_row(self, q: Any) -> None:
-        subs = None if q.subs is None else [[sub, s.token] for sub, s in q.subs.items()]
-        row = (q.id, q.name, q.maxsize, q.closed, q.sealed, q.removed, subs)
+        subs = None if q.subs is None else [[k, s.token, *_ringed(q, k)] for k, s in q.subs.items()]
+        ring = None if q.ring is None else q.ring.name
+        row = (q.id, q.name, q.maxsize, q.closed, q.sealed, q.removed, subs, ring)
         self._queues[q.id] = row
         self._put(("q", row))
 

@@ -132,3 +132,75 @@ def test_closing_a_subscription_ends_a_loop_waiting_in_another_thread(client: tb
     sub.close()
     reader.join(10)
     assert ended.is_set()
+
+
+def _gets(c: tb.Client) -> int:
+    return int(c.stats()["requests"].get("qget", 0))
+
+
+def test_subscribers_take_items_from_the_ring_without_a_message_each(
+    broker: tb.BrokerProcess,
+) -> None:
+    """Subscribers of a bounded broadcast queue take each item from its ring (Note
+    [broadcast ring]): no get per item reaches the broker, and all of them read the
+    producer's one copy in the broker's shared memory (a write through one subscriber's
+    view, in its own mapping, is seen through another's)."""
+    import torch
+
+    with (
+        tb.connect(broker.address) as p,
+        tb.connect(broker.address) as a,
+        tb.connect(broker.address) as b,
+    ):
+        q = p.broadcast("bcast-ring", maxsize=4)
+        sa, sb = a.subscribe("bcast-ring"), b.subscribe("bcast-ring")
+        before, posted = _gets(p), p.stats()["ring_items"]
+        for i in range(50):
+            q.put(np.full(1024, i, np.int32))
+            ta, tb_ = sa.get(timeout=5), sb.get(timeout=5)
+            assert ta.version == tb_.version
+            assert int(np.from_dlpack(ta)[0]) == int(np.from_dlpack(tb_)[-1]) == i
+        assert _gets(p) == before
+        assert p.stats()["ring_items"] - posted == 50
+        writable, seen = torch.from_dlpack(ta), np.from_dlpack(tb_)
+        for t in (ta, tb_):  # inside the broker's segment, as each client mapped it
+            start, size = t.lease.mapping.address, t.lease.mapping.size
+            assert start <= np.from_dlpack(t).ctypes.data < start + size
+        assert ta.lease.mapping.address != tb_.lease.mapping.address  # two mappings
+        writable[0] = -7
+        assert seen[0] == -7
+        del ta, tb_, t, writable, seen
+        q.close()
+        with pytest.raises(tb.QueueClosed):
+            sa.get(timeout=5)
+        assert wait_until(lambda: p.stats()["queue_in_flight"] == 0, 5)
+
+
+def test_an_item_the_ring_cannot_describe_is_asked_for_in_its_place(
+    broker: tb.BrokerProcess,
+) -> None:
+    """A bundle too wide for a ring slot goes to ring subscribers through the broker, in its
+    place in the stream; a subscription made before the queue was bounded reads through
+    messages beside them."""
+    with tb.connect(broker.address) as p, tb.connect(broker.address) as c:
+        early = c.subscribe("bcast-wide")  # the queue is unbounded yet: no ring
+        q = p.broadcast("bcast-wide", maxsize=8)
+        ringed = c.subscribe("bcast-wide")
+        wide = {f"tensor-{i:03d}-with-a-long-name": np.full(2, i) for i in range(40)}
+        before = _gets(p)
+        for i in range(6):
+            q.put(wide if i % 3 == 1 else np.full(4, i))
+        for sub in (early, ringed):
+            got = [sub.get(timeout=5) for _ in range(6)]
+            for i, g in enumerate(got):
+                if i % 3 == 1:
+                    assert isinstance(g, dict) and len(g) == 40
+                    g = g["tensor-039-with-a-long-name"]
+                    assert g.numpy().tolist() == [39, 39]
+                else:
+                    assert isinstance(g, tb.Tensor) and g.numpy()[0] == i
+                assert g.version == i + 1
+            del got, g
+        assert _gets(p) - before == 6 + 2  # every item for `early`, the 2 wide ones for `ringed`
+        q.close()
+        assert wait_until(lambda: p.stats()["queue_in_flight"] == 0, 5)

@@ -1,0 +1,269 @@
+"""The broker's side of Note [broadcast ring] (common/ring.py): a broadcast queue's ring, the
+bits of the subscriptions it serves, and the items its slots hold."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from ..common import _shm
+from ..common.mailbox import body_tail
+from ..common.ring import (
+    ASK,
+    BITS,
+    MAGIC,
+    R_END,
+    R_MAGIC,
+    R_MEMBERS,
+    R_SLOTS,
+    R_TOP,
+    R_WHY,
+    TAIL,
+    ring_size,
+    slot_seq,
+)
+from .directory import _Mapped
+from .state import Journal
+
+MAX_SLOTS = 4096  # a queue bounded higher reads through messages (a ring of 2 MiB at most)
+
+
+@dataclass(eq=False, slots=True)
+class Posted:
+    """An item for a slot: its version, the subscriptions to take it (a bit each), and the
+    item itself, held by the ring (None for an ASK slot: asked for through the broker)."""
+
+    version: int
+    unread: int
+    item: Any
+    tail: bytes
+    written: bool = False  # in its slot (after the journal's commit)
+
+
+@dataclass(slots=True)
+class End:
+    """No item after `version` will come: the stream was closed or removed (`why`)."""
+
+    why: int
+    version: int
+
+
+class Ring(_Mapped):
+    """A broadcast queue's ring. Slot writes wait for the journal's commit (`flush`): a
+    subscriber must never take an item that a broker coming back would not know."""
+
+    def __init__(
+        self, shm_dir: str, prefix: str, journal: Journal, slots: int,
+        group: int | None = None, existing: str | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(shm_dir, prefix, ring_size(slots), journal, "ring", existing, group)
+        if existing is None:
+            _shm.store(self.addr + R_SLOTS, slots)
+            _shm.store(self.addr + R_MAGIC, MAGIC)
+        elif _shm.load(self.addr + R_MAGIC) != MAGIC:
+            raise ValueError(f"{existing} is not a tensorbroker ring")
+        self.slots = _shm.load(self.addr + R_SLOTS)
+        self.bits: dict[int, int] = {}  # subscription -> its bit
+        self.starts: dict[int, int] = {}  # subscription -> the first version it takes
+        self.parted: dict[int, Any] = {}  # bit -> the session of an ended subscription whose
+        # items it still holds (cleared once its process is gone)
+        self.posted: dict[int, Posted] = {}  # slot -> what is in it (or is to be, `staged`)
+        self.waiting: deque[Posted] = deque()  # for slots not free yet, in order
+        self.staged: list[Posted | End] = []  # slot writes (or the end) after the commit
+        self._next_bit = 0
+
+    @property
+    def members(self) -> int:
+        mask = 0
+        for bit in self.bits.values():
+            mask |= 1 << bit
+        return mask
+
+    # -- subscriptions ---------------------------------------------------------------------
+
+    def join(self, sub: int, start: int) -> int | None:
+        """A bit for subscription `sub`; None if none is free (it reads through messages).
+        A bit is given again only once no slot has it, round robin."""
+        taken = self.members | self.marked()
+        for bit in [b for b in self.parted if not taken >> b & 1]:
+            del self.parted[bit]  # its subscriber let go of everything
+        for i in range(BITS):
+            bit = (self._next_bit + i) % BITS
+            if not taken >> bit & 1 and bit not in self.parted:
+                self._next_bit = bit + 1
+                self.bits[sub], self.starts[sub] = bit, start
+                _shm.store(self.addr + R_MEMBERS, self.members)
+                return bit
+        return None
+
+    def leave(self, sub: int, session: Any, gone: bool) -> list[int]:
+        """Subscription `sub` ended: its bit leaves every slot it had not taken yet (and the
+        ones it holds too if its process is `gone`, else they stay until it is). The
+        versions whose slots it left idle."""
+        bit = self.bits.pop(sub)
+        self.starts.pop(sub, None)
+        _shm.store(self.addr + R_MEMBERS, self.members)
+        _shm.ring_wake(self.addr)  # a get of its waiting ends
+        if not gone:
+            self.parted[bit] = session
+        return self._clear(1 << bit, 1 << bit if gone else 0)
+
+    def session_gone(self, session: Any) -> list[int]:
+        """The process of `session` is gone: what its ended subscriptions held is let go."""
+        mask = 0
+        for bit in [b for b, s in self.parted.items() if s is session]:
+            del self.parted[bit]
+            mask |= 1 << bit
+        return self._clear(0, mask) if mask else []
+
+    def forget(self, bits: int) -> list[int]:
+        """Subscriptions that did not come back with their clients after a restart: their
+        bits leave every slot. The versions of the slots left idle (or idle already)."""
+        self._clear(bits, bits)
+        return self.idle()
+
+    def _clear(self, unread: int, held: int) -> list[int]:
+        idle = []
+        for index, p in self.posted.items():
+            if not p.written:
+                p.unread &= ~unread
+            elif _shm.ring_release(self.addr, index, p.version, unread, held):
+                idle.append(p.version)
+        for p in self.waiting:
+            p.unread &= ~unread
+        return idle
+
+    def marked(self, held: bool = False) -> int:
+        """The bits set in any slot (`held`: as held only)."""
+        mask = 0
+        for index, p in self.posted.items():
+            if p.written:
+                seq = slot_seq(self.addr, index)
+                mask |= _shm.load(seq + 16) | (0 if held else _shm.load(seq + 8))
+            elif not held:
+                mask |= p.unread
+        for p in [] if held else self.waiting:
+            mask |= p.unread
+        return mask
+
+    # -- items -----------------------------------------------------------------------------
+
+    def held_items(self, mask: int) -> list[int]:
+        """The oids of the items held in slots by any of the bits of `mask`."""
+        out = []
+        for index, p in self.posted.items():
+            if p.written and p.item is not None:
+                if _shm.load(slot_seq(self.addr, index) + 16) & mask:
+                    out.append(p.item.oid)
+        return out
+
+    def tail(self, obj: Any) -> bytes | None:
+        """The slot tail that describes item `obj`; None if a slot cannot (ask for it)."""
+        if obj.device != "cpu" or not obj.wire:
+            return None
+        base, segment = obj.block.offset, obj.block.segment
+        template = [(w[0], w[1], w[2], w[3], w[5] - base) for w in obj.wire]
+        tail = body_tail(obj.key, obj.bundle, segment, template)
+        return tail if len(tail) <= TAIL else None
+
+    def post(self, version: int, unread: int, item: Any, tail: bytes) -> None:
+        """Put an item in its slot once the journal has it (or once its slot is free)."""
+        p = Posted(version, unread, item, tail)
+        index = version % self.slots
+        if self.waiting or index in self.posted:
+            self.waiting.append(p)
+            return
+        self.posted[index] = p
+        self.staged.append(p)
+
+    def end(self, why: int, version: int) -> None:
+        """No item after `version` will come (`why`: CLOSED or REMOVED)."""
+        self.staged.append(End(why, version))
+
+    def flush(self) -> list[int]:
+        """Write what waited for the commit, then wake every subscriber once. The versions
+        written with no subscription left to take them (idle at once)."""
+        staged, self.staged = self.staged, []
+        idle = []
+        for p in staged:
+            if isinstance(p, End):
+                _shm.store(self.addr + R_WHY, p.why)
+                _shm.store(self.addr + R_END, p.version + 1)
+                continue
+            item = p.item
+            flags, oid, base = (ASK, 0, 0) if item is None else (0, item.oid, item.block.offset)
+            _shm.ring_publish(
+                self.addr, p.version % self.slots, p.version, p.unread, flags, oid, 0, base,
+                p.tail,
+            )  # fmt: skip
+            _shm.store(self.addr + R_TOP, p.version)
+            p.written = True
+            if not p.unread:
+                idle.append(p.version)
+        if staged:
+            _shm.ring_wake(self.addr)
+        return idle
+
+    def done(self, version: int) -> Posted | None:
+        """A subscriber found the slot of `version` idle: empty it. What it held (None if
+        it is not idle, or holds another version by now)."""
+        index = version % self.slots
+        p = self.posted.get(index)
+        if p is None or p.version != version or not p.written:
+            return None
+        if not _shm.ring_idle(self.addr, index):
+            return None
+        _shm.store(slot_seq(self.addr, index), 0)
+        del self.posted[index]
+        while self.waiting and self.waiting[0].version % self.slots not in self.posted:
+            q = self.waiting.popleft()
+            self.posted[q.version % self.slots] = q
+            self.staged.append(q)
+        return p
+
+    def idle(self) -> list[int]:
+        """The versions whose slots are idle (their "done" not come yet, or lost)."""
+        return [
+            p.version for index, p in self.posted.items()
+            if p.written and _shm.ring_idle(self.addr, index)
+        ]  # fmt: skip
+
+    def mask_for(self, version: int) -> int:
+        """The bits of the subscriptions that take item `version`."""
+        mask = 0
+        for sub, bit in self.bits.items():
+            if self.starts.get(sub, 0) <= version:
+                mask |= 1 << bit
+        return mask
+
+    @property
+    def top(self) -> int:
+        """The last version written to a slot."""
+        return _shm.load(self.addr + R_TOP)
+
+    def adopt(self, items: dict[int, Any]) -> list[Posted]:
+        """The slots a broker that died left: those still taken or held are posted again
+        (their items, `items` by oid, held by the ring again); idle ones are emptied. The
+        ones kept."""
+        kept = []
+        for index in range(self.slots):
+            seq = slot_seq(self.addr, index)
+            version = _shm.load(seq)
+            if not version:
+                continue
+            if _shm.ring_idle(self.addr, index):
+                _shm.store(seq, 0)
+                continue
+            flags = _shm.load(seq + 24) & 0xFFFFFFFF
+            item = None if flags & ASK else items.get(_shm.load(seq + 32))
+            if item is None and not flags & ASK:  # freed: nothing of it is left to read
+                _shm.store(seq, 0)
+                continue
+            self.posted[index] = p = Posted(version, 0, item, b"", written=True)
+            kept.append(p)
+        return kept
+
+    def describe(self) -> list[Any]:
+        """What a subscriber needs to map it: [segment, bytes, slots]."""
+        return [self.name, self.size, self.slots]
