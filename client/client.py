@@ -249,10 +249,12 @@ class Client:
         generation = conn.generation
         reply = self._call(Op.QSUB, queue=q._id, name=name, ring=local)
         where = reply.get("ring")
-        if where is None or generation != conn.generation:
+        if where is None:
             return Subscription(self._transfer, name, q._id, reply["sub"], None)
         segment, size, slots, bit, cursor = where
         try:
+            if generation != conn.generation:  # a broker that came back meanwhile
+                raise ValueError("the broker restarted while it answered")
             ring = RingView(segment, size, slots, bit, cursor, q._id, generation)
         except (OSError, ValueError) as exc:  # its items come through messages: slower
             log.warning("cannot map the ring of queue %r (%s)", name, exc)

@@ -152,6 +152,7 @@ class Subscription:
         self._id, self._sub = queue_id, sub
         self._ring = ring  # its items come through the queue's ring (Note [broadcast ring])
         self._ended = False
+        self._asking = False  # the item taken from the ring is being asked for
 
     def get(self, timeout: float | None = None) -> Item:
         """The next item, zero copy (its `version` is its place in the stream). Waits up to
@@ -175,7 +176,11 @@ class Subscription:
         assert ring is not None
         conn = transfer.conn
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
-        with ring.lock:
+        if not ring.lock.acquire(timeout=-1 if deadline is None else max(timeout or 0.0, 0.0)):
+            raise self._empty(timeout)  # another thread's get took the whole wait
+        try:
+            if self._asking:  # an item asked for whose get was given up: it comes first
+                return self._asked()
             while True:
                 if self._ended:
                     raise QueueClosed(f"the subscription to queue {self.name!r} ended")
@@ -184,25 +189,35 @@ class Subscription:
                 got = ring.take()
                 if isinstance(got, tuple):
                     break
-                if got is False:
-                    self._end(-1)
-                self._end(ring.ended())
+                self._end(ring.ended() or (-1 if got is False else 0))
                 self._look(ring)
                 conn.send_due()  # the slots this subscriber let go of: a producer may wait
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise Timeout(
-                        f"queue {self.name!r} is empty" if not timeout
-                        else f"queue {self.name!r} stayed empty for {timeout:g}s"
-                    )  # fmt: skip
+                    raise self._empty(timeout)
                 ring.wait(seen, RING_LOOK if left is None else min(left, RING_LOOK))
+            flags, index, oid, base, tail, idle = got
             version = ring.cursor - 1
-            flags, oid, base, tail, idle = got
             if not flags & ASK:
-                return ring.item(transfer, version, oid, base, tail)
+                return ring.item(transfer, version, index, oid, base, tail)
             if idle:
                 conn.done.put((self._id, version))
-        return self._ask(None, None)  # the broker has it ready for this subscription
+            self._asking = True
+            return self._asked()
+        finally:
+            ring.lock.release()
+
+    def _asked(self) -> Item:
+        """The item the ring said to ask the broker for (ready there for this subscription;
+        one answered to a get given up is kept for the next)."""
+        item = self._ask(None, None)
+        self._asking = False
+        return item
+
+    def _empty(self, timeout: float | None) -> Timeout:
+        if not timeout:
+            return Timeout(f"queue {self.name!r} is empty")
+        return Timeout(f"queue {self.name!r} stayed empty for {timeout:g}s")
 
     def _end(self, why: int) -> None:
         if why == REMOVED:

@@ -15,7 +15,7 @@ from ..common.config import SHM_DIR
 from ..common.descriptors import TensorDesc
 from ..common.directory import map_segment
 from ..common.mailbox import item_reply
-from ..common.ring import R_END, R_MEMBERS, R_WHY
+from ..common.ring import R_END, R_MEMBERS, R_WHY, REMOVED
 from .tensor import Lease, Tensor
 
 if TYPE_CHECKING:
@@ -52,29 +52,35 @@ class RingView:
     def wait(self, seen: int, timeout: float) -> None:
         _shm.bell_wait(self.addr, seen, timeout)
 
-    def take(self) -> tuple[int, int, int, bytes, bool] | bool | None:
-        """The item at the cursor, taken (the cursor moves on): (flags, oid, base, tail,
-        idle); None if not published yet; False if not for this subscription (it ended)."""
+    def take(self) -> tuple[int, int, int, int, bytes, bool] | bool | None:
+        """The item at the cursor, taken (the cursor moves on): (flags, slot, oid, base,
+        tail, idle); None if not published yet; False if not for this subscription (it
+        ended)."""
         version = self.cursor
-        got = _shm.ring_take(self.addr, version % self.slots, version, self.bit)
+        got = _shm.ring_take(self.addr, self.slots, version, self.bit)
         if not isinstance(got, tuple):
             return got
         self.cursor = version + 1
-        flags, oid, _put, base, tail, idle = got
-        return flags, oid, base, tail, idle
+        flags, index, oid, _put, base, tail, idle = got
+        return flags, index, oid, base, tail, idle
 
     def ended(self) -> int:
-        """0 while items may still come; else CLOSED or REMOVED once the cursor is past the
-        last item, or -1 once this subscription is no longer served."""
+        """0 while items may still come; else REMOVED once the queue was removed, CLOSED once
+        the cursor is past the last item of a closed one, or -1 once this subscription is no
+        longer served."""
         end = _shm.load(self.addr + R_END)
-        if end and self.cursor >= end:
-            return int(_shm.load(self.addr + R_WHY))
+        why = int(_shm.load(self.addr + R_WHY)) if end else 0
+        if why == REMOVED or (why and self.cursor >= end):
+            return why
         if not _shm.load(self.addr + R_MEMBERS) & self.mask:
             return -1
         return 0
 
-    def item(self, transfer: Transfer, version: int, oid: int, base: int, tail: bytes) -> Item:
-        """The Tensors of the item taken at `version`, held by this subscription's bit."""
+    def item(
+        self, transfer: Transfer, version: int, index: int, oid: int, base: int, tail: bytes
+    ) -> Item:
+        """The Tensors of the item taken at `version` from slot `index`, held by this
+        subscription's bit."""
         unpacked = self._tails.get(tail)
         if unpacked is None:
             if len(self._tails) >= TAILS:
@@ -85,17 +91,17 @@ class RingView:
             descs = [TensorDesc.from_wire(w) for w in reply["tensors"]]
             mapping = transfer.segments.get(descs[0].segment)
         except BaseException:
-            self.let_go(version, transfer.conn.done)
+            self.let_go(index, version, transfer.conn.done)
             raise
-        lease = RingLease(mapping, self, version, transfer.conn.done)
+        lease = RingLease(mapping, self, index, version, transfer.conn.done)
         if not reply["bundle"]:
             return Tensor(reply["key"], version, descs[0], lease)
         return {t.name: Tensor(reply["key"], version, t, lease) for t in descs}
 
-    def let_go(self, version: int, done: queue.SimpleQueue[tuple[int, int]]) -> None:
-        """Clear this subscription's hold on `version`; the broker is told if it was the
-        last."""
-        if _shm.ring_release(self.addr, version % self.slots, version, 0, self.mask):
+    def let_go(self, index: int, version: int, done: queue.SimpleQueue[tuple[int, int]]) -> None:
+        """Clear this subscription's hold on `version` (in slot `index`); the broker is told
+        if it was the last."""
+        if self.addr and _shm.ring_release(self.addr, index, version, 0, self.mask):
             done.put((self.queue, version))
 
 
@@ -103,16 +109,17 @@ class RingLease(Lease):
     """An item held by a subscription's bit in its ring slot: letting go clears the bit (no
     message, unless it was the last: then the broker frees the item)."""
 
-    __slots__ = ("_ring", "_version", "_done", "_pid")
+    __slots__ = ("_ring", "_index", "_version", "_done", "_pid")
 
     def __init__(
-        self, mapping: Any, ring: RingView, version: int, done: queue.SimpleQueue[tuple[int, int]]
-    ) -> None:
+        self, mapping: Any, ring: RingView, index: int, version: int,
+        done: queue.SimpleQueue[tuple[int, int]],
+    ) -> None:  # fmt: skip
         super().__init__(None, mapping, None)
         self._ring: RingView | None = ring
-        self._version, self._done, self._pid = version, done, host.pid()
+        self._index, self._version, self._done, self._pid = index, version, done, host.pid()
 
     def __del__(self) -> None:
         ring, self._ring = self._ring, None
         if ring is not None and host.pid() == self._pid:  # a forked child's is its parent's
-            ring.let_go(self._version, self._done)
+            ring.let_go(self._index, self._version, self._done)

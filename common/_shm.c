@@ -39,7 +39,7 @@
  *         slots u64, members u64 (the bits of the subscriptions it serves), end u64 (0:
  *         open; else the last version it will publish, plus 1), why u64 (1 closed, 2 removed),
  *         top u64 (the last version written to a slot)
- *     slot i (RING_SLOT bytes), for the item whose version % slots == i:
+ *     slot i (RING_SLOT bytes), any free one (version % slots when it is free):
  *         0  seq      u64   its version, stored last (release); 0: free
  *         8  unread   u64   the subscriptions that have not taken it yet, a bit each
  *        16  held     u64   those that took it and still hold it
@@ -690,38 +690,60 @@ static PyObject *ring_wake(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* The slot that holds `version`, looked for from `hint` on; -1 if none does. */
+static long long ring_find(uintptr_t ring, uint64_t slots, uint64_t hint, uint64_t version) {
+    for (uint64_t i = 0; i < slots; i++) {
+        uint64_t index = (hint + i) % slots;
+        if (__atomic_load_n(ring_slot(ring, index), __ATOMIC_ACQUIRE) == version)
+            return (long long)index;
+    }
+    return -1;
+}
+
 static PyObject *ring_take(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *a;
-    unsigned long long index, version;
+    unsigned long long slots, version;
     unsigned int bit;
     uintptr_t ring;
-    if (!PyArg_ParseTuple(args, "OKKI:ring_take", &a, &index, &version, &bit) ||
+    if (!PyArg_ParseTuple(args, "OKKI:ring_take", &a, &slots, &version, &bit) ||
         get_addr(a, &ring) < 0)
         return NULL;
-    uint64_t *slot = ring_slot(ring, index);
-    if (__atomic_load_n(&slot[0], __ATOMIC_ACQUIRE) != version)
+    long long index = ring_find(ring, slots, version % slots, version);
+    if (index < 0)
         Py_RETURN_NONE;
+    uint64_t *slot = ring_slot(ring, (uint64_t)index);
     uint64_t mine = (uint64_t)1 << (bit & 63);
     if (!(__atomic_load_n(&slot[1], __ATOMIC_SEQ_CST) & mine))
         Py_RETURN_FALSE; /* not for this subscription (ended, or subscribed after it) */
     uint32_t *f = (uint32_t *)&slot[3];
     uint32_t flags = f[0], taillen = f[1];
-    if (flags & RING_ASK) {
-        __atomic_fetch_and(&slot[1], ~mine, __ATOMIC_SEQ_CST);
-        return Py_BuildValue("(IKKKy#O)", flags, 0ULL, 0ULL, 0ULL, "", (Py_ssize_t)0,
-                             ring_slot_idle(slot) ? Py_True : Py_False);
-    }
-    /* The slot stays as it is while this subscription's bit is set: read it first. */
     if (taillen > RING_TAIL)
         taillen = 0;
-    PyObject *out = Py_BuildValue("(IKKKy#O)", flags, (unsigned long long)slot[4],
-                                  (unsigned long long)slot[5], (unsigned long long)slot[6],
-                                  (const char *)&slot[8], (Py_ssize_t)taillen, Py_False);
+    /* Read while this subscription's bit is set (the slot cannot be emptied), then claim:
+     * `held` first, so that no one sees both sets empty in between; the bit in `unread` is
+     * cleared by one side only (this, or the broker ending the subscription). */
+    PyObject *out = Py_BuildValue("(IKKKKy#O)", flags, (unsigned long long)index,
+                                  (unsigned long long)slot[4], (unsigned long long)slot[5],
+                                  (unsigned long long)slot[6], (const char *)&slot[8],
+                                  (Py_ssize_t)((flags & RING_ASK) ? 0 : taillen), Py_False);
     if (out == NULL)
         return NULL;
     __atomic_fetch_or(&slot[2], mine, __ATOMIC_SEQ_CST);
-    __atomic_fetch_and(&slot[1], ~mine, __ATOMIC_SEQ_CST);
+    uint64_t was = __atomic_fetch_and(&slot[1], ~mine, __ATOMIC_SEQ_CST);
+    if (!(was & mine) || __atomic_load_n(&slot[0], __ATOMIC_SEQ_CST) != version) {
+        __atomic_fetch_and(&slot[2], ~mine, __ATOMIC_SEQ_CST); /* ended meanwhile */
+        Py_DECREF(out);
+        Py_RETURN_FALSE;
+    }
+    if (flags & RING_ASK) { /* nothing to hold: the broker has the item for this get */
+        __atomic_fetch_and(&slot[2], ~mine, __ATOMIC_SEQ_CST);
+        if (ring_slot_idle(slot)) {
+            Py_DECREF(out);
+            return Py_BuildValue("(IKKKKy#O)", flags, (unsigned long long)index, 0ULL, 0ULL,
+                                 0ULL, "", (Py_ssize_t)0, Py_True);
+        }
+    }
     return out;
 }
 
@@ -882,8 +904,8 @@ static PyMethodDef methods[] = {
      "`index`, its version stored last (release). No wake: ring_wake."},
     {"ring_wake", ring_wake, METH_O, "ring_wake(ring): bump its bell and wake every waiter."},
     {"ring_take", ring_take, METH_VARARGS,
-     "ring_take(ring, index, version, bit) -> None if slot `index` does not hold `version`, "
-     "False if not for subscription `bit`, else (flags, oid, put, base, tail, idle): taken "
+     "ring_take(ring, slots, version, bit) -> None if no slot holds `version`, False if it "
+     "is not for subscription `bit`, else (flags, index, oid, put, base, tail, idle): taken "
      "(held, unless an ASK slot; idle: an ASK slot every subscription took)."},
     {"ring_release", ring_release, METH_VARARGS,
      "ring_release(ring, index, version, unread, held) -> whether slot `index`, if it still "

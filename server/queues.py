@@ -323,8 +323,12 @@ class Queues:
             if bq.subs is not None:
                 for sub in [sub for sub, s in bq.subs.items() if s is session]:
                     self._drop_sub(bq, sub, gone)
-            if gone and bq.ring is not None and bq.ring.parted:
-                self._slots_done(bq, bq.ring.session_gone(session))
+        for bq in list(self._with_rings.values()) if gone else ():  # removed queues too
+            ring = bq.ring
+            if ring is not None and session in ring.parted.values():
+                self._slots_done(bq, ring.session_gone(session))
+                if not bq.removed or bq.in_flight:
+                    self.registry.journal.queue(bq)
         for qid, n in session.credits.items():
             q = self.by_id.get(qid)
             if q is not None and n:
@@ -400,6 +404,7 @@ class Queues:
             and 0 < q.maxsize <= MAX_SLOTS // 2
         ):  # fmt: skip
             q.ring = self.make_ring(2 * q.maxsize, None)
+            q.ring.queue_id = q.id
             self._with_rings[q.id] = q
         return q.ring
 
@@ -554,12 +559,6 @@ class Queues:
         for w in [*q.getters, *q.putters]:
             removed = QueueClosed(f"queue {name!r} was removed")
             self.objects.answer(w, reply_error(w.request.id, removed))
-        if q.in_flight:
-            self.registry.journal.queue(q)  # closed; gone once its last item is freed
-        else:
-            self.registry.journal.queue_gone(q)
-        items, q.items = list(q.items), deque()
-        q.unseen.clear()
         idle = []
         if q.ring is not None:  # what the subscribers took stays theirs until they let go
             q.ring.end(REMOVED, q.sealed)
@@ -569,6 +568,12 @@ class Queues:
                     idle += q.ring.leave(sub, s, gone=False)
         if q.subs is not None:
             q.subs.clear()
+        if q.in_flight:
+            self.registry.journal.queue(q)  # closed; gone once its last item is freed
+        else:
+            self.registry.journal.queue_gone(q)
+        items, q.items = list(q.items), deque()
+        q.unseen.clear()
         for obj in items:
             self.registry.retire(obj)
         self._slots_done(q, idle)
@@ -655,6 +660,8 @@ class Queues:
                 self.registry.unpin(posted.item)
         if ring.staged:
             self._rings_due.add(ring)
+        if q.removed and not q.in_flight:
+            self._close_ring(q)
         self._note_if_ended(q)
 
     def holds_ring(self, session: Session) -> bool:
@@ -682,9 +689,13 @@ class Queues:
 
     def flush_rings(self) -> None:
         """The journal has this batch: write the rings' slots (after its replies)."""
-        due, self._rings_due = self._rings_due, set()
-        for ring in due:
-            ring.flush()
+        while self._rings_due:
+            due, self._rings_due = self._rings_due, set()
+            for ring in due:
+                idle = ring.flush()  # no subscription left to take these: done already
+                q = self._with_rings.get(ring.queue_id)
+                if idle and q is not None and q.ring is ring:
+                    self._slots_done(q, idle)
         closing, self._rings_closing = self._rings_closing, []
         for ring in closing:
             ring.close()
@@ -739,18 +750,23 @@ class Queues:
             q = BrokerQueue(name, qid, maxsize, closed, sealed=sealed, removed=removed)
             if ring is not None and self.make_ring is not None:
                 q.ring = self.make_ring(0, ring)
+                q.ring.queue_id = qid
                 self._with_rings[qid] = q
             if subs is not None:
                 q.subs = {}
                 for sub, token, *ringed in subs:
                     bit, start = ringed if len(ringed) == 2 else (None, 0)
-                    if token in sessions:
+                    if token not in sessions:
+                        if bit is not None:  # its bits leave the ring's slots (_adopt_ring)
+                            self._ended_bits[qid] = self._ended_bits.get(qid, 0) | 1 << bit
+                    elif sub is None:  # ended; what it took is held until its process exits
+                        if q.ring is not None and bit is not None:
+                            q.ring.parted[bit] = sessions[token]
+                    else:
                         q.subs[sub] = sessions[token]
                         if q.ring is not None and bit is not None:
                             q.ring.bits[sub], q.ring.starts[sub] = bit, start
-                    elif bit is not None:
-                        self._ended_bits[qid] = self._ended_bits.get(qid, 0) | 1 << bit
-                    subs_seen = max(subs_seen, sub)
+                    subs_seen = max(subs_seen, sub or 0)
             self.by_id[qid] = q  # a removed queue only until its items are adopted
             if not removed:
                 self.by_name[name] = q
@@ -796,10 +812,6 @@ class Queues:
         for posted in ring.adopt(self.registry.adopted):
             if posted.item is not None:
                 self.registry.pin(posted.item)
-        # Bits of subscriptions that did not come back, or that had ended (a closed
-        # client's arrays that live on hold their items by leases now: Sessions.adopt).
-        stray = self._ended_bits.get(q.id, 0) | ring.marked() & ~ring.members
-        self._slots_done(q, ring.forget(stray) if stray else ring.idle())
         top = ring.top
         lost = [o for o in self.registry.adopted.values() if o.queue is q and o.version > top]
         for obj in sorted(lost, key=lambda o: o.version):
@@ -809,8 +821,13 @@ class Queues:
                 if tail is not None:
                     self.registry.pin(obj)
                 ring.post(obj.version, mask, obj if tail else None, tail or b"")
-        if ring.staged:
-            self._rings_due.add(ring)
+        if q.closed:  # its end may not have been written before the broker died
+            ring.end(REMOVED if q.removed else CLOSED, q.sealed)
+        self._rings_due.add(ring)
+        # Bits of subscriptions that did not come back, or that are no one's any more.
+        parted = sum(1 << bit for bit in ring.parted)
+        stray = self._ended_bits.get(q.id, 0) | ring.marked() & ~(ring.members | parted)
+        self._slots_done(q, ring.forget(stray) if stray else ring.idle())
 
     def stats(self) -> Reply:
         return {

@@ -38,6 +38,7 @@ class Posted:
     unread: int
     item: Any
     tail: bytes
+    index: int = -1  # its slot
     written: bool = False  # in its slot (after the journal's commit)
 
 
@@ -69,9 +70,11 @@ class Ring(_Mapped):
         self.parted: dict[int, Any] = {}  # bit -> the session of an ended subscription whose
         # items it still holds (cleared once its process is gone)
         self.posted: dict[int, Posted] = {}  # slot -> what is in it (or is to be, `staged`)
+        self.where: dict[int, int] = {}  # version -> its slot
         self.waiting: deque[Posted] = deque()  # for slots not free yet, in order
         self.staged: list[Posted | End] = []  # slot writes (or the end) after the commit
         self._next_bit = 0
+        self.queue_id = 0  # its queue's
 
     @property
     def members(self) -> int:
@@ -168,14 +171,24 @@ class Ring(_Mapped):
         return tail if len(tail) <= TAIL else None
 
     def post(self, version: int, unread: int, item: Any, tail: bytes) -> None:
-        """Put an item in its slot once the journal has it (or once its slot is free)."""
+        """Put an item in a free slot once the journal has it (or once a slot is free: an
+        item kept long by a subscriber keeps its slot, not the stream)."""
         p = Posted(version, unread, item, tail)
-        index = version % self.slots
-        if self.waiting or index in self.posted:
+        if self.waiting or not self._place(p):
             self.waiting.append(p)
-            return
+
+    def _place(self, p: Posted) -> bool:
+        index = p.version % self.slots  # where a subscriber looks first
+        if index in self.posted:
+            free = [i for i in range(self.slots) if i not in self.posted]
+            if not free:
+                return False
+            index = free[0]
+        p.index = index
         self.posted[index] = p
+        self.where[p.version] = index
         self.staged.append(p)
+        return True
 
     def end(self, why: int, version: int) -> None:
         """No item after `version` will come (`why`: CLOSED or REMOVED)."""
@@ -194,8 +207,7 @@ class Ring(_Mapped):
             item = p.item
             flags, oid, base = (ASK, 0, 0) if item is None else (0, item.oid, item.block.offset)
             _shm.ring_publish(
-                self.addr, p.version % self.slots, p.version, p.unread, flags, oid, 0, base,
-                p.tail,
+                self.addr, p.index, p.version, p.unread, flags, oid, 0, base, p.tail
             )  # fmt: skip
             _shm.store(self.addr + R_TOP, p.version)
             p.written = True
@@ -208,18 +220,14 @@ class Ring(_Mapped):
     def done(self, version: int) -> Posted | None:
         """A subscriber found the slot of `version` idle: empty it. What it held (None if
         it is not idle, or holds another version by now)."""
-        index = version % self.slots
-        p = self.posted.get(index)
-        if p is None or p.version != version or not p.written:
+        index = self.where.get(version)
+        p = None if index is None else self.posted[index]
+        if p is None or not p.written or not _shm.ring_idle(self.addr, p.index):
             return None
-        if not _shm.ring_idle(self.addr, index):
-            return None
-        _shm.store(slot_seq(self.addr, index), 0)
-        del self.posted[index]
-        while self.waiting and self.waiting[0].version % self.slots not in self.posted:
-            q = self.waiting.popleft()
-            self.posted[q.version % self.slots] = q
-            self.staged.append(q)
+        _shm.store(slot_seq(self.addr, p.index), 0)
+        del self.posted[p.index], self.where[version]
+        while self.waiting and self._place(self.waiting[0]):
+            self.waiting.popleft()
         return p
 
     def idle(self) -> list[int]:
@@ -245,13 +253,16 @@ class Ring(_Mapped):
     def adopt(self, items: dict[int, Any]) -> list[Posted]:
         """The slots a broker that died left: those still taken or held are posted again
         (their items, `items` by oid, held by the ring again); idle ones are emptied. The
-        ones kept."""
+        ones kept. `top` becomes the last version found written (it is stored after the
+        slot: a broker may have died between the two)."""
         kept = []
+        top = self.top
         for index in range(self.slots):
             seq = slot_seq(self.addr, index)
             version = _shm.load(seq)
             if not version:
                 continue
+            top = max(top, version)
             if _shm.ring_idle(self.addr, index):
                 _shm.store(seq, 0)
                 continue
@@ -260,8 +271,10 @@ class Ring(_Mapped):
             if item is None and not flags & ASK:  # freed: nothing of it is left to read
                 _shm.store(seq, 0)
                 continue
-            self.posted[index] = p = Posted(version, 0, item, b"", written=True)
+            self.posted[index] = p = Posted(version, 0, item, b"", index, written=True)
+            self.where[version] = index
             kept.append(p)
+        _shm.store(self.addr + R_TOP, top)
         return kept
 
     def describe(self) -> list[Any]:

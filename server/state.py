@@ -100,7 +100,8 @@ class Recovered:
     meta: dict[str, Any]
     objects: list[Row] = field(default_factory=list)
     # id, name, maxsize, closed, sealed, removed, subscriptions ([sub, session], and its ring
-    # bit and first version if it has one; None: not a broadcast queue), ring segment or None
+    # bit and first version if it has one; sub None: one that ended, whose process holds
+    # what it took; None: not a broadcast queue), ring segment or None
     queues: list[tuple[int, str, int, bool, int, bool, list[list[Any]] | None, str | None]] = field(
         default_factory=list
     )
@@ -395,6 +396,8 @@ class State(Journal):
 
     def _queue_row(self, q: Any) -> None:
         subs = None if q.subs is None else [[k, s.token, *_ringed(q, k)] for k, s in q.subs.items()]
+        if q.ring is not None and subs is not None:  # ended; their items held until they exit
+            subs += [[None, s.token, bit, 0] for bit, s in q.ring.parted.items()]
         ring = None if q.ring is None else q.ring.name
         row = (q.id, q.name, q.maxsize, q.closed, q.sealed, q.removed, subs, ring)
         self._queues[q.id] = row

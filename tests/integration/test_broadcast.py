@@ -204,3 +204,19 @@ def test_an_item_the_ring_cannot_describe_is_asked_for_in_its_place(
         assert _gets(p) - before == 6 + 2  # every item for `early`, the 2 wide ones for `ringed`
         q.close()
         assert wait_until(lambda: p.stats()["queue_in_flight"] == 0, 5)
+
+
+def test_an_item_a_subscriber_keeps_holds_its_slot_not_the_stream(client: tb.Client) -> None:
+    """As through messages, an item kept for good takes one of the `maxsize` slots, and the
+    stream goes on through the others."""
+    q = client.broadcast("bcast-keep", maxsize=2)
+    sub = client.subscribe("bcast-keep")
+    q.put(np.full(4, 0))
+    kept = sub.get(timeout=5)
+    for i in range(1, 13):  # 3 times round the ring's slots
+        q.put(np.full(4, i), timeout=5)
+        assert sub.get(timeout=5).numpy()[0] == i
+    assert kept.numpy()[0] == 0
+    assert wait_until(lambda: q.in_flight() == 1, 5)  # the last one's "done" comes soon
+    del kept
+    q.close()

@@ -54,12 +54,12 @@ def test_each_subscription_takes_each_item_once_and_the_last_to_let_go_says_so(
     seen = _shm.bell(ring.addr)
     publish(ring, Item(oid=7), 1)
     assert _shm.bell(ring.addr) == seen + 1  # every sleeper woken
-    assert _shm.ring_take(ring.addr, 2, 2, a) is None  # not published yet
-    flags, oid, _, base, tail, _ = _shm.ring_take(ring.addr, 1, 1, a)  # type: ignore[misc]
-    assert (flags, oid, base) == (0, 7, 4096) and tail == ring.tail(Item(oid=7))
-    assert _shm.ring_take(ring.addr, 1, 1, a) is False  # taken already
+    assert _shm.ring_take(ring.addr, SLOTS, 2, a) is None  # not published yet
+    flags, index, oid, _, base, tail, _ = _shm.ring_take(ring.addr, SLOTS, 1, a)  # type: ignore[misc]
+    assert (flags, index, oid, base) == (0, 1, 7, 4096) and tail == ring.tail(Item(oid=7))
+    assert _shm.ring_take(ring.addr, SLOTS, 1, a) is False  # taken already
     assert ring.done(1) is None  # b has not taken it, a holds it
-    assert _shm.ring_take(ring.addr, 1, 1, b) is not None
+    assert _shm.ring_take(ring.addr, SLOTS, 1, b) is not None
     assert not _shm.ring_release(ring.addr, 1, 1, 0, 1 << a)
     assert _shm.ring_release(ring.addr, 1, 1, 0, 1 << b)  # the last: it tells the broker
     posted = ring.done(1)
@@ -67,19 +67,26 @@ def test_each_subscription_takes_each_item_once_and_the_last_to_let_go_says_so(
     assert _shm.ring_release(ring.addr, 1, 1, 0, 1 << b) is False  # emptied: nothing to do
 
 
-def test_an_item_whose_slot_is_taken_waits_for_it_in_order(ring: Ring) -> None:
+def test_items_wait_in_order_for_a_free_slot_and_a_kept_one_does_not_stop_the_stream(
+    ring: Ring,
+) -> None:
     bit = ring.join(1, 1)
     assert bit is not None
     for v in range(1, SLOTS + 3):
         publish(ring, Item(oid=v), v)
     assert [p.version for p in ring.waiting] == [SLOTS + 1, SLOTS + 2]
-    assert _shm.ring_take(ring.addr, 1, SLOTS + 1, bit) is None  # slot 1 still holds v1
-    _shm.ring_take(ring.addr, 1, 1, bit)
-    assert _shm.ring_release(ring.addr, 1, 1, 0, 1 << bit)
-    ring.done(1)
+    assert _shm.ring_take(ring.addr, SLOTS, SLOTS + 1, bit) is None  # no slot free for it
+    for v in range(1, SLOTS + 1):  # v1 is kept; the others are let go
+        taken = _shm.ring_take(ring.addr, SLOTS, v, bit)
+        assert isinstance(taken, tuple)
+        if v > 1:
+            assert _shm.ring_release(ring.addr, taken[1], v, 0, 1 << bit)
+            ring.done(v)
     ring.flush()
-    assert _shm.ring_take(ring.addr, 1, SLOTS + 1, bit) is not None
-    assert [p.version for p in ring.waiting] == [SLOTS + 2]
+    assert not ring.waiting
+    for v in (SLOTS + 1, SLOTS + 2):  # in the slots the others left, v1 still held
+        taken = _shm.ring_take(ring.addr, SLOTS, v, bit)
+        assert isinstance(taken, tuple) and taken[1] != 1
 
 
 def test_a_subscription_that_ends_keeps_what_it_took_until_its_process_is_gone(
@@ -90,9 +97,9 @@ def test_a_subscription_that_ends_keeps_what_it_took_until_its_process_is_gone(
     assert a is not None and b is not None
     publish(ring, Item(oid=1), 1)
     publish(ring, Item(oid=2), 2)
-    _shm.ring_take(ring.addr, 1, 1, a)
-    _shm.ring_take(ring.addr, 1, 1, b)
-    _shm.ring_take(ring.addr, 2, 2, b)
+    _shm.ring_take(ring.addr, SLOTS, 1, a)
+    _shm.ring_take(ring.addr, SLOTS, 1, b)
+    _shm.ring_take(ring.addr, SLOTS, 2, b)
     _shm.ring_release(ring.addr, 2, 2, 0, 1 << b)
     assert ring.leave(1, session, gone=False) == [2]  # a never took v2: v2 is done
     assert ring.done(2) is not None
@@ -126,7 +133,7 @@ def test_an_item_a_slot_cannot_describe_is_asked_for(ring: Ring) -> None:
     assert ring.tail(Item(oid=4, device="cuda:0")) is None
     ring.post(1, ring.mask_for(1), None, b"")
     ring.flush()
-    flags, *_, idle = _shm.ring_take(ring.addr, 1, 1, bit)  # type: ignore[misc]
+    flags, *_, idle = _shm.ring_take(ring.addr, SLOTS, 1, bit)  # type: ignore[misc]
     assert flags & 1 and idle  # the only subscription took it: the broker is told
 
 
