@@ -171,7 +171,7 @@ class Subscription:
     def _take(self, timeout: float | None) -> Item:
         """The next item from the ring: no message, unless it is one the ring does not
         describe (then it is asked for), or this subscriber let go of the last hold on a
-        slot (then the broker is told, before this sleeps)."""
+        slot (then the broker is told, first)."""
         ring, transfer = self._ring, self._transfer
         assert ring is not None
         conn = transfer.conn
@@ -181,6 +181,8 @@ class Subscription:
         try:
             if self._asking:  # an item asked for whose get was given up: it comes first
                 return self._asked()
+            if not conn.done.empty():  # slots let go since: a producer may wait for them
+                conn.send_due()
             while True:
                 if self._ended:
                     raise QueueClosed(f"the subscription to queue {self.name!r} ended")

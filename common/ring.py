@@ -14,8 +14,9 @@ has a bit (at most RING_BITS; more read through messages, as do unbounded queues
     subscriber, at its cursor (the next version): seq == cursor? set its bit in `held`,
             clear it in `unread`: the item is its own until its Tensor goes (`RingLease`),
             which clears `held`. Else sleep on the bell.
-    whoever finds both sets empty after clearing its bit tells the broker ("done", in the
-    next message): the broker checks the slot, empties it and frees the item.
+    whoever finds both sets empty after clearing its bit tells the broker ("done", a
+    one-way message at its next get, or from its release thread): the broker checks the
+    slot, empties it and frees the item.
 
 An item in a slot is retired and held by the ring (one lease), so the queue's slot
 accounting (Note [queue slots]) and the memory bound are as for any item. An item the ring
