@@ -729,10 +729,11 @@ static PyObject *ring_take(PyObject *self, PyObject *args) {
                                   (Py_ssize_t)((flags & RING_ASK) ? 0 : taillen), Py_False);
     if (out == NULL)
         return NULL;
-    __atomic_fetch_or(&slot[2], mine, __ATOMIC_SEQ_CST);
+    uint64_t had = __atomic_fetch_or(&slot[2], mine, __ATOMIC_SEQ_CST);
     uint64_t was = __atomic_fetch_and(&slot[1], ~mine, __ATOMIC_SEQ_CST);
     if (!(was & mine) || __atomic_load_n(&slot[0], __ATOMIC_SEQ_CST) != version) {
-        __atomic_fetch_and(&slot[2], ~mine, __ATOMIC_SEQ_CST); /* ended meanwhile */
+        if (!(had & mine)) /* ended meanwhile: undo only what this call set */
+            __atomic_fetch_and(&slot[2], ~mine, __ATOMIC_SEQ_CST);
         Py_DECREF(out);
         Py_RETURN_FALSE;
     }

@@ -87,10 +87,10 @@ class Ring(_Mapped):
 
     def join(self, sub: int, start: int) -> int | None:
         """A bit for subscription `sub`; None if none is free (it reads through messages).
-        A bit is given again only once no slot has it, round robin."""
+        A bit is given again only once no slot has it, round robin, and not while the
+        process of a subscription that had it lives (a thread of its may still be taking a
+        slot with it: `parted`, until `session_gone`)."""
         taken = self.members | self.marked()
-        for bit in [b for b in self.parted if not taken >> b & 1]:
-            del self.parted[bit]  # its subscriber let go of everything
         for i in range(BITS):
             bit = (self._next_bit + i) % BITS
             if not taken >> bit & 1 and bit not in self.parted:
