@@ -33,7 +33,7 @@ and the broker takes back every slot still held (its item held by the ring again
 the rest. Items the journal has that were never written to the ring (the broker died between
 its commit and the slot writes: the header's `top` is the last version written) are posted
 again, each to the subscriptions that started before it. A "done" lost with the broker is
-found then, and by the broker's scan of the rings producers wait on (`scan_rings`).
+found then, and by the broker's scan of the rings producers wait on (`QueueRings.scan`).
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ MAX_POLL_S = 3600.0  # a far deadline is waited for in steps zmq can take
 # Requests ZeroMQ reads ahead per client: one that sends faster than the broker answers waits
 # in its own socket (nothing is dropped), and holds at most RCVHWM frames here.
 RCVHWM = 128
-RING_SCAN = 0.05  # seconds between looks at the rings whose producers wait (scan_rings)
+RING_SCAN = 0.05  # seconds between looks at the rings whose producers wait (QueueRings.scan)
 DRAIN_BATCH = 512  # requests handled before the loop looks at timers and pidfds again
 # plain ints: enum arithmetic costs
 _EVENTS, _POLLIN, _POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
@@ -168,15 +168,15 @@ class Broker:
         self.objects.eviction.every_object = evict == "lru"
         self.devices.on_free = self.objects.memory_back
         self.queues = Queues(self.objects)
-        self.queues.make_ring = lambda slots, existing: Ring(
+        self.queues.rings.make = lambda slots, existing: Ring(
             shm_dir, state.prefix, state, slots, self._gid, existing
         )  # fmt: skip
         self.handoffs = self.queues.handoffs  # Note [direct handoff] in common/mailbox.py
         self.handoffs.mailboxes, self.handoffs.sessions = self.mailboxes, self.sessions.by_token
         self.sessions.mailboxes = self.mailboxes
         self.sessions.on_drop = self.queues.session_gone
-        self.sessions.holds_ring = self.queues.holds_ring
-        self.sessions.ring_held = self.queues.ring_held
+        self.sessions.holds_ring = self.queues.rings.holds
+        self.sessions.ring_held = self.queues.rings.held
         self.inventory = Inventory(
             self.registry, self.queues, self.sessions.by_token.values(), self.lot
         )
@@ -191,7 +191,7 @@ class Broker:
         self._wake_r, self._wake_w = socket.socketpair()
         self._outbox: list[tuple[bytes, bytes]] | None = None  # replies held for a commit
         self._after: list[tuple[bytes, bytes]] = []  # answers that go after the outbox's
-        self._ring_scan = 0.0  # when the rings are looked at next (scan_rings)
+        self._ring_scan = 0.0  # when the rings are looked at next (QueueRings.scan)
         self._wake_w.setblocking(False)
         self._exporter: Exporter | None = None  # serve --metrics: export_metrics()
         self.opstats = OpStats()
@@ -251,7 +251,7 @@ class Broker:
             self.directory.adopt(old)
         ours = {*self.arena.segments, *self.directory.segments, self.slots.name}
         ours.add(self.mailboxes.name)
-        ours.update(self.queues.ring_segments)
+        ours.update(self.queues.rings.segments)
         for name in os.listdir(self._shm_dir):  # made but not journaled, or replaced
             if name.startswith(self.state.prefix) and name not in ours:
                 os.unlink(os.path.join(self._shm_dir, name))
@@ -383,7 +383,7 @@ class Broker:
         self.directory.close(unlink)
         self.slots.close(unlink)
         self.mailboxes.close(unlink)
-        self.queues.close_rings(unlink)
+        self.queues.rings.close_all(unlink)
         self.state.close(keep=self.keep_state)
         self.devices.close()
 
@@ -460,7 +460,7 @@ class Broker:
             self.objects.retry_device_puts()
             if now >= self._ring_scan:
                 self._ring_scan = now + RING_SCAN
-                self.queues.scan_rings()
+                self.queues.rings.scan()
             self.queues.admit_putters()
             if exporter is not None and exporter.wanted:  # a scrape waits (Note [metrics])
                 try:
@@ -477,7 +477,7 @@ class Broker:
             timeout = max(0.0, deadline - time.monotonic())
         if self.devices.quarantine or self.registry.scanning:
             timeout = min(timeout if timeout is not None else RECLAIM_POLL, RECLAIM_POLL)
-        if self.queues.rings_waited_on:  # a "done" lost: found by the scan
+        if self.queues.rings.waited_on:  # a "done" lost: found by the scan
             timeout = min(timeout if timeout is not None else RING_SCAN, RING_SCAN)
         if self.sessions.unwatched:
             timeout = min(timeout if timeout is not None else math.inf, HEARTBEAT_INTERVAL)
@@ -500,7 +500,7 @@ class Broker:
         after, self._after = self._after, []
         for route, payload in after:
             self._send(route, payload)
-        self.queues.flush_rings()  # Note [broadcast ring]
+        self.queues.rings.flush()  # Note [broadcast ring]
 
     def _answer(self, route: bytes, payload: bytes, last: bool = False) -> None:
         """The reply to a request that waited (a consumer parked on a queue, say): it goes
@@ -673,7 +673,7 @@ class Broker:
         """Releases (taken in `_dispatch`), and ring slots a subscriber found idle."""
         done = req.fields.get("done")
         if done:
-            self.queues.ring_done(done)
+            self.queues.rings.done(done)
 
     def _on_stats(self, session: Session, route: bytes, req: Request) -> dict[str, Any]:
         return self.stats()

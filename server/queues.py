@@ -45,18 +45,17 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..common.errors import BrokerError, InvalidRequest, NotFound, QueueClosed, Timeout
 from ..common.protocol import Op, Request, reply_error, reply_ok
-from ..common.ring import CLOSED, REMOVED
+from .broadcast import QueueRings
 from .handoff import Bound, Direct, Handoffs
 from .objects import Objects
 from .parking import Waiter, secs
 from .registry import Session, StoredObject
-from .rings import MAX_SLOTS, Ring
+from .rings import Ring
 from .state import PENDING, Row
 
 log = logging.getLogger(__name__)
@@ -126,13 +125,7 @@ class Queues:
         self._roomy: set[BrokerQueue] = set()  # queues that freed a slot since the last look
         self._sub_ids = itertools.count(1)
         self.handoffs = Handoffs(self.registry, self.lot, self._get_again, self._undo_claim)
-        # Makes a ring of that many slots (or maps an existing one, by name); None: no rings.
-        self.make_ring: Callable[[int, str | None], Ring] | None = None
-        self._rings_due: set[Ring] = set()  # rings with writes waiting for the commit
-        self._with_rings: dict[int, BrokerQueue] = {}  # queues (removed ones too) with a ring
-        self._ended_bits: dict[int, int] = {}  # adopted: queue id -> bits of subscriptions gone
-        self._rings_closing: list[Ring] = []  # rings of queues that ended, closed after a flush
-        self.ring_items = 0  # items posted to rings
+        self.rings = QueueRings(self.registry, self._note_if_ended)  # Note [broadcast ring]
 
     def open(self, session: Session, route: bytes, req: Request) -> Reply:
         name, maxsize = req.fields["name"], req.fields.get("maxsize", 0)
@@ -323,12 +316,8 @@ class Queues:
             if bq.subs is not None:
                 for sub in [sub for sub, s in bq.subs.items() if s is session]:
                     self._drop_sub(bq, sub, gone)
-        for bq in list(self._with_rings.values()) if gone else ():  # removed queues too
-            ring = bq.ring
-            if ring is not None and session in ring.parted.values():
-                self._slots_done(bq, ring.session_gone(session))
-                if not bq.removed or bq.in_flight:
-                    self.registry.journal.queue(bq)
+        if gone:
+            self.rings.session_gone(session)
         for qid, n in session.credits.items():
             q = self.by_id.get(qid)
             if q is not None and n:
@@ -389,24 +378,12 @@ class Queues:
         sub = next(self._sub_ids)
         q.subs[sub] = session
         reply: Reply = {"sub": sub}
-        ring = self._ring(q) if req.fields.get("ring") else None
+        ring = self.rings.of(q) if req.fields.get("ring") else None
         bit = ring.join(sub, q.sealed + 1) if ring is not None else None
         if ring is not None and bit is not None:  # from the next item sealed on
             reply["ring"] = [*ring.describe(), bit, q.sealed + 1]
         self.registry.journal.queue(q)
         return reply
-
-    def _ring(self, q: BrokerQueue) -> Ring | None:
-        """The ring of a bounded broadcast queue, made at its first subscription that can map
-        it (None: its subscribers read through messages)."""
-        if (
-            q.ring is None and self.make_ring is not None and not q.closed
-            and 0 < q.maxsize <= MAX_SLOTS // 2
-        ):  # fmt: skip
-            q.ring = self.make_ring(2 * q.maxsize, None)
-            q.ring.queue_id = q.id
-            self._with_rings[q.id] = q
-        return q.ring
 
     def unsubscribe(self, session: Session, route: bytes, req: Request) -> Reply:
         q = self.by_id.get(req.fields["queue"])
@@ -422,14 +399,8 @@ class Queues:
         assert q.subs is not None
         unseen = set(q.subs)
         ring = q.ring
-        if ring is not None and ring.bits:
-            tail = ring.tail(obj)
-            if tail is not None:
-                unseen -= ring.bits.keys()
-                self.registry.pin(obj)  # the ring's hold, until its slot is done
-            ring.post(obj.version, ring.mask_for(obj.version), obj if tail else None, tail or b"")
-            self._rings_due.add(ring)
-            self.ring_items += 1
+        if ring is not None and ring.bits and self.rings.post(q, obj, ring.mask_for(obj.version)):
+            unseen -= ring.bits.keys()
         q.items.append(obj)
         q.unseen[obj.oid] = unseen
         self.registry.journal.given(obj, unseen, None, None)
@@ -463,9 +434,7 @@ class Queues:
         and the items waiting for it no longer do (nor, if its process is `gone`, the ring
         slots it holds)."""
         assert q.subs is not None
-        session = q.subs.pop(sub)
-        if q.ring is not None and sub in q.ring.bits:
-            self._slots_done(q, q.ring.leave(sub, session, gone))
+        self.rings.leave(q, sub, q.subs.pop(sub), gone)
         self.registry.journal.queue(q)
         for w in [w for w in q.getters if w.request.fields.get("sub") == sub]:
             ended = QueueClosed(f"the subscription to queue {q.name!r} ended")
@@ -532,9 +501,7 @@ class Queues:
             return {}  # closing a closed queue succeeds
         q.closed = True
         self.registry.journal.queue(q)
-        if q.ring is not None:
-            q.ring.end(CLOSED, q.sealed)
-            self._rings_due.add(q.ring)
+        self.rings.end(q)
         self.handoffs.take_back(q)  # an item handed over already came before the close
         for w in [*q.getters, *q.putters]:
             closed = QueueClosed(f"queue {q.name!r} was closed")
@@ -559,13 +526,9 @@ class Queues:
         for w in [*q.getters, *q.putters]:
             removed = QueueClosed(f"queue {name!r} was removed")
             self.objects.answer(w, reply_error(w.request.id, removed))
-        idle = []
-        if q.ring is not None:  # what the subscribers took stays theirs until they let go
-            q.ring.end(REMOVED, q.sealed)
-            self._rings_due.add(q.ring)
-            for sub, s in (q.subs or {}).items():
-                if sub in q.ring.bits:
-                    idle += q.ring.leave(sub, s, gone=False)
+        self.rings.end(q)
+        for sub, s in list((q.subs or {}).items()):  # what they took stays theirs till let go
+            self.rings.leave(q, sub, s, gone=False)
         if q.subs is not None:
             q.subs.clear()
         if q.in_flight:
@@ -576,7 +539,6 @@ class Queues:
         q.unseen.clear()
         for obj in items:
             self.registry.retire(obj)
-        self._slots_done(q, idle)
         return {}
 
     def info(self, session: Session, route: bytes, req: Request) -> Reply:
@@ -602,7 +564,7 @@ class Queues:
         if q.removed:
             if not q.in_flight:
                 self.registry.journal.queue_gone(q)
-                self._close_ring(q)
+                self.rings.close(q)
             return
         self._roomy.add(q)
 
@@ -630,7 +592,7 @@ class Queues:
         (their names then start new queues)."""
         if not q.ended or q.removed or q.id in self._ended:
             return
-        self._close_ring(q)
+        self.rings.close(q)
         self._ended[q.id] = q
         while len(self._ended) > ENDED_QUEUES:
             old = self._ended.pop(next(iter(self._ended)))
@@ -638,104 +600,6 @@ class Queues:
             if self.by_name.get(old.name) is old:
                 del self.by_name[old.name]
             self.registry.journal.queue_gone(old)
-
-    # -- broadcast rings (Note [broadcast ring]) ---------------------------------------------
-
-    def ring_done(self, versions: list[tuple[int, int]]) -> None:
-        """Subscribers found these slots ([queue id, version]) idle: their items are done."""
-        for qid, version in versions:
-            q = self._with_rings.get(qid)
-            if q is not None:
-                self._slots_done(q, [version])
-
-    def _slots_done(self, q: BrokerQueue, versions: list[int]) -> None:
-        """Empty the idle slots of these versions: each item goes (unless subscribers through
-        messages still have it to take)."""
-        ring = q.ring
-        if ring is None:
-            return
-        for version in versions:
-            posted = ring.done(version)
-            if posted is not None and posted.item is not None:
-                self.registry.unpin(posted.item)
-        if ring.staged:
-            self._rings_due.add(ring)
-        if q.removed and not q.in_flight:
-            self._close_ring(q)
-        self._note_if_ended(q)
-
-    def holds_ring(self, session: Session) -> bool:
-        """Whether `session`'s subscribers hold ring slots (its arrays live on after a bye)."""
-        return any(self._ring_holds(q, session) for q in self._with_rings.values())
-
-    def ring_held(self, session: Session) -> list[int]:
-        """The items `session`'s subscribers hold in ring slots (journaled with a closed
-        session whose arrays live on, so that a broker that comes back keeps them)."""
-        return [oid for q in self._with_rings.values() for oid in self._ring_holds(q, session)]
-
-    @staticmethod
-    def _ring_holds(q: BrokerQueue, session: Session) -> list[int]:
-        ring = q.ring
-        if ring is None:
-            return []
-        mask = 0
-        for sub, s in (q.subs or {}).items():
-            if s is session and sub in ring.bits:
-                mask |= 1 << ring.bits[sub]
-        for bit, s in ring.parted.items():
-            if s is session:
-                mask |= 1 << bit
-        return ring.held_items(mask) if mask else []
-
-    def flush_rings(self) -> None:
-        """The journal has this batch: write the rings' slots (after its replies)."""
-        while self._rings_due:
-            due, self._rings_due = self._rings_due, set()
-            for ring in due:
-                idle = ring.flush()  # no subscription left to take these: done already
-                q = self._with_rings.get(ring.queue_id)
-                if idle and q is not None and q.ring is ring:
-                    self._slots_done(q, idle)
-        closing, self._rings_closing = self._rings_closing, []
-        for ring in closing:
-            ring.close()
-
-    def scan_rings(self) -> None:
-        """Slots found idle whose "done" did not come (lost with a broker that died, or with
-        a subscriber's message): the rings of queues whose producers wait are looked at."""
-        for q in list(self._with_rings.values()):
-            if q.ring is not None and (q.putters or q.closed):
-                idle = q.ring.idle()
-                if idle:
-                    self._slots_done(q, idle)
-
-    @property
-    def rings_waited_on(self) -> bool:
-        """Whether a producer waits for a ring's slots (the broker then scans them)."""
-        return any(q.putters for q in self._with_rings.values())
-
-    def _close_ring(self, q: BrokerQueue) -> None:
-        """A queue that ended (or was removed and let go of its last item): its ring goes."""
-        ring = q.ring
-        if ring is None or ring.posted:
-            return
-        q.ring = None
-        self._with_rings.pop(q.id, None)
-        self._rings_due.add(ring)  # its end is written, then it goes (`flush_rings`)
-        self._rings_closing.append(ring)
-        if not q.removed or q.in_flight:
-            self.registry.journal.queue(q)
-
-    def close_rings(self, unlink: bool) -> None:
-        self.flush_rings()
-        for q in self._with_rings.values():
-            if q.ring is not None:
-                q.ring.close(unlink)
-        self._with_rings.clear()
-
-    @property
-    def ring_segments(self) -> list[str]:
-        return [q.ring.name for q in self._with_rings.values() if q.ring is not None]
 
     def adopt(
         self, rows: list[tuple[int, str, int, bool, int, bool, Any, str | None]],
@@ -748,17 +612,16 @@ class Queues:
         subs_seen = 0
         for qid, name, maxsize, closed, sealed, removed, subs, ring in rows:
             q = BrokerQueue(name, qid, maxsize, closed, sealed=sealed, removed=removed)
-            if ring is not None and self.make_ring is not None:
-                q.ring = self.make_ring(0, ring)
-                q.ring.queue_id = qid
-                self._with_rings[qid] = q
+            if ring is not None:
+                self.rings.adopt(q, ring)
             if subs is not None:
                 q.subs = {}
                 for sub, token, *ringed in subs:
                     bit, start = ringed if len(ringed) == 2 else (None, 0)
                     if token not in sessions:
-                        if bit is not None:  # its bits leave the ring's slots (_adopt_ring)
-                            self._ended_bits[qid] = self._ended_bits.get(qid, 0) | 1 << bit
+                        if bit is not None:  # its bits leave the ring's slots (QueueRings.adopted)
+                            ended = self.rings.ended_bits
+                            ended[qid] = ended.get(qid, 0) | 1 << bit
                     elif sub is None:  # ended; what it took is held until its process exits
                         if q.ring is not None and bit is not None:
                             q.ring.parted[bit] = sessions[token]
@@ -783,13 +646,12 @@ class Queues:
         still to be given to the subscriptions that carried over, as its row in `objects`
         says). Removed queues are known to their items only (gone from the journal once the
         last is freed)."""
-        for q in list(self._with_rings.values()):  # its slots: held again, or done
-            self._adopt_ring(q)
+        self.rings.adopted()
         for q in [q for q in self.by_id.values() if q.removed]:
             del self.by_id[q.id]
             if not q.in_flight:
                 self.registry.journal.queue_gone(q)
-                self._close_ring(q)
+                self.rings.close(q)
         unseen = {row.oid: set(row.unseen) for row in objects if row.unseen is not None}
         for q in list(self.by_name.values()):
             q.items = deque(sorted(q.items, key=lambda o: o.version))
@@ -804,36 +666,11 @@ class Queues:
                 self.registry.journal.queue(q)  # without the subscriptions that ended
             self._note_if_ended(q)
 
-    def _adopt_ring(self, q: BrokerQueue) -> None:
-        """The ring of an adopted queue: its slots held again, the subscriptions that did not
-        come back let go, and the items never written to it posted (Note [broadcast ring])."""
-        ring = q.ring
-        assert ring is not None
-        for posted in ring.adopt(self.registry.adopted):
-            if posted.item is not None:
-                self.registry.pin(posted.item)
-        top = ring.top
-        lost = [o for o in self.registry.adopted.values() if o.queue is q and o.version > top]
-        for obj in sorted(lost, key=lambda o: o.version):
-            mask = ring.mask_for(obj.version)
-            if mask:
-                tail = ring.tail(obj)
-                if tail is not None:
-                    self.registry.pin(obj)
-                ring.post(obj.version, mask, obj if tail else None, tail or b"")
-        if q.closed:  # its end may not have been written before the broker died
-            ring.end(REMOVED if q.removed else CLOSED, q.sealed)
-        self._rings_due.add(ring)
-        # Bits of subscriptions that did not come back, or that are no one's any more.
-        parted = sum(1 << bit for bit in ring.parted)
-        stray = self._ended_bits.get(q.id, 0) | ring.marked() & ~(ring.members | parted)
-        self._slots_done(q, ring.forget(stray) if stray else ring.idle())
-
     def stats(self) -> Reply:
         return {
             "queues": len(self.by_name) - len(self._ended),  # not ended yet
             "queued_items": sum(len(q.items) for q in self.by_name.values()),
             "queue_in_flight": sum(q.in_flight for q in self.by_name.values()),
-            "ring_items": self.ring_items,  # broadcast items posted to rings
+            "ring_items": self.rings.items,  # broadcast items posted to rings
             **self.handoffs.stats(),
         }
