@@ -575,6 +575,7 @@ class Broker:
             result = self._dispatch(route, request, frame)
         except Exception as exc:
             self._fail(route, protocol.request_id(message) or 0, exc)
+            self._seal_refused(route, message, parsed=op is not None)
         else:
             if result is not None and request.op not in NO_REPLY:
                 self._send(route, reply_ok(request.id, **result))
@@ -611,6 +612,24 @@ class Broker:
         finally:
             if request.op in SEALS:  # applied or refused: its offers say so (Note [direct handoff])
                 self.handoffs.applied(session, request.id)
+
+    def _seal_refused(self, route: bytes, message: Any, parsed: bool) -> None:
+        """A seal (or write into a block granted ahead) refused, for any reason: its block
+        goes back now. Its client forgets the put when the answer is an error (Note [writes]
+        in client/writes.py), so a put left pending here would hold its memory until the
+        client's process exits. A seal refused before it was parsed is applied too, as far
+        as its offers go (`_dispatch` says so of the others)."""
+        if not isinstance(message, dict) or message.get("op") not in SEALS:
+            return
+        session = self.sessions.routes.get(route)
+        put_id = message.get("put")
+        if session is None or type(put_id) is not int:
+            return
+        if put_id in session.pending:
+            self.registry.abort(session, put_id, keep=message.get("keep") is True)
+        request_id = protocol.request_id(message)
+        if not parsed and request_id:
+            self.handoffs.applied(session, request_id)
 
     def _fail(self, route: bytes, request_id: int, exc: Exception) -> None:
         self.opstats.refuse(exc.code if isinstance(exc, BrokerError) else BrokerError.code)

@@ -633,3 +633,26 @@ def test_a_client_cannot_tie_its_memory_to_another_process(
         finally:
             claimer.kill()
             bystander.kill()
+
+
+@pytest.mark.parametrize(
+    "tensors",
+    [[["", "float99", [3]]], [["", "float64", [1 << 20]]], [["", "float64", [-1]]]],
+    ids=["unknown dtype", "larger than its block", "bad shape"],
+)
+def test_a_refused_write_gives_its_block_back_at_once(
+    broker: tb.BrokerProcess, raw: Callable[..., Any], tensors: list[Any]
+) -> None:
+    """A write into a block granted ahead that the broker refuses ends the put there and
+    then: the block is free again, not held until the client's process exits."""
+    sock = raw(broker.address)
+    assert hello(sock)["ok"]
+    grants = call(sock, {"op": "grant", "id": 2, "size": 4096})["grants"]
+    put = grants[0][0]
+    reply = call(sock, {"op": "write", "id": 3, "put": put, "key": "w", "tensors": tensors})
+    assert_error(reply, "invalid")
+    again = call(sock, {"op": "abort", "id": 4, "put": put})
+    assert_error(again, "invalid")
+    assert f"no unsealed put {put}" in again["error"]
+    sock.send(encode({"op": "bye"}))
+    assert_serves(broker)
