@@ -220,9 +220,26 @@ class AsyncClient:
         conn = self.sync._conn
         if conn is None or self._closed:
             raise BrokerUnavailable(f"this client of {self.address} is closed")
+        if conn.broken:  # none came back last time: look again, off the event loop
+            await asyncio.to_thread(conn.reconnect, conn.generation)
         conn.check_usable(settle=False)  # raises the error of a put that did not wait
-        channel = await self._socket()
-        return await channel.call({"op": op, "id": conn.next_id(), **fields}, wait, late)
+        message = {"op": op, "id": conn.next_id(), **fields}
+        began = asyncio.get_running_loop().time()
+        with conn.in_flight(message["id"]):
+            while True:
+                channel = await self._socket()
+                try:
+                    return await channel.call(message, wait, late)
+                except BrokerUnavailable:
+                    if channel.broken is None or self._closed:  # out of time, or closed
+                        raise
+                # The broker exited under the call: once one is back (the session with it),
+                # the call goes again where that is safe, as the synchronous client's do.
+                await self._socket()
+                conn.check_resent(op, fields)
+                if fields.get("timeout") is not None:  # it waits what was left
+                    spent = asyncio.get_running_loop().time() - began
+                    message["timeout"], wait = waits(max(0.0, fields["timeout"] - spent))
 
     async def _write(self, plan: WritePlan, op: str, wait: float | None, block: bool) -> int | None:
         """Finish a planned put: into its block granted ahead, else into memory the broker

@@ -26,7 +26,7 @@ import select
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -36,7 +36,7 @@ from ..common.config import check_address, default_address
 from ..common.curve import client_keys
 from ..common.errors import BrokerError, BrokerUnavailable
 from ..common.protocol import MAX_RELEASES, PROTOCOL_VERSION, Op
-from .transport import BrokerExited, Channel, ChannelPool, NoReply
+from .transport import BrokerExited, Channel, ChannelPool, NoReply, waits
 
 if TYPE_CHECKING:
     from .handoff import Bell
@@ -67,6 +67,7 @@ _KEYS_HINT = (
 )
 RELEASE_WINDOW = 0.005  # releases wait at most this long for a request to carry them ...
 RELEASE_IDLE_WINDOW = 0.1  # ... or this long, in a client that has been idle
+RETRY_IDLE = 1.0  # seconds between the release thread's looks for a broker that did not come back
 
 
 class Connection:
@@ -233,16 +234,29 @@ class Connection:
         releases = _drain(self.releases, self.held)
         if releases:
             message["rel"] = releases
-        self._calls.add(message["id"])
-        try:
+        with self.in_flight(message["id"]):
             return self._call(message, op, wait, fields, bell, late)
+
+    @contextlib.contextmanager
+    def in_flight(self, request_id: int) -> Iterator[None]:
+        """A call waiting for its answer: named in the hello to a broker that restarted, so
+        that an item handed to it then is kept for it when it is sent again."""
+        self._calls.add(request_id)
+        try:
+            yield
         finally:
-            self._calls.discard(message["id"])
+            self._calls.discard(request_id)
+
+    @property
+    def broken(self) -> bool:
+        """Whether no broker has come back since the last one exited (the next call looks)."""
+        return self._broken is not None
 
     def _call(
         self, message: dict[str, Any], op: str, wait: float | None, fields: dict[str, Any],
         bell: Bell | None, late: Callable[[dict[str, Any]], None] | None,
     ) -> dict[str, Any]:  # fmt: skip
+        began = time.monotonic()
         while True:
             generation = self.generation
             channel: Channel | None = None
@@ -266,7 +280,10 @@ class Connection:
                 if channel is not None:
                     self._pool.give_back(channel)
             self.reconnect(generation)  # the releases go again: claimed at the hello, maybe
-            self._check_resent(op, fields)
+            self.check_resent(op, fields)
+            if fields.get("timeout") is not None:  # sent again: it waits what was left
+                left = max(0.0, fields["timeout"] - (time.monotonic() - began))
+                message["timeout"], wait = waits(left)
 
     def give_up(
         self, channel: Channel, request_id: int, bell: Bell | None,
@@ -302,13 +319,16 @@ class Connection:
         return False
 
     def _fresh_channel(self) -> Channel:
-        """A new socket, once no reconnection is under way (its hello would come first)."""
+        """A new socket, once no reconnection is under way (its hello would come first).
+        BrokerExited while no broker has come back since the last one exited: the caller
+        reconnects (`reconnect`)."""
         with self._reconnecting:
             if self._broken:
-                raise BrokerUnavailable(self._broken)
+                raise BrokerExited(self._broken)
         return self._new_channel(REQUEST_TIMEOUT)
 
-    def _check_resent(self, op: str, fields: dict[str, Any]) -> None:
+    def check_resent(self, op: str, fields: dict[str, Any]) -> None:
+        """Raise BrokerUnavailable if `op` must not be sent again to the broker of now."""
         what = " ".join(str(fields[f]) for f in ("key", "name", "put") if f in fields)
         what = f"{op} {what!r}" if what else op
         if not self.resumed and op not in FRESH_SAFE:
@@ -328,26 +348,29 @@ class Connection:
         fd = self._broker_pidfd
         return fd is not None and bool(select.select([fd], [], [], 0)[0])
 
-    def reconnect(self, generation: int) -> None:
-        """The broker of `generation` exited: wait for one at the same address and say hello
-        again with this session (once, whichever thread comes first). BrokerUnavailable if
-        none comes within `reconnect_timeout`; the connection is broken for good then."""
+    def reconnect(self, generation: int, window: float | None = None) -> None:
+        """The broker of `generation` exited: wait up to `window` seconds (None: the
+        client's `reconnect_timeout`; 0: one hello) for one at the same address, and say
+        hello again with this session and the leases this process holds (once, whichever
+        thread comes first). BrokerUnavailable if none comes in time; the client stays
+        usable: its next call (and the release thread, every RETRY_IDLE seconds) tries
+        again, with a window of its own, and carries the leases over just the same."""
         with self._reconnecting:
             if generation != self.generation:
                 return  # another thread has done it
-            if self._broken:
-                raise BrokerUnavailable(self._broken)
             exited = f"the broker at {self.address} exited"
-            if self.reconnect_timeout <= 0:
+            if window is None:
+                window = self.reconnect_timeout
+            if self._broken is None:  # its sockets and pidfd are the dead broker's
                 self._broken = exited
-                raise BrokerUnavailable(exited)
-            log.warning("%s: waiting up to %.0fs for it to come back", exited,
-                        self.reconnect_timeout)  # fmt: skip
-            self._pool.renew()
-            if self._broker_pidfd is not None:  # other threads may still poll it
-                self._old_pidfds.append(self._broker_pidfd)
-                self._broker_pidfd = None
-            deadline = time.monotonic() + self.reconnect_timeout
+                self._pool.renew()
+                if self._broker_pidfd is not None:  # other threads may still poll it
+                    self._old_pidfds.append(self._broker_pidfd)
+                    self._broker_pidfd = None
+                if window <= 0:  # connect(reconnect_timeout=0): the call that saw it fails
+                    raise BrokerUnavailable(f"{exited} (the next call looks for one again)")
+                log.warning("%s: waiting up to %.0fs for it to come back", exited, window)
+            deadline = time.monotonic() + window
             while True:
                 try:
                     channel = self._new_channel(HELLO_STEP, resume=True)
@@ -355,11 +378,13 @@ class Connection:
                 except BrokerUnavailable:
                     if time.monotonic() >= deadline or self.closed:
                         self._broken = (
-                            f"{exited} and no broker came back within {self.reconnect_timeout:g}s"
-                            f" (connect(reconnect_timeout=...)); start one with `tensorbroker "
-                            f"serve --address {self.address}`, then connect again"
+                            f"{exited} and no broker came back within {window:g}s "
+                            f"(connect(reconnect_timeout=...)); start one with `tensorbroker "
+                            f"serve --address {self.address}`: this client's next call "
+                            "looks for it again"
                         )
                         raise BrokerUnavailable(self._broken) from None
+            self._broken = None
             self.generation += 1
             self._pool.give_back(channel)
             log.warning(
@@ -394,8 +419,8 @@ class Connection:
             )
         if self.closed:
             raise BrokerError(f"this Client of {self.address} is closed")
-        if self._broken:
-            raise BrokerUnavailable(self._broken)
+        if self._broken:  # no broker came back last time: look again, with a window of its own
+            self.reconnect(self.generation)
         if poll:
             self.poll_writes(settle, wait)
         if earlier:
@@ -501,7 +526,7 @@ def _flush_releases(
     cost a busy client about 35 us per get.
     """
     delay, last_sent = RELEASE_WINDOW, time.monotonic()
-    generation, exited = 0, False
+    generation, exited, gave_up = 0, False, False
     try:
         while not stop.wait(delay):
             conn = connection()
@@ -509,15 +534,21 @@ def _flush_releases(
                 break
             if exited or conn.broker_exited() or conn.generation != generation:
                 try:  # come back now, not at the next call: the new broker waits for us
-                    conn.reconnect(generation)
+                    conn.reconnect(generation, window=0 if gave_up else None)
                     generation = conn.generation
                     fresh = conn._new_channel(REQUEST_TIMEOUT)
                 except BrokerExited:  # gone again: the next turn waits for the next one
                     exited = True
+                    del conn
+                    continue
+                except BrokerUnavailable:  # none came back: look again now and then
+                    exited, gave_up, delay = True, True, RETRY_IDLE
+                    del conn
                     continue
                 except BrokerError as exc:
                     log.warning("the release thread stopped: %s", exc)
                     break
+                gave_up = False
                 pool.discard(channel)
                 channel, exited = fresh, False
             del conn
