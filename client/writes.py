@@ -106,26 +106,28 @@ class Writes:
                 else:
                     if "id" not in message:  # under the lock: the ids rise as the seals go
                         message["id"] = self.conn.next_id()
-                    rid = message["id"]
-                    if hand_over is not None:
-                        hand_over(message, self.last)
-                        if "direct" in message:  # its consumer first (see the Note)
-                            os.sched_yield()
-                        else:  # the replies there: credits, grants, errors for the next call
-                            self._take_ready(channel)
-                    handed = wait and "direct" in message  # the consumer has it: done
-                    if handed:
-                        wait = False
-                        self._owed.add(rid)
-                    self._out[rid] = _Out(message, key, label, put, wait)
-                    if key is not None:
-                        self._keys[key] = rid
-                    self.last = rid
+                    rid, sent = message["id"], False
                     try:
-                        channel.send(message)
-                        stale = self._stale
-                    except BrokerExited:  # it goes again, with the rest, once one is back
-                        stale = True
+                        if hand_over is not None:
+                            hand_over(message, self.last)
+                            if "direct" in message:  # its consumer first (see the Note)
+                                os.sched_yield()
+                            else:  # the replies there: credits, grants, errors for the next call
+                                self._take_ready(channel)
+                        handed = wait and "direct" in message  # the consumer has it: done
+                        if handed:
+                            wait = False
+                            self._owed.add(rid)
+                        self._file(rid, _Out(message, key, label, put, wait))
+                        try:
+                            channel.send(message)
+                            sent, stale = True, self._stale
+                        except BrokerExited:  # it goes again, with the rest, once one is back
+                            sent, stale = True, True
+                    except BaseException:
+                        if "direct" in message and not sent:  # interrupted (Ctrl-C), once its
+                            self._seal_handed(channel, message, key, label, put)  # consumer has it
+                        raise
                     break
             self._broker_exited(generation)
         if stale:  # the broker restarted: come back to it now, the seals go again
@@ -133,6 +135,32 @@ class Writes:
         if handed:
             return {"ok": True, "version": message["direct"][3]}
         return self._wait(rid) if wait else None
+
+    def _file(self, rid: int, out: _Out) -> None:
+        """Seal `rid` is out (with the lock held)."""
+        self._out[rid] = out
+        if out.key is not None:
+            self._keys[out.key] = rid
+        self.last = rid
+
+    def _seal_handed(
+        self,
+        channel: Channel,
+        message: dict[str, Any],
+        key: str | None,
+        label: str,
+        put: int | None,
+    ) -> None:
+        """The seal of an item its consumer has goes out whatever interrupted its sending: else
+        the broker never learns of the item, and its slot and block stay taken. Sent twice
+        (interrupted between its send and the flag) is harmless: the broker refuses the
+        second, whose answer is dropped (its id was answered)."""
+        rid = message["id"]
+        if rid not in self._out:
+            self._owed.add(rid)
+            self._file(rid, _Out(message, key, label, put, False))
+        with contextlib.suppress(BrokerExited):  # it goes again, with the rest, once one is back
+            channel.send(message)
 
     # -- waiting ---------------------------------------------------------------------------
 

@@ -98,6 +98,43 @@ def dying_producer(address: str, name: str, where: str) -> None:
     os._exit(3)  # the handoff never happened
 
 
+def interrupted_producer(address: str, name: str) -> None:
+    """Put once after a first put, interrupted (Ctrl-C) right after filling the consumer's
+    mailbox, before the seal goes; then carry on with a third put."""
+    from tensorbroker.client import writes
+
+    with tb.connect(address) as client:
+        q = client.queue(name)
+        q.put(np.full(16, 1, np.int64))
+        while not client.stats()["direct_offered"]:
+            time.sleep(0.005)
+        seal = writes.Writes.seal
+
+        def interrupted_at_direct_seal(self: Any, message: dict[str, Any], *args: Any) -> Any:
+            *first, hand_over = args
+
+            def then_interrupt(m: dict[str, Any], last: int) -> None:
+                hand_over(m, last)
+                if "direct" in m:
+                    raise KeyboardInterrupt
+
+            return seal(self, message, *first, then_interrupt)
+
+        writes.Writes.seal = interrupted_at_direct_seal  # type: ignore[method-assign]
+        try:
+            q.put(np.full(16, 2, np.int64))
+        except KeyboardInterrupt:
+            pass
+        else:
+            os._exit(3)  # the handoff never happened
+        writes.Writes.seal = seal  # type: ignore[method-assign]
+        client.flush()
+        if client.stats()["direct_handoffs"] != 1:  # the broker knows of it, now (not at bye)
+            os._exit(4)
+        q.put(np.full(16, 3, np.int64))
+        client.flush()
+
+
 class _Dying:
     """The _shm module, but the process dies between claiming a mailbox and filling it."""
 
@@ -244,6 +281,22 @@ def test_a_producer_that_dies_after_handing_over_loses_nothing(c: tb.Client) -> 
     assert c.stats()["queue_in_flight"] == 1  # held by this consumer, until it lets go
     del item
     assert wait_until(lambda: settled(c), 5)
+
+
+def test_a_producer_interrupted_after_handing_over_still_seals(c: tb.Client) -> None:
+    """Ctrl-C between filling the consumer's mailbox and sending the seal: the seal goes all
+    the same, so the item is counted, freed when let go, and the stream goes on."""
+    q = c.queue("interrupted")
+    proc = SPAWN.Process(target=interrupted_producer, args=(c.address, "interrupted"))
+    proc.start()
+    got = []
+    for _ in range(3):
+        item = q.get(timeout=30)
+        got.append((int(item.numpy()[0]), item.version))
+        del item
+    join_all([proc])
+    assert got == [(1, 1), (2, 2), (3, 3)]
+    assert wait_until(lambda: settled(c), 5), c.stats()
 
 
 def test_a_producer_that_dies_before_filling_leaves_the_consumer_waiting(c: tb.Client) -> None:
