@@ -84,7 +84,7 @@ MAX_POLL_S = 3600.0  # a far deadline is waited for in steps zmq can take
 # Requests ZeroMQ reads ahead per client: one that sends faster than the broker answers waits
 # in its own socket (nothing is dropped), and holds at most RCVHWM frames here.
 RCVHWM = 128
-RING_SCAN = 0.05  # seconds between looks at the rings whose producers wait (QueueRings.scan)
+RING_SCAN = 0.005  # seconds between looks at the rings whose producers wait (QueueRings.scan)
 DRAIN_BATCH = 512  # requests handled before the loop looks at timers and pidfds again
 # plain ints: enum arithmetic costs
 _EVENTS, _POLLIN, _POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
