@@ -372,8 +372,8 @@ class Client:
         failed: BrokerError | None = None
         writes = self._transfer.writes
         try:
-            if not conn.broker_exited():  # before bye, which another socket carries
-                writes.flush()
+            if not conn.broker_exited() and not conn.broken:  # (a broker gone: nothing to wait
+                writes.flush()  # for) before bye, which another socket carries
         except BrokerUnavailable:
             pass
         except BrokerError as exc:

@@ -122,3 +122,16 @@ def test_the_asyncio_client_sends_its_waiting_calls_again(broker: tb.BrokerProce
             assert got.numpy().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_closing_a_client_whose_broker_is_gone_does_not_wait_for_it(
+    broker: tb.BrokerProcess,
+) -> None:
+    c = tb.connect(broker.address, reconnect_timeout=5.0)
+    c.put("x", np.ones(3))
+    _kill(broker)
+    with pytest.raises(tb.BrokerUnavailable):
+        c.put("y", np.ones(3))  # waits out its 5 s window
+    began = time.monotonic()
+    c.close()  # nothing to flush to a broker that is gone: no window of its own
+    assert time.monotonic() - began < 2.5
