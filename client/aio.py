@@ -140,16 +140,23 @@ class AsyncClient:
             result = self._transfer.read(reply)
         return self._transfer.move(key, result, want, copy)
 
-    async def watch(self, key: str, timeout: float | None = None) -> AsyncIterator[Item]:
-        """As Client.watch: `async for v in c.watch(key)`."""
+    async def watch(self, key: str, timeout: float | None = None) -> AsyncIterator[Item | None]:
+        """As Client.watch: `async for v in c.watch(key)`; v is None when the key is
+        deleted (or evicted), and then the next version put."""
         timeout, wait = waits(timeout)
         self._transfer.writes.settle(key)
-        seen = 0
+        seen, deletes = 0, False  # deletes: a version was yielded since the last None
         while True:
+            more = {"deletes": True} if deletes else {}
             reply = await self._call(
-                Op.GET, wait, Late(self._transfer.let_go), key=key, timeout=timeout, after=seen
-            )
-            seen = reply["version"]
+                Op.GET, wait, Late(self._transfer.let_go), key=key, timeout=timeout, after=seen,
+                **more,
+            )  # fmt: skip
+            if reply.get("deleted"):
+                deletes = False
+                yield None
+                continue
+            seen, deletes = reply["version"], True
             yield self._transfer.read(reply)
 
     def create(

@@ -184,20 +184,28 @@ class Client:
         reply = self._call(Op.WAIT, keys=keys, num=num, timeout=timeout, wait=wait)
         return list(reply["keys"])
 
-    def watch(self, key: str, timeout: float | None = None) -> Iterator[Item]:
+    def watch(self, key: str, timeout: float | None = None) -> Iterator[Item | None]:
         """Follow `key`: yield its current version (once it exists), then each newer one as
-        it is sealed, for as long as the caller iterates.
+        it is sealed, for as long as the caller iterates; None when the key is deleted (or
+        evicted) after a version it yielded, and then the next version put.
 
-        A slow watcher skips to the newest version instead of queueing stale ones, and a
-        bundle always comes whole. `timeout` bounds each wait for a newer version (then
+        It follows the key's state, not each event: a slow watcher skips to the newest
+        version instead of queueing stale ones, and a delete and a put made while it was not
+        looking show as the new version alone (`watch_prefix` yields every put and delete).
+        A bundle always comes whole. `timeout` bounds each wait for a newer version (then
         Timeout); None waits as long as it takes. Each item is a `get`: zero copy, leased.
         """
         timeout, wait = waits(timeout)
         self._transfer.writes.settle(key)
-        seen = 0
+        seen, deletes = 0, False  # deletes: a version was yielded since the last None
         while True:
-            reply = self._get(wait, key=key, timeout=timeout, after=seen)
-            seen = reply["version"]
+            more = {"deletes": True} if deletes else {}
+            reply = self._get(wait, key=key, timeout=timeout, after=seen, **more)
+            if reply.get("deleted"):
+                deletes = False
+                yield None
+                continue
+            seen, deletes = reply["version"], True
             yield self._transfer.read(reply)
 
     def watch_prefix(self, prefix: str, timeout: float | None = None) -> Iterator[KeyEvent]:
@@ -206,7 +214,8 @@ class Client:
         applied them. A watcher that keeps up misses none; one that falls far behind (or
         whose broker restarted) gets KeyEvent("overflowed", None, None) and goes on from
         then. `timeout` bounds each wait for the next event (then Timeout); None waits as
-        long as it takes. Where "now" is, is fixed before this returns."""
+        long as it takes. Where "now" is, is fixed before this returns. An eviction is a
+        "delete"; `watch` of one key sees deletes too (it yields None)."""
         timeout, wait = waits(timeout)
         start = self._call(Op.WATCH_PREFIX, prefix=prefix)
 

@@ -469,8 +469,10 @@ class Transfer:
                 self.let_go(reply)
 
     def let_go(self, reply: dict[str, Any]) -> None:
-        """An object answered to a get given up: its lease goes back."""
-        self.conn.releases.put(reply["lease"])
+        """An object answered to a get given up: its lease goes back (a watch told its key
+        was deleted holds none)."""
+        if "lease" in reply:
+            self.conn.releases.put(reply["lease"])
 
     def _write_device(self, items: list[tuple[str, Source, DType]], reply: dict[str, Any]) -> None:
         """Enqueue the copies into device memory on the sources' streams and record the

@@ -52,6 +52,7 @@ class Op:
     # grants (refills of that size), credits (a queue's slots granted ahead)
     QCREDIT = "qcredit"  # queue, timeout -> credits (waits, as a qput, for a free slot)
     GET = "get"  # key, timeout (None: wait forever), after -> object descriptor with a lease
+    # (with deletes and after: {deleted} if the key is gone, or goes while the get waits)
     WAIT = "wait"  # keys, num, timeout -> keys: those that exist once `num` do, or at timeout
     WATCH_PREFIX = "watchp"  # prefix, after, run, timeout -> events [[n, kind, key, version],
     # ...], next (the number to ask after next), run (whose numbers), overflowed (some missed)
@@ -359,6 +360,7 @@ _FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
         "key": (check_key, True),
         "timeout": (check_timeout, False),
         "after": (_int, False),
+        "deletes": (_bool, False),  # a watch: answer {"deleted"} once the key is gone
     },
     Op.WAIT: {"keys": (check_keys, True), "num": (_int, True), "timeout": (check_timeout, False)},
     Op.WATCH_PREFIX: {

@@ -46,7 +46,15 @@ class Objects:
         self.eviction = Eviction(registry, self._evicted)
 
     def _evicted(self, obj: StoredObject) -> None:
-        self.events.record("delete", obj.key, obj.version)
+        self._gone(obj.key, obj.version)
+
+    def _gone(self, key: str, version: int) -> None:
+        """`key` was deleted (or evicted) at `version`: watchers of it are told (a per-key
+        `watch` parks a get with `deletes`; `watch_prefix` reads the event log)."""
+        for w in self.lot.line(("get", key)):
+            if not w.done and w.request.fields.get("deletes", False):
+                self.answer(w, reply_ok(w.request.id, deleted=True))
+        self.events.record("delete", key, version)
 
     def answer(self, w: Waiter, payload: bytes, last: bool = False) -> None:
         """Answer a request that waited (`last`: as `Send`)."""
@@ -208,12 +216,16 @@ class Objects:
         return reply
 
     def get(self, session: Session, route: bytes, req: Request) -> Reply | None:
-        """The live version of a key, if newer than `after`; else wait for one up to timeout."""
+        """The live version of a key, if newer than `after`; else wait for one up to timeout.
+        With `deletes` (a watch that saw version `after`): {"deleted": True} if the key has
+        none now, or when it is deleted (or evicted) while this waits."""
         f = req.fields
         key, timeout, after = f["key"], f.get("timeout", 0.0), f.get("after", 0)
         obj = self.registry.objects.get(key)
         if obj is not None and obj.version > after:
             return self.describe(session, obj, req.id)
+        if obj is None and after and f.get("deletes", False):
+            return {"deleted": True}  # gone since the watcher's version
         if after:
             what = f"no version of {key!r} newer than {after} was sealed"
         else:
@@ -258,7 +270,7 @@ class Objects:
     def delete(self, session: Session, route: bytes, req: Request) -> Reply:
         key = req.fields["key"]
         version = self.registry.delete(key)
-        self.events.record("delete", key, version)
+        self._gone(key, version)
         return {}
 
     def exists(self, session: Session, route: bytes, req: Request) -> Reply:

@@ -200,6 +200,24 @@ def test_watch(fresh_broker: tb.BrokerProcess) -> None:
     assert versions == sorted(set(versions)) and versions[-1] == 5  # newer each time
 
 
+def test_watch_sees_a_delete(fresh_broker: tb.BrokerProcess) -> None:
+    async def main() -> list[Any]:
+        async with tb.aio.connect(fresh_broker.address) as c:
+            await c.put("w", np.zeros(1))
+            watch = c.watch("w", timeout=10)
+            first = await anext(watch)
+            later = asyncio.create_task(anext(watch))  # waits in the broker
+            await asyncio.sleep(0.3)
+            await c.delete("w")
+            gone = await later
+            await c.put("w", np.ones(1))
+            back = await anext(watch)
+            await watch.aclose()
+            return [first.version, gone, back.version]
+
+    assert run(main()) == [1, None, 2]
+
+
 def test_connect_to_nothing_says_where(tmp_path: Any) -> None:
     async def main() -> None:
         with pytest.raises(tb.BrokerUnavailable, match="no broker answers"):

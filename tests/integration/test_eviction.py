@@ -4,10 +4,12 @@ one holds, oldest first; never one someone holds, never one not evictable."""
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from support import in_thread
 
 import tensorbroker as tb
 
@@ -59,15 +61,36 @@ def test_a_read_from_the_directory_counts_as_a_use(small_broker: tb.BrokerProces
 
 def test_objects_stay_evictable_across_a_broker_kill(small_broker: tb.BrokerProcess) -> None:
     with tb.connect(small_broker.address) as c:
+        c.put("keep", block(-1))  # not evictable, and older than every evictable one
         for i in range(10):
             c.put(f"e-{i}", block(i), evictable=True)
         small_broker.send_signal(signal.SIGKILL)
         small_broker.wait(10)
         small_broker.restart()
+        flags = {o["key"]: o["evictable"] for o in c.list_objects()}
+        assert flags == {"keep": False, **{f"e-{i}": True for i in range(10)}}
         for i in range(10, 20):  # the store is full: the adopted objects make room
             c.put(f"e-{i}", block(i), evictable=True)
         assert not c.exists("e-0") and c.exists("e-19")
-        assert c.stats()["evicted"] >= 4
+        assert (c.get("keep").numpy() == -1).all()  # still pinned
+        assert c.stats()["evicted"] >= 5
+
+
+def test_a_watch_of_an_evicted_key_is_told(small_broker: tb.BrokerProcess) -> None:
+    """An eviction is a delete to watchers: `watch` yields None, as `watch_prefix` a
+    "delete"."""
+    with tb.connect(small_broker.address) as c:
+        c.put("e-0", block(0), evictable=True)
+        watch = c.watch("e-0", timeout=10)
+        first = next(watch)
+        assert first is not None and first.version == 1
+        del first  # a held object is never evicted
+        thread, out = in_thread(lambda: next(watch))  # waits in the broker for version 2
+        time.sleep(0.3)
+        for i in range(1, 20):
+            c.put(f"e-{i}", block(i), evictable=True)
+        thread.join(10)
+        assert out == [None] and not c.exists("e-0")
 
 
 def test_an_object_held_or_not_evictable_is_never_evicted(small_broker: tb.BrokerProcess) -> None:

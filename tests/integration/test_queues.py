@@ -297,6 +297,28 @@ def test_watch_goes_on_across_delete_and_put(c: tb.Client) -> None:
     assert next(watch).version == 2
 
 
+def test_watch_sees_a_delete_then_goes_on(c: tb.Client) -> None:
+    """A delete (as watch_prefix's "delete") yields None, once; then the next version."""
+    c.put("w", np.zeros(1))
+    watch = c.watch("w", timeout=5)
+    assert next(watch).version == 1
+    thread, out = in_thread(lambda: next(watch))  # waits in the broker for version 2
+    time.sleep(0.3)
+    c.delete("w")
+    thread.join(10)
+    assert out == [None]
+    thread, out = in_thread(lambda: next(watch))  # told once: now it waits for a put
+    time.sleep(0.3)
+    c.put("w", np.ones(1))
+    thread.join(10)
+    assert [t.version for t in out] == [2]
+    c.delete("w")  # deleted before the watcher asks again: told all the same
+    assert next(watch) is None
+    short = c.watch("w", timeout=0.2)  # a watch that saw no version sees no delete
+    with pytest.raises(tb.Timeout):
+        next(short)
+
+
 def test_a_bundle_is_seen_whole_by_watchers(c: tb.Client) -> None:
     for step in range(5):
         c.put("state", {"a": np.full(1000, step), "b": np.full(10, step)})
