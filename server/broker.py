@@ -619,7 +619,8 @@ class Broker:
         in client/writes.py), so a put left pending here would hold its memory until the
         client's process exits. A seal refused before it was parsed is applied too, as far
         as its offers go (`_dispatch` says so of the others)."""
-        if not isinstance(message, dict) or message.get("op") not in SEALS:
+        op = message.get("op") if isinstance(message, dict) else None
+        if type(op) is not str or op not in SEALS:  # (an op of any shape comes here too)
             return
         session = self.sessions.routes.get(route)
         put_id = message.get("put")
