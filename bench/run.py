@@ -74,7 +74,9 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, bool]:
             systems = ("tensorbroker", *systems)  # every ratio is to tensorbroker
     reps = args.reps or (2 if args.quick else 5)
     if args.quick:
-        quick = Settings(sizes, reps, budget=0.1, duration=0.3, systems=systems, quick=True)
+        quick = Settings(
+            sizes, reps, budget=0.1, duration=0.3, keys=10000, systems=systems, quick=True
+        )
         return quick, args.replot
     return Settings(sizes, reps, systems=systems), args.replot
 

@@ -83,21 +83,42 @@ class TensorDesc(NamedTuple):
         return cls(name, dtype, tuple(shape), tuple(strides), segment, offset, device)
 
 
+class Shapes:
+    """Shape and stride tuples shared by the descriptors a broker keeps: each shape once, up
+    to `limit` different ones (then it starts again). A plain object's descriptor so takes
+    about 150 bytes of the broker's memory, not 450 (issue 31)."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self._known: dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]]] = {}
+
+    def __call__(self, shape: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(shape, compact strides) of `shape`, as tuples shared with every equal one."""
+        key = tuple(shape)
+        known = self._known.get(key)
+        if known is None:
+            if len(self._known) >= self.limit:
+                self._known.clear()
+            known = self._known[key] = (key, compact_strides(key))
+        return known
+
+
 def laid_out(
-    specs: Sequence[Sequence[Any]], offsets: list[int], segment: str, base: int, device: str
-) -> list[Any]:
+    specs: Sequence[Sequence[Any]], offsets: list[int], segment: str, base: int, device: str,
+    shapes: Shapes | None = None,
+) -> tuple[tuple[Any, ...], ...]:  # fmt: skip
     """The wire form of the tensors of `specs` ([name, dtype, shape]) laid out at `offsets`
-    from `base` in `segment`."""
-    return [
-        TensorDesc(
-            name, dtype, tuple(shape), compact_strides(tuple(shape)), segment, base + off, device
-        ).to_wire()
+    from `base` in `segment`: tuples (packed as arrays), their dtype names and, through
+    `shapes`, their shapes and strides shared with other objects'."""
+    shapes = shapes if shapes is not None else Shapes(0)
+    return tuple(
+        (name, DTYPES[dtype].name, *shapes(shape), segment, base + off if off else base, device)
         for (name, dtype, shape), off in zip(specs, offsets, strict=True)
-    ]
+    )
 
 
 def object_wire(
-    key: str, version: int, bundle: bool, tensors: list[Any], lease: int
+    key: str, version: int, bundle: bool, tensors: Sequence[Any], lease: int
 ) -> dict[str, Any]:
     """A sealed object as one `get` sees it (a version of a key, held by one lease), in its
     wire form, from tensors already in theirs (the broker keeps them so). A bundle is several

@@ -38,6 +38,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
@@ -47,6 +48,8 @@ from . import _shm
 MAGIC = 0x31524944_42540000  # "TBDIR1"
 HEADER = 4096
 ENTRY_SIZE = 2048  # a bigger key and descriptor is not listed: its gets ask the broker
+# (the largest entry: a table's header says its own entry size, a power of two from 128
+# that fits its longest key and descriptor; server/directory.py)
 ENTRIES = 4096  # of the first directory; it is rebuilt (twice the size if need be) when full
 SLOTS = 1024  # per client region (8 KiB)
 REGIONS = 256  # client regions in the slots segment: more clients get theirs from the broker
@@ -59,7 +62,7 @@ EMPTY, LIVE, DELETED = 0, 1, 2
 DIRECT_TRIES = 8  # an entry replaced under a lease this often in a row: ask the broker
 
 
-def encode_desc(bundle: bool, tensors: list[Any]) -> bytes:
+def encode_desc(bundle: bool, tensors: Sequence[Any]) -> bytes:
     """A directory entry's descriptor: the object's bundle flag and tensors (wire form)."""
     data: bytes = msgpack.packb([bundle, tensors], use_bin_type=True)
     return data

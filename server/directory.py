@@ -1,9 +1,21 @@
 """The broker's side of Note [directory and lease slots] (common/directory.py): it writes the
-directory, hands out slot regions, and scans them before it frees a retired object."""
+directory, hands out slot regions, and scans them before it frees a retired object.
+
+A table's entries are all of one size (its header says which): the smallest power of two
+from MIN_ENTRY that fits its longest key and descriptor, up to ENTRY_SIZE. A key that does
+not fit the current size rebuilds the table with bigger entries. Small keys so take 128
+bytes an entry, not 2 KiB: the directory was 8 KB of shared memory per key at 200,000 keys
+(issue 31). A replaced table's entries are given back to the kernel at once (MADV_REMOVE):
+only its header is read after the move, and a client that maps it idly keeps no memory.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
+import struct
+from collections.abc import Sequence
 from typing import Any
 
 from ..common import _shm
@@ -30,6 +42,28 @@ from .arena import Segment
 from .state import Journal
 
 log = logging.getLogger(__name__)
+
+MIN_ENTRY = 128  # bytes of the smallest entry: a small key and a plain tensor's descriptor
+_ENTRY = struct.Struct("<QIIQQQII")  # seq state keylen oid version hash desclen (common/_shm.c)
+MADV_REMOVE = 9  # madvise(2): free a shared mapping's pages and their backing store
+
+
+def entry_size(need: int) -> int:
+    """The entry size of a table whose longest entry takes `need` bytes."""
+    return max(MIN_ENTRY, 1 << (need - 1).bit_length())
+
+
+def _give_back_entries(table: _Mapped) -> None:
+    """Free the pages of a replaced table's entries (all but its header, and the partial page
+    at its end): readers of them find nothing there and ask the broker; none can trust an
+    entry of a moved table anyway (the check reads `moved`)."""
+    start, end = table.addr + HEADER, table.addr + table.size // mmap.PAGESIZE * mmap.PAGESIZE
+    if end <= start:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if libc.madvise(start, end - start, MADV_REMOVE) != 0:  # its memory stays: no harm
+        log.debug("madvise(MADV_REMOVE) of %s: errno %d", table.name, ctypes.get_errno())
 
 
 class _Mapped:
@@ -71,20 +105,22 @@ class _Table(_Mapped):
     """One directory segment."""
 
     def __init__(
-        self, shm_dir: str, prefix: str, journal: Journal, entries: int, group: int | None
-    ) -> None:
-        size = HEADER + entries * ENTRY_SIZE  # clients only read it:
-        super().__init__(shm_dir, prefix, size, journal, "directory", None, group, 0o640)
-        self.entries = entries
+        self, shm_dir: str, prefix: str, journal: Journal, entries: int, group: int | None,
+        size: int = MIN_ENTRY,
+    ) -> None:  # fmt: skip
+        total = HEADER + entries * size  # clients only read it:
+        super().__init__(shm_dir, prefix, total, journal, "directory", None, group, 0o640)
+        self.entries, self.entry_size = entries, size
         self.states = bytearray(entries)  # EMPTY / LIVE / DELETED, as written
         self.index: dict[str, int] = {}  # live key -> entry
         self.used = 0  # entries not empty (live or deleted): probes end at empty ones
+        self.longest = 0  # bytes of the longest entry written (removed ones too)
         _shm.store(self.addr + H_ENTRIES, entries)
-        _shm.store(self.addr + H_ENTRY_SIZE, ENTRY_SIZE)
+        _shm.store(self.addr + H_ENTRY_SIZE, size)
         _shm.store(self.addr + H_MAGIC, MAGIC)
 
     def entry(self, i: int) -> int:
-        return self.addr + HEADER + i * ENTRY_SIZE
+        return self.addr + HEADER + i * self.entry_size
 
     def write(self, key: str, oid: int, version: int, desc: bytes) -> bool:
         """List `key`; False if the table has no room left (a third must stay empty)."""
@@ -99,15 +135,25 @@ class _Table(_Mapped):
             if self.states[i] == EMPTY:
                 self.used += 1
             self.index[key] = i
-        _shm.entry_write(self.entry(i), ENTRY_SIZE, LIVE, oid, version, raw, desc)
+        _shm.entry_write(self.entry(i), self.entry_size, LIVE, oid, version, raw, desc)
+        self.longest = max(self.longest, _shm.ENTRY_HEAD + len(raw) + len(desc))
         self.states[i] = LIVE
         return True
 
     def remove(self, key: str) -> None:
         i = self.index.pop(key, None)
         if i is not None:
-            _shm.entry_write(self.entry(i), ENTRY_SIZE, DELETED, 0, 0, key.encode(), b"")
+            _shm.entry_write(self.entry(i), self.entry_size, DELETED, 0, 0, key.encode(), b"")
             self.states[i] = DELETED
+
+    def copy_to(self, view: memoryview, table: _Table) -> None:
+        """Write this table's live entries (read back from `view`, its mapping: only the
+        broker writes it, so no seqlock) into `table`."""
+        for key, i in self.index.items():
+            at = HEADER + i * self.entry_size
+            _, _, keylen, oid, version, _, desclen, _ = _ENTRY.unpack_from(view, at)
+            start = at + _shm.ENTRY_HEAD + keylen
+            table.write(key, oid, version, bytes(view[start : start + desclen]))
 
 
 class Directory:
@@ -119,12 +165,11 @@ class Directory:
     ) -> None:  # fmt: skip
         self._dir, self._prefix, self._group = shm_dir, prefix, group
         self._journal = journal if journal is not None else Journal()
-        self._table = self._new_table(entries)
+        self._table = self._new_table(entries, MIN_ENTRY)
         self._old: list[_Mapped] = []  # replaced tables: clients may still map them
-        self._listed: dict[str, tuple[int, int, bytes]] = {}  # key -> oid, version, desc
 
-    def _new_table(self, entries: int) -> _Table:
-        table = _Table(self._dir, self._prefix, self._journal, entries, self._group)
+    def _new_table(self, entries: int, size: int) -> _Table:
+        table = _Table(self._dir, self._prefix, self._journal, entries, self._group, size)
         self._journal.meta("directory", table.name)
         return table
 
@@ -136,33 +181,44 @@ class Directory:
     def size(self) -> int:
         return self._table.size
 
-    def publish(self, key: str, oid: int, version: int, bundle: bool, tensors: list[Any]) -> bool:
+    def publish(
+        self, key: str, oid: int, version: int, bundle: bool, tensors: Sequence[Any]
+    ) -> bool:
         """List a newly sealed version of `key` (replacing the one listed). False, and the
         key unlisted, if it does not fit an entry: its gets then ask the broker."""
         desc = encode_desc(bundle, tensors)
-        if len(key.encode()) + len(desc) > ENTRY_SIZE - _shm.ENTRY_HEAD:
+        need = _shm.ENTRY_HEAD + len(key.encode()) + len(desc)
+        if need > ENTRY_SIZE:
             self.remove(key)
             return False
-        self._listed[key] = (oid, version, desc)
-        if not self._table.write(key, oid, version, desc):
-            self._rebuild()
+        table = self._table
+        if need > table.entry_size or not table.write(key, oid, version, desc):
+            self._rebuild(need)
+            self._table.write(key, oid, version, desc)
         return True
 
     def remove(self, key: str) -> None:
-        if self._listed.pop(key, None) is not None:
-            self._table.remove(key)
+        self._table.remove(key)
 
-    def _rebuild(self) -> None:
-        """A new table (twice as big if half of the old one is live), written whole, then
-        announced in the old one's header; the old one stays mapped for clients on it."""
-        live = len(self._listed)
-        entries = self._table.entries * (2 if 2 * live > self._table.entries else 1)
-        table = self._new_table(entries)
-        for key, (oid, version, desc) in self._listed.items():
-            table.write(key, oid, version, desc)
-        old, self._table = self._table, table
+    def _rebuild(self, need: int) -> None:
+        """A new table (twice as big if half of the old one is live, its entries as big as
+        `need` and the longest written to the old one take: one rebuild later, as the longest
+        live one), written whole, then announced in the old one's header; the old one stays
+        mapped for clients on it, its entries freed."""
+        old = self._table
+        live = len(old.index) + 1
+        entries = old.entries * (2 if 2 * live > old.entries else 1)
+        view = memoryview((ctypes.c_char * old.size).from_address(old.addr)).cast("B")
+        try:
+            table = self._new_table(entries, entry_size(max(need, old.longest)))
+            old.copy_to(view, table)
+        finally:
+            view.release()
+        self._table = table
+        old.index, old.states = {}, bytearray()  # read no more
         self._replaced(old)
-        log.info("directory rebuilt: %d entries, %d live", entries, live)
+        size = table.entry_size
+        log.info("directory rebuilt: %d entries of %d bytes, %d live", entries, size, live)
 
     def _replaced(self, old: _Mapped) -> None:
         """Announce the current table in `old` (and in every table replaced before it)."""
@@ -173,6 +229,7 @@ class Directory:
                 word = int.from_bytes(name[i : i + 8], "little")
                 _shm.store(table.addr + H_SUCCESSOR + i, word)
             _shm.store(table.addr + H_MOVED, 1)  # after the table and its name (release)
+        _give_back_entries(old)  # after `moved`: a lease checked on it fails from now on
         while len(self._old) > 1:  # clients that still map it keep their mapping; a client
             self._old.pop(0).close()  # that cannot follow its name asks the broker (ping)
 

@@ -50,13 +50,14 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ..common.config import format_size
 from ..common.cudart import device_index
-from ..common.descriptors import MIN_ALIGN, PAGE, TensorDesc, laid_out, layout
+from ..common.descriptors import MIN_ALIGN, PAGE, Shapes, TensorDesc, laid_out, layout
 from ..common.dtypes import dtype
 from ..common.errors import CapacityError, InvalidRequest, NotFound
 from .arena import Arena, Block, ShmExhausted
@@ -81,7 +82,7 @@ class StoredObject:
     key: str
     bundle: bool
     block: Block
-    wire: list[Any]  # its tensors, as sent on the wire (built once, at put)
+    wire: Sequence[Any]  # its tensors, as sent on the wire (built once, at put: laid_out)
     version: int = 0  # set at seal
     leases: int = 0
     live: bool = False
@@ -170,6 +171,7 @@ class Registry:
         self.pending: dict[int, StoredObject] = {}  # put lease id -> object
         self._versions: dict[str, int] = {}  # key -> last version sealed
         self._ids = itertools.count(first_id)
+        self.shapes = Shapes()  # the shapes and strides of objects' descriptors, shared
         self.first_id = first_id  # ids below it were given by a broker that died
         self._id_limit = first_id  # ids below it are reserved in the journal
         self.lease_count = 0
@@ -210,7 +212,8 @@ class Registry:
         arena = self.arena if device == "cpu" else self.devices.arena(device)
         offsets, size, align = layout(specs, MIN_ALIGN if device == "cpu" else DEVICE_ALIGN)
         block = self._allocate(arena, key, size, align)
-        wire = laid_out(specs, offsets, block.segment, block.offset, device)
+        device = sys.intern(device)  # not a string of its own in every object
+        wire = laid_out(specs, offsets, block.segment, block.offset, device, self.shapes)
         obj = StoredObject(key, bundle, block, wire, queue=queue, device=device)
         obj.oid = self._id()
         if device != "cpu":
@@ -235,7 +238,7 @@ class Registry:
             block = arena.allocate(size_class, PAGE)
             if block is None:
                 break
-            obj = StoredObject("", False, block, [], granted=True)
+            obj = StoredObject("", False, block, (), granted=True)
             obj.oid = self._id()
             put_id = self.lease(session, obj)
             self.pending[put_id] = obj
@@ -272,7 +275,8 @@ class Registry:
             )
         self._ungrant(session, obj)
         obj.key, obj.bundle, obj.queue = key, bundle, queue
-        obj.wire = laid_out(specs, offsets, obj.block.segment, obj.block.offset, "cpu")
+        block = obj.block
+        obj.wire = laid_out(specs, offsets, block.segment, block.offset, "cpu", self.shapes)
         return obj
 
     def _ungrant(self, session: Session, obj: StoredObject) -> None:

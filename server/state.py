@@ -350,10 +350,10 @@ class State(Journal):
         self._put(("meta", name, value))
 
     def granted(self, obj: Any, token: str, put: int) -> None:
-        b, q = obj.block, obj.queue
+        b, q = obj.block, obj.queue  # gives: (), not a list of its own in every row
         row = [obj.oid, obj.key, 0, PENDING, obj.bundle, b.segment, b.offset, b.size, obj.wire,
                q.id if q is not None else None, token, put, None, None,
-               False, None, []]  # fmt: skip
+               False, None, ()]  # fmt: skip
         self._rows[obj.oid] = row
         self._put(("obj", row))
 
@@ -375,7 +375,7 @@ class State(Journal):
             return
         row[15] = sorted(unseen)
         if taker is not None:
-            row[16].append([taker, took])
+            row[16] = [*row[16], [taker, took]]
         self._put(("obj", row))
 
     def retired(self, obj: Any, taker: str | None = None, took: int | None = None) -> None:

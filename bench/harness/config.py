@@ -53,5 +53,6 @@ class Settings:
     duration: float = 0.5  # seconds per throughput window
     clients: tuple[int, ...] = CLIENTS
     count: int = 1000  # objects stored for the memory figures
+    keys: int = 20000  # 4-byte objects under keys of their own, for the memory per key
     systems: tuple[str, ...] = field(default=tuple(spec.name for spec in SYSTEMS))
     quick: bool = False

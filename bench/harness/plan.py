@@ -15,7 +15,9 @@ THROUGHPUT = ("throughput_get", "throughput_putget")
 MANY_KEYS = 100  # get_many: of this many 4 KiB objects
 FANOUT_SIZE = 4 << 20  # fanout: items of this size, to 1 reader (a queue) or 4 (a broadcast)
 FANOUT_READERS = (1, 4)
-MEMORY_METRICS = ("shm_idle", "shm_per_object", "rss_idle", "rss_per_object")
+MEMORY_METRICS = (
+    "shm_idle", "shm_per_object", "rss_idle", "rss_per_object", "rss_per_key", "shm_rss_per_key"
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class Cell:
             "budget": settings.budget,
             "duration": settings.duration,
             "count": settings.count,
+            "keys": settings.keys,
         }
 
     def row(self, metric: str) -> Row:

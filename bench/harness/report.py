@@ -19,7 +19,8 @@ TITLES = {
     "(tensorbroker: through a queue; lower is better)",
     "throughput_get": "4 KiB get ops/s by client processes (higher is better)",
     "throughput_putget": "4 KiB put+get cycles/s by client processes (higher is better)",
-    "memory": "memory: 1000 stored 4 KiB objects (lower is better)",
+    "memory": "memory: 1000 stored 4 KiB objects, and many 4-byte objects under keys of their "
+    "own (lower is better)",
     "get_many": "get_many: 100 existing 4 KiB objects in one call, as NumPy arrays (lower is "
     "better)",
     "fanout": "fanout: 100 items of 4 MiB to 1 reader process (a queue) or 4 (a broadcast "
@@ -35,6 +36,8 @@ MEMORY_LABELS = {
     "shm_per_object": "shared memory per object",
     "rss_idle": "store process private RSS, idle",
     "rss_per_object": "store process private RSS per object",
+    "rss_per_key": "store process private RSS per small key",
+    "shm_rss_per_key": "store process resident shared memory per small key",
 }
 
 

@@ -22,6 +22,7 @@ import numpy as np
 LATENCY_SCENARIOS = ("put", "put_nowait", "get", "handoff")
 THROUGHPUT_SCENARIOS = ("throughput_get", "throughput_putget")
 SMALL = 4096  # bytes of the objects in throughput and memory runs
+KEY_BYTES = 4  # bytes of each object of the memory run's small keys (one float32)
 MANY_KEYS = 100  # get_many: objects read in one call (bench/harness/plan.py says so too)
 POOL_SIZE = 4  # client processes kept for throughput runs (runs use 1, 2 or 4)
 HANDOFF_TIMEOUT = 120.0  # seconds a consumer may take to report (mp.Queue moves 1 GiB in ~5 s)
@@ -38,6 +39,7 @@ class Request:
     clients: int = 1  # client processes (throughput scenarios)
     duration: float = 0.5  # seconds of the throughput window
     count: int = 1000  # objects stored (memory scenario)
+    keys: int = 20000  # small objects under keys of their own (memory scenario)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Request:
@@ -113,6 +115,11 @@ class System:
     def memory(self, count: int, nbytes: int) -> Metrics:
         raise NotImplementedError
 
+    def keys(self, count: int) -> Metrics:
+        """The store's memory per key over `count` objects of KEY_BYTES (`keys_growth`);
+        none for a system that does not measure it."""
+        return {}
+
     # -- driving ---------------------------------------------------------------------------
 
     def measure(self, req: Request) -> tuple[Metrics, int]:
@@ -124,7 +131,7 @@ class System:
             return {"value": self.throughput(mode, req.clients, req.duration)}, 1
         if req.scenario == "memory":
             self.drop_array()
-            return self.memory(req.count, SMALL), 1
+            return self.memory(req.count, SMALL) | self.keys(req.keys), 1
         array = self.array(req.size)
         if req.scenario == "fanout":
             return self.fanout(array, req.clients), 1
@@ -347,6 +354,21 @@ def memory_growth(
         "rss_idle": rss0,
         "rss_per_object": (rss2 - rss1) / count,
     }
+
+
+def keys_growth(put_keys: Callable[[], None], pid: int, count: int) -> Metrics:
+    """The resident memory of the store process `pid` per key, over `put_keys()` storing
+    `count` objects of KEY_BYTES under keys of their own: private (anonymous + file-backed),
+    and shared memory it has mapped (tensorbroker: its directory, as the broker never maps
+    the objects' blocks; Plasma: the pages of its arena it touched, the objects' included)."""
+    before = proc_status(pid)
+    put_keys()
+    after = proc_status(pid)
+
+    def grew(*fields: str) -> float:
+        return sum(after.get(f, 0) - before.get(f, 0) for f in fields) / count
+
+    return {"rss_per_key": grew("RssAnon", "RssFile"), "shm_rss_per_key": grew("RssShmem")}
 
 
 # -- /proc readers ------------------------------------------------------------------------

@@ -19,12 +19,14 @@ import pyarrow
 from pyarrow import plasma
 
 from .base import (
+    KEY_BYTES,
     POOL_SIZE,
     SMALL,
     ClientPool,
     Consumer,
     Metrics,
     System,
+    keys_growth,
     memory_growth,
     private_rss,
     shm_backed,
@@ -132,6 +134,20 @@ class Plasma(System):
                 lambda: float(private_rss(self._pid)),
                 count,
             )
+        finally:
+            self._client.delete(oids)
+
+    def keys(self, count: int) -> Metrics:
+        """`count` objects of KEY_BYTES (create, copy, seal), each under an id of its own."""
+        array = np.full(KEY_BYTES // 4, 1.0, dtype=np.float32)
+        oids = [plasma.ObjectID.from_random() for _ in range(count)]
+
+        def put_keys() -> None:
+            for oid in oids:
+                _put(self._client, oid, array)
+
+        try:
+            return keys_growth(put_keys, self._pid, count)
         finally:
             self._client.delete(oids)
 

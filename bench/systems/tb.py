@@ -25,12 +25,14 @@ import tensorbroker as tb
 from tensorbroker.server.state import read_journal
 
 from .base import (
+    KEY_BYTES,
     POOL_SIZE,
     SMALL,
     ClientPool,
     Consumer,
     Metrics,
     System,
+    keys_growth,
     memory_growth,
     private_rss,
 )
@@ -192,6 +194,24 @@ class TensorBroker(System):
                 lambda: float(private_rss(pid)),
                 count,
             ) | {"shm_idle": float(_backed(state_dir))}
+        finally:
+            for key in keys:
+                self.client.delete(key)
+
+    def keys(self, count: int) -> Metrics:
+        """`count` puts of KEY_BYTES under keys of their own (not waiting for each: how a
+        store is loaded with many keys), then a flush."""
+        assert self._broker is not None
+        array = np.full(KEY_BYTES // 4, 1.0, dtype=np.float32)
+        keys = [f"key-{i}" for i in range(count)]
+
+        def put_keys() -> None:
+            for key in keys:
+                self.client.put(key, array, wait=False)
+            self.client.flush()
+
+        try:
+            return keys_growth(put_keys, self._broker.pid, count)
         finally:
             for key in keys:
                 self.client.delete(key)

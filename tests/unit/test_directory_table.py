@@ -18,7 +18,7 @@ from tensorbroker.common.directory import (
     DirectoryView,
     decode_desc,
 )
-from tensorbroker.server.directory import Directory, SlotTable
+from tensorbroker.server.directory import MIN_ENTRY, Directory, SlotTable
 
 
 @pytest.fixture
@@ -107,6 +107,28 @@ def test_a_full_directory_is_rebuilt_and_readers_follow_it(
     assert [p.name for p in Path(shm_dir).iterdir()] == [table.name]  # every table unlinked
 
 
+def test_entries_are_as_small_as_the_keys_allow_and_a_long_key_makes_them_bigger(
+    shm_dir: str, slots: tuple[SlotTable, LeaseSlots]
+) -> None:
+    _, client = slots
+    d = Directory(shm_dir, entries=64)
+    view = DirectoryView(shm_dir, d.name, d.size)
+    try:
+        for i in range(5):
+            assert d.publish(f"k{i}", 1 + i, 1, False, _wire(i))
+        assert d._table.entry_size == MIN_ENTRY
+        old = os.path.join(shm_dir, d.name)
+        long = "x" * 300
+        assert d.publish(long, 99, 1, False, _wire(1))  # 48 + 300 + its descriptor: 512
+        assert (d._table.entry_size, d._table.entries) == (512, 64)
+        assert os.stat(old).st_blocks * 512 <= HEADER  # the replaced table's entries: freed
+        assert [Found(view, client, f"k{i}".encode()).oid for i in range(5)] == [1, 2, 3, 4, 5]
+        assert Found(view, client, long.encode()).oid == 99
+    finally:
+        view.close()
+        d.close()
+
+
 def test_an_entry_too_big_is_not_listed_and_its_older_version_goes(
     shm_dir: str, slots: tuple[SlotTable, LeaseSlots]
 ) -> None:
@@ -161,14 +183,15 @@ def test_a_reader_follows_a_rebuild_through_the_old_header(
 
 def test_an_entry_of_a_replaced_table_never_passes_the_check(shm_dir: str) -> None:
     """A reader that found its entry in a table the broker then replaced must not trust
-    it: the old entry stays live forever, so the check also asks whether the table moved."""
+    it: the old entry stays live (here, in a table smaller than a page, whose entries are
+    not given back), so the check also asks whether the table moved."""
     d = Directory(shm_dir, entries=8)
     try:
         d.publish("k0", 1, 1, False, _wire(0))
-        old = d._table.addr
-        found = _shm.lookup(old + HEADER, 8, ENTRY_SIZE, b"k0")
+        old, size = d._table.addr, d._table.entry_size
+        found = _shm.lookup(old + HEADER, 8, size, b"k0")
         assert isinstance(found, tuple)
-        entry = old + HEADER + found[0] * ENTRY_SIZE
+        entry = old + HEADER + found[0] * size
         for i in range(1, 6):  # a rebuild; then k0 is replaced in the new table only
             d.publish(f"k{i}", 1 + i, 1, False, _wire(i))
         d.publish("k0", 99, 2, False, _wire(0))
@@ -194,14 +217,20 @@ def test_many_keys_are_leased_at_once(shm_dir: str, slots: tuple[SlotTable, Leas
         for got in (first, third):
             client.give_back(got[3])
         assert table.held() == {}
-        old = d._table.addr
+        old, size = d._table.addr, d._table.entry_size
         slot = client.take()
         assert slot is not None
-        for i in range(5, 60):  # a rebuild: the old table's entries are stale
+        for i in range(5, 60):  # a rebuild: the old table's entries are given back
             d.publish(f"k{i}", 10 + i, 1, False, _wire(i))
-        assert d._table.addr != old
-        stale = _shm.lease_entries(old + HEADER, 64, ENTRY_SIZE, [b"k0"], [slot], old + H_MOVED)
-        assert stale == [True] and _shm.load(slot) == 0  # try again; the slot was cleared
+        new = d._table
+        assert new.addr != old
+        stale = _shm.lease_entries(old + HEADER, 64, size, [b"k0"], [slot], old + H_MOVED)
+        assert stale == [None] and _shm.load(slot) == 0  # nothing there: the broker answers
+        # Found before the move, checked after it: try again (the slot was cleared).
+        found = _shm.lease_entries(
+            new.addr + HEADER, new.entries, new.entry_size, [b"k0"], [slot], old + H_MOVED
+        )
+        assert found == [True] and _shm.load(slot) == 0
         client.give_back(slot)
         assert [got is not None for got in view.lease_many([b"k0", b"k59"], client)] == [True] * 2
     finally:
