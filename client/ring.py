@@ -68,11 +68,13 @@ class RingView:
         """0 while items may still come; else REMOVED once the queue was removed, CLOSED once
         the cursor is past the last item of a closed one, or -1 once this subscription is no
         longer served."""
+        # `members` first: the broker writes a removed queue's end before the bits it ends
+        members = _shm.load(self.addr + R_MEMBERS)
         end = _shm.load(self.addr + R_END)
         why = int(_shm.load(self.addr + R_WHY)) if end else 0
         if why == REMOVED or (why and self.cursor >= end):
             return why
-        if not _shm.load(self.addr + R_MEMBERS) & self.mask:
+        if not members & self.mask:
             return -1
         return 0
 

@@ -25,15 +25,19 @@ RING_ASK: the subscriber takes the slot, then asks the broker for the item as a 
 subscriber does. A subscription that ends has its bit cleared from `unread` everywhere (and
 from `held` too if its process is gone); its bit is given again only once no slot has it.
 The header's `end` says where a closed or removed stream ends, and `members` which bits are
-still served, so that a subscriber never sleeps on a stream that is over.
+still served, so that a subscriber never sleeps on a stream that is over. A subscription's
+end waits for the journal's commit as the slot writes do, and comes after its stream's end
+when both are in one batch (a removed queue's): a subscriber reads `members` before `end`,
+so it is told the queue was removed, not that its subscription ended.
 
 Recovery: the ring's segment is journaled, and so are the subscriptions' bits and first
-versions. A broker that comes back maps the same ring: subscribers go on at their cursors,
-and the broker takes back every slot still held (its item held by the ring again) and frees
-the rest. Items the journal has that were never written to the ring (the broker died between
-its commit and the slot writes: the header's `top` is the last version written) are posted
-again, each to the subscriptions that started before it. A "done" lost with the broker is
-found then, and by the broker's scan of the rings producers wait on (`QueueRings.scan`).
+versions. A broker that comes back maps the same ring and writes `members` as the journal
+has them: subscribers go on at their cursors, and the broker takes back every slot still
+held (its item held by the ring again) and frees the rest. Items the journal has that were
+never written to the ring (the broker died between its commit and the slot writes: the
+header's `top` is the last version written) are posted again, each to the subscriptions that
+started before it. A "done" lost with the broker is found then, and by the broker's scan of
+the rings producers wait on (`QueueRings.scan`).
 """
 
 from __future__ import annotations

@@ -69,9 +69,11 @@ class QueueRings:
             self._due.add(q.ring)
 
     def leave(self, q: BrokerQueue, sub: int, session: Session, gone: bool) -> None:
-        """Subscription `sub` of `q` ended (Ring.leave)."""
+        """Subscription `sub` of `q` ended (Ring.leave): the slots it leaves idle are found
+        once that is written, after the journal's commit (`flush`)."""
         if q.ring is not None and sub in q.ring.bits:
-            self.slots_done(q, q.ring.leave(sub, session, gone))
+            q.ring.leave(sub, session, gone)
+            self.slots_done(q, [])
 
     def done(self, versions: list[tuple[int, int]]) -> None:
         """Subscribers found these slots ([queue id, version]) idle: their items are done."""
@@ -152,6 +154,11 @@ class QueueRings:
                     self.slots_done(q, idle)
 
     @property
+    def due(self) -> bool:
+        """Whether writes wait for a commit (made outside a batch: the loop commits next)."""
+        return bool(self._due or self._closing)
+
+    @property
     def waited_on(self) -> bool:
         """Whether a producer waits for a ring's slots (the broker then scans them)."""
         return any(q.putters for q in self._queues.values())
@@ -188,7 +195,10 @@ class QueueRings:
 
     def _adopt_slots(self, q: BrokerQueue) -> None:
         ring = q.ring
-        assert ring is not None
+        assert ring is not None and q.subs is not None
+        for sub in ring.unlisted():  # ended when the broker died: its bits are stray below
+            del q.subs[sub], ring.bits[sub]
+            ring.starts.pop(sub, None)
         for posted in ring.adopt(self.registry.adopted):
             if posted.item is not None:
                 self.registry.pin(posted.item)

@@ -469,6 +469,8 @@ class Broker:
                     log.exception("could not take the figures for a metrics scrape")
 
     def _poll_timeout_ms(self) -> int:
+        if self.queues.rings.due:  # ring writes of work done after the last commit
+            return 0
         timeout = None
         deadline = self.lot.next_deadline()
         if self.lanes is not None and self.lanes.paused_until is not None:

@@ -50,6 +50,15 @@ class End:
     version: int
 
 
+@dataclass(slots=True)
+class Leave:
+    """A subscription ended: its bit leaves `members` and the slots' unread sets (and their
+    held sets too, `held`, if its process is gone)."""
+
+    unread: int
+    held: int
+
+
 class Ring(_Mapped):
     """A broadcast queue's ring. Slot writes wait for the journal's commit (`flush`): a
     subscriber must never take an item that a broker coming back would not know."""
@@ -72,7 +81,8 @@ class Ring(_Mapped):
         self.posted: dict[int, Posted] = {}  # slot -> what is in it (or is to be, `staged`)
         self.where: dict[int, int] = {}  # version -> its slot
         self.waiting: deque[Posted] = deque()  # for slots not free yet, in order
-        self.staged: list[Posted | End] = []  # slot writes (or the end) after the commit
+        self.staged: list[Posted | End | Leave] = []  # writes that wait for the commit
+        self._leaving = 0  # bits of subscriptions ended, listed in `members` until the commit
         self._next_bit = 0
         self.queue_id = 0  # its queue's
 
@@ -90,27 +100,40 @@ class Ring(_Mapped):
         A bit is given again only once no slot has it, round robin, and not while the
         process of a subscription that had it lives (a thread of its may still be taking a
         slot with it: `parted`, until `session_gone`)."""
-        taken = self.members | self.marked()
+        taken = self.members | self._leaving | self.marked()
         for i in range(BITS):
             bit = (self._next_bit + i) % BITS
             if not taken >> bit & 1 and bit not in self.parted:
                 self._next_bit = bit + 1
                 self.bits[sub], self.starts[sub] = bit, start
-                _shm.store(self.addr + R_MEMBERS, self.members)
+                self._list_members()  # before the reply that names the bit
                 return bit
         return None
 
-    def leave(self, sub: int, session: Any, gone: bool) -> list[int]:
+    def leave(self, sub: int, session: Any, gone: bool) -> None:
         """Subscription `sub` ended: its bit leaves every slot it had not taken yet (and the
-        ones it holds too if its process is `gone`, else they stay until it is). The
-        versions whose slots it left idle."""
+        ones it holds too if its process is `gone`, else they stay until it is). Like the
+        slot writes, this waits for the journal's commit (`flush`, which finds the slots it
+        left idle): a broker that dies before it comes back with the subscription as the
+        journal has it, its bit still set everywhere; and the end of a removed queue,
+        staged before its subscriptions leave, is written before them."""
         bit = self.bits.pop(sub)
         self.starts.pop(sub, None)
-        _shm.store(self.addr + R_MEMBERS, self.members)
-        _shm.ring_wake(self.addr)  # a get of its waiting ends
         if not gone:
             self.parted[bit] = session
-        return self._clear(1 << bit, 1 << bit if gone else 0)
+        mask = 1 << bit
+        for p in self.waiting:  # not written yet: no subscriber can see these
+            p.unread &= ~mask
+        for p in self.posted.values():
+            if not p.written:
+                p.unread &= ~mask
+        self._leaving |= mask
+        self.staged.append(Leave(mask, mask if gone else 0))
+
+    def _list_members(self) -> None:
+        """`members` in the header: the subscriptions served, and those whose end is not
+        written yet."""
+        _shm.store(self.addr + R_MEMBERS, self.members | self._leaving)
 
     def session_gone(self, session: Any) -> list[int]:
         """The process of `session` is gone: what its ended subscriptions held is let go."""
@@ -204,6 +227,11 @@ class Ring(_Mapped):
                 _shm.store(self.addr + R_WHY, p.why)
                 _shm.store(self.addr + R_END, p.version + 1)
                 continue
+            if isinstance(p, Leave):  # `members` first: its get waiting ends (the wake below)
+                self._leaving &= ~p.unread
+                self._list_members()
+                idle += [v for v in self._clear(p.unread, p.held) if v not in idle]
+                continue
             item = p.item
             flags, oid, base = (ASK, 0, 0) if item is None else (0, item.oid, item.block.offset)
             _shm.ring_publish(
@@ -211,7 +239,7 @@ class Ring(_Mapped):
             )  # fmt: skip
             _shm.store(self.addr + R_TOP, p.version)
             p.written = True
-            if not p.unread:
+            if not p.unread and p.version not in idle:
                 idle.append(p.version)
         if staged:
             _shm.ring_wake(self.addr)
@@ -275,7 +303,15 @@ class Ring(_Mapped):
             self.where[version] = index
             kept.append(p)
         _shm.store(self.addr + R_TOP, top)
+        self._list_members()  # as the journal has them (not a join it never got)
         return kept
+
+    def unlisted(self) -> list[int]:
+        """Adopted subscriptions whose bits `members` does not list: the broker that died
+        wrote their leaves and died before its commit (a broker before leaves waited for
+        the commit), so some slots may have lost their bits too: they ended."""
+        shown = _shm.load(self.addr + R_MEMBERS)
+        return [sub for sub, bit in self.bits.items() if not shown >> bit & 1]
 
     def describe(self) -> list[Any]:
         """What a subscriber needs to map it: [segment, bytes, slots]."""

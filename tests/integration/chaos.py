@@ -129,7 +129,9 @@ def _take_all(get: Any) -> tuple[list[int], list[str]]:
     while len(errors) < 5:
         try:
             item = get(timeout=5)
-        except tb.QueueClosed:
+        except tb.QueueClosed as exc:
+            if "subscription" in str(exc):  # ended under it, before the stream did
+                errors.append(f"QueueClosed: {exc}")
             break
         except tb.Timeout:
             continue

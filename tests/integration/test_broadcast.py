@@ -220,3 +220,38 @@ def test_an_item_a_subscriber_keeps_holds_its_slot_not_the_stream(client: tb.Cli
     assert wait_until(lambda: q.in_flight() == 1, 5)  # the last one's "done" comes soon
     del kept
     q.close()
+
+
+def test_subscribers_of_a_removed_queue_are_told_it_was_removed(broker: tb.BrokerProcess) -> None:
+    """Each subscriber waiting on the ring, or between gets, is told the queue was removed,
+    never that its subscription ended: the ring's end is written before the bits of the
+    subscriptions it ends (a subscriber saw its bit gone before the end, 1 in 7 here)."""
+    told: list[str] = []
+    for n in range(10):
+        name = f"bcast-removed-{n}"
+        clients = [tb.connect(broker.address) for _ in range(4)]
+        try:
+            q = clients[0].broadcast(name, maxsize=4)
+            subs = [c.subscribe(name) for c in clients]
+            assert all(s._ring is not None for s in subs)  # from the ring, not a get
+
+            def take(sub: tb.Subscription) -> None:
+                try:
+                    while True:
+                        sub.get(timeout=10)  # let go at once
+                except tb.QueueClosed as exc:
+                    told.append(str(exc))
+
+            readers = [threading.Thread(target=take, args=(s,)) for s in subs]
+            for t in readers:
+                t.start()
+            q.put(np.ones(4))
+            time.sleep(0.1)  # each took it and waits for the next
+            clients[0].delete_queue(name)
+            for t in readers:
+                t.join(10)
+            assert not any(t.is_alive() for t in readers)
+        finally:
+            for c in clients:
+                c.close()
+    assert told == [f"queue 'bcast-removed-{r}' was removed" for r in range(10) for _ in range(4)]
