@@ -6,7 +6,9 @@ Note [recovery]
     state dir (--state-dir; default: next to the socket)      /dev/shm
     ├── lock       flock'ed by the live broker; "pid start"   ├── tb-<id>-<hex>  arena segments
     └── journal    msgpack records: meta, segments, objects,  ├── tb-<id>-<hex>  directory
-                   queues, sessions, versions                 └── tb-<id>-<hex>  lease slots
+                   queues, sessions, versions                 ├── tb-<id>-<hex>  lease slots
+                                                              └── tb-<id>.owner  flock'ed too;
+                                                                  names the state dir
 
 The bytes of every object are in shared memory, which outlives the broker; the journal says
 what they are. The broker writes a record before it answers the request that made the change
@@ -31,6 +33,15 @@ the registry, the allocator and the queues from the rows, keeps the sessions who
 processes still live (so their lease slots and their puts carry over), and waits for
 them to say hello again with the leases they hold before it frees anything retired.
 
+The owner file (tb-<id>.owner, beside the segments) lets a live state be told from a dead
+one with /dev/shm alone, for `tensorbroker gc` (leftovers.py): the state dir may be out of
+sight (in another container sharing /dev/shm, or removed by a /tmp cleaner while its broker
+runs). The broker holds a flock on it as on the lock, from before it makes or adopts a
+segment until it exits; it names the state dir, and a broker that stops and keeps its
+state for the next one (--state-dir) adds a line "kept", which gc heeds. A gc holds it
+while it removes a dead state, so a broker adopting that state waits, then finds what is
+gone. `discard` removes it after the segments.
+
 What is not journaled: leases (each client says which it holds when it comes back; the
 slots of direct reads are in shared memory already) and device objects (their memory dies
 with the broker's CUDA context).
@@ -43,6 +54,7 @@ import fcntl
 import logging
 import os
 import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +67,9 @@ log = logging.getLogger(__name__)
 
 LAYOUT = 2  # of the journal and of the shared-memory structures it names
 JOURNAL = "journal"
+OWNER = ".owner"  # tb-<id>.owner: Note [recovery]
+KEPT = "kept"  # the owner file's second line once a broker stopped and kept its state
+CLAIM_WAIT = 10.0  # seconds a starting broker waits for a gc holding its owner file
 COMPACT_FROM = 8 << 20  # the journal is rewritten once it is this big and 4x its rows
 ID_STEP = 1 << 20  # ids are reserved in the journal this many at a time
 PENDING, LIVE, RETIRED = 0, 1, 2  # an object row's state
@@ -133,6 +148,11 @@ class Journal:
     def session_gone(self, s: Any) -> None: ...
 
 
+def owner_path(shm_dir: str, state_id: str) -> str:
+    """The owner file of state `state_id` (Note [recovery])."""
+    return os.path.join(shm_dir, f"tb-{state_id}{OWNER}")
+
+
 def read_journal(path: str) -> Recovered | None:
     """Replay the journal in the state dir `path` (None: there is none). ValueError if it
     cannot be read."""
@@ -208,7 +228,7 @@ class State(Journal):
     def __init__(self, path: str, *, reset: bool = False, shm_dir: str = "/dev/shm") -> None:
         self.path = path
         self.shm_dir = shm_dir
-        self._lock_fd = self._fd = -1
+        self._lock_fd = self._fd = self._owner_fd = -1
         self.recovered: Recovered | None = None
         self._pack = msgpack.Packer(use_bin_type=True).pack
         self._out: list[tuple[Any, ...]] = []  # records not written yet
@@ -231,8 +251,11 @@ class State(Journal):
             if found is None:
                 self.id = secrets.token_hex(4)
                 self._meta = {"layout": LAYOUT, "id": self.id}
+                self._claim()
             else:
                 self.id = str(found.meta["id"])
+                self._claim()
+                self._check_segments(found)  # a gc may have removed them as we waited
                 self._meta, self._segments = dict(found.meta), dict(found.segments)
                 self._rows = {r.oid: list(vars(r).values()) for r in found.objects}
                 self._queues = {q[0]: q for q in found.queues}
@@ -280,6 +303,45 @@ class State(Journal):
         os.pwrite(fd, f"{os.getpid()} {host.start_time(os.getpid())}\n".encode(), 0)
         self._lock_fd = fd
 
+    def _claim(self) -> None:
+        """Hold the owner file of this state's segments for this process's life, and write
+        the state dir in it (Note [recovery]). A gc that holds it (removing the state of a
+        dead broker, which this one adopts) is waited for; a live broker on a copy of this
+        state dir, whose segments these are too, is refused (StateError)."""
+        path = owner_path(self.shm_dir, self.id)
+        deadline = time.monotonic() + CLAIM_WAIT
+        while True:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            except OSError as exc:
+                raise StateError(
+                    f"cannot make {path}, the owner file of this broker's segments: "
+                    f"{exc.strerror}. Remove it if it is not a file of yours, or check "
+                    f"{self.shm_dir}"
+                ) from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                if time.monotonic() > deadline:
+                    raise StateError(
+                        f"the segments of the state in {self.path} ({path}) belong to a running "
+                        "broker: one started on a copy of this state dir? Stop it, or start "
+                        "this one with --reset"
+                    ) from None
+                time.sleep(0.01)
+                continue
+            try:
+                same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:  # removed as we waited: by a gc done with it
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.path.abspath(self.path)}\n".encode(), 0)
+        self._owner_fd = fd
+
     # -- reading back ----------------------------------------------------------------------
 
     def _read(self) -> Recovered | None:
@@ -297,14 +359,18 @@ class State(Journal):
                 f"it was written by layout {layout!r} and this broker reads "
                 f"layout {LAYOUT} (another tensorbroker version)"
             )
+        self._check_segments(found)
+        return found
+
+    def _check_segments(self, found: Recovered) -> None:
         segments = found.segments
         missing = [n for n in segments if not os.path.exists(os.path.join(self.shm_dir, n))]
         if missing:
             raise self._unusable(
                 f"{len(missing)} of its {len(segments)} shared-memory segments are gone from "
-                f"{self.shm_dir} (removed by hand, or /dev/shm was not kept: {missing[0]}, ...)"
+                f"{self.shm_dir} (removed by hand or by `tensorbroker gc`, or /dev/shm was not "
+                f"kept: {missing[0]}, ...)"
             )
-        return found
 
     def _unusable(self, why: str) -> StateError:
         return StateError(
@@ -463,6 +529,17 @@ class State(Journal):
                 discard(self.path, self.shm_dir, locked=True)
             os.close(self._lock_fd)
             self._lock_fd = -1
+        if self._owner_fd >= 0:  # after the state: a gc may take it from here
+            if not keep:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(owner_path(self.shm_dir, self.id))
+            else:  # kept on purpose: gc leaves it unless named (a crash never writes this)
+                with contextlib.suppress(OSError):
+                    os.pwrite(
+                        self._owner_fd, f"{KEPT}\n".encode(), os.fstat(self._owner_fd).st_size
+                    )
+            os.close(self._owner_fd)
+            self._owner_fd = -1
 
 
 def discard(
@@ -486,12 +563,13 @@ def discard(
     removed: list[str] = []
     try:
         names: list[str] = []
-        prefix = ""
+        prefix = sid = ""
         with contextlib.suppress(OSError, ValueError):
             found = read_journal(path)
             if found is not None:
                 names = list(found.segments)
-                prefix = f"tb-{found.meta['id']}-" if "id" in found.meta else ""
+                sid = str(found.meta.get("id", ""))
+                prefix = f"tb-{sid}-" if sid else ""
         if prefix:  # and the ones made but not journaled when it died
             with contextlib.suppress(FileNotFoundError):
                 names += [n for n in os.listdir(shm_dir) if n.startswith(prefix)]
@@ -499,6 +577,9 @@ def discard(
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(shm_dir, name))
                 removed.append(name)
+        if sid:  # after its segments (Note [recovery])
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(owner_path(shm_dir, sid))
         for name in (JOURNAL, JOURNAL + ".new", *(() if keep_lock else ("lock",))):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(path, name))

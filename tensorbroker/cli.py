@@ -1,4 +1,5 @@
-"""The `tensorbroker` command: `serve`, and admin commands against a running broker."""
+"""The `tensorbroker` command: `serve`, admin commands against a running broker, and `gc`
+for the shared memory of brokers no longer running."""
 
 from __future__ import annotations
 
@@ -104,6 +105,55 @@ def _stop_with_parent(broker: Broker, fd: int) -> None:
             pass
     log.warning("the process that started this broker exited: stopping")
     broker.stop()
+
+
+def _gc(args: argparse.Namespace) -> int:
+    """Remove the shared memory of the brokers not running (server/leftovers.py says how it
+    tells); print each state removed with its segments, then those kept and why."""
+    from .server.leftovers import REMOVED, RUNNING, STARTING, STOPPED, collect, state_id
+
+    only = {state_id(text) for text in args.states} or None
+    found = collect(SHM_DIR, only=only, dry_run=args.dry_run)
+    removed = [f for f in found if f.status == REMOVED]
+    verb = "would remove" if args.dry_run else "removed"
+    for f in removed:
+        where = f"state dir {f.state_dir}" if f.state_dir else "its state dir unknown"
+        print(f"{verb} state {f.state_id} ({where}): no broker runs on it")
+        for name, size in f.segments:
+            print(f"  {os.path.join(SHM_DIR, name)}  {format_size(size)}")
+    for f in found:
+        if f.status == REMOVED:
+            continue
+        count = f"{len(f.segments)} segment{'' if len(f.segments) == 1 else 's'}"
+        what = f"kept state {f.state_id} ({count}, {format_size(f.nbytes)})"
+        if f.status in (RUNNING, STARTING):
+            doing = "running" if f.status == RUNNING else "starting"
+            print(f"{what}: a broker is {doing} on it (state dir {f.state_dir})")
+        elif f.status == STOPPED:
+            print(
+                f"{what}: a broker stopped and kept it for the next one on {f.state_dir}; "
+                f"`tensorbroker gc {f.state_id}` removes it (its objects are lost)"
+            )
+        else:
+            print(
+                f"{what}: it has no owner file (left by an older tensorbroker, or removed by "
+                "hand), so gc cannot tell whether a broker uses it. Once sure that none does: "
+                f"rm {os.path.join(SHM_DIR, f'tb-{f.state_id}-')}*"
+            )
+    total = sum(f.nbytes for f in removed)
+    segments = sum(len(f.segments) for f in removed)
+    if removed:
+        print(
+            f"{'would free' if args.dry_run else 'freed'} {format_size(total)}: {segments} "
+            f"segment{'' if segments == 1 else 's'} of {len(removed)} stopped "
+            f"broker{'' if len(removed) == 1 else 's'}"
+        )
+    else:
+        print(f"nothing to remove in {SHM_DIR}")
+    missing = sorted((only or set()) - {f.state_id for f in found})
+    for sid in missing:
+        print(f"tensorbroker: no state {sid} in {SHM_DIR}", file=sys.stderr)
+    return 1 if missing else 0
 
 
 def _keys(args: argparse.Namespace) -> int:
@@ -335,6 +385,22 @@ def parser() -> argparse.ArgumentParser:
     keys.add_argument("--out", default=".", help="the folder to write them in (default: here)")
     keys.add_argument("--name", default="broker", help="their file name (default: broker)")
     keys.set_defaults(run=_keys, log_level="warning")
+    gc = sub.add_parser(
+        "gc",
+        help="remove the shared memory that brokers no longer running left in /dev/shm",
+        description="Remove from /dev/shm the segments of every broker state that no running "
+        "broker owns (a broker killed and not started again), with their state dirs, and print "
+        "each segment and its size. A running broker's are never touched, whatever its state "
+        "dir or container: a broker holds a lock on its state's owner file (tb-<id>.owner) as "
+        "long as it runs, and objects a broker stopped with --state-dir kept for the next one "
+        "stay unless their state is named.",
+    )
+    gc.add_argument(
+        "states", nargs="*", metavar="STATE",
+        help="only these states (kept ones too): the id in their segments' names (tb-<id>-...)",
+    )  # fmt: skip
+    gc.add_argument("--dry-run", action="store_true", help="say what would go; remove nothing")
+    gc.set_defaults(run=_gc, log_level="warning")
     return p
 
 

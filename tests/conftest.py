@@ -3,11 +3,15 @@ always closed, and a check that the suite leaves no segment, socket or broker be
 
 from __future__ import annotations
 
-import glob
+import atexit
+import multiprocessing.util
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 
 import pytest
+from support import run_segments
 
 import tensorbroker as tb
 
@@ -18,8 +22,33 @@ if "JAX_PLATFORMS" not in os.environ:
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 
-def _segments() -> set[str]:
-    return set(glob.glob("/dev/shm/tb-*"))
+# Each run of the suite keeps its temporary files (the brokers' sockets and state dirs,
+# tmp_path, the default address's runtime dir) in a folder of its own, made before anything
+# asks tempfile where: in this process and in every one it starts. The check after the suite
+# counts only the segments of the states kept there (support.run_segments), so two runs at
+# once on one machine do not count each other's.
+multiprocessing.util.get_temp_dir()  # its own, first: it removes that at exit, after RUN_DIR
+RUN_DIR = tempfile.mkdtemp(prefix="tb-run-")
+os.environ["TMPDIR"] = os.environ["XDG_RUNTIME_DIR"] = tempfile.tempdir = RUN_DIR
+
+
+@atexit.register
+def _remove_run_dir(pid: int = os.getpid()) -> None:
+    """Also where the suite never ran (--collect-only, a collection error); not in a child
+    forked from this process."""
+    if os.getpid() == pid:
+        shutil.rmtree(RUN_DIR, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """`make test-gpu` collects tests/gpu alone (the host tests import what a GPU image need
+    not have, such as pyte): a test marked cuda anywhere else would never run there."""
+    gpu = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu", "")
+    stray = [
+        i.nodeid for i in items if i.get_closest_marker("cuda") and not str(i.path).startswith(gpu)
+    ]
+    if stray:
+        raise pytest.UsageError(f"move these tests marked cuda into tests/gpu: {stray}")
 
 
 def _alive(pid: int) -> bool:
@@ -32,12 +61,16 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture(scope="session", autouse=True)
 def _leaves_nothing_behind() -> Iterator[None]:
-    """After the suite: no segment made during it is left, and no broker it started runs."""
-    before = _segments()
+    """After the suite: no segment of a state it made is left, and no broker it started
+    runs; then its folder goes."""
     yield
-    left = _segments() - before
-    assert not left, f"the test suite left shared-memory segments behind: {sorted(left)}"
+    left = run_segments(RUN_DIR)
     running = [pid for pid in tb.BrokerProcess.unstopped() if _alive(pid)]
+    shutil.rmtree(RUN_DIR, ignore_errors=True)
+    assert not left, (
+        f"the test suite left shared-memory segments behind: {sorted(left)} "
+        "(`tensorbroker gc` removes them)"
+    )
     assert not running, f"the test suite left brokers running: {running}"
 
 

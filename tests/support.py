@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import glob
 import multiprocessing as mp
+import os
+import re
 import signal
 import socket
 import threading
@@ -13,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from tensorbroker.server.state import read_journal
+from tensorbroker.server.state import owner_path, read_journal
 
 SPAWN = mp.get_context("spawn")
 
@@ -54,6 +56,39 @@ def segments_of(state_dir: str) -> list[str]:
     found = read_journal(state_dir)
     assert found is not None, f"no broker state in {state_dir}"
     return sorted(glob.glob(f"/dev/shm/tb-{found.meta['id']}-*"))
+
+
+def run_segments(run_dir: str) -> set[str]:
+    """The files in /dev/shm (segments and owner files) of the broker states kept in
+    `run_dir` (the folder of this test run: tests/conftest.py), or of states whose journal
+    is there: a state's owner file names its state dir (Note [recovery] in
+    server/state.py). Those of other runs on this machine, at the same time, are not
+    counted; nor is a segment left with neither (its state cannot be told)."""
+    root = os.path.join(os.path.realpath(run_dir), "")
+    ours: set[str] = set()
+    for top, _, files in os.walk(run_dir):
+        if "journal" in files:
+            with contextlib.suppress(OSError, ValueError):
+                found = read_journal(top)
+                if found is not None and "id" in found.meta:
+                    ours.add(str(found.meta["id"]))
+    left = set()
+    for path in glob.glob("/dev/shm/tb-*"):
+        match = re.match(r"tb-([0-9a-f]+)[-.]", os.path.basename(path))
+        if match is None:
+            continue
+        sid = match.group(1)
+        if sid not in ours:
+            try:
+                with open(owner_path("/dev/shm", sid)) as f:
+                    state_dir = f.read().strip()
+            except OSError:
+                continue
+            if not os.path.realpath(state_dir).startswith(root):
+                continue
+        if os.path.exists(path):  # not removed as we looked
+            left.add(path)
+    return left
 
 
 def free_tcp_address() -> str:

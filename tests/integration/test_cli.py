@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import select
@@ -17,6 +18,7 @@ import pytest
 
 import tensorbroker as tb
 from tensorbroker.common.config import ADDRESS_ENV, format_size, shm_bytes_available
+from tensorbroker.server.state import discard, read_journal
 from tests.support import segments_of
 
 MiB = 2**20
@@ -243,13 +245,124 @@ def test_serve_stops_on_sigint(served: subprocess.Popen[bytes], spare_address: s
     assert not os.path.exists(spare_address[len("ipc://") :])  # the socket file went with it
 
 
+# -- gc: the shared memory of brokers no longer running --------------------------------------
+# Each names the states it may touch: a bare `gc` would also take what the brokers of other
+# test runs on this machine left for a moment (killed, to be restarted).
+
+
+def _state_of(b: tb.BrokerProcess) -> tuple[str, str, dict[str, int]]:
+    """The broker's state dir, state id, and its segments with their sizes."""
+    with tb.connect(b.address) as c:
+        state = c.stats()["state_dir"]
+    found = read_journal(state)
+    assert found is not None, state
+    return state, str(found.meta["id"]), {p: os.stat(p).st_size for p in segments_of(state)}
+
+
+def _killed(b: tb.BrokerProcess) -> None:
+    with tb.connect(b.address) as c:
+        c.put("x", np.arange(1000, dtype=np.float32))
+    b.send_signal(signal.SIGKILL)
+    assert b.wait(10) == -signal.SIGKILL
+
+
+def test_gc_removes_what_a_killed_broker_left_and_keeps_a_running_ones(tmp_path: Path) -> None:
+    dead_dir = str(tmp_path / "state")
+    with (
+        tb.start_broker(memory="32MiB") as live,
+        tb.start_broker(memory="32MiB", state_dir=dead_dir) as dead,
+    ):
+        with tb.connect(live.address) as c:
+            c.put("x", np.arange(1000, dtype=np.float32))
+        live_state, live_id, live_segments = _state_of(live)
+        state, dead_id, segments = _state_of(dead)
+        _killed(dead)
+        assert segments and all(os.path.exists(p) for p in segments)
+
+        tried = tb_cli("gc", "--dry-run", live_id, dead_id)
+        assert tried.returncode == 0, tried.stderr
+        assert f"would remove state {dead_id} (state dir {state}): no broker runs" in tried.stdout
+        assert f"would free {format_size(sum(segments.values()))}" in tried.stdout
+        assert all(os.path.exists(p) for p in [*segments, *live_segments])
+
+        done = tb_cli("gc", live_id, dead_id)
+        assert done.returncode == 0, done.stderr
+        assert f"removed state {dead_id} (state dir {state})" in done.stdout
+        for path, size in segments.items():
+            assert f"  {path}  {format_size(size)}\n" in done.stdout
+        assert f"kept state {live_id} ({len(live_segments)} segments" in done.stdout
+        assert f"a broker is running on it (state dir {live_state})" in done.stdout
+        assert not any(os.path.exists(p) for p in segments)
+        assert not os.path.exists(f"/dev/shm/tb-{dead_id}.owner") and not os.path.exists(state)
+        assert all(os.path.exists(p) for p in live_segments)
+        with tb.connect(live.address) as c:  # untouched
+            assert c.get("x").numpy()[-1] == 999.0
+        again = tb_cli("gc", dead_id)
+        assert again.returncode == 1 and f"no state {dead_id} in /dev/shm" in again.stderr
+
+
+def test_gc_keeps_a_state_a_broker_is_starting_on(tmp_path: Path) -> None:
+    state = str(tmp_path / "state")
+    with tb.start_broker(memory="32MiB", state_dir=state) as b:
+        _, sid, segments = _state_of(b)
+        _killed(b)
+        lock = os.open(os.path.join(state, "lock"), os.O_RDWR)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a starting broker does first
+            done = tb_cli("gc", sid)
+        finally:
+            os.close(lock)
+        assert done.returncode == 0, done.stderr
+        assert f"kept state {sid}" in done.stdout and "a broker is starting on it" in done.stdout
+        assert all(os.path.exists(p) for p in segments)
+        b.restart()  # adopts it: nothing was lost
+        with tb.connect(b.address) as c:
+            assert c.get("x").numpy()[-1] == 999.0
+    discard(state)
+
+
+def test_gc_keeps_a_state_a_broker_stopped_and_kept_unless_it_is_named(tmp_path: Path) -> None:
+    state = str(tmp_path / "state")
+    with tb.start_broker(memory="32MiB", state_dir=state) as b:
+        _, sid, segments = _state_of(b)
+    try:  # stopped cleanly with --state-dir: kept for the next broker
+        assert segments and all(os.path.exists(p) for p in segments)
+        tried = tb_cli("gc", "--dry-run")  # every state there is (removing none)
+        assert tried.returncode == 0, tried.stderr
+        assert f"kept state {sid} ({len(segments)} segments" in tried.stdout
+        assert f"stopped and kept it for the next one on {state}" in tried.stdout
+        done = tb_cli("gc", sid)
+        assert done.returncode == 0, done.stderr
+        assert f"removed state {sid} (state dir {state})" in done.stdout
+        assert not any(os.path.exists(p) for p in segments)
+    finally:
+        discard(state)
+
+
+def test_gc_keeps_segments_it_cannot_tell_the_owner_of(tmp_path: Path) -> None:
+    state = str(tmp_path / "state")
+    with tb.start_broker(memory="32MiB", state_dir=state) as b:
+        _, sid, segments = _state_of(b)
+        _killed(b)
+    os.unlink(f"/dev/shm/tb-{sid}.owner")  # as a broker from before owner files left it
+    try:
+        done = tb_cli("gc", sid)
+        assert done.returncode == 0, done.stderr
+        assert f"kept state {sid} ({len(segments)} segments" in done.stdout
+        assert "no owner file" in done.stdout and f"rm /dev/shm/tb-{sid}-*" in done.stdout
+        assert all(os.path.exists(p) for p in segments)
+        assert "not a state" in tb_cli("gc", "xyz").stderr
+    finally:
+        discard(state)
+
+
 # -- help ---------------------------------------------------------------------------------
 
 
 def test_help() -> None:
     done = tb_cli("--help")
     assert done.returncode == 0, done.stderr
-    for command in ("serve", "ping", "stat", "ls", "rm"):
+    for command in ("serve", "ping", "stat", "ls", "rm", "gc"):
         assert command in done.stdout
 
 

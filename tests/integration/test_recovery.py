@@ -3,12 +3,12 @@ come back to it with their sessions and leases (Note [recovery] in server/state.
 
 from __future__ import annotations
 
-import glob
 import os
 import random
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -25,7 +25,7 @@ import tensorbroker as tb
 from tensorbroker.common.protocol import decode, encode
 from tensorbroker.server.state import discard, read_journal
 from tests.integration import chaos
-from tests.support import SPAWN, join_all, wait_until
+from tests.support import SPAWN, join_all, run_segments, wait_until
 
 pytestmark = pytest.mark.usefixtures("transport")  # lanes and ZeroMQ both
 
@@ -177,6 +177,63 @@ def test_a_broadcast_queue_and_its_subscriptions_survive_a_kill(
         assert wait_until(lambda: p.stats()["used_bytes"] == 0, 5), p.stats()
 
 
+SUBSCRIBER = """
+import sys, numpy as np, tensorbroker as tb
+with tb.connect(sys.argv[1], reconnect_timeout=60) as c:
+    sub = c.subscribe(sys.argv[2])
+    print("subscribed", sub._ring is not None, flush=True)
+    while True:
+        try:
+            item = sub.get(timeout=30)
+        except tb.QueueClosed as exc:
+            print(exc, flush=True)
+            break
+        print(int(np.from_dlpack(item)[0]), flush=True)
+        del item
+"""
+
+
+def test_subscriber_processes_go_on_after_a_kill_and_serve_again(
+    crashable: tb.BrokerProcess,
+) -> None:
+    """Issue 31: the broker that comes back (`serve` on the same state dir) has the queue
+    as a broadcast queue, with its subscribers, ring and positions: each subscriber process
+    gets each later item once, in order, and is never told its subscription ended."""
+    with tb.connect(crashable.address) as p:
+        cast = p.broadcast("cast", maxsize=4)
+        command = [sys.executable, "-c", SUBSCRIBER, crashable.address, "cast"]
+        subs = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+        try:
+            for s in subs:
+                assert s.stdout is not None and s.stdout.readline() == "subscribed True\n"
+            for i in range(3):
+                cast.put(np.full(4, i))
+            for s in subs:  # taken (and let go) before the kill
+                assert s.stdout is not None
+                assert [s.stdout.readline() for _ in range(3)] == ["0\n", "1\n", "2\n"]
+            _crash(crashable)
+            crashable.restart()
+
+            [row] = [r for r in p.list_queues() if r["name"] == "cast"]
+            assert row["subscribers"] == 2 and row["maxsize"] == 4
+            with pytest.raises(tb.InvalidRequest, match="broadcast queue"):
+                p.queue("cast")
+            for i in range(3, 13):  # round the ring more than once
+                cast.put(np.full(4, i), timeout=30)
+            cast.close()
+            for s in subs:
+                out, _ = s.communicate(timeout=60)
+                assert s.returncode == 0
+                ended = "queue 'cast' is closed and drained"  # never "subscription ... ended"
+                assert out.splitlines() == [*map(str, range(3, 13)), ended]
+        finally:
+            for s in subs:
+                if s.poll() is None:
+                    s.kill()
+                    s.wait()
+        assert wait_until(lambda: p.stats()["used_bytes"] == 0, 10), p.stats()
+
+
 def test_a_removed_queue_stays_removed_across_a_kill(crashable: tb.BrokerProcess) -> None:
     """Its item a consumer holds stays valid and takes memory until let go; its name starts
     a new queue, before and after the restart."""
@@ -269,18 +326,46 @@ def test_memory_of_a_put_whose_writer_died_with_the_broker_is_freed() -> None:
             c.delete("fits")
 
 
+def _subscribers(address: str, workers: list[int], out: Any) -> list[Any]:
+    """Subscriber processes of the broadcast queue "cast", subscribed (chaos.subscribe)."""
+    ready = {w: SPAWN.Event() for w in workers}
+    subs = [
+        SPAWN.Process(target=chaos.subscribe, args=(address, w, ready[w], out), name=f"sub{w}")
+        for w in workers
+    ]
+    for p in subs:
+        p.start()
+    assert all(r.wait(60) for r in ready.values())
+    return subs
+
+
+def _check_broadcast(reports: dict[Any, dict[str, Any]], workers: list[int]) -> None:
+    """Each subscriber got every item of "cast" whose put returned, once, in order."""
+    sent = reports["cast"]["sent"]
+    assert len(sent) > 20
+    for w in workers:
+        taken = reports[w]["taken"]
+        assert taken == sorted(set(taken)), f"subscriber {w}: twice or out of order"
+        assert set(sent) <= set(taken), (
+            f"subscriber {w} missed {sorted(set(sent) - set(taken))[:10]}"
+        )
+
+
 def test_clients_and_the_broker_survive_twenty_kills() -> None:
-    """The chaos test: four clients put, replace, delete, read and use a queue while the
-    broker is SIGKILLed and restarted 20 times at random moments."""
+    """The chaos test: four clients put, replace, delete, read and use a queue, and a
+    producer and two subscribers a broadcast queue, while the broker is SIGKILLed and
+    restarted 20 times at random moments."""
     rng = random.Random(12)
     with tb.start_broker(memory="128MiB") as broker:
         stop, out = SPAWN.Event(), SPAWN.Queue()
         address = broker.address
+        subs = _subscribers(address, [4, 5], out)
         procs = [
             SPAWN.Process(target=chaos.keyed, args=(address, 0, stop, out), name="keyed0"),
             SPAWN.Process(target=chaos.keyed, args=(address, 1, stop, out), name="keyed1"),
             SPAWN.Process(target=chaos.produce, args=(address, 2, stop, out), name="producer"),
             SPAWN.Process(target=chaos.consume, args=(address, 3, out), name="consumer"),
+            SPAWN.Process(target=chaos.cast, args=(address, stop, out), name="cast"),
         ]
         for p in procs:
             p.start()
@@ -288,11 +373,11 @@ def test_clients_and_the_broker_survive_twenty_kills() -> None:
             assert wait_until(lambda: len(c.keys()) >= 6, 60)
         _kill_and_restart(broker, 20, rng)
         stop.set()
-        reports = _reports(out, 3)
+        reports = _reports(out, 6)  # the subscribers end once "cast" closes its queue
         with tb.connect(address) as c:
             c.queue("chaos").close()  # the consumer drains what is left, then ends
             reports[3] = out.get(timeout=120)
-            join_all(procs)
+            join_all([*procs, *subs])
             errors = {w: r["errors"] for w, r in reports.items() if r["errors"]}
             assert all(not r["errors"] for r in reports.values()), errors
             assert all(reports[w]["puts"] > 20 and reports[w]["verified"] > 20 for w in (0, 1))
@@ -300,6 +385,7 @@ def test_clients_and_the_broker_survive_twenty_kills() -> None:
             assert len(sent) > 20
             assert not [t for t, n in taken.items() if n > 1], "an item was delivered twice"
             assert not [t for t in sent if t not in taken], "an item that was put was lost"
+            _check_broadcast(reports, [4, 5])
             for key in c.keys():
                 c.delete(key)
             assert wait_until(lambda: c.stats()["used_bytes"] == 0, 10), c.stats()
@@ -312,14 +398,7 @@ def test_broadcast_subscribers_get_every_item_once_in_order_through_kills() -> N
     rng = random.Random(15)
     with tb.start_broker(memory="64MiB") as broker:
         stop, out = SPAWN.Event(), SPAWN.Queue()
-        ready = [SPAWN.Event(), SPAWN.Event()]
-        subs = [
-            SPAWN.Process(target=chaos.subscribe, args=(broker.address, i, ready[i], out))
-            for i in range(2)
-        ]
-        for p in subs:
-            p.start()
-        assert all(r.wait(60) for r in ready)
+        subs = _subscribers(broker.address, [0, 1], out)
         producer = SPAWN.Process(target=chaos.cast, args=(broker.address, stop, out))
         producer.start()
         _kill_and_restart(broker, 8, rng)
@@ -328,14 +407,7 @@ def test_broadcast_subscribers_get_every_item_once_in_order_through_kills() -> N
         join_all([producer, *subs])
         errors = {w: r["errors"] for w, r in reports.items() if r["errors"]}
         assert not errors, errors
-        sent = reports["cast"]["sent"]
-        assert len(sent) > 20
-        for i in range(2):
-            taken = reports[i]["taken"]
-            assert taken == sorted(set(taken)), f"subscriber {i}: twice or out of order"
-            assert set(sent) <= set(taken), (
-                f"subscriber {i} missed {sorted(set(sent) - set(taken))[:10]}"
-            )
+        _check_broadcast(reports, [0, 1])
         with tb.connect(broker.address) as c:
             assert wait_until(lambda: c.stats()["used_bytes"] == 0, 10), c.stats()
 
@@ -400,4 +472,5 @@ def test_a_state_whose_segments_were_removed_is_refused(tmp_path: Path) -> None:
 
 
 def _segments() -> set[str]:
-    return set(glob.glob("/dev/shm/tb-*"))
+    """The files in /dev/shm of this test run's states (not another run's at the same time)."""
+    return run_segments(tempfile.gettempdir())
