@@ -10,8 +10,9 @@ grant*: "your next item may go straight into this consumer's mailbox". The produ
 wakes only the consumer; the broker learns of the item from the seal that follows, off the
 consumer's path.
 
-    mailbox segment (the broker's, new with each broker): MAILBOX bytes per client, one
-    each, assigned at hello (common/_shm.c has the layout)
+    mailbox segment (the broker's, new with each broker; one per user under --group, Note
+    [members] in server/members.py): MAILBOX bytes per client, one each, assigned at
+    hello (common/_shm.c has the layout)
     ┌ state: token << 8 | IDLE/OPEN/CLAIMED/FILLED ┬ bell (futex) ┬ body ┬ offer (seqlock) ┐
 
     consumer: qget(mailbox) ─> broker: queue empty: park; state = OPEN(t) in the consumer's

@@ -10,6 +10,7 @@ import errno
 import logging
 import os
 import secrets
+import struct
 from bisect import bisect_left, insort
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -35,6 +36,25 @@ class ShmExhausted(OSError):
     """/dev/shm (the tmpfs) could not back a new segment (ENOSPC from posix_fallocate)."""
 
 
+_ACL = "system.posix_acl_access"
+_ACL_ENTRY = struct.Struct("<HHI")  # tag, permissions, id: linux/posix_acl_xattr.h
+_ACL_ANY = 0xFFFFFFFF  # the id of an entry that names no one
+# tags: the owner, a named user, the owning group, the mask, everyone else
+_USER_OBJ, _USER, _GROUP_OBJ, _MASK, _OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
+
+
+def share_with_user(fd: int, uid: int) -> None:
+    """Let user `uid` open the file `fd` read-write too, and no one else but its owner: a
+    POSIX ACL (owner rw, that user rw, owning group and others nothing), which the owner of a
+    file may set without privilege. OSError if the file system has no ACLs (EOPNOTSUPP)."""
+    entries = [
+        (_USER_OBJ, 6, _ACL_ANY), (_USER, 6, uid), (_GROUP_OBJ, 0, _ACL_ANY),
+        (_MASK, 6, _ACL_ANY), (_OTHER, 0, _ACL_ANY),
+    ]  # fmt: skip
+    value = struct.pack("<I", 2) + b"".join(_ACL_ENTRY.pack(*e) for e in entries)
+    os.setxattr(fd, _ACL, value)
+
+
 class Segment:
     """One shared-memory file owned by the broker (the broker never maps it).
 
@@ -48,10 +68,12 @@ class Segment:
 
     @classmethod
     def create(
-        cls, shm_dir: str, prefix: str, size: int, group: int | None = None, mode: int = 0o660
-    ) -> Segment:
+        cls, shm_dir: str, prefix: str, size: int, group: int | None = None, mode: int = 0o660,
+        user: int | None = None,
+    ) -> Segment:  # fmt: skip
         """Create ``shm_dir/<prefix><16 hex>`` (mode 0600) with every page backed now; with
-        `group`, that group's members may map it too (`mode`: 0660, or 0640 read-only)."""
+        `group`, that group's members may map it too (`mode`: 0660, or 0640 read-only); with
+        `user` (and no group), that one user too, read-write (`share_with_user`)."""
         if size < 1:
             raise ValueError(f"segment size must be >= 1 byte, got {size}")
         segment = cls()
@@ -68,6 +90,8 @@ class Segment:
             if group is not None:
                 os.fchown(fd, -1, group)
                 os.fchmod(fd, mode)
+            elif user is not None and user != os.geteuid():
+                share_with_user(fd, user)
             os.ftruncate(fd, size)
             try:
                 # Back every page now: a lazily-filled tmpfs would SIGBUS clients later.

@@ -59,10 +59,10 @@ from ..common.protocol import (
 from . import backlog
 from .arena import Arena, Block, Segment
 from .devices import RECLAIM_POLL, DeviceMemory
-from .directory import Directory, SlotTable
-from .handoff import MailboxTable
+from .directory import Directory
 from .inventory import Inventory
 from .lanes import Lanes
+from .members import MailboxTables, SlotTables
 from .objects import Objects
 from .opstats import OpStats
 from .parking import ParkingLot
@@ -137,11 +137,13 @@ class Broker:
                 group=self._gid,
             )  # fmt: skip
             self.directory = Directory(shm_dir, state.prefix, state, group=self._gid)
-            self.slots = SlotTable(
-                shm_dir, state.prefix, state,
-                existing=found.meta.get("slots") if found else None, group=self._gid,
+            # Lease slots and mailboxes: a table of each per user (Note [members]).
+            per_user = self._gid is not None
+            self.slots = SlotTables(
+                shm_dir, state.prefix, state, per_user=per_user,
+                existing=found.meta.get("slots") if found else None,
             )  # fmt: skip
-            self.mailboxes = MailboxTable(shm_dir, state.prefix, state, group=self._gid)
+            self.mailboxes = MailboxTables(shm_dir, state.prefix, state, per_user=per_user)
         except BaseException:
             state.close(keep=found is not None)
             raise
@@ -249,8 +251,8 @@ class Broker:
         old = found.meta.get("directory")
         if old in found.segments:
             self.directory.adopt(old)
-        ours = {*self.arena.segments, *self.directory.segments, self.slots.name}
-        ours.add(self.mailboxes.name)
+        ours = {*self.arena.segments, *self.directory.segments, *self.slots.names}
+        ours.update(self.mailboxes.names)
         ours.update(self.queues.rings.segments)
         for name in os.listdir(self._shm_dir):  # made but not journaled, or replaced
             if name.startswith(self.state.prefix) and name not in ours:

@@ -73,13 +73,14 @@ class _Mapped:
     def __init__(
         self, shm_dir: str, prefix: str, size: int, journal: Journal, kind: str,
         existing: str | None = None, group: int | None = None, mode: int = 0o660,
+        user: int | None = None,
     ) -> None:  # fmt: skip
         self.journal = journal
         if existing is not None:
             self.segment = Segment.existing(shm_dir, existing)
             size = self.segment.size
         else:
-            self.segment = Segment.create(shm_dir, prefix, size, group, mode)
+            self.segment = Segment.create(shm_dir, prefix, size, group, mode, user)
         self.size = size
         try:
             self.addr = map_segment(self.segment.path, size, writable=True)
@@ -253,17 +254,17 @@ class Directory:
 
 
 class SlotTable(_Mapped):
-    """The lease-slot regions: one per client that has one, written only by that client."""
+    """The lease-slot regions: one per client that has one, written only by that client.
+    `user`: the one user (besides the broker's) who may map it (server/members.py)."""
 
     def __init__(
         self, shm_dir: str, prefix: str = "tb-0-", journal: Journal | None = None,
         regions: int = REGIONS, slots: int = SLOTS, existing: str | None = None,
-        group: int | None = None,
+        group: int | None = None, user: int | None = None,
     ) -> None:  # fmt: skip
         journal = journal if journal is not None else Journal()
         size = regions * slots * 8
-        super().__init__(shm_dir, prefix, size, journal, "slots", existing, group)
-        journal.meta("slots", self.name)
+        super().__init__(shm_dir, prefix, size, journal, "slots", existing, group, user=user)
         self.regions, self.slots = regions, slots
         self.region_bytes = slots * 8
         if self.size != regions * self.region_bytes:

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..common import _shm
 from ..common.errors import InvalidRequest, QueueClosed, Timeout
@@ -17,6 +17,9 @@ from .directory import _Mapped
 from .parking import ParkingLot, Waiter
 from .registry import Registry, Session
 from .state import Journal
+
+if TYPE_CHECKING:
+    from .members import MailboxTables
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +33,11 @@ class MailboxTable(_Mapped):
 
     def __init__(
         self, shm_dir: str, prefix: str, journal: Journal, count: int = MAILBOXES,
-        group: int | None = None,
+        group: int | None = None, user: int | None = None,
     ) -> None:  # fmt: skip
-        super().__init__(shm_dir, prefix, count * MAILBOX, journal, "mailboxes", None, group)
+        super().__init__(
+            shm_dir, prefix, count * MAILBOX, journal, "mailboxes", None, group, user=user
+        )
         self._free = list(range(count - 1, -1, -1))
 
     def at(self, index: int) -> int:
@@ -90,7 +95,7 @@ class Handoffs:
         undo: Callable[[Direct], None],
     ) -> None:
         self.registry, self.lot, self._retry, self._undo = registry, lot, retry, undo
-        self.mailboxes: MailboxTable | None = None  # the broker sets it: none, no handoffs
+        self.mailboxes: MailboxTables | None = None  # the broker sets it: none, no handoffs
         self.sessions: dict[str, Session] = {}  # the broker's, by token
         self.offered: dict[int, Direct] = {}  # queue id -> its grant
         self.claimed: dict[int, Direct] = {}  # token -> claimed, seal not seen yet
@@ -120,6 +125,8 @@ class Handoffs:
             return
         if producer is None or not producer.routes or producer.mailbox is None:
             return  # none yet, gone (or going: its routes go first), or no mailbox
+        if not mailboxes.together(index, producer.mailbox):
+            return  # clients of two users: neither maps the other's (Note [members])
         token, lease = self.registry.new_id(), self.registry.new_id()
         address = mailboxes.at(index)
         d = Direct(token, q, w, producer, index, address, lease, q.sealed + 1)
@@ -137,8 +144,9 @@ class Handoffs:
         if mailboxes is None or producer.mailbox is None:
             return
         _shm.offer_write(
-            mailboxes.at(producer.mailbox), d.queue.id, d.token, d.index, d.lease, d.version,
-            d.waiter.request.id, producer.applied, d.waiter.session.token.encode(),
+            mailboxes.at(producer.mailbox), d.queue.id, d.token, mailboxes.local(d.index),
+            d.lease, d.version, d.waiter.request.id, producer.applied,
+            d.waiter.session.token.encode(),
         )  # fmt: skip
 
     def applied(self, producer: Session, request_id: int) -> None:

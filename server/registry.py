@@ -53,7 +53,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..common.config import format_size
 from ..common.cudart import device_index
@@ -62,8 +62,11 @@ from ..common.dtypes import dtype
 from ..common.errors import CapacityError, InvalidRequest, NotFound
 from .arena import Arena, Block, ShmExhausted
 from .devices import DEVICE_ALIGN, DeviceArena, DeviceMemory
-from .directory import Directory, SlotTable
+from .directory import Directory
 from .state import ID_STEP, LIVE, PENDING, Journal, Row
+
+if TYPE_CHECKING:
+    from .members import SlotTables
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +158,7 @@ class Registry:
         on_free: Callable[[StoredObject], None] | None = None,
         devices: DeviceMemory | None = None,
         directory: Directory | None = None,
-        slots: SlotTable | None = None,
+        slots: SlotTables | None = None,
         journal: Journal | None = None,
         first_id: int = 1,
     ) -> None:
@@ -168,10 +171,10 @@ class Registry:
         self.devices = devices if devices is not None else DeviceMemory(load=None)
         self.on_free = on_free  # told of every freed queue item
         self.objects: dict[str, StoredObject] = {}  # key -> live version
+        self.shapes = Shapes()  # the shapes and strides of objects' descriptors, shared
         self.pending: dict[int, StoredObject] = {}  # put lease id -> object
         self._versions: dict[str, int] = {}  # key -> last version sealed
         self._ids = itertools.count(first_id)
-        self.shapes = Shapes()  # the shapes and strides of objects' descriptors, shared
         self.first_id = first_id  # ids below it were given by a broker that died
         self._id_limit = first_id  # ids below it are reserved in the journal
         self.lease_count = 0

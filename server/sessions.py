@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..common import host
-from ..common.errors import CapacityError, ProtocolError, SessionUnknown
+from ..common.errors import CapacityError, InvalidRequest, ProtocolError, SessionUnknown
 from ..common.protocol import PROTOCOL_VERSION, Request
 from .parking import ParkingLot
 from .registry import Peer, Registry, Session, StoredObject
@@ -60,7 +60,7 @@ class Sessions:
         self.on_drop: Callable[[Session, bool], None] = lambda session, gone: None
         self.holds_ring: Callable[[Session], bool] = lambda session: False  # ring slots
         self.ring_held: Callable[[Session], list[int]] = lambda session: []  # their items' oids
-        self.mailboxes: Any = None  # the broker's MailboxTable (handoff.py), named at hello
+        self.mailboxes: Any = None  # the broker's MailboxTables (members.py), named at hello
 
     def hello(self, route: bytes, req: Request, peer: Peer | None = None) -> dict[str, Any]:
         """`peer`: the kernel's word for the process that sent it (None: it cannot say)."""
@@ -72,6 +72,14 @@ class Sessions:
             )
         token = f["session"]
         session = self.by_token.get(token)
+        if session is not None and peer is not None:
+            if session.uid is None:  # adopted: its first hello says whose it is
+                session.uid = peer.uid
+            elif peer.uid != session.uid:  # a token learnt elsewhere (Note [members])
+                raise InvalidRequest(
+                    f"hello: this session belongs to uid {session.uid}, not {peer.uid}: "
+                    "a client says hello with a session token of its own"
+                )
         resumed: dict[str, Any] = {}
         if session is not None and session.awaiting and "leases" not in f:
             raise SessionUnknown(  # its first hello must say which leases it holds
@@ -106,7 +114,7 @@ class Sessions:
                 # Only a client whose death the broker sees gets lease slots: a region
                 # freed on a missed heartbeat could be handed on while its old owner, only
                 # slow, still holds and later clears slots in it.
-                session.region = self.registry.slots.assign()
+                session.region = self.registry.slots.assign(session.uid)
             self.by_token[token] = session
             self.registry.journal.session(session)
             log.debug(
@@ -114,7 +122,7 @@ class Sessions:
                 "watched" if session.pidfd else "heartbeat",
             )  # fmt: skip
         if self.mailboxes is not None and session.mailbox is None and session.region is not None:
-            session.mailbox = self.mailboxes.assign()  # Note [direct handoff] in mailbox.py
+            session.mailbox = self.mailboxes.assign(session.uid)  # Note [direct handoff]
         old = self.routes.get(route)
         if old is not None and old is not session:
             old.routes.discard(route)
@@ -185,9 +193,9 @@ class Sessions:
         if directory is not None:
             out["directory"] = [directory.name, directory.size]
         if slots is not None and session is not None and session.region is not None:
-            out["slots"] = [slots.name, session.region * slots.region_bytes, slots.slots]
+            out["slots"] = slots.where(session.region)  # its user's (Note [members])
         if self.mailboxes is not None and session is not None and session.mailbox is not None:
-            out["mailboxes"] = [self.mailboxes.name, self.mailboxes.size, session.mailbox]
+            out["mailboxes"] = self.mailboxes.where(session.mailbox)
         return out
 
     def bye(self, session: Session, req: Request) -> None:
