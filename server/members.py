@@ -88,6 +88,15 @@ class _PerUser(Generic[T]):
             return None
         return self._add(uid, table)
 
+    def assign(self, uid: int | None) -> int | None:
+        """A free entry (a slot region, all zero; a mailbox) for a client of `uid`, as an
+        index across the tables; None if it gets none."""
+        i = self._table_of(uid)
+        if i is None:
+            return None
+        local = self.tables[i].assign()
+        return None if local is None else i * self.per + local
+
     def split(self, index: int) -> tuple[T, int]:
         """The table of `index` across the tables, and its index in it."""
         return self.tables[index // self.per], index % self.per
@@ -137,14 +146,6 @@ class SlotTables(_PerUser[SlotTable]):
         else:
             pairs = zip(self.keys, self.tables, strict=True)
             self._journal.meta("slots", [[key, table.name] for key, table in pairs])
-
-    def assign(self, uid: int | None) -> int | None:
-        """A free region (all zero) for a client of `uid`, or None if it gets none."""
-        i = self._table_of(uid)
-        if i is None:
-            return None
-        local = self.tables[i].assign()
-        return None if local is None else i * self.per + local
 
     def release(self, region: int) -> None:
         table, local = self.split(region)
@@ -201,14 +202,6 @@ class MailboxTables(_PerUser[MailboxTable]):
         super().__init__(per_user, count, make)
         if not per_user:
             self._add(None, make(None))
-
-    def assign(self, uid: int | None) -> int | None:
-        """A free mailbox for a client of `uid`, or None if it gets none."""
-        i = self._table_of(uid)
-        if i is None:
-            return None
-        local = self.tables[i].assign()
-        return None if local is None else i * self.per + local
 
     def at(self, index: int) -> int:
         table, local = self.split(index)

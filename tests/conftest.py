@@ -103,6 +103,17 @@ def fresh_broker() -> Iterator[tb.BrokerProcess]:
 
 
 @pytest.fixture
+def group_address() -> Iterator[str]:
+    """An address in a folder of its own under /tmp, for a broker that other users reach
+    (serve --group): the run's own folder (RUN_DIR) is closed to them."""
+    folder = tempfile.mkdtemp(prefix="tb-group-", dir="/tmp")
+    try:
+        yield f"ipc://{folder}/broker.sock"
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
 def client(broker: tb.BrokerProcess) -> Iterator[tb.Client]:
     with tb.connect(broker.address) as c:
         yield c

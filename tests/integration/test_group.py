@@ -8,10 +8,8 @@ import grp
 import multiprocessing as mp
 import os
 import secrets
-import shutil
 import stat
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 
@@ -80,24 +78,13 @@ def _uid(name: str) -> int:
     return pwd.getpwnam(name).pw_uid
 
 
-@pytest.fixture
-def address() -> Iterator[str]:
-    """An address in a folder of its own under /tmp: the suite's own temporary folder is
-    closed to other users, so a member could not reach a socket in it."""
-    folder = tempfile.mkdtemp(prefix="tb-group-", dir="/tmp")
-    try:
-        yield f"ipc://{folder}/broker.sock"
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 def test_a_group_member_connects_and_maps_the_memory_and_others_are_refused(
-    users: tuple[str, int, int], address: str
+    users: tuple[str, int, int], group_address: str
 ) -> None:
     group, member, outsider = users
     gid = grp.getgrnam(group).gr_gid
     with (
-        tb.start_broker("16MiB", address=address, options=["--group", group]) as b,
+        tb.start_broker("16MiB", address=group_address, options=["--group", group]) as b,
         tb.connect(b.address) as c,
     ):
         c.put("root's", np.arange(4, dtype=np.int64))

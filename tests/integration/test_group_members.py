@@ -10,10 +10,8 @@ import grp
 import multiprocessing as mp
 import os
 import secrets
-import shutil
 import stat
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
@@ -154,23 +152,12 @@ def members() -> Iterator[tuple[int, int, int]]:
         subprocess.run(["groupdel", group], capture_output=True)
 
 
-@pytest.fixture
-def address() -> Iterator[str]:
-    """An address in a folder of its own under /tmp: the suite's own temporary folder is
-    closed to other users, so its members could not reach a socket in it."""
-    folder = tempfile.mkdtemp(prefix="tb-group-", dir="/tmp")
-    try:
-        yield f"ipc://{folder}/broker.sock"
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 def test_a_member_cannot_open_another_members_lease_slots_or_mailboxes(
-    members: tuple[int, int, int], address: str
+    members: tuple[int, int, int], group_address: str
 ) -> None:
     gid, a, b = members
     token = secrets.token_hex(16)
-    with tb.start_broker("16MiB", address=address, options=["--group", str(gid)]) as broker:
+    with tb.start_broker("16MiB", address=group_address, options=["--group", str(gid)]) as broker:
         proc, conn = start_as(a, gid, broker.address, holder, token)
         try:
             assert conn.poll(60), "member a said nothing"
@@ -209,11 +196,11 @@ def test_a_member_cannot_open_another_members_lease_slots_or_mailboxes(
 
 
 def test_members_read_directly_and_queue_items_cross_users_through_the_broker(
-    members: tuple[int, int, int], address: str
+    members: tuple[int, int, int], group_address: str
 ) -> None:
     gid, a, _ = members
     with (
-        tb.start_broker("16MiB", address=address, options=["--group", str(gid)]) as broker,
+        tb.start_broker("16MiB", address=group_address, options=["--group", str(gid)]) as broker,
         tb.connect(broker.address) as c,
     ):
         c.put("root's", np.array([7], dtype=np.int64))
