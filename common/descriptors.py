@@ -105,12 +105,11 @@ class Shapes:
 
 def laid_out(
     specs: Sequence[Sequence[Any]], offsets: list[int], segment: str, base: int, device: str,
-    shapes: Shapes | None = None,
+    shapes: Shapes,
 ) -> tuple[tuple[Any, ...], ...]:  # fmt: skip
     """The wire form of the tensors of `specs` ([name, dtype, shape]) laid out at `offsets`
     from `base` in `segment`: tuples (packed as arrays), their dtype names and, through
     `shapes`, their shapes and strides shared with other objects'."""
-    shapes = shapes if shapes is not None else Shapes(0)
     return tuple(
         (name, DTYPES[dtype].name, *shapes(shape), segment, base + off if off else base, device)
         for (name, dtype, shape), off in zip(specs, offsets, strict=True)

@@ -73,7 +73,7 @@ class QueueRings:
         once that is written, after the journal's commit (`flush`)."""
         if q.ring is not None and sub in q.ring.bits:
             q.ring.leave(sub, session, gone)
-            self.slots_done(q, [])
+            self._changed(q, q.ring)
 
     def done(self, versions: list[tuple[int, int]]) -> None:
         """Subscribers found these slots ([queue id, version]) idle: their items are done."""
@@ -92,6 +92,11 @@ class QueueRings:
             posted = ring.done(version)
             if posted is not None and posted.item is not None:
                 self.registry.unpin(posted.item)
+        self._changed(q, ring)
+
+    def _changed(self, q: BrokerQueue, ring: Ring) -> None:
+        """`ring` has writes staged, or `q` lost a slot or a subscription: write them after
+        the commit, close a removed queue with nothing left in flight, note an ending."""
         if ring.staged:
             self._due.add(ring)
         if q.removed and not q.in_flight:
