@@ -12,7 +12,7 @@ from .dtypes import DTYPES
 MIN_ALIGN = 64  # JAX copies silently below 64-byte alignment
 PAGE = 4096
 PAGE_ALIGN_FROM = 64 * 1024  # tensors of this size and up start on a page
-# Blocks granted ahead (Note [grants] in server/registry.py) come in these sizes, a page to
+# Blocks granted ahead (Note [grants] in server/grants.py) come in these sizes, a page to
 # 1 MiB by powers of two; larger puts ask for their block (the copy dominates there).
 GRANT_MIN, GRANT_MAX = PAGE, 1 << 20
 

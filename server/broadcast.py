@@ -1,23 +1,23 @@
 """The broker's broadcast rings, queue by queue (Note [broadcast ring] in common/ring.py):
 which queues have one, the slot writes that wait for the journal's commit, and the slots
-subscribers are done with. Queues (queues.py) says when; this module keeps the rings."""
+subscribers are done with. The queue rooms (queues.py, slots.py, subscriptions.py) say
+when; this module keeps the rings."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
+from ..common.protocol import Request
 from ..common.ring import CLOSED, REMOVED
-from .registry import Registry, Session, StoredObject
+from .queue_state import BrokerQueue
+from .records import Session, StoredObject
+from .registry import Registry
 from .rings import MAX_SLOTS, Ring
-
-if TYPE_CHECKING:
-    from .queues import BrokerQueue
 
 
 class QueueRings:
-    """The rings of the broadcast queues. `note_if_ended(q)` is Queues' own: a queue whose
-    last slot is done may have ended."""
+    """The rings of the broadcast queues. `note_if_ended(q)` is the queue table's
+    (queue_state.py): a queue whose last slot is done may have ended."""
 
     def __init__(self, registry: Registry, note_if_ended: Callable[[BrokerQueue], None]) -> None:
         self.registry, self._note_if_ended = registry, note_if_ended
@@ -74,6 +74,13 @@ class QueueRings:
         if q.ring is not None and sub in q.ring.bits:
             q.ring.leave(sub, session, gone)
             self._changed(q, q.ring)
+
+    def released(self, session: Session, route: bytes, req: Request) -> None:
+        """A `release`: its leases were let go as it came in (the broker's dispatch); the
+        ring slots a subscriber found idle (`done`) are emptied here."""
+        done = req.fields.get("done")
+        if done:
+            self.done(done)
 
     def done(self, versions: list[tuple[int, int]]) -> None:
         """Subscribers found these slots ([queue id, version]) idle: their items are done."""
@@ -191,24 +198,24 @@ class QueueRings:
     def segments(self) -> list[str]:
         return [q.ring.name for q in self._queues.values() if q.ring is not None]
 
-    def adopted(self) -> None:
-        """The adopted items are in the registry: each ring's slots are held again, the
-        subscriptions that did not come back let go, and the items never written to it
+    def adopted(self, adopted: dict[int, StoredObject]) -> None:
+        """The `adopted` items (by id) are in the registry: each ring's slots are held again,
+        the subscriptions that did not come back let go, and the items never written to it
         posted."""
         for q in list(self._queues.values()):
-            self._adopt_slots(q)
+            self._adopt_slots(q, adopted)
 
-    def _adopt_slots(self, q: BrokerQueue) -> None:
+    def _adopt_slots(self, q: BrokerQueue, adopted: dict[int, StoredObject]) -> None:
         ring = q.ring
         assert ring is not None and q.subs is not None
         for sub in ring.unlisted():  # ended when the broker died: its bits are stray below
             del q.subs[sub], ring.bits[sub]
             ring.starts.pop(sub, None)
-        for posted in ring.adopt(self.registry.adopted):
+        for posted in ring.adopt(adopted):
             if posted.item is not None:
                 self.registry.pin(posted.item)
         top = ring.top
-        lost = [o for o in self.registry.adopted.values() if o.queue is q and o.version > top]
+        lost = [o for o in adopted.values() if o.queue is q and o.version > top]
         for obj in sorted(lost, key=lambda o: o.version):
             mask = ring.mask_for(obj.version)
             if mask:

@@ -39,7 +39,7 @@ from ..common.directory import (
     map_segment,
 )
 from .arena import Segment
-from .state import Journal
+from .journal import Journal
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def entry_size(need: int) -> int:
     return max(MIN_ENTRY, 1 << (need - 1).bit_length())
 
 
-def _give_back_entries(table: _Mapped) -> None:
+def _give_back_entries(table: Mapped) -> None:
     """Free the pages of a replaced table's entries (all but its header, and the partial page
     at its end): readers of them find nothing there and ask the broker; none can trust an
     entry of a moved table anyway (the check reads `moved`)."""
@@ -66,7 +66,7 @@ def _give_back_entries(table: _Mapped) -> None:
         log.debug("madvise(MADV_REMOVE) of %s: errno %d", table.name, ctypes.get_errno())
 
 
-class _Mapped:
+class Mapped:
     """A segment of the broker's (created like the arena's, and journaled as `kind`; or
     one a broker that died made), mapped read-write."""
 
@@ -102,7 +102,7 @@ class _Mapped:
             self.journal.segment_gone(self.name)
 
 
-class _Table(_Mapped):
+class _Table(Mapped):
     """One directory segment."""
 
     def __init__(
@@ -167,7 +167,7 @@ class Directory:
         self._dir, self._prefix, self._group = shm_dir, prefix, group
         self._journal = journal if journal is not None else Journal()
         self._table = self._new_table(entries, MIN_ENTRY)
-        self._old: list[_Mapped] = []  # replaced tables: clients may still map them
+        self._old: list[Mapped] = []  # replaced tables: clients may still map them
 
     def _new_table(self, entries: int, size: int) -> _Table:
         table = _Table(self._dir, self._prefix, self._journal, entries, self._group, size)
@@ -221,7 +221,7 @@ class Directory:
         size = table.entry_size
         log.info("directory rebuilt: %d entries of %d bytes, %d live", entries, size, live)
 
-    def _replaced(self, old: _Mapped) -> None:
+    def _replaced(self, old: Mapped) -> None:
         """Announce the current table in `old` (and in every table replaced before it)."""
         self._old.append(old)
         name = self._table.name.encode().ljust(SUCCESSOR_BYTES, b"\0")
@@ -237,7 +237,7 @@ class Directory:
     def adopt(self, name: str) -> None:
         """Replace the directory of a broker that died (its live objects are published in
         this one by now): its readers move here (Note [recovery] in state.py)."""
-        old = _Mapped(self._dir, self._prefix, 0, self._journal, "directory", existing=name)
+        old = Mapped(self._dir, self._prefix, 0, self._journal, "directory", existing=name)
         if _shm.load(old.addr + H_MAGIC) != MAGIC:
             old.close(unlink=False)
             raise ValueError(f"{name} is not a tensorbroker directory")
@@ -253,7 +253,7 @@ class Directory:
         self._old.clear()
 
 
-class SlotTable(_Mapped):
+class SlotTable(Mapped):
     """The lease-slot regions: one per client that has one, written only by that client.
     `user`: the one user (besides the broker's) who may map it (server/members.py)."""
 

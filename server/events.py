@@ -16,7 +16,7 @@ from typing import Any
 
 from ..common.protocol import Request, reply_ok
 from .parking import ParkingLot, secs
-from .registry import Session
+from .records import Session
 
 LOG_EVENTS = 16384  # events kept for watchers that fall behind
 BATCH = 1024  # events in one answer at most

@@ -23,7 +23,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from .registry import Registry, StoredObject
+from .records import StoredObject
+from .registry import Registry
 
 
 class Eviction:
@@ -31,6 +32,8 @@ class Eviction:
         self.registry, self.on_evict = registry, on_evict
         self.evicted = 0
         self.every_object = False  # serve --evict lru
+        # Whether clients of a broker that died may not be back yet (adoption.py).
+        self.adopting: Callable[[], bool] = lambda: False
         registry.make_room = self.make_room
 
     def evictable(self, obj: StoredObject) -> bool:
@@ -42,7 +45,7 @@ class Eviction:
         them would not make room (a put larger than the store must not empty it), nor while
         clients of a broker that died are not all back (their leases are not counted yet)."""
         registry, arena = self.registry, self.registry.arena
-        if registry.adopted or size > arena.capacity:
+        if self.adopting() or size > arena.capacity:
             return False
         used, held = set(), {}
         if registry.slots is not None:

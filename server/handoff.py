@@ -1,5 +1,5 @@
-"""The broker's side of Note [direct handoff] (common/mailbox.py): the mailbox segment, the
-grants offered to producers, and taking them back."""
+"""The broker's side of Note [direct handoff] (common/mailbox.py): the grants offered to
+producers in their mailboxes (members.py has the mailbox tables), and taking them back."""
 
 from __future__ import annotations
 
@@ -11,46 +11,18 @@ from typing import TYPE_CHECKING, Any
 
 from ..common import _shm
 from ..common.errors import InvalidRequest, QueueClosed, Timeout
-from ..common.mailbox import CLAIMED, FILLED, IDLE, MAILBOX, OPEN, read_body, word
-from ..common.protocol import reply_error
-from .directory import _Mapped
+from ..common.mailbox import CLAIMED, FILLED, IDLE, OPEN, read_body, word
+from ..common.protocol import Request, reply_error
 from .parking import ParkingLot, Waiter
-from .registry import Registry, Session
-from .state import Journal
+from .records import Session
+from .registry import Registry
 
 if TYPE_CHECKING:
     from .members import MailboxTables
 
 log = logging.getLogger(__name__)
 
-MAILBOXES = 1024  # clients with a mailbox at once (512 KiB); more go through the broker
 UNKNOWN_RELEASES = 4096  # leases let go that a restarted broker did not know, remembered
-
-
-class MailboxTable(_Mapped):
-    """The mailboxes, and which are free. A new segment for each broker: a seal sent again to
-    one that restarted says itself where its item went."""
-
-    def __init__(
-        self, shm_dir: str, prefix: str, journal: Journal, count: int = MAILBOXES,
-        group: int | None = None, user: int | None = None,
-    ) -> None:  # fmt: skip
-        super().__init__(
-            shm_dir, prefix, count * MAILBOX, journal, "mailboxes", None, group, user=user
-        )
-        self._free = list(range(count - 1, -1, -1))
-
-    def at(self, index: int) -> int:
-        return self.addr + index * MAILBOX
-
-    def assign(self) -> int | None:
-        return self._free.pop() if self._free else None
-
-    def release(self, index: int) -> None:
-        """Its client is gone and no grant on it is out: empty it for the next one."""
-        _shm.store(self.at(index), word(0, IDLE))
-        _shm.offer_write(self.at(index), 0, 0, 0, 0, 0, 0, 0, b"")
-        self._free.append(index)
 
 
 @dataclass(eq=False, slots=True)
@@ -84,8 +56,9 @@ class Bound:
 
 class Handoffs:
     """Direct grants: offered (one per queue, and one per mailbox, at a time), claimed and
-    not yet sealed, and the bells to ring after replies. Queues gives `retry(waiter)` (handle
-    a consumer's get again) and `undo(d)` (a claimed item that never came)."""
+    not yet sealed, and the bells to ring after replies. DirectItems (direct.py) makes them
+    and gives `retry(waiter)` (handle a consumer's get again) and `undo(d)` (a claimed item
+    that never came)."""
 
     def __init__(
         self,
@@ -190,6 +163,18 @@ class Handoffs:
         self.claimed[d.token] = d
         if not d.waiter.done:
             self.lot.unpark(d.waiter)  # answered by the item, not by the broker
+
+    def cancel(self, session: Session, route: bytes, req: Request) -> dict[str, Any]:
+        """A request of this socket that waits in the broker, given up by its caller (an
+        asyncio task cancelled, a sync call interrupted): it leaves its line and is never
+        answered. Replies on a socket keep their order, so if it was answered already, that
+        answer came first; `cancelled` False without one: a producer handed it an item."""
+        call = req.fields["call"]
+        for w in self.lot.of(session):
+            if w.route == route and w.request.id == call:
+                self.lot.unpark(w)  # its grant taken back, unless a producer claimed it
+                return {"cancelled": not self.answered(w)}
+        return {"cancelled": False}
 
     def answered(self, w: Waiter) -> bool:
         """Whether a producer claimed the grant of get `w` (its item is the answer)."""

@@ -17,8 +17,10 @@ from typing import Any
 from ..common.errors import InvalidRequest
 from ..common.protocol import Request
 from .parking import ParkingLot
-from .queues import BrokerQueue, Queues
-from .registry import Registry, Session, StoredObject
+from .queue_state import BrokerQueue
+from .queues import Queues
+from .records import Session, StoredObject
+from .registry import Registry
 
 LIST_LIMIT = 10_000  # objects per page of `list`
 

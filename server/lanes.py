@@ -37,7 +37,7 @@ import msgpack
 
 from ..common.errors import ProtocolError
 from ..common.protocol import MAX_MESSAGE_BYTES, Budget
-from .registry import Peer
+from .records import Peer
 
 log = logging.getLogger(__name__)
 

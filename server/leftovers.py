@@ -41,7 +41,8 @@ import re
 from dataclasses import dataclass
 
 from ..common.config import SEGMENT_NAME, SHM_DIR
-from .state import KEPT, OWNER, discard, owner_path, read_journal
+from .journal import read_journal
+from .state import KEPT, OWNER, discard, owner_path
 
 log = logging.getLogger(__name__)
 

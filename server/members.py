@@ -35,12 +35,42 @@ import logging
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from ..common import _shm
 from ..common.directory import REGIONS, SLOTS
-from .directory import SlotTable
-from .handoff import MAILBOXES, MailboxTable
-from .state import Journal
+from ..common.mailbox import IDLE, MAILBOX, word
+from .directory import Mapped, SlotTable
+from .journal import Journal
 
 log = logging.getLogger(__name__)
+
+MAILBOXES = 1024  # clients with a mailbox at once (512 KiB); more go through the broker
+
+
+class MailboxTable(Mapped):
+    """The mailboxes, and which are free. A new segment for each broker: a seal sent again to
+    one that restarted says itself where its item went."""
+
+    def __init__(
+        self, shm_dir: str, prefix: str, journal: Journal, count: int = MAILBOXES,
+        group: int | None = None, user: int | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(
+            shm_dir, prefix, count * MAILBOX, journal, "mailboxes", None, group, user=user
+        )
+        self._free = list(range(count - 1, -1, -1))
+
+    def at(self, index: int) -> int:
+        return self.addr + index * MAILBOX
+
+    def assign(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def release(self, index: int) -> None:
+        """Its client is gone and no grant on it is out: empty it for the next one."""
+        _shm.store(self.at(index), word(0, IDLE))
+        _shm.offer_write(self.at(index), 0, 0, 0, 0, 0, 0, 0, b"")
+        self._free.append(index)
+
 
 T = TypeVar("T", SlotTable, MailboxTable)
 Key = int | None  # the uid whose table it is; None: everyone's (no --group)
@@ -189,7 +219,7 @@ class SlotTables(_PerUser[SlotTable]):
 
 
 class MailboxTables(_PerUser[MailboxTable]):
-    """The mailbox tables (server/handoff.py's MailboxTable), as one: a mailbox is an index
+    """The mailbox tables (MailboxTable above), as one: a mailbox is an index
     across them."""
 
     def __init__(

@@ -20,7 +20,8 @@ from ..common.protocol import Request, reply_error, reply_ok
 from .events import EventLog
 from .eviction import Eviction
 from .parking import ParkingLot, Waiter, secs
-from .registry import Registry, Session, StoredObject
+from .records import Session, StoredObject
+from .registry import Registry
 
 DEVICE_WAIT = 10.0  # a device put waits this long for quarantined memory to come back
 DEVICE_PUTS = ("device puts",)  # the parking lot's line of device puts waiting for memory
@@ -78,7 +79,7 @@ class Objects:
 
     def grant(self, session: Session, route: bytes, req: Request) -> Reply:
         """Blocks granted ahead for puts of up to `size` bytes (Note [grants] in
-        registry.py); none if that size has none, or the arena is too full to spare them."""
+        grants.py); none if that size has none, or the arena is too full to spare them."""
         size_class = grant_class(req.fields["size"])
         return {"grants": self.registry.grant(session, size_class) if size_class else []}
 
@@ -103,7 +104,7 @@ class Objects:
 
     def refill_later(self, session: Session, route: bytes, size_class: int) -> None:
         """Top up `session`'s grants of `size_class` once the replies of this batch are
-        out, in a message of their own (Broker._refill): not on the writer's path."""
+        out, in a message of their own (Seals.top_up): not on the writer's path."""
         self.refills.append((session, route, size_class))
 
     def drop_grant(self, session: Session, put_id: int) -> None:

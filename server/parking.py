@@ -20,7 +20,7 @@ from typing import Any
 
 from ..common.errors import BrokerError
 from ..common.protocol import Request
-from .registry import Session
+from .records import Session
 
 
 @dataclass(eq=False, slots=True)

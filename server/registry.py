@@ -28,22 +28,7 @@ an object before the death still waits on the GPU forever; no broker can undo a 
 wait. A client that closes normally first waits for its copies (`DeviceLink.drain`), so a
 producer that puts and exits loses nothing.
 
-Note [grants]
-
-A small put would take two round trips, one for its memory and one for its seal. So the
-broker grants each writing client blocks ahead, per size class (a page to 1 MiB by powers
-of two, `grant_class`): a pending put with no key yet (`StoredObject.granted`), held by the
-client as a put lease, journaled like any put. The client lays its tensors out in a block
-of the class that fits (`layout`, which both ends compute alike), copies, and sends one
-`write` naming the block; the broker checks that the block is that client's grant and
-that the layout fits, then seals it as any put. Once the batch's replies are out, the
-broker tops the client's grants of that class back up to `grant_depth` and sends them in a
-message of their own (id 0, on the socket of the write), which the client reads with its
-next reply: refills cost no trip, and are not on the writer's path. Grants are real allocations
-(they count in `stats()["granted_bytes"]` and never let the arena go past its capacity),
-and are made only while a quarter of the arena stays free: a put that finds no grant asks
-for its block as before. A client that dies, closes, or loses its broker lets them go
-like any unsealed put.
+Blocks granted ahead, for puts that take one trip: grants.py (Note [grants]).
 """
 
 from __future__ import annotations
@@ -51,104 +36,24 @@ from __future__ import annotations
 import itertools
 import logging
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ..common.config import format_size
 from ..common.cudart import device_index
-from ..common.descriptors import MIN_ALIGN, PAGE, Shapes, TensorDesc, laid_out, layout
-from ..common.dtypes import dtype
+from ..common.descriptors import MIN_ALIGN, Shapes, laid_out, layout
 from ..common.errors import CapacityError, InvalidRequest, NotFound
 from .arena import Arena, Block, ShmExhausted
 from .devices import DEVICE_ALIGN, DeviceArena, DeviceMemory
 from .directory import Directory
-from .state import ID_STEP, LIVE, PENDING, Journal, Row
+from .grants import Grants
+from .journal import ID_STEP, Journal
+from .records import Session, StoredObject
 
 if TYPE_CHECKING:
     from .members import SlotTables
 
 log = logging.getLogger(__name__)
-
-GRANT_AHEAD_BYTES = 1 << 20  # a client is granted about this much of one size class ahead,
-GRANT_DEPTH = (2, 8)  # and at least 2 blocks of it, at most 8
-GRANT_FREE_SHARE = 4  # grants ahead only while more than 1/4 of the arena stays free
-
-
-def grant_depth(size_class: int) -> int:
-    """Blocks of `size_class` a client is granted ahead."""
-    return max(GRANT_DEPTH[0], min(GRANT_DEPTH[1], GRANT_AHEAD_BYTES // size_class))
-
-
-@dataclass(eq=False, slots=True)
-class StoredObject:
-    key: str
-    bundle: bool
-    block: Block
-    wire: Sequence[Any]  # its tensors, as sent on the wire (built once, at put: laid_out)
-    version: int = 0  # set at seal
-    leases: int = 0
-    live: bool = False
-    retired: bool = False
-    freed: bool = False
-    queue: Any = None  # the queue this item goes to (None: a keyed object)
-    device: str = "cpu"  # or "cuda:N": then block is in that device's arena
-    events: list[int] | None = None  # a device object's write and read-done events
-    oid: int = 0  # its id, never reused: what lease slots hold
-    listed: bool = False  # in the directory since sealed: readers' slots may hold it
-    granted: bool = False  # a block granted ahead, not yet written (Note [grants])
-    evictable: bool = False  # may be freed to make room (eviction.py)
-    last_use: float = 0.0  # when it was put, or last read through the broker (monotonic)
-
-    @property
-    def nbytes(self) -> int:
-        return self.block.size
-
-    @property
-    def tensors(self) -> tuple[TensorDesc, ...]:
-        return tuple(TensorDesc.from_wire(w) for w in self.wire)
-
-    @property
-    def data_bytes(self) -> int:
-        """The bytes of its tensors (its block may be larger: blocks come in size classes)."""
-        return sum(dtype(t.dtype).nbytes(t.shape) for t in self.tensors)
-
-
-class Peer(NamedTuple):
-    """The process at the other end of a socket, as the kernel says (SO_PEERCRED)."""
-
-    pid: int | None  # None where the kernel cannot say (another pid namespace)
-    uid: int | None
-
-
-@dataclass(eq=False, slots=True)
-class Session:
-    """One client (all the sockets of one `Client`), known from its hello."""
-
-    token: str
-    pid: int | None
-    boot_id: str | None = None
-    start_time: int | None = None
-    leases: dict[int, StoredObject] = field(default_factory=dict)
-    pending: set[int] = field(default_factory=set)  # lease ids of its unsealed puts
-    read_events: dict[int, int] = field(default_factory=dict)  # device lease -> read-done event
-    writing: list[StoredObject] = field(default_factory=list)  # device objects it sealed whose
-    # copies may still be running (Note [a producer that dies with its copy queued])
-    routes: set[bytes] = field(default_factory=set)  # its sockets' ZeroMQ routing ids
-    pidfd: int | None = None  # readable when the client process exits
-    last_seen: float = 0.0  # for sessions without a pidfd: heartbeats keep them alive
-    closed: bool = False  # said bye, kept only for the leases its process still holds
-    region: int | None = None  # its lease-slot region (Note [directory and lease slots])
-    mailbox: int | None = None  # its mailbox (Note [direct handoff] in common/mailbox.py)
-    applied: int = 0  # the request id of its last seal applied (or refused) and journaled
-    awaiting: bool = False  # adopted from a broker that died: not back yet (Note [recovery])
-    came_back: bool = False  # adopted, and its hello with its leases was answered
-    grants: dict[int, int] = field(default_factory=dict)  # size class -> blocks granted ahead
-    credits: dict[int, int] = field(default_factory=dict)  # queue id -> slots granted ahead
-    uid: int | None = None  # the kernel's word for the user it runs as (None: tcp://)
-
-    def __repr__(self) -> str:
-        return f"<session {self.token[:8]} pid={self.pid} uid={self.uid}>"
 
 
 class Registry:
@@ -179,12 +84,7 @@ class Registry:
         self._id_limit = first_id  # ids below it are reserved in the journal
         self.lease_count = 0
         self.published = 0  # objects and queue items sealed by this broker
-        self.granted_bytes = self.granted_blocks = 0  # granted ahead (Note [grants])
-        # Adopted from a broker that died (Note [recovery] in state.py):
-        self.adopted: dict[int, StoredObject] = {}  # oid -> object, until all are back
-        self._holding: list[StoredObject] = []  # retired: held until every client is back
-        self.taken: dict[tuple[str, int], StoredObject] = {}  # (session, qget id) -> item
-        self._sealed_puts: dict[tuple[str, int], StoredObject] = {}  # (session, put id)
+        self.grants = Grants(arena)  # blocks granted ahead (Note [grants] in grants.py)
 
     def new_id(self) -> int:
         """A new id, of the same series as objects' and leases' (never given before)."""
@@ -218,40 +118,28 @@ class Registry:
         device = sys.intern(device)  # not a string of its own in every object
         wire = laid_out(specs, offsets, block.segment, block.offset, device, self.shapes)
         obj = StoredObject(key, bundle, block, wire, queue=queue, device=device)
+        return self._open_put(session, obj), obj
+
+    def _open_put(self, session: Session, obj: StoredObject) -> int:
+        """`obj` is a pending put of `session`, held by the returned lease id."""
         obj.oid = self._id()
-        if device != "cpu":
-            obj.events = [self.devices.event(device_index(device))[0]]
+        if obj.device != "cpu":
+            obj.events = [self.devices.event(device_index(obj.device))[0]]
         put_id = self.lease(session, obj)
         self.pending[put_id] = obj
         session.pending.add(put_id)
-        if device == "cpu":
+        if obj.device == "cpu":
             self.journal.granted(obj, session.token, put_id)
-        return put_id, obj
+        return put_id
 
     def grant(self, session: Session, size_class: int) -> list[list[Any]]:
-        """Blocks of `size_class` bytes granted ahead to `session`, up to its depth (fewer,
-        or none, once the arena is three quarters full): [[put id, object id, segment,
-        offset, size], ...] (Note [grants])."""
-        have = session.grants.get(size_class, 0)
-        out: list[list[Any]] = []
-        arena = self.arena
-        for _ in range(grant_depth(size_class) - have):
-            if arena.free_bytes - size_class < arena.capacity // GRANT_FREE_SHARE:
-                break
-            block = arena.allocate(size_class, PAGE)
-            if block is None:
-                break
+        """Blocks of `size_class` bytes granted ahead to `session` (Note [grants] in
+        grants.py): [[put id, object id, segment, offset, size], ...]."""
+        out = []
+        for block in self.grants.take(session, size_class):
             obj = StoredObject("", False, block, (), granted=True)
-            obj.oid = self._id()
-            put_id = self.lease(session, obj)
-            self.pending[put_id] = obj
-            session.pending.add(put_id)
-            self.journal.granted(obj, session.token, put_id)
+            put_id = self._open_put(session, obj)
             out.append([put_id, obj.oid, block.segment, block.offset, block.size])
-        if out:
-            session.grants[size_class] = have + len(out)
-            self.granted_bytes += size_class * len(out)
-            self.granted_blocks += len(out)
         return out
 
     def fill(
@@ -266,34 +154,15 @@ class Registry:
         """A block granted ahead, written by its client: now a put of `key` (or an item of
         `queue`) laid out as `specs`, ready to seal."""
         obj = self.pending_put(session, put_id, "write")
-        if not obj.granted:
-            raise InvalidRequest(f"write {key!r}: put {put_id} is not a block granted ahead")
-        if not bundle and (len(specs) != 1 or specs[0][0] != ""):
-            raise InvalidRequest(f"write {key!r}: a plain object holds one unnamed tensor")
-        offsets, size, _ = layout(specs)
-        if size > obj.block.size:
-            raise InvalidRequest(
-                f"write {key!r}: its tensors take {size} bytes, and block {put_id} has "
-                f"{obj.block.size}"
-            )
-        self._ungrant(session, obj)
-        obj.key, obj.bundle, obj.queue = key, bundle, queue
-        block = obj.block
-        obj.wire = laid_out(specs, offsets, block.segment, block.offset, "cpu", self.shapes)
+        self.grants.fill(session, put_id, obj, key, specs, bundle, self.shapes)
+        obj.queue = queue
         return obj
-
-    def _ungrant(self, session: Session, obj: StoredObject) -> None:
-        if obj.granted:
-            obj.granted = False
-            session.grants[obj.block.size] -= 1
-            self.granted_bytes -= obj.block.size
-            self.granted_blocks -= 1
 
     def _unpend(self, session: Session, put_id: int) -> StoredObject:
         """A pending put ends (sealed, aborted, or let go)."""
         obj = self.pending.pop(put_id)
         session.pending.discard(put_id)
-        self._ungrant(session, obj)
+        self.grants.ungrant(session, obj)
         return obj
 
     def _allocate(self, arena: Arena, key: str, size: int, align: int) -> Block:
@@ -350,17 +219,6 @@ class Registry:
         if not keep:
             self.release(session, put_id)
         return obj
-
-    def sealed_before(self, session: Session, put_id: int) -> tuple[int] | None:
-        """(version,) of a put the broker that died sealed, if this seal is sent again. A put
-        it granted that is neither pending nor journaled was sealed and freed since (a put
-        the client aborted is never sealed): its version is not known, (0,)."""
-        obj = self._sealed_puts.get((session.token, put_id))
-        if obj is not None:
-            return (obj.version,)
-        if put_id < self.first_id and put_id not in self.pending:
-            return (0,)
-        return None
 
     def abort(self, session: Session, put_id: int, keep: bool) -> None:
         self.pending_put(session, put_id, "abort")
@@ -460,10 +318,6 @@ class Registry:
 
     def drop_session(self, session: Session, keep_leases: bool = False) -> None:
         """Abort the session's unsealed puts and, unless kept, end all of its leases."""
-        for key in [k for k in self.taken if k[0] == session.token]:
-            obj = self.taken.pop(key)  # handed over when the broker died, never asked again
-            obj.leases -= 1
-            self._maybe_free(obj)
         for put_id in list(session.pending):
             self.abort(session, put_id, keep=True)
         if not keep_leases:
@@ -493,13 +347,6 @@ class Registry:
     def retire(self, obj: StoredObject) -> None:
         """No longer live (an item every subscriber of its broadcast queue has): freed once
         no lease holds it."""
-        self._retire(obj)
-
-    def retire_adopted(self, obj: StoredObject) -> None:
-        """An adopted item no one is to be given any more: retired, and held until `settle`
-        (its readers may not be back yet with their leases)."""
-        obj.leases += 1
-        self._holding.append(obj)
         self._retire(obj)
 
     def _retire(self, obj: StoredObject, taker: str | None = None, took: int | None = None) -> None:
@@ -545,138 +392,43 @@ class Registry:
             self._maybe_free(obj)
         return len(free)
 
-    # -- adopting the state of a broker that died (Note [recovery] in state.py) -----------
+    # -- what adoption rebuilds (adoption.py) ---------------------------------------------
 
-    def adopt(self, rows: list[Row], sessions: dict[str, Session], queues: dict[int, Any]) -> None:
-        """Rebuild the objects of the journal `rows` (their blocks are allocated in the arena
-        already). Live ones are published again; puts of sessions still alive carry over;
-        retired ones are held until `settle`, as leases on them come back with their clients."""
-        for row in rows:
-            q = queues.get(row.queue) if row.queue is not None else None
-            block = Block(row.segment, row.offset, row.size)
-            if row.queue is not None and q is None:  # an item of a queue forgotten since
-                self.arena.free(block)
-                self.journal.freed(row)
-                continue
-            obj = StoredObject(row.key, row.bundle, block, row.wire, row.version, queue=q)
-            obj.oid, obj.evictable = row.oid, row.evictable
-            self.adopted[obj.oid] = obj
-            owner = sessions.get(row.session)
-            if row.state == PENDING:
-                if owner is None or owner.closed:  # its writer died with the broker
-                    self._retire(obj)
-                    continue
-                self.pending[row.put] = obj
-                owner.pending.add(row.put)
-                if not row.wire:  # a block granted ahead, not yet written
-                    obj.granted = True
-                    owner.grants[row.size] = owner.grants.get(row.size, 0) + 1
-                    self.granted_bytes += row.size
-                    self.granted_blocks += 1
-                owner.leases[row.put] = obj
-                obj.leases += 1
-                self.lease_count += 1
-                continue
-            self._sealed_puts[row.session, row.put] = obj
-            for taker, took in row.gives:  # a broadcast item given to these gets
-                if _asks_again(sessions, taker):  # held until it asks again, or has it
-                    self.taken[taker, took] = obj
-                    obj.leases += 1
-            if row.state == LIVE:
-                obj.live = True
-                self._versions[obj.key] = max(self._versions.get(obj.key, 0), obj.version)
-                if q is not None:
-                    q.items.append(obj)
-                    continue
-                self.objects[obj.key] = obj
-                if self.directory is not None:
-                    obj.listed = self.directory.publish(
-                        obj.key, obj.oid, obj.version, obj.bundle, obj.wire
-                    )
-            else:  # retired: leases or slots may hold it
-                obj.retired = obj.listed = True
-                obj.leases += 1
-                if (
-                    row.taker is not None
-                    and row.took is not None
-                    and _asks_again(sessions, row.taker)
-                ):
-                    self.taken[row.taker, row.took] = obj  # held until the taker asks again
-                else:
-                    self._holding.append(obj)
+    def seen_version(self, key: str, version: int) -> None:
+        """`key` had `version` once (at a broker that died): a put of it goes on from there."""
+        self._versions[key] = max(self._versions.get(key, 0), version)
 
-    def retake(self, session: Session, request_id: int) -> StoredObject | None:
-        """A queue item the broker that died handed to this very request, whose answer was
-        lost: it goes to the request sent again (the hold becomes the consumer's lease)."""
-        obj = self.taken.pop((session.token, request_id), None) if self.taken else None
-        if obj is not None:
-            obj.leases -= 1
-        return obj
+    def carry_put(self, session: Session, put_id: int, obj: StoredObject, granted: bool) -> None:
+        """A pending put of a broker that died, carried over to its writer still alive
+        (`granted`: a block granted ahead, not yet written)."""
+        self.pending[put_id] = obj
+        session.pending.add(put_id)
+        if granted:
+            self.grants.carry(session, obj)
+        self.lease(session, obj, lease_id=put_id)
 
-    def versions(self, deleted: dict[str, int]) -> None:
-        """The last versions of deleted keys: a key put again goes on from there."""
-        for key, version in deleted.items():
-            self._versions[key] = max(self._versions.get(key, 0), version)
-
-    def claim(self, session: Session, leases: list[tuple[int, int]], calls: list[int]) -> list[int]:
-        """A client of the broker that died is back with the leases it holds ([lease id,
-        object id]) and the ids of its calls still waiting for an answer; the leases hold
-        their objects again. Its puts it no longer knows of are aborted, and queue items
-        handed to calls no longer waiting are let go. The lease ids whose objects are gone."""
-        lost, claimed = [], set()
-        for lease_id, oid in leases:
-            claimed.add(lease_id)
-            if lease_id in session.leases:
-                continue  # a put carried over
-            obj = self.adopted.get(oid)
-            if obj is None or obj.freed:
-                lost.append(lease_id)
-                continue
-            session.leases[lease_id] = obj
-            obj.leases += 1
-            self.lease_count += 1
-        for put_id in [p for p in session.pending if p not in claimed]:
-            self.abort(session, put_id, keep=False)
-        waiting = set(calls)
-        for key in [k for k in self.taken if k[0] == session.token and k[1] not in waiting]:
-            obj = self.taken.pop(key)  # its answer came (a lease above holds it) or not needed
-            obj.leases -= 1
-            self._maybe_free(obj)
-        return lost
-
-    def hold(self, session: Session, oids: list[int]) -> None:
-        """Leases of a closed client whose arrays live on, on adopted objects."""
-        for oid in oids:
-            obj = self.adopted.get(oid)
-            if obj is not None and not obj.freed:
-                self.lease(session, obj)
-
-    def settle(self) -> None:
-        """Every client of the broker that died is back or gone: retired objects that no
-        lease came back for are freed (after a scan of the slots)."""
-        holding, self._holding = self._holding, []
-        for obj in holding:
-            obj.leases -= 1
-            self._maybe_free(obj)
-        self.adopted.clear()
+    def relist(self, obj: StoredObject) -> None:
+        """A live object of a broker that died, live again: the current version of its key,
+        or an item waiting in its queue."""
+        obj.live = True
+        self.seen_version(obj.key, obj.version)
+        if obj.queue is not None:
+            obj.queue.items.append(obj)
+            return
+        self.objects[obj.key] = obj
+        if self.directory is not None:
+            obj.listed = self.directory.publish(obj.key, obj.oid, obj.version, obj.bundle, obj.wire)
 
     def stats(self) -> dict[str, int]:
         slotted = sum(self.slots.held().values()) if self.slots is not None else 0
         arena = self.arena.stats()
         return {
             **arena,
-            "used_bytes": arena["used_bytes"] - self.granted_bytes,  # by objects
+            "used_bytes": arena["used_bytes"] - self.grants.bytes,  # by objects
             "objects": len(self.objects),
-            "pending": len(self.pending) - self.granted_blocks,  # puts being written
-            "granted_bytes": self.granted_bytes,  # blocks granted ahead, not yet written
-            "leases": self.lease_count - self.granted_blocks + slotted,
+            "pending": len(self.pending) - self.grants.blocks,  # puts being written
+            "granted_bytes": self.grants.bytes,  # blocks granted ahead, not yet written
+            "leases": self.lease_count - self.grants.blocks + slotted,
             # retired, unleased, and freed once a scan finds no lease slot holding them
             "waiting_bytes": sum(obj.block.size for obj in self._unlisted.values()),
         }
-
-
-def _asks_again(sessions: dict[str, Session], token: str) -> bool:
-    """Whether the client of `token` may send a get again after a restart (alive and open:
-    a client closed with arrays alive says which it holds otherwise, and asks nothing)."""
-    session = sessions.get(token)
-    return session is not None and not session.closed

@@ -23,8 +23,8 @@ from ..common.ring import (
     ring_size,
     slot_seq,
 )
-from .directory import _Mapped
-from .state import Journal
+from .directory import Mapped
+from .journal import Journal
 
 MAX_SLOTS = 4096  # a queue bounded higher reads through messages (a ring of 2 MiB at most)
 
@@ -59,7 +59,7 @@ class Leave:
     held: int
 
 
-class Ring(_Mapped):
+class Ring(Mapped):
     """A broadcast queue's ring. Slot writes wait for the journal's commit (`flush`): a
     subscriber must never take an item that a broker coming back would not know."""
 

@@ -15,13 +15,14 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from ..common import host
 from ..common.errors import CapacityError, InvalidRequest, ProtocolError, SessionUnknown
 from ..common.protocol import PROTOCOL_VERSION, Request
 from .parking import ParkingLot
-from .registry import Peer, Registry, Session, StoredObject
+from .records import Peer, Session, StoredObject
+from .registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,19 @@ MAX_SESSIONS = 16384  # sessions open at once
 MAX_SESSIONS_PER_PROCESS = 1024  # of those, sessions of one process
 
 
+class Comebacks(Protocol):
+    """What the broker knows of the clients of a broker that died (adoption.py)."""
+
+    def claim(self, session: Session, leases: list[tuple[int, int]], calls: list[int]) -> list[int]:
+        """`session` is back, holding `leases`, with `calls` waiting: the leases lost."""
+
+    def settle(self) -> None:
+        """Every client is back or gone."""
+
+    def drop(self, session: Session) -> None:
+        """`session` is gone."""
+
+
 class Sessions:
     """The broker's sessions by token, by socket route and by pidfd. `watch_fd` and
     `unwatch_fd` add a pidfd to the broker's poller and take it out."""
@@ -39,12 +53,13 @@ class Sessions:
     def __init__(
         self,
         registry: Registry,
+        adoption: Comebacks,
         lot: ParkingLot,
-        watch_fd: Callable[[int], None],
-        unwatch_fd: Callable[[int], None],
     ) -> None:
-        self.registry, self.lot = registry, lot
-        self._watch_fd, self._unwatch_fd = watch_fd, unwatch_fd
+        self.registry, self.adoption, self.lot = registry, adoption, lot
+        # Watch a pidfd (readable when its process exits) in the loop; stop watching it.
+        self.watch_fd: Callable[[int], None] = lambda fd: None
+        self.unwatch_fd: Callable[[int], None] = lambda fd: None
         self.by_token: dict[str, Session] = {}
         self.crashed = 0  # sessions dropped because their process died or fell silent
         self.routes: dict[bytes, Session] = {}
@@ -87,7 +102,7 @@ class Sessions:
             )
         if session is not None and session.awaiting:  # back after the broker restarted
             session.awaiting, session.came_back = False, True
-            lost = self.registry.claim(session, f["leases"], f.get("calls", []))
+            lost = self.adoption.claim(session, f["leases"], f.get("calls", []))
             resumed = {"lost": lost}
             log.info("%s is back (%d leases lost)", session, len(lost))
             self._settle_if_all_back()
@@ -169,7 +184,7 @@ class Sessions:
                 return False
             self._pidfd_of[process] = pidfd
             self.pidfds[pidfd] = set()
-            self._watch_fd(pidfd)
+            self.watch_fd(pidfd)
         session.pidfd = pidfd
         self.pidfds[pidfd].add(session)
         return True
@@ -182,7 +197,7 @@ class Sessions:
         sessions = self.pidfds[pidfd]
         sessions.discard(session)
         if not sessions:  # the process's last session
-            self._unwatch_fd(pidfd)
+            self.unwatch_fd(pidfd)
             del self.pidfds[pidfd], self._pidfd_of[(session.pid or 0, session.start_time)]
             self.to_close.append(pidfd)  # by the loop, after this batch (Broker._loop)
 
@@ -198,7 +213,7 @@ class Sessions:
             out["mailboxes"] = self.mailboxes.where(session.mailbox)
         return out
 
-    def bye(self, session: Session, req: Request) -> None:
+    def bye(self, session: Session, route: bytes, req: Request) -> None:
         keep = req.fields.get("keep_leases", False) and session.pidfd is not None
         self.drop(session, keep_leases=keep)
         if session.closed and session.token in self.by_token:  # kept for its arrays
@@ -253,6 +268,7 @@ class Sessions:
             or self.holds_ring(session)
         )  # fmt: skip
         self.on_drop(session, not keep)
+        self.adoption.drop(session)
         self.registry.drop_session(session, keep_leases=keep)
         session.closed = True
         if keep:
@@ -292,7 +308,7 @@ class Sessions:
 
     def _settle_if_all_back(self) -> None:
         if not any(s.awaiting for s in self.by_token.values()):
-            self.registry.settle()
+            self.adoption.settle()
 
     def drop_silent(self, now: float) -> None:
         """Drop the sessions that stopped sending heartbeats."""

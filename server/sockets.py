@@ -13,7 +13,7 @@ import zmq
 from ..common.config import ipc_path
 from ..common.errors import BrokerError
 from ..common.protocol import Op, decode, encode
-from .registry import Peer
+from .records import Peer
 
 log = logging.getLogger(__name__)
 

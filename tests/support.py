@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from tensorbroker.server.state import owner_path, read_journal
+from tensorbroker.server.journal import read_journal
+from tensorbroker.server.state import owner_path
 
 SPAWN = mp.get_context("spawn")
 

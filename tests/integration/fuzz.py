@@ -23,7 +23,8 @@ import msgpack
 import zmq
 
 from tensorbroker.common import host
-from tensorbroker.common.protocol import _FIELDS, PROTOCOL_VERSION, decode, encode
+from tensorbroker.common.fields import FIELDS as _FIELDS
+from tensorbroker.common.protocol import PROTOCOL_VERSION, decode, encode
 
 PLAIN_ERRORS = {
     "invalid", "protocol", "not_found", "capacity", "timeout", "hello_first", "queue_closed",

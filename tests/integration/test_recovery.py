@@ -23,7 +23,8 @@ import zmq
 
 import tensorbroker as tb
 from tensorbroker.common.protocol import decode, encode
-from tensorbroker.server.state import discard, read_journal
+from tensorbroker.server.journal import read_journal
+from tensorbroker.server.state import discard
 from tests.integration import chaos
 from tests.support import SPAWN, join_all, run_segments, wait_until
 

@@ -21,7 +21,7 @@ import pytest
 
 import tensorbroker as tb
 from tensorbroker.common.config import ADDRESS_ENV, format_size
-from tensorbroker.top import Sample, View, render
+from tensorbroker.topview import Sample, View, render
 from tests.support import wait_until
 
 MiB = 2**20

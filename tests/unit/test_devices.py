@@ -9,10 +9,11 @@ from simcuda import SimRuntime
 import tensorbroker as tb
 from tensorbroker.common.config import parse_cuda_memory
 from tensorbroker.common.cudart import CudaUnavailable, parse_device
-from tensorbroker.common.protocol import check_device
+from tensorbroker.common.fields import check_device
 from tensorbroker.server.arena import Arena
 from tensorbroker.server.devices import DEVICE_ALIGN, DeviceMemory
-from tensorbroker.server.registry import Registry, Session, StoredObject
+from tensorbroker.server.records import Session, StoredObject
+from tensorbroker.server.registry import Registry
 
 MiB = 1 << 20
 

@@ -14,8 +14,8 @@ import pytest
 
 from tensorbroker.common import _shm
 from tensorbroker.server import arena
+from tensorbroker.server.journal import Journal
 from tensorbroker.server.members import MailboxTables, SlotTables
-from tensorbroker.server.state import Journal
 
 
 class Meta(Journal):

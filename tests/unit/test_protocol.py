@@ -1,4 +1,5 @@
-"""Unit tests for the wire protocol (common/protocol.py) and the error tree (common/errors.py)."""
+"""Unit tests for the wire protocol (common/protocol.py, common/fields.py) and the error tree
+(common/errors.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tensorbroker.common.errors import (
     Timeout,
     error_from_wire,
 )
+from tensorbroker.common.fields import check_key, check_shape, check_tensor_specs, parse_request
 from tensorbroker.common.protocol import (
     MAX_KEY_BYTES,
     MAX_MESSAGE_BYTES,
@@ -27,12 +29,8 @@ from tensorbroker.common.protocol import (
     MAX_RELEASES,
     NO_REPLY,
     Op,
-    check_key,
-    check_shape,
-    check_tensor_specs,
     decode,
     encode,
-    parse_request,
     reply_error,
     reply_ok,
 )

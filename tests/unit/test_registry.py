@@ -13,7 +13,8 @@ from tensorbroker.common.descriptors import MIN_ALIGN, PAGE, PAGE_ALIGN_FROM
 from tensorbroker.common.dtypes import DTYPES
 from tensorbroker.common.errors import CapacityError, InvalidRequest, NotFound
 from tensorbroker.server.arena import Arena
-from tensorbroker.server.registry import Registry, Session
+from tensorbroker.server.records import Session
+from tensorbroker.server.registry import Registry
 
 KiB = 2**10
 MiB = 2**20

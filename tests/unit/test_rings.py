@@ -13,9 +13,9 @@ from tensorbroker.common import _shm
 from tensorbroker.common.ring import BITS, CLOSED, R_END, R_MEMBERS, R_WHY, REMOVED, slot_seq
 from tensorbroker.server.arena import Block
 from tensorbroker.server.broadcast import QueueRings
-from tensorbroker.server.queues import BrokerQueue
+from tensorbroker.server.journal import Journal
+from tensorbroker.server.queue_state import BrokerQueue
 from tensorbroker.server.rings import Ring
-from tensorbroker.server.state import Journal
 
 SLOTS = 4
 
@@ -181,7 +181,6 @@ def test_a_leave_is_written_after_the_commit_and_after_the_end_before_it(ring: R
 class Registry:
     """What QueueRings asks of the registry at adoption."""
 
-    adopted: dict[int, Item]
     pinned: list[int] = field(default_factory=list)
     journal: Journal = field(default_factory=Journal)
 
@@ -198,7 +197,7 @@ def adopt(tmp_path: Path, name: str, subs: dict[int, tuple[int, int]]) -> Broker
     session = object()
     q = BrokerQueue("stream", 1, SLOTS // 2, sealed=2, subs={sub: session for sub in subs})  # type: ignore[misc]
     items = {n: Item(oid=n, queue=q, version=n) for n in (1, 2)}  # both written to slots
-    rings = QueueRings(Registry(items), lambda q: None)  # type: ignore[arg-type]
+    rings = QueueRings(Registry(), lambda q: None)  # type: ignore[arg-type]
     rings.make = lambda slots, existing: Ring(
         str(tmp_path), "tb-test-", Journal(), slots, existing=existing
     )
@@ -206,7 +205,7 @@ def adopt(tmp_path: Path, name: str, subs: dict[int, tuple[int, int]]) -> Broker
     assert q.ring is not None
     for sub, (bit, start) in subs.items():
         q.ring.bits[sub], q.ring.starts[sub] = bit, start
-    rings.adopted()
+    rings.adopted(items)  # type: ignore[arg-type]
     return q
 
 
