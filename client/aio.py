@@ -44,8 +44,9 @@ from ..common.protocol import Op
 from .aiosocket import AsyncChannel, Late, Reply
 from .client import Client
 from .connection import REQUEST_TIMEOUT
+from .reads import Item
 from .tensor import Tensor
-from .transfer import Item, WritePlan
+from .transfer import WritePlan
 from .transport import waits
 
 log = logging.getLogger(__name__)
@@ -132,13 +133,13 @@ class AsyncClient:
         timeout, wait = waits(timeout)
         want = None if device is None else parse_device(device, f"get {key!r}")
         self._transfer.writes.settle(key)
-        result = self._transfer.read_directly(key)
+        result = self._transfer.reads.read_directly(key)
         if result is None:
             reply = await self._call(
-                Op.GET, wait, Late(self._transfer.let_go), key=key, timeout=timeout
+                Op.GET, wait, Late(self._transfer.reads.let_go), key=key, timeout=timeout
             )
-            result = self._transfer.read(reply)
-        return self._transfer.move(key, result, want, copy)
+            result = self._transfer.reads.read(reply)
+        return self._transfer.reads.move(key, result, want, copy)
 
     async def watch(self, key: str, timeout: float | None = None) -> AsyncIterator[Item | None]:
         """As Client.watch: `async for v in c.watch(key)`; v is None when the key is
@@ -149,15 +150,15 @@ class AsyncClient:
         while True:
             more = {"deletes": True} if deletes else {}
             reply = await self._call(
-                Op.GET, wait, Late(self._transfer.let_go), key=key, timeout=timeout, after=seen,
-                **more,
+                Op.GET, wait, Late(self._transfer.reads.let_go), key=key, timeout=timeout,
+                after=seen, **more,
             )  # fmt: skip
             if reply.get("deleted"):
                 deletes = False
                 yield None
                 continue
             seen, deletes = reply["version"], True
-            yield self._transfer.read(reply)
+            yield self._transfer.reads.read(reply)
 
     def create(
         self, key: str, shape: Sequence[int], dtype: Any, device: Any = "cpu"
@@ -276,7 +277,7 @@ class AsyncClient:
             self._channel = None
         for turn in self._turns.values():  # items kept for gets that will not come
             while turn.kept:
-                self._transfer.read(turn.kept.popleft())  # dropped: let go
+                self._transfer.reads.read(turn.kept.popleft())  # dropped: let go
         self._ctx.term()
         await asyncio.to_thread(self.sync.close)
 
@@ -311,20 +312,20 @@ class AsyncQueue:
         """As Queue.put: waits for a free slot (up to `timeout` seconds) without blocking
         the event loop; a put cancelled while it waits takes no slot."""
         client, transfer = self._client, self._client._transfer
-        writes = transfer.writes
+        ahead = transfer.writes.ahead
         timeout, until = waits(timeout)
         fields = {"queue": self._id, "name": self.name, "timeout": timeout}
         plan = transfer.plan_write(self.name, value, device, copy, fields)
-        if plan.grant is not None and writes.must_ask_credit(self._id):
+        if plan.grant is not None and ahead.must_ask_credit(self._id):
             try:
                 reply = await client._call(
-                    Op.QCREDIT, until, Late(lambda r: writes.add_credits(self._id, r["credits"])),
+                    Op.QCREDIT, until, Late(lambda r: ahead.add_credits(self._id, r["credits"])),
                     queue=self._id, name=self.name, timeout=timeout,
                 )  # fmt: skip
             except BaseException:
-                writes.give_back(plan.grant)
+                ahead.give_back(plan.grant)
                 raise
-            writes.add_credits(self._id, reply["credits"])  # write_granted takes one
+            ahead.add_credits(self._id, reply["credits"])  # write_granted takes one
         return await client._write(plan, Op.QPUT, until, wait)
 
     async def get(self, timeout: float | None = None) -> Item:
@@ -335,12 +336,12 @@ class AsyncQueue:
         late = Late(turn.kept.append, turn.lock.release)
         try:
             if turn.kept:
-                return transfer.read(turn.kept.popleft())
+                return transfer.reads.read(turn.kept.popleft())
             timeout, wait = waits(timeout)
             reply = await self._client._call(
                 Op.QGET, wait, late, queue=self._id, name=self.name, timeout=timeout
             )
-            return transfer.read(reply)
+            return transfer.reads.read(reply)
         finally:
             if not late.pending:  # else the turn passes once the broker has answered
                 turn.lock.release()

@@ -1,8 +1,8 @@
 """`Client`: put, get, create, delete and friends, over a broker's shared memory.
 
-The public API only. Beneath it, as layers: the connection (connection.py: hello, calls,
-releases, the release thread) and the transfer of bytes (transfer.py: copies, in-place
-writes, Tensors and their leases). `Queue` uses the same two layers.
+The public API only. Beneath it, as layers: the connection (connection.py: hello, calls;
+leases.py: releases, the release thread) and the transfer of bytes (transfer.py: copies,
+in-place writes; reads.py: Tensors and their leases). `Queue` uses the same two layers.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from ..common.protocol import Op
 from .connection import RECONNECT_TIMEOUT, REQUEST_TIMEOUT, Connection
 from .cuda import DeviceLink
 from .queue import Queue, Subscription
+from .reads import Item
 from .ring import RingView
 from .tensor import Tensor
-from .transfer import Item, Transfer
+from .transfer import Transfer
 from .transport import waits
 
 log = logging.getLogger(__name__)
@@ -128,10 +129,10 @@ class Client:
         timeout, wait = waits(timeout)
         want = None if device is None else parse_device(device, f"get {key!r}")
         self._transfer.writes.settle(key)  # this client's put of it, if still on its way
-        result = self._transfer.read_directly(key)
+        result = self._transfer.reads.read_directly(key)
         if result is None:  # not listed (or not yet there): the broker answers, or waits
-            result = self._transfer.read(self._get(wait, key=key, timeout=timeout))
-        return self._transfer.move(key, result, want, copy)
+            result = self._transfer.reads.read(self._get(wait, key=key, timeout=timeout))
+        return self._transfer.reads.move(key, result, want, copy)
 
     def get_many(self, keys: Sequence[str], timeout: float | None = 0.0) -> dict[str, Item]:
         """The current version of each of `keys`, as `get` gives them: key -> Tensor (or dict
@@ -146,16 +147,18 @@ class Client:
         if writes.outstanding:  # this client's puts of them, if still on their way
             for key in keys:
                 writes.settle(key)
-        items = self._transfer.read_many(keys)
+        items = self._transfer.reads.read_many(keys)
         missing = [key for key in keys if key not in items]
         if missing and timeout != 0.0:
             self.wait(missing, timeout=timeout)
         for key in missing:
-            item = self._transfer.read_directly(key)
+            item = self._transfer.reads.read_directly(key)
             if item is None:  # not listed: its descriptor is too big, or it went again
                 with contextlib.suppress(NotFound):
                     reply = self._call(Op.GET, key=key, timeout=0.0)
-                    item = self._transfer.move(key, self._transfer.read(reply), None, False)
+                    item = self._transfer.reads.move(
+                        key, self._transfer.reads.read(reply), None, False
+                    )
             if item is not None:
                 items[key] = item
         absent = [k for k in keys if k not in items]
@@ -206,7 +209,7 @@ class Client:
                 yield None
                 continue
             seen, deletes = reply["version"], True
-            yield self._transfer.read(reply)
+            yield self._transfer.reads.read(reply)
 
     def watch_prefix(self, prefix: str, timeout: float | None = None) -> Iterator[KeyEvent]:
         """Follow every put and delete of a key starting with `prefix` ("" for all), from
@@ -253,7 +256,7 @@ class Client:
         item put from now on, in order, zero copy. `for item in sub` until the queue is
         closed; `sub.close()` ends it (so does closing this client, or its process dying)."""
         q = self._open_queue(name, 0, broadcast=True)
-        local = self._transfer.directory is not None  # it maps the broker's segments
+        local = self._transfer.reads.directory is not None  # it maps the broker's segments
         conn = self._transfer.conn
         generation = conn.generation
         reply = self._call(Op.QSUB, queue=q._id, name=name, ring=local)
@@ -362,7 +365,7 @@ class Client:
         """A get that may wait in the broker; if given up, an answer that comes anyway is
         let go."""
         assert self._conn is not None
-        return self._conn.call(Op.GET, wait, late=self._transfer.let_go, **fields)
+        return self._conn.call(Op.GET, wait, late=self._transfer.reads.let_go, **fields)
 
     # -- closing ---------------------------------------------------------------------------
 

@@ -1,11 +1,9 @@
 """A client's connection to its broker: hello, the broker's pidfd, calls that carry the lease
-releases due, the fork check, and the release thread.
+releases due, the fork check, and reconnection. The leases it holds, and the release thread,
+are leases.py's.
 
 Threads may share a connection: each call borrows a socket (a `Channel`) from a small pool,
-so a `get` parked in the broker never blocks another thread's call. Lease releases are queued
-by finalisers (`releases`) and sent in batches: on the next call, or by the release thread
-when the client is idle (that thread also sends heartbeats to a broker that cannot watch this
-process, and runs `on_idle`).
+so a `get` parked in the broker never blocks another thread's call.
 
 When the broker exits, the connection waits (up to `reconnect_timeout`) for a broker at the
 same address, says hello again with the same session and the leases this process holds
@@ -22,7 +20,6 @@ import contextlib
 import itertools
 import logging
 import os
-import queue
 import secrets
 import select
 import threading
@@ -37,8 +34,10 @@ from ..common import host
 from ..common.config import check_address, default_address
 from ..common.curve import client_keys
 from ..common.errors import BrokerError, BrokerUnavailable
-from ..common.protocol import MAX_RELEASES, PROTOCOL_VERSION, Op
-from .transport import BrokerExited, Channel, ChannelPool, NoReply, waits
+from ..common.protocol import PROTOCOL_VERSION, Op
+from .cancel import cancel, given_up
+from .leases import Leases, ReleaseThread
+from .transport import BrokerExited, Channel, ChannelPool, waits
 
 if TYPE_CHECKING:
     from .handoff import Bell
@@ -48,7 +47,6 @@ log = logging.getLogger(__name__)
 REQUEST_TIMEOUT = 30.0  # for requests the broker answers at once
 RECONNECT_TIMEOUT = 30.0  # how long a client waits for a broker that exited to come back
 HELLO_STEP = 0.5  # each hello to a broker that may not be there yet waits this long
-CANCEL_WAIT = 2.0  # a call given up waits this long for the broker to confirm its cancel
 # Calls sent again to a broker that adopted the state of the one that died: reads, and
 # writes the broker recognises when they come twice (a seal by its put id, a queue get by
 # its request id, a grant's first copy aborted as the client did not claim it).
@@ -67,9 +65,6 @@ _KEYS_HINT = (
     "in only some clients (--curve-clients) also needs this client's key in "
     "$TENSORBROKER_CLIENT_KEY"
 )
-RELEASE_WINDOW = 0.005  # releases wait at most this long for a request to carry them ...
-RELEASE_IDLE_WINDOW = 0.1  # ... or this long, in a client that has been idle
-RETRY_IDLE = 1.0  # seconds between the release thread's looks for a broker that did not come back
 
 
 class Connection:
@@ -80,7 +75,7 @@ class Connection:
     pid = -1
     shared: dict[str, Any] = {}  # never mutated: replaced at each broker's first hello
     _broker_pidfd: int | None = None
-    _flusher: threading.Thread | None = None
+    _releaser: ReleaseThread | None = None
 
     def __init__(
         self,
@@ -93,10 +88,7 @@ class Connection:
         self.address = check_address(address or default_address())
         self.keys = keys = client_keys(self.address, server_key)
         self.pid = os.getpid()
-        self.releases: queue.SimpleQueue[int] = queue.SimpleQueue()
-        # Ring slots found idle, (queue id, version), for the broker (Note [broadcast ring]).
-        self.done: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
-        self.held: dict[int, int] = {}  # lease id -> object id, claimed again after a restart
+        self.leases = Leases()
         self._calls: set[int] = set()  # ids of the calls waiting for their answers
         self._failed: list[BrokerError] = []  # errors of puts that did not wait, to raise
         self.poll_writes: Callable[[bool, float | None], None] = lambda settle, wait: None
@@ -112,22 +104,15 @@ class Connection:
         self._pool = ChannelPool(self.address, keys)
         self.closed = False
         try:
-            self._pool.give_back(self._new_channel(timeout))
-            flusher_channel = self._new_channel(timeout)
+            self._pool.give_back(self.new_channel(timeout))
+            releaser_channel = self.new_channel(timeout)
         except BaseException:
             self.close()
             raise
-        # The thread holds the queue and its socket, not the Connection, so an unclosed
-        # Client can still be collected (and warn).
-        self._stop = threading.Event()
-        self._flusher = threading.Thread(
-            target=_flush_releases,
-            args=(weakref.ref(self), self.releases, self.held, self.done, self._stop,
-                  self._heartbeat, flusher_channel, self._pool, on_idle),
-            daemon=True,
-            name=f"tensorbroker-release-{self._session[:6]}",
+        self._releaser = ReleaseThread(
+            weakref.ref(self), self.leases, self._heartbeat, releaser_channel, self._pool,
+            on_idle, name=f"tensorbroker-release-{self._session[:6]}",
         )  # fmt: skip
-        self._flusher.start()
 
     def hello_message(self) -> dict[str, Any]:
         """The hello of one more socket of this session."""
@@ -142,13 +127,19 @@ class Connection:
         }
 
     @property
+    def held(self) -> dict[int, int]:
+        """The leases this process holds, lease id -> object id (`Leases.held`)."""
+        return self.leases.held
+
+    @property
     def broker_pidfd(self) -> int | None:
         """Readable once the broker this connection talks to has exited (None: unknown)."""
         return self._broker_pidfd
 
-    def _new_channel(self, timeout: float, resume: bool = False) -> Channel:
-        """A socket that has said hello; `resume`: the first to a broker that restarted, with
-        the leases this process holds."""
+    def new_channel(self, timeout: float = REQUEST_TIMEOUT, resume: bool = False) -> Channel:
+        """A socket that has said hello (now: `open_channel` waits for a reconnection under
+        way); `resume`: the first to a broker that restarted, with the leases this process
+        holds."""
         channel = self._pool.new()
         if self._broker_pidfd is not None and not resume:  # a broker that dies during the
             channel.watch_broker(self._broker_pidfd)  # hello: its answer is not coming
@@ -177,7 +168,7 @@ class Connection:
         if resume:
             self.resumed = bool(reply.get("resumed"))
             for lease in reply.get("lost", []) if self.resumed else list(self.held):
-                self.held.pop(lease, None)
+                self.leases.forget(lease)
         if self._broker_pidfd is None and reply.get("boot_id") == host.boot_id():
             self._broker_pidfd = host.open_pidfd(reply["pid"], reply.get("start_time"))
         if self._broker_pidfd is not None:
@@ -191,7 +182,7 @@ class Connection:
         """Send the releases and idle ring slots due now, without waiting for an answer (a
         subscriber about to sleep: the producer may be waiting for those slots). Lost if
         the broker has gone: one that comes back finds the slots idle itself."""
-        message = _release_message(self.releases, self.held, self.done)
+        message = self.leases.message()
         if message is None:
             return
         channel = self._pool.borrow()
@@ -230,10 +221,10 @@ class Connection:
 
         With `late`, a request that waits in the broker and is given up (interrupted: Ctrl-C,
         a signal handler's exception; or no reply in time) is cancelled there, and an answer
-        that came anyway is handed to `late` (`give_up`)."""
+        that came anyway is handed to `late` (cancel.py)."""
         self.check_usable(wait=wait)
         message = {"op": op, "id": next(self._ids), **fields}
-        releases = _drain(self.releases, self.held)
+        releases = self.leases.drain()
         if releases:
             message["rel"] = releases
         with self.in_flight(message["id"]):
@@ -274,7 +265,7 @@ class Connection:
                     channel = None
             except BaseException as exc:
                 if channel is not None and late is not None and given_up(exc):
-                    if not self.give_up(channel, message["id"], bell, late):
+                    if not cancel(channel, message["id"], self.next_id(), bell, late):
                         self._pool.discard(channel)
                         channel = None
                 raise
@@ -287,39 +278,6 @@ class Connection:
                 left = max(0.0, fields["timeout"] - (time.monotonic() - began))
                 message["timeout"], wait = waits(left)
 
-    def give_up(
-        self, channel: Channel, request_id: int, bell: Bell | None,
-        late: Callable[[dict[str, Any]], None],
-    ) -> bool:  # fmt: skip
-        """The caller stopped waiting for request `request_id` on `channel`: cancel it in
-        the broker, and hand the answer that came anyway (on the socket, or to the `bell`)
-        to `late`. Whether the channel is clean again (False: discard it, the broker did
-        not confirm the cancel in time)."""
-        cancel = self.next_id()
-        try:
-            channel.send({"op": Op.CANCEL, "id": cancel, "call": request_id})
-            answer: dict[str, Any] | None = None
-            deadline = time.monotonic() + CANCEL_WAIT
-            while time.monotonic() < deadline:
-                reply = channel.receive()
-                if reply is None:
-                    continue
-                if reply.get("id") == request_id:  # answered before the cancel came
-                    answer = reply
-                elif reply.get("id") == cancel:
-                    if not reply.get("cancelled") and answer is None and bell is not None:
-                        # A producer claimed its grant: the item is (or soon is) in the
-                        # mailbox, addressed to this request.
-                        answer = bell.settle(request_id, CANCEL_WAIT)
-                    if answer is not None and answer.get("ok"):
-                        late(answer)
-                    return True
-        except BaseException:  # interrupted again, or the broker exited: the socket goes
-            log.warning("a call given up (request %d) was not cancelled", request_id)
-            return False
-        log.warning("the broker did not confirm the cancel of request %d", request_id)
-        return False
-
     def _fresh_channel(self) -> Channel:
         """A new socket, once no reconnection is under way (its hello would come first).
         BrokerExited while no broker has come back since the last one exited: the caller
@@ -327,7 +285,7 @@ class Connection:
         with self._reconnecting:
             if self._broken:
                 raise BrokerExited(self._broken)
-        return self._new_channel(REQUEST_TIMEOUT)
+        return self.new_channel()
 
     def check_resent(self, op: str, fields: dict[str, Any]) -> None:
         """Raise BrokerUnavailable if `op` must not be sent again to the broker of now."""
@@ -375,7 +333,7 @@ class Connection:
             deadline = time.monotonic() + window
             while True:
                 try:
-                    channel = self._new_channel(HELLO_STEP, resume=True)
+                    channel = self.new_channel(HELLO_STEP, resume=True)
                     break
                 except BrokerUnavailable:
                     if time.monotonic() >= deadline or self.closed:
@@ -393,14 +351,6 @@ class Connection:
                 "the broker at %s is back; %s", self.address,
                 "this client's leases carried over" if self.resumed else "its state was lost",
             )  # fmt: skip
-
-    def hold(self, lease: int, oid: int) -> None:
-        """This process holds `lease` on object `oid` (claimed again if the broker restarts);
-        it ends when the lease id is released, or `forget`."""
-        self.held[lease] = oid
-
-    def forget(self, lease: int) -> None:
-        self.held.pop(lease, None)
 
     def check_usable(
         self,
@@ -439,9 +389,8 @@ class Connection:
 
     def stop_releasing(self) -> None:
         """Stop the release thread (the first step of closing)."""
-        if self._flusher is not None:
-            self._stop.set()
-            self._flusher.join(timeout=5.0)
+        if self._releaser is not None:
+            self._releaser.stop()
 
     def close(self) -> None:
         """Say bye (with the releases due), keeping the leases of arrays still alive until
@@ -453,12 +402,7 @@ class Connection:
         idle = self._pool.close()
         if idle and not self._broken:
             with contextlib.suppress(zmq.ZMQError):
-                releases: list[int] = []
-                while message := _release_message(self.releases, self.held, self.done):
-                    if len(message["rel"]) < MAX_RELEASES and "done" not in message:
-                        releases = message["rel"]  # the last go with the bye
-                        break
-                    idle[0].send(message)
+                releases = self.leases.send_all(idle[0])  # the last go with the bye
                 idle[0].send({"op": Op.BYE, "id": 0, "keep_leases": True, "rel": releases})
         for channel in idle:
             self._pool.discard(channel)
@@ -468,111 +412,3 @@ class Connection:
         for fd in self._old_pidfds:
             os.close(fd)
         self._old_pidfds.clear()
-
-
-def given_up(exc: BaseException) -> bool:
-    """Whether a call that raised `exc` was given up while it waited (its answer may still
-    come), not answered with an error or left by a broker that exited."""
-    return isinstance(exc, NoReply) or not isinstance(exc, BrokerError)
-
-
-def _drain(releases: queue.SimpleQueue[int], held: dict[int, int]) -> list[int]:
-    """The lease ids queued now (no longer held), as many as one message may carry: the rest
-    go with the next."""
-    out: list[int] = []
-    while not releases.empty() and len(out) < MAX_RELEASES:  # empty(): cheaper than Empty
-        try:
-            lease = releases.get_nowait()
-        except queue.Empty:  # another thread took the last one
-            break
-        held.pop(lease, None)
-        out.append(lease)
-    return out
-
-
-def _release_message(
-    releases: queue.SimpleQueue[int], held: dict[int, int], done: queue.SimpleQueue[tuple[int, int]]
-) -> dict[str, Any] | None:
-    """A one-way message with the releases and idle ring slots queued now; None if none."""
-    ids = _drain(releases, held)
-    slots: list[int] = []
-    while not done.empty() and len(slots) < MAX_RELEASES:
-        try:
-            slots.extend(done.get_nowait())
-        except queue.Empty:
-            break
-    if not ids and not slots:
-        return None
-    message: dict[str, Any] = {"op": Op.RELEASE, "id": 0, "rel": ids}
-    if slots:
-        message["done"] = slots
-    return message
-
-
-def _flush_releases(
-    connection: weakref.ref[Connection],
-    releases: queue.SimpleQueue[int],
-    held: dict[int, int],
-    done: queue.SimpleQueue[tuple[int, int]],
-    stop: threading.Event,
-    heartbeat: float | None,
-    channel: Channel,
-    pool: ChannelPool,
-    on_idle: Callable[[], None],
-) -> None:
-    """The release thread: send the releases no request carried within RELEASE_WINDOW, and
-    heartbeats if the broker asked for them.
-
-    It looks at the queue on a timer and never blocks on it: a thread blocked in
-    `SimpleQueue.get` is woken by every put and then fights the caller for the GIL, which
-    cost a busy client about 35 us per get.
-    """
-    delay, last_sent = RELEASE_WINDOW, time.monotonic()
-    generation, exited, gave_up = 0, False, False
-    try:
-        while not stop.wait(delay):
-            conn = connection()
-            if conn is None:
-                break
-            if exited or conn.broker_exited() or conn.generation != generation:
-                try:  # come back now, not at the next call: the new broker waits for us
-                    conn.reconnect(generation, window=0 if gave_up else None)
-                    generation = conn.generation
-                    fresh = conn._new_channel(REQUEST_TIMEOUT)
-                except BrokerExited:  # gone again: the next turn waits for the next one
-                    exited = True
-                    del conn
-                    continue
-                except BrokerUnavailable:  # none came back: look again now and then
-                    exited, gave_up, delay = True, True, RETRY_IDLE
-                    del conn
-                    continue
-                except BrokerError as exc:
-                    log.warning("the release thread stopped: %s", exc)
-                    break
-                gave_up = False
-                pool.discard(channel)
-                channel, exited = fresh, False
-            del conn
-            try:
-                on_idle()  # device leases: record their read-done events, then release them
-            except Exception as exc:
-                log.warning("settling device leases failed: %s", exc)
-            message, now = _release_message(releases, held, done), time.monotonic()
-            try:
-                if message is not None:  # (held no more: a broker that comes back drops them)
-                    channel.send(message)
-                    delay, last_sent = RELEASE_WINDOW, now
-                else:
-                    delay = min(2 * delay, RELEASE_IDLE_WINDOW)
-                    if heartbeat is not None and now - last_sent >= heartbeat:
-                        channel.send({"op": Op.HEARTBEAT, "id": 0})
-                        last_sent = now
-            except BrokerExited:  # the next turn comes back to the broker that replaces it
-                exited = True
-            if heartbeat is not None:
-                delay = min(delay, heartbeat)
-    except zmq.ZMQError as exc:
-        log.warning("the release thread stopped: %s", exc)
-    finally:
-        pool.discard(channel)

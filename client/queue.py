@@ -2,7 +2,7 @@
 
 Many producers and many consumers; each item goes to exactly one consumer, in FIFO order.
 Items are objects in the broker's shared memory like any other: one copy in, zero copies
-out. `maxsize` bounds the items in flight (see Note [queue slots] in server/queues.py): a
+out. `maxsize` bounds the items in flight (see Note [queue slots] in server/slots.py): a
 `put` waits in the broker, not in a polling loop, until a consumer lets go of an item.
 """
 
@@ -101,7 +101,7 @@ class Queue:
         `timeout` seconds for one (None: as long as it takes; 0: Timeout at once if empty).
         QueueClosed once the queue is closed and drained."""
         timeout, wait = waits(timeout)
-        return self._transfer.queue_get(timeout, wait, queue=self._id, name=self.name)
+        return self._transfer.reads.queue_get(timeout, wait, queue=self._id, name=self.name)
 
     def close(self) -> None:
         """End the stream: no more puts (waiting ones raise QueueClosed); consumers get what
@@ -164,7 +164,7 @@ class Subscription:
         return self._ask(timeout, wait)
 
     def _ask(self, timeout: float | None, wait: float | None) -> Item:
-        return self._transfer.queue_get(
+        return self._transfer.reads.queue_get(
             timeout, wait, queue=self._id, name=self.name, sub=self._sub
         )  # fmt: skip
 
@@ -181,7 +181,7 @@ class Subscription:
         try:
             if self._asking:  # an item asked for whose get was given up: it comes first
                 return self._asked()
-            if not conn.done.empty():  # slots let go since: a producer may wait for them
+            if not conn.leases.done.empty():  # slots let go since: a producer may wait for them
                 conn.send_due()
             while True:
                 if self._ended:
@@ -203,7 +203,7 @@ class Subscription:
             if not flags & ASK:
                 return ring.item(transfer, version, index, oid, base, tail)
             if idle:
-                conn.done.put((self._id, version))
+                conn.leases.done.put((self._id, version))
             self._asking = True
             return self._asked()
         finally:
@@ -248,7 +248,7 @@ class Subscription:
     def close(self) -> None:
         """End the subscription: the items waiting for it are no longer kept for it."""
         self._ended = True
-        self._transfer.forget_kept((self._id, self._sub))
+        self._transfer.reads.forget_kept((self._id, self._sub))
         self._transfer.conn.call(Op.QUNSUB, queue=self._id, name=self.name, sub=self._sub)
 
     def __iter__(self) -> Iterator[Item]:

@@ -19,7 +19,8 @@ from ..common.ring import R_END, R_MEMBERS, R_WHY, REMOVED
 from .tensor import Lease, Tensor
 
 if TYPE_CHECKING:
-    from .transfer import Item, Transfer
+    from .reads import Item
+    from .transfer import Transfer
 
 TAILS = 64  # slot tails a ring keeps unpacked
 
@@ -93,9 +94,9 @@ class RingView:
             descs = [TensorDesc.from_wire(w) for w in reply["tensors"]]
             mapping = transfer.segments.get(descs[0].segment)
         except BaseException:
-            self.let_go(index, version, transfer.conn.done)
+            self.let_go(index, version, transfer.conn.leases.done)
             raise
-        lease = RingLease(mapping, self, index, version, transfer.conn.done)
+        lease = RingLease(mapping, self, index, version, transfer.conn.leases.done)
         if not reply["bundle"]:
             return Tensor(reply["key"], version, descs[0], lease)
         return {t.name: Tensor(reply["key"], version, t, lease) for t in descs}

@@ -1,5 +1,5 @@
-"""A client's seals, in order over one socket, and what puts take ahead: blocks of memory
-granted ahead and slots of bounded queues credited ahead.
+"""A client's seals, in order over one socket. What its puts take ahead (grants and credits),
+which the replies to these seals refill, is ahead.py's.
 
 Note [writes]
 
@@ -8,8 +8,8 @@ asked for its block) goes out over one socket, under one lock, so the broker app
 client's puts in the order it made them, whichever thread made them. A put that waits reads
 replies until its own comes; one that does not (`wait=False`) returns once its seal is sent.
 The replies of those are read whenever the socket is next used (a put, `flush`, or a read
-of a key whose seal is still out): they refill the grants and credits, and an error in one
-is kept and raised, with its key, by the client's next call (`Connection.fail_later`).
+of a key whose seal is still out): they refill the grants and credits (ahead.py), and an error
+in one is kept and raised, with its key, by the client's next call (`Connection.fail_later`).
 A get, exists or delete of a key first waits for this client's seal of that key still out
 (read your writes); other keys do not wait. A queue item handed straight to a consumer
 (Note [direct handoff] in common/mailbox.py) is that consumer's once its mailbox is filled,
@@ -20,7 +20,7 @@ producer yields its CPU before it sends the seal: on the 2-core VM the woken con
 ran on the producer's CPU, after it (a traced 4 KiB handoff: the consumer held the item 79 us
 into the put without the yield, 70 us with it). If the broker restarts, the seals still out
 are sent again, in order, to the one that comes back (it answers a seal it has applied
-already by its put id); the grants and credits held are let go.
+already by its put id); the grants and credits held are let go (`Ahead.let_go`).
 """
 
 from __future__ import annotations
@@ -31,25 +31,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
-from ..common.descriptors import grant_class
 from ..common.errors import BrokerError, BrokerUnavailable, error_from_wire
 from ..common.protocol import Op
+from .ahead import Ahead
 from .connection import REQUEST_TIMEOUT, Connection
 from .transport import BrokerExited, Channel
-
-NO_GRANTS_BACKOFF = 1.0  # seconds a size class is not asked for again after a refusal
-
-
-class Grant(NamedTuple):
-    """A block granted ahead: its put id (a lease of this client's), object id and place."""
-
-    put: int
-    oid: int
-    segment: str
-    offset: int
-    size: int
 
 
 @dataclass(slots=True)
@@ -64,6 +52,9 @@ class _Out:
 
 
 class Writes:
+    """This client's seals over one socket (Note [writes]): the socket, the seals still out and
+    the replies waited for; and what puts take ahead (`ahead`), which their replies refill."""
+
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self._lock = threading.Lock()  # the socket, and the tables below
@@ -74,11 +65,8 @@ class Writes:
         self._owed: set[int] = set()  # seals of items handed over, returned before answered
         self.last = 0  # the request id of the last seal sent
         self._answers: dict[int, dict[str, Any]] = {}  # replies waited for, not yet taken
-        self.grants: dict[int, list[Grant]] = {}  # size class -> blocks granted ahead
-        self._refused: dict[int, float] = {}  # size class -> when grants were last refused
-        self.credits: dict[int, int] = {}  # queue id -> slots credited ahead
         self._stale = False  # a reply said the broker does not know this client
-        self._unbounded: set[int] = set()  # queues that need no credits
+        self.ahead = Ahead(conn, self)  # what the replies refill
         conn.poll_writes = self.poll
 
     # -- sending ---------------------------------------------------------------------------
@@ -204,6 +192,20 @@ class Writes:
         """Seals sent and not answered yet."""
         return len(self._out)
 
+    @property
+    def current(self) -> bool:
+        """Whether the socket is (still) the one to the broker of now."""
+        return self._generation == self.conn.generation
+
+    def catch_up(self) -> None:
+        """Read the top-ups already there, and wait for the replies still out."""
+        with self._lock:
+            if self._channel is not None and self.current:
+                self._take_ready(self._channel)
+            last = next(reversed(self._out), None)
+        if last is not None:
+            self._wait(last, take=False)
+
     def _wait(
         self, rid: int, take: bool = True, deadline: float | None = None
     ) -> dict[str, Any] | None:
@@ -241,7 +243,7 @@ class Writes:
         out = self._out.get(rid) if isinstance(rid, int) else None
         if out is None:
             if rid == 0 and reply.get("ok"):  # grants topped up after a write's reply
-                self.add_grants(reply.get("grants", ()))
+                self.ahead.add_grants(reply.get("grants", ()))
             return
         if not reply.get("ok") and reply.get("code") == "hello_first":
             self._stale = True  # a broker that restarted: sent again once it knows us
@@ -252,14 +254,8 @@ class Writes:
         if out.key is not None and self._keys.get(out.key) == rid:
             del self._keys[out.key]
         if out.put is not None:  # the put lease ends with the answer, whatever it is
-            self.conn.forget(out.put)
-        self.add_grants(reply.get("grants", ()))
-        credits = reply.get("credits")
-        queue = out.message.get("queue")
-        if credits and queue is not None:
-            self.credits[queue] = self.credits.get(queue, 0) + credits
-        if reply.get("maxsize") and queue is not None:  # bounded since it was found not to be
-            self._unbounded.discard(queue)
+            self.conn.leases.forget(out.put)
+        self.ahead.refill(reply, out.message.get("queue"))
         if out.wait:
             self._answers[rid] = reply  # type: ignore[index]
         elif not reply.get("ok"):
@@ -273,12 +269,12 @@ class Writes:
         """The socket to the broker of now; after a restart, a new one, on which the seals
         still out go again, in order. Called with the lock held."""
         channel = self._channel
-        if channel is not None and self._generation == self.conn.generation:
+        if channel is not None and self.current:
             return channel
         if channel is not None:
             self._channel = None
             self.conn.discard_channel(channel)
-            self._lost_ahead()
+            self.ahead.let_go()  # the old broker's
         channel = self._channel = self.conn.open_channel()
         self._generation = self.conn.generation  # after: a hello waits for a reconnection
         self._stale = False
@@ -287,6 +283,16 @@ class Writes:
         for out in self._out.values():
             channel.send(out.message)
         return channel
+
+    def renew(self) -> bool:
+        """Come to the broker of now, if it is not the socket's (`_ready`); False if that one
+        has exited too."""
+        with self._lock:
+            try:
+                self._ready()
+            except BrokerExited:
+                return False
+        return True
 
     def _read_to_end(self, channel: Channel) -> None:
         """Read every message the broker sent so far (the top-ups of grants come after the
@@ -330,113 +336,16 @@ class Writes:
         self._owed.clear()
         self._keys.clear()
 
-    def _lost_ahead(self) -> None:
-        """Grants and credits are the old broker's: let the grants go, forget the credits."""
-        for stock in self.grants.values():
-            for grant in stock:
-                self.conn.releases.put(grant.put)
-        self.grants.clear()
-        self.credits.clear()
-        self._unbounded.clear()
-
-    # -- grants and credits ----------------------------------------------------------------
-
-    def add_grants(self, grants: Any) -> None:
-        for put, oid, segment, offset, size in grants:
-            self.conn.hold(put, oid)
-            self.grants.setdefault(size, []).append(Grant(put, oid, segment, offset, size))
-
-    def take_grant(self, size: int) -> Grant | None:
-        """A block granted ahead that holds `size` bytes, asking the broker for some if none
-        is left; None if the size has none (too big, or the broker has none to spare)."""
-        size_class = grant_class(size)
-        if size_class is None:
-            return None
-        if self.conn.generation != self._generation:
-            with self._lock:
-                try:
-                    self._ready()
-                except BrokerExited:  # gone again: the put asks, and waits for it to be back
-                    return None
-        stock = self.grants.get(size_class)
-        if not stock:  # the top-ups on their way, and the replies still out, bring some
-            self._refill()
-            stock = self.grants.get(size_class)
-        if not stock:
-            if time.monotonic() - self._refused.get(size_class, -1e9) < NO_GRANTS_BACKOFF:
-                return None
-            self.add_grants(self.conn.call(Op.GRANT, size=size)["grants"])
-            stock = self.grants.get(size_class)
-            if not stock:
-                self._refused[size_class] = time.monotonic()
-                return None
-        try:
-            return stock.pop()
-        except IndexError:  # another thread took the last one
-            return self.take_grant(size)
-
-    def _refill(self) -> None:
-        """Read the top-ups already there, and wait for the replies still out."""
-        with self._lock:
-            if self._channel is not None and self._generation == self.conn.generation:
-                self._take_ready(self._channel)
-            last = next(reversed(self._out), None)
-        if last is not None:
-            self._wait(last, take=False)
-
-    def give_back(self, grant: Grant) -> None:
-        """A grant taken and not written (the copy failed): kept for the next put."""
-        if self.conn.generation == self._generation:
-            self.grants.setdefault(grant.size, []).append(grant)
-        else:
-            self.conn.releases.put(grant.put)
-
-    def take_credit(self, queue: int, timeout: float | None, wait: float | None) -> bool:
-        """A slot of a bounded queue, credited ahead or waited for (up to `timeout`, as a
-        put waits). False if the queue needs none (unbounded)."""
-        if self.must_ask_credit(queue):
-            reply = self.conn.call(Op.QCREDIT, wait, queue=queue, timeout=timeout)
-            self.add_credits(queue, reply["credits"])
-        if queue in self._unbounded:
-            return False
-        self.credits[queue] -= 1
-        return True
-
-    def must_ask_credit(self, queue: int) -> bool:
-        """Whether a put to `queue` must ask the broker for a slot (Op.QCREDIT) first: a
-        bounded queue (or one not known yet) with no credit left, once the replies still
-        out are read (they may hold credits: asking then could wait for them forever)."""
-        if queue in self._unbounded:
-            return False
-        if self.credits.get(queue, 0) <= 0 and self._out:
-            self._refill()
-        return self.credits.get(queue, 0) <= 0
-
-    def add_credits(self, queue: int, credits: int) -> None:
-        """The answer to a QCREDIT: 0 says the queue is unbounded (it needs none)."""
-        if not credits:
-            self._unbounded.add(queue)
-        else:
-            self.credits[queue] = self.credits.get(queue, 0) + credits
-
-    def return_credit(self, queue: int) -> None:
-        if self.conn.generation == self._generation:
-            self.credits[queue] = self.credits.get(queue, 0) + 1
-
     # -- closing ---------------------------------------------------------------------------
 
     def close(self) -> None:
         """Let go of the grants (the caller flushed first) and close the socket."""
         with self._lock:
             channel = self._channel
-            if channel is not None and self._generation == self.conn.generation:
+            if channel is not None and self.current:
                 with contextlib.suppress(BrokerError):
                     self._read_to_end(channel)
-            for stock in self.grants.values():
-                for grant in stock:
-                    self.conn.releases.put(grant.put)
-            self.grants.clear()
-            self.credits.clear()
+            self.ahead.let_go()
             if self._channel is not None:
                 self.conn.discard_channel(self._channel)
                 self._channel = None

@@ -19,7 +19,7 @@ a directory that fills up is replaced by a new one, written whole, then announce
 old one's header (`successor`, then `moved` = 1 with release); readers look at `moved` on
 every get and switch.
 
-A get without the broker (client/transfer.py, Transfer.read_directly):
+A get without the broker (client/reads.py, Reads.read_directly):
     1. look the key up: (entry, oid, version, descriptor); absent or torn: ask the broker
     2. publish oid in a free slot of its own region, then a full fence   (slot_publish)
     3. read the entry again: still live with that oid? else clear the slot, go to 1

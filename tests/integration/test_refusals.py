@@ -96,5 +96,5 @@ def test_a_client_that_goes_on_after_refusals_holds_only_its_stock_of_grants(
                 c.put("", SMALL)
         stats = c.stats()
         assert stats["used_bytes"] == 0 and stats["leases"] == 0, stats
-        stock = sum(len(blocks) for blocks in c._transfer.writes.grants.values())
+        stock = sum(len(blocks) for blocks in c._transfer.writes.ahead.grants.values())
         assert stats["granted_bytes"] == stock * 4096, (stats["granted_bytes"], stock)

@@ -1,4 +1,4 @@
-"""Small puts in one trip (Note [grants] in server/registry.py) and puts that do not wait
+"""Small puts in one trip (Note [grants] in server/grants.py) and puts that do not wait
 (Note [writes] in client/writes.py): read your writes, errors raised later with their key,
 a writer killed with grants and seals on their way, and queues with credits."""
 
@@ -123,7 +123,7 @@ def test_an_earlier_error_raised_by_a_put_costs_that_put_nothing(
             c.put("next", np.ones(16))
         time.sleep(0.2)  # the grants topped up since have come
         assert not c.exists("next")  # (and are read)
-        stock = sum(len(blocks) for blocks in c._transfer.writes.grants.values())
+        stock = sum(len(blocks) for blocks in c._transfer.writes.ahead.grants.values())
         assert c.stats()["granted_bytes"] == stock * 4096
         c.put("next", np.ones(16))  # and the one after goes through
         assert c.get("next").numpy().tolist() == [1.0] * 16

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tensorbroker.client.transfer import LeaseSlots
+from tensorbroker.client.reads import LeaseSlots
 from tensorbroker.common import _shm
 from tensorbroker.common.directory import (
     ENTRY_SIZE,
