@@ -20,11 +20,19 @@ $(STAMP): pyproject.toml setup.py client/_dlpack.c common/_shm.c
 demo: $(STAMP)
 	$(PY) demo/pipeline.py
 
+# The suite runs on $(WORKERS) xdist workers, a file's tests on one worker (each worker's
+# brokers, sockets and segments in a folder of its own: tests/conftest.py); then the tests
+# marked `alone`, by themselves (see the marker in pyproject.toml).
+WORKERS ?= 3
+PARALLEL := -n $(WORKERS) --dist loadfile
+
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q $(PARALLEL) -m "not slow and not alone"
+	$(PY) -m pytest -q -m "alone and not slow"
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PARALLEL) -m "not alone"
+	$(PY) -m pytest -q -m alone
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -8,7 +8,7 @@ import multiprocessing.util
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import pytest
 from support import run_segments
@@ -27,17 +27,76 @@ if "JAX_PLATFORMS" not in os.environ:
 # asks tempfile where: in this process and in every one it starts. The check after the suite
 # counts only the segments of the states kept there (support.run_segments), so two runs at
 # once on one machine do not count each other's.
+#
+# Under pytest-xdist (`make test` runs `-n`), each worker is a process of its own that
+# imports this file itself: it inherits the controller's TMPDIR, so its RUN_DIR is a folder of
+# its own inside the controller's (tb-run-…/gw0), and its tmp_path goes there too
+# (pytest_configure). Its brokers, sockets, state dirs and segments are its own, and the check
+# after its tests counts those alone: never those of a worker still running. The folder's name
+# is short: the addresses of the brokers in it must stay short enough for `tensorbroker top`'s
+# header to keep its "q: quit" in 120 columns (test_top.py).
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", ...; "" in a run without xdist
+PARENT_DIR = os.path.realpath(tempfile.gettempdir())  # a worker's: the controller's RUN_DIR
+
+
+def _make_run_dir() -> str:
+    if not WORKER:
+        return tempfile.mkdtemp(prefix="tb-run-")
+    try:
+        path = os.path.join(PARENT_DIR, WORKER)
+        os.mkdir(path, 0o700)
+        return path
+    except FileExistsError:  # not expected: xdist names a worker started again anew
+        return tempfile.mkdtemp(prefix=f"{WORKER}-")
+
+
 multiprocessing.util.get_temp_dir()  # its own, first: it removes that at exit, after RUN_DIR
-RUN_DIR = tempfile.mkdtemp(prefix="tb-run-")
+RUN_DIR = _make_run_dir()
 os.environ["TMPDIR"] = os.environ["XDG_RUNTIME_DIR"] = tempfile.tempdir = RUN_DIR
 
 
 @atexit.register
 def _remove_run_dir(pid: int = os.getpid()) -> None:
     """Also where the suite never ran (--collect-only, a collection error); not in a child
-    forked from this process."""
+    forked from this process. An xdist controller's also takes whatever its workers left."""
     if os.getpid() == pid:
         shutil.rmtree(RUN_DIR, ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """An xdist worker's tmp_path in its own RUN_DIR (xdist gives it a folder in the
+    controller's basetemp, where the worker's check would not count the states kept there);
+    a --basetemp given by hand stays as given. Before the tmpdir plugin reads it."""
+    given = config.option.basetemp
+    if hasattr(config, "workerinput") and given:
+        if os.path.realpath(given).startswith(os.path.join(PARENT_DIR, "")):
+            config.option.basetemp = os.path.join(RUN_DIR, "tmp")
+
+
+def _is_xdist_controller(config: pytest.Config) -> bool:
+    """This process hands the tests to xdist workers and runs none itself."""
+    return config.pluginmanager.has_plugin("dsession")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_sessionfinish(session: pytest.Session) -> Generator[None, object, object]:
+    """An xdist controller's check, once its workers are done (each checked its own): no
+    segment of a state kept in any worker's folder is left, also of a worker that crashed."""
+    result = yield
+    if _is_xdist_controller(session.config):
+        left = run_segments(RUN_DIR)
+        if left:
+            reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+            if reporter is not None:
+                reporter.write_line("")  # after the progress line
+                reporter.write_line(
+                    f"the test suite left shared-memory segments behind: {sorted(left)} "
+                    "(`tensorbroker gc` removes them)",
+                    red=True,
+                )
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    return result
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -184,6 +184,9 @@ def test_items_put_while_a_consumer_waits_go_to_it_directly(c: tb.Client) -> Non
     assert wait_until(lambda: settled(c), 5)
 
 
+# Under CPU contention (the parallel suite on 2 cores) its producers have hung here for the
+# whole 120 s, in 4 of 6 runs, on the code before issue 32 too: a bug left open (issue 32's note).
+@pytest.mark.alone
 def test_two_producers_and_three_consumers_each_item_once_in_order(c: tb.Client) -> None:
     q = c.queue("mixed", maxsize=4)
     results = SPAWN.Queue()
