@@ -21,18 +21,15 @@ demo: $(STAMP)
 	$(PY) demo/pipeline.py
 
 # The suite runs on $(WORKERS) xdist workers, a file's tests on one worker (each worker's
-# brokers, sockets and segments in a folder of its own: tests/conftest.py); then the tests
-# marked `alone`, by themselves (see the marker in pyproject.toml).
+# brokers, sockets and segments in a folder of its own: tests/conftest.py).
 WORKERS ?= 3
 PARALLEL := -n $(WORKERS) --dist loadfile
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(PARALLEL) -m "not slow and not alone"
-	$(PY) -m pytest -q -m "alone and not slow"
+	$(PY) -m pytest -q $(PARALLEL) -m "not slow"
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q $(PARALLEL) -m "not alone"
-	$(PY) -m pytest -q -m alone
+	$(PY) -m pytest -q $(PARALLEL)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -51,14 +51,15 @@ class DirectItems:
             else:
                 q = self.table.find(req)
                 q.check_open()
-            credited = self.slots.use_credit(session, q)
+            counted = direct is not None and direct.counted  # a claim counts its item already
+            credited = self.slots.use_credit(session, q, counted)
             obj = self.registry.fill(
                 session, put_id, q.name, f["tensors"], f.get("bundle", False), queue=q
             )
         except BrokerError:
             self.objects.drop_grant(session, put_id)
             raise
-        if direct is None or not direct.counted:  # a claim counts its item already
+        if not counted:
             q.in_flight += 1
             q.pending += 1
         q.producer = session

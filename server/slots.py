@@ -22,7 +22,9 @@ Credits are slots granted ahead to a producer (`credit`, and the reply of each `
 that its next puts need not ask: a credited slot counts as in flight (`full`), and at most
 half of a queue's slots are credited ahead at a time (`credit_room`), so a producer that
 holds credits and goes quiet can never starve the others. An unbounded queue needs none.
-A producer that closes or dies gives its credits back.
+A producer that closes or dies gives its credits back. An item handed straight to a consumer
+(Note [direct handoff]) counts in flight from its claim, before its seal spends the credit
+it was put on: the slot that credit held opens then, to a producer waiting for one.
 """
 
 from __future__ import annotations
@@ -64,12 +66,16 @@ class QueueSlots:
         self._wait_for_slot(session, route, req, q)
         return None
 
-    def use_credit(self, session: Session, q: BrokerQueue) -> bool:
-        """Spend one of the producer's credits; False if it had none."""
+    def use_credit(self, session: Session, q: BrokerQueue, counted: bool = False) -> bool:
+        """Spend one of the producer's credits on an item; False if it had none. `counted`:
+        the item's claim counted it in flight already (a direct item), so the slot its credit
+        held opens, to a producer waiting for one."""
         have = session.credits.get(q.id, 0)
         if have:
             session.credits[q.id] = have - 1
             q.credited -= 1
+            if counted:
+                self._roomy.add(q)
             return True
         if q.maxsize:
             # Its credits were lost with a broker that died, or the queue was bounded after

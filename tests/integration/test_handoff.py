@@ -184,9 +184,6 @@ def test_items_put_while_a_consumer_waits_go_to_it_directly(c: tb.Client) -> Non
     assert wait_until(lambda: settled(c), 5)
 
 
-# Under CPU contention (the parallel suite on 2 cores) its producers have hung here for the
-# whole 120 s, in 4 of 6 runs, on the code before issue 32 too: a bug left open (issue 32's note).
-@pytest.mark.alone
 def test_two_producers_and_three_consumers_each_item_once_in_order(c: tb.Client) -> None:
     q = c.queue("mixed", maxsize=4)
     results = SPAWN.Queue()
@@ -208,6 +205,48 @@ def test_two_producers_and_three_consumers_each_item_once_in_order(c: tb.Client)
             mine = [x for x in part if x // 1000 == tag]
             assert mine == sorted(mine)
     assert c.stats()["direct_handoffs"] > 0, "no item was handed over directly"
+    assert wait_until(lambda: settled(c), 5)
+
+
+def test_a_direct_items_credit_opens_its_slot_to_a_waiting_producer(
+    c: tb.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim counts its item in flight before its seal spends the producer's credit for it:
+    the slot that credit held must then go to a producer waiting for one. (Three consumers
+    each parked holding their last item, and two producers, once waited forever so.)"""
+    from tensorbroker.client import transfer
+
+    handed, go = threading.Event(), threading.Event()
+
+    def hand_over_and_pause(*args: Any) -> Any:
+        done = real(*args)
+        if done is not None:  # handed over: its seal waits, the broker learns of the claim first
+            handed.set()
+            go.wait(10)
+        return done
+
+    real = transfer.hand_over
+    monkeypatch.setattr(transfer, "hand_over", hand_over_and_pause)
+    c.queue("four", maxsize=4)
+    with tb.connect(c.address) as a, tb.connect(c.address) as b, tb.connect(c.address) as cc:
+        a.queue("four").put(np.full(4, 10), wait=True)  # a0; a is the queue's last producer
+        first = cc.queue("four").get(timeout=5)  # held to the end: a slot
+        taking, took = in_thread(lambda: cc.queue("four").get(timeout=10))
+        assert wait_until(lambda: offered(c), 5)
+        putting, _ = in_thread(lambda: a.queue("four").put(np.full(4, 11)))  # a1, handed over
+        assert handed.wait(5)
+        taking.join(10)
+        assert int(took[0].numpy()[0]) == 11  # from its mailbox; the broker has not seen a1
+        b.queue("four").put(np.full(4, 20))  # b0 takes the grant back: a1's claim counts it
+        blocked, out = in_thread(lambda: b.queue("four").put(np.full(4, 21), timeout=10))
+        assert wait_until(lambda: c.stats()["waiters"] == 1, 5)  # full: 3 items and a's credit
+        go.set()  # a1's seal spends a's credit: 3 of 4 slots are in flight now
+        putting.join(10)
+        blocked.join(5)
+        assert out == [4], "the producer waiting for the slot a1's credit held never got it"
+        got = [int(cc.queue("four").get(timeout=5).numpy()[0]) for _ in range(2)]
+        assert got == [20, 21]
+        del first, took
     assert wait_until(lambda: settled(c), 5)
 
 
