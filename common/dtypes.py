@@ -10,8 +10,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from .errors import InvalidRequest
 
 # DLDataTypeCode
@@ -69,6 +67,8 @@ def dtype(spec: Any) -> DType:
     if isinstance(spec, str):
         name = spec
     else:
+        import numpy as np  # here: the broker names dtypes by string and never loads NumPy
+
         try:
             name = np.dtype(spec).name  # NumPy and ml_dtypes dtypes and scalar types, JAX's
         except TypeError:

@@ -16,10 +16,9 @@ import socket
 import threading
 from collections.abc import Callable, Container
 from types import FrameType
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
 
 from ..common import curve
 from ..common.config import ipc_path, lane_path
@@ -29,6 +28,9 @@ from . import backlog
 from .lanes import Lanes
 from .records import Peer
 from .sockets import AddressInUse, frame_peer, raise_fd_limit, share_sockets
+
+if TYPE_CHECKING:
+    from zmq.auth.thread import ThreadAuthenticator
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +88,8 @@ class Endpoint:
         if self._keys is not None:
             self._keys.apply(router)
             if self._keys.clients is not None:  # ZeroMQ asks this thread about each client
+                from zmq.auth.thread import ThreadAuthenticator  # (asyncio: only here)
+
                 self._authenticator = ThreadAuthenticator(self._ctx, log=log)
                 self._authenticator.start()
                 self._authenticator.configure_curve(domain="*", location=self._keys.clients)

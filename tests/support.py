@@ -34,6 +34,12 @@ def join_all(procs: list[Any], timeout: float = 120) -> None:
     assert all(code == 0 for code in codes.values()), f"child exit codes: {codes}"
 
 
+def crash(broker: Any) -> None:
+    """SIGKILL a broker (a tb.BrokerProcess) and wait for it to be gone."""
+    broker.send_signal(signal.SIGKILL)
+    broker.wait(10)
+
+
 def wait_until(cond: Callable[[], bool], timeout: float, interval: float = 0.01) -> bool:
     """Poll `cond` until it is true or `timeout` seconds pass; its last value."""
     deadline = time.monotonic() + timeout

@@ -7,7 +7,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 import tensorbroker as tb
 from tensorbroker.client import _dlpack
@@ -53,6 +52,7 @@ def test_a_size_zero_tensor_has_a_null_data_pointer(
 ) -> None:
     """ "For a tensor with size 0, data should be NULL"; NumPy, torch and JAX take it."""
     import jax.numpy as jnp
+    import torch
 
     client.put("empty", np.zeros(shape, dtype=np.float32))
     t = client.get("empty")

@@ -9,7 +9,6 @@ import time
 
 import numpy as np
 import pytest
-import torch
 import workers
 from support import SPAWN, GaveUp, interrupt_after, seconds_until, wait_until
 
@@ -74,6 +73,8 @@ def test_a_get_given_up_as_it_is_answered_holds_nothing(fresh_broker: tb.BrokerP
 def test_readers_sigkilled_give_their_leases_back_within_a_second(
     fresh_broker: tb.BrokerProcess,
 ) -> None:
+    import torch
+
     with tb.connect(fresh_broker.address) as c:
         c.put("held", torch.ones(2 * MiB))
         holding = SPAWN.Queue()

@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 import tensorbroker as tb
 
@@ -62,6 +61,7 @@ def test_a_reader_maps_a_segment_without_faulting_it_all_in(broker: tb.BrokerPro
 
 def test_put_accepts_every_kind_of_source(client: tb.Client) -> None:
     import jax.numpy as jnp
+    import torch
 
     base = np.arange(6, dtype=np.int32)
     sources: dict[str, Any] = {
@@ -89,6 +89,8 @@ def test_put_accepts_every_kind_of_source(client: tb.Client) -> None:
 
 
 def test_bundle_is_published_whole(client: tb.Client) -> None:
+    import torch
+
     model = torch.nn.Linear(4, 3)
     state = model.state_dict()
     client.put("weights", state)

@@ -4,14 +4,11 @@ come back to it with their sessions and leases (Note [recovery] in server/state.
 from __future__ import annotations
 
 import os
-import random
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,34 +23,11 @@ from tensorbroker.common.protocol import decode, encode
 from tensorbroker.server.journal import read_journal
 from tensorbroker.server.state import discard
 from tests.integration import chaos
-from tests.support import SPAWN, join_all, run_segments, wait_until
+from tests.support import SPAWN, crash, join_all, run_segments, wait_until
 
 pytestmark = pytest.mark.usefixtures("transport")  # lanes and ZeroMQ both
 
 MiB = 2**20
-
-
-def _crash(broker: tb.BrokerProcess) -> None:
-    broker.send_signal(signal.SIGKILL)
-    broker.wait(10)
-
-
-def _kill_and_restart(broker: tb.BrokerProcess, times: int, rng: random.Random) -> None:
-    """SIGKILL the broker and restart it, `times` times at random moments."""
-    for _ in range(times):
-        time.sleep(rng.uniform(0.05, 0.4))
-        _crash(broker)
-        broker.restart()
-    time.sleep(0.5)
-
-
-def _reports(out: Any, count: int) -> dict[Any, dict[str, Any]]:
-    """The next `count` reports of chaos workers, by worker."""
-    reports = {}
-    for _ in range(count):
-        r = out.get(timeout=120)
-        reports[r["worker"]] = r
-    return reports
 
 
 def _serve(*args: str) -> subprocess.CompletedProcess[str]:
@@ -81,7 +55,7 @@ def test_objects_queues_and_versions_survive_a_kill(crashable: tb.BrokerProcess)
         for i in range(3):
             q.put(np.full(10, i))
         assert q.get().numpy().tolist() == [0] * 10
-        _crash(crashable)
+        crash(crashable)
         crashable.restart()
 
         x = c.get("x")
@@ -111,7 +85,7 @@ def test_a_parked_get_resumes_on_the_new_broker(crashable: tb.BrokerProcess) -> 
         waiter = threading.Thread(target=wait)
         waiter.start()
         time.sleep(0.2)
-        _crash(crashable)
+        crash(crashable)
         crashable.restart()
         writer.put("late", np.full(4, 9))
         waiter.join(30)
@@ -131,7 +105,7 @@ def test_a_client_whose_first_answer_from_the_new_broker_was_lost_keeps_its_stat
         held = c.get("x")
         conn = c._conn
         assert conn is not None
-        _crash(crashable)
+        crash(crashable)
         crashable.restart()
         with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
             sock.setsockopt(zmq.LINGER, 0)
@@ -161,7 +135,7 @@ def test_a_broadcast_queue_and_its_subscriptions_survive_a_kill(
         for i in range(3):
             cast.put(np.full(4, i))
         held = sa.get(timeout=5)
-        _crash(crashable)
+        crash(crashable)
         crashable.restart()
 
         cast.put(np.full(4, 3))
@@ -212,7 +186,7 @@ def test_subscriber_processes_go_on_after_a_kill_and_serve_again(
             for s in subs:  # taken (and let go) before the kill
                 assert s.stdout is not None
                 assert [s.stdout.readline() for _ in range(3)] == ["0\n", "1\n", "2\n"]
-            _crash(crashable)
+            crash(crashable)
             crashable.restart()
 
             [row] = [r for r in p.list_queues() if r["name"] == "cast"]
@@ -246,7 +220,7 @@ def test_a_removed_queue_stays_removed_across_a_kill(crashable: tb.BrokerProcess
         c.delete_queue("gone-q")
         renewed = c.queue("gone-q", maxsize=3)
         renewed.put(np.ones(4))
-        _crash(crashable)
+        crash(crashable)
         crashable.restart()
 
         assert [r["name"] for r in c.list_queues()] == ["gone-q"]
@@ -269,7 +243,7 @@ def test_reader_keeps_its_arrays_and_leases_across_a_kill() -> None:
         reader = SPAWN.Process(target=chaos.hold_through, args=(broker.address, ready, go, out))
         reader.start()
         assert ready.wait(60)
-        _crash(broker)
+        crash(broker)
         broker.restart()
         filled = 0
         while True:  # every free byte, in objects of the same size as theirs
@@ -297,7 +271,7 @@ def test_a_put_in_place_when_the_broker_dies_is_sealed_after_it_comes_back(
     )
     writer.start()
     assert ready.wait(60)
-    _crash(crashable)
+    crash(crashable)
     crashable.restart()
     go.set()
     assert out.get(timeout=60) == {"version": 1, "ok": True}
@@ -317,7 +291,7 @@ def test_memory_of_a_put_whose_writer_died_with_the_broker_is_freed() -> None:
         assert ready.wait(60)
         with tb.connect(broker.address, reconnect_timeout=0) as c:
             assert c.stats()["used_bytes"] >= 256 * MiB
-        _crash(broker)
+        crash(broker)
         writer.kill()
         writer.join()
         broker.restart()
@@ -325,92 +299,6 @@ def test_memory_of_a_put_whose_writer_died_with_the_broker_is_freed() -> None:
             assert c.stats()["used_bytes"] == 0 and c.keys() == []
             c.put("fits", np.zeros(300 * MiB, np.uint8))  # the memory really is free
             c.delete("fits")
-
-
-def _subscribers(address: str, workers: list[int], out: Any) -> list[Any]:
-    """Subscriber processes of the broadcast queue "cast", subscribed (chaos.subscribe)."""
-    ready = {w: SPAWN.Event() for w in workers}
-    subs = [
-        SPAWN.Process(target=chaos.subscribe, args=(address, w, ready[w], out), name=f"sub{w}")
-        for w in workers
-    ]
-    for p in subs:
-        p.start()
-    assert all(r.wait(60) for r in ready.values())
-    return subs
-
-
-def _check_broadcast(reports: dict[Any, dict[str, Any]], workers: list[int]) -> None:
-    """Each subscriber got every item of "cast" whose put returned, once, in order."""
-    sent = reports["cast"]["sent"]
-    assert len(sent) > 20
-    for w in workers:
-        taken = reports[w]["taken"]
-        assert taken == sorted(set(taken)), f"subscriber {w}: twice or out of order"
-        assert set(sent) <= set(taken), (
-            f"subscriber {w} missed {sorted(set(sent) - set(taken))[:10]}"
-        )
-
-
-def test_clients_and_the_broker_survive_twenty_kills() -> None:
-    """The chaos test: four clients put, replace, delete, read and use a queue, and a
-    producer and two subscribers a broadcast queue, while the broker is SIGKILLed and
-    restarted 20 times at random moments."""
-    rng = random.Random(12)
-    with tb.start_broker(memory="128MiB") as broker:
-        stop, out = SPAWN.Event(), SPAWN.Queue()
-        address = broker.address
-        subs = _subscribers(address, [4, 5], out)
-        procs = [
-            SPAWN.Process(target=chaos.keyed, args=(address, 0, stop, out), name="keyed0"),
-            SPAWN.Process(target=chaos.keyed, args=(address, 1, stop, out), name="keyed1"),
-            SPAWN.Process(target=chaos.produce, args=(address, 2, stop, out), name="producer"),
-            SPAWN.Process(target=chaos.consume, args=(address, 3, out), name="consumer"),
-            SPAWN.Process(target=chaos.cast, args=(address, stop, out), name="cast"),
-        ]
-        for p in procs:
-            p.start()
-        with tb.connect(address) as c:
-            assert wait_until(lambda: len(c.keys()) >= 6, 60)
-        _kill_and_restart(broker, 20, rng)
-        stop.set()
-        reports = _reports(out, 6)  # the subscribers end once "cast" closes its queue
-        with tb.connect(address) as c:
-            c.queue("chaos").close()  # the consumer drains what is left, then ends
-            reports[3] = out.get(timeout=120)
-            join_all([*procs, *subs])
-            errors = {w: r["errors"] for w, r in reports.items() if r["errors"]}
-            assert all(not r["errors"] for r in reports.values()), errors
-            assert all(reports[w]["puts"] > 20 and reports[w]["verified"] > 20 for w in (0, 1))
-            sent, taken = reports[2]["sent"], Counter(reports[3]["taken"])
-            assert len(sent) > 20
-            assert not [t for t, n in taken.items() if n > 1], "an item was delivered twice"
-            assert not [t for t in sent if t not in taken], "an item that was put was lost"
-            _check_broadcast(reports, [4, 5])
-            for key in c.keys():
-                c.delete(key)
-            assert wait_until(lambda: c.stats()["used_bytes"] == 0, 10), c.stats()
-
-
-def test_broadcast_subscribers_get_every_item_once_in_order_through_kills() -> None:
-    """A producer and two subscriber processes on a broadcast queue while the broker is
-    SIGKILLed and restarted 8 times: each subscriber gets every item whose put returned,
-    once, in order."""
-    rng = random.Random(15)
-    with tb.start_broker(memory="64MiB") as broker:
-        stop, out = SPAWN.Event(), SPAWN.Queue()
-        subs = _subscribers(broker.address, [0, 1], out)
-        producer = SPAWN.Process(target=chaos.cast, args=(broker.address, stop, out))
-        producer.start()
-        _kill_and_restart(broker, 8, rng)
-        stop.set()
-        reports = _reports(out, 3)
-        join_all([producer, *subs])
-        errors = {w: r["errors"] for w, r in reports.items() if r["errors"]}
-        assert not errors, errors
-        _check_broadcast(reports, [0, 1])
-        with tb.connect(broker.address) as c:
-            assert wait_until(lambda: c.stats()["used_bytes"] == 0, 10), c.stats()
 
 
 def test_a_clean_stop_keeps_the_objects_with_an_explicit_state_dir(tmp_path: Path) -> None:

@@ -21,14 +21,24 @@ from typing import Any
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-jax = pytest.importorskip("jax")
-jnp = pytest.importorskip("jax.numpy")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
 from tensorbroker.client import _dlpack  # noqa: E402
 
 KDLCPU = 1
+torch: Any = None  # and JAX: imported when this file's tests run (`frameworks`)
+jax: Any = None
+jnp: Any = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def frameworks() -> None:
+    """PyTorch and JAX, imported when the first test here runs, not when the file is
+    collected: every xdist worker collects every file, and these two cost 3 CPU-s each time."""
+    global torch, jax, jnp
+    torch = pytest.importorskip("torch")
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
 
 
 @pytest.fixture(scope="module")
@@ -129,13 +139,13 @@ class Handing:
 
 
 BASE = np.arange(12).reshape(3, 4)
-DTYPES: dict[str, tuple[Any, int, int, Any, np.ndarray]] = {
-    # name: (numpy dtype, DLPack code, bits, torch dtype, values)
-    "float32": (np.float32, 2, 32, torch.float32, BASE * 0.5 - 2),
-    "int64": (np.int64, 0, 64, torch.int64, BASE * 10**12 - 7),
-    "bool": (np.bool_, 6, 8, torch.bool, BASE % 3 == 0),
-    "complex64": (np.complex64, 5, 64, torch.complex64, BASE - 1j * BASE),
-    "bfloat16": (ml_dtypes.bfloat16, 4, 16, torch.bfloat16, BASE * 0.25 - 1),
+DTYPES: dict[str, tuple[Any, int, int, str, np.ndarray]] = {
+    # name: (numpy dtype, DLPack code, bits, torch dtype's name, values)
+    "float32": (np.float32, 2, 32, "float32", BASE * 0.5 - 2),
+    "int64": (np.int64, 0, 64, "int64", BASE * 10**12 - 7),
+    "bool": (np.bool_, 6, 8, "bool", BASE % 3 == 0),
+    "complex64": (np.complex64, 5, 64, "complex64", BASE - 1j * BASE),
+    "bfloat16": (ml_dtypes.bfloat16, 4, 16, "bfloat16", BASE * 0.25 - 1),
 }
 
 
@@ -193,7 +203,7 @@ def test_consumer_zero_copy_and_release(dl: ModuleType, consumer: str, dtype_nam
     assert address == buf.ctypes.data  # zero copy
     assert tuple(arr.shape) == buf.shape
     if consumer == "torch":
-        assert arr.dtype == torch_dtype
+        assert arr.dtype == getattr(torch, torch_dtype)
     else:
         assert arr.dtype == np.dtype(np_dtype)
     np.testing.assert_array_equal(host_copy(arr), expected_values(buf))
