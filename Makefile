@@ -5,6 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
+NIXL   ?= nixl-cu12==1.5.1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: demo test test-all lint clean bench bench-gpu test-gpu
@@ -15,6 +16,7 @@ $(STAMP): pyproject.toml setup.py client/_dlpack.c common/_shm.c
 	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet --no-build-isolation -e ".[torch,jax,test]"
+	$(PY) -m pip install --quiet --no-deps "$(NIXL)"  # the cluster's transfers (its torch: the one above)
 	touch $(STAMP)
 
 demo: $(STAMP)

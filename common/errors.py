@@ -7,7 +7,8 @@
     ├── CapacityError            the broker cannot hold the object
     ├── InvalidRequest (ValueError)  the request itself is wrong (bad dtype, shape, key, ...)
     ├── ProtocolError            a malformed message, or client and broker speak different versions
-    └── QueueClosed              the queue was closed and is drained
+    ├── QueueClosed              the queue was closed and is drained
+    └── PeerUnavailable          the key lives on another node of the cluster, which is down
 
 Every message says what happened, naming the key, the sizes or the address, and what to do.
 """
@@ -53,6 +54,10 @@ class QueueClosed(BrokerError):
     code = "queue_closed"
 
 
+class PeerUnavailable(BrokerError):
+    code = "peer_unavailable"
+
+
 class SessionUnknown(ProtocolError):
     """The broker does not know the client's socket: it restarted. The client says hello
     again (never raised to users)."""
@@ -71,6 +76,7 @@ ERRORS_BY_CODE: dict[str, type[BrokerError]] = {
         InvalidRequest,
         ProtocolError,
         QueueClosed,
+        PeerUnavailable,
         SessionUnknown,
     )
 }

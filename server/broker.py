@@ -13,6 +13,7 @@ journal records (Note [recovery] in state.py). The rooms:
     parking.py    every request that waits, and its deadline
     registry.py   objects, versions, leases and memory (grants.py, arena.py, devices.py)
     adoption.py   the state of a broker that died, taken over
+    cluster.py    the other brokers of a cluster (replicas.py: their keys, pulled by NIXL)
     endpoint.py   the sockets: ZeroMQ, the lanes beside an ipc:// address, wake-ups
 
 Every handler but hello's and ping's is given the sender's session; a request from a socket
@@ -22,7 +23,6 @@ that has not said hello is refused before any handler runs.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections.abc import Callable
@@ -45,6 +45,7 @@ from ..common.protocol import (
 from . import backlog
 from .adoption import Adoption
 from .arena import Arena
+from .cluster import Cluster, Joining, Watched
 from .devices import RECLAIM_POLL, DeviceMemory
 from .directory import Directory
 from .endpoint import Endpoint
@@ -90,6 +91,7 @@ class Broker:
         insecure_tcp: bool = False,
         group: str | None = None,
         evict: str | None = None,
+        cluster: Joining | None = None,
     ) -> None:
         """A broker on the state in `state_dir` (default: next to the socket), adopting the
         one a broker that died left there (Note [recovery] in state.py) unless `reset`.
@@ -99,7 +101,8 @@ class Broker:
         `curve_clients`, if given), or without keys on loopback if `insecure_tcp`
         (common/curve.py); InvalidRequest otherwise. `group`: a group whose members may
         connect and map the memory too (folder, sockets and segments group-accessible).
-        `evict`: "lru" makes every keyed host object evictable (eviction.py)."""
+        `evict`: "lru" makes every keyed host object evictable (eviction.py). `cluster`:
+        the node this broker is, and its peers (Note [cluster] in cluster.py)."""
         if evict not in (None, "none", "lru"):
             raise InvalidRequest(f"--evict must be none or lru, not {evict!r}")
         self.address = check_address(address)
@@ -112,10 +115,10 @@ class Broker:
         )
         found, journal = state.recovered, state.journal
         assert journal is not None  # made by State, or it raised
+        self.cluster: Cluster | None = None
         try:
             self.arena = Arena(
-                capacity, shm_dir=shm_dir, prefix=state.prefix,
-                on_segment=lambda seg: journal.segment(seg.name, seg.size, "arena"),
+                capacity, shm_dir=shm_dir, prefix=state.prefix, on_segment=self._segment_made,
                 group=gid,
             )  # fmt: skip
             self.directory = Directory(shm_dir, state.prefix, journal, group=gid)
@@ -175,6 +178,8 @@ class Broker:
         poller = self.endpoint.poller
         self.sessions.watch_fd = lambda fd: poller.register(fd, zmq.POLLIN)
         self.sessions.unwatch_fd = poller.unregister
+        if cluster is not None:
+            self.cluster = Cluster.join(cluster, self.objects, self.lot, shm_dir, poller)
         self._stopping = False
         self._started = time.monotonic()
         self._ring_scan = 0.0  # when the rings are looked at next (QueueRings.scan)
@@ -195,7 +200,7 @@ class Broker:
             Op.KEYS: self.objects.keys,
             Op.STATS: self._on_stats,
             Op.RELEASE: self.queues.rings.released,
-            Op.HEARTBEAT: _nothing,
+            Op.HEARTBEAT: lambda session, route, req: None,
             Op.BYE: self.sessions.bye,
             Op.QOPEN: self.queues.open,
             Op.QPUT: self.queues.slots.put,
@@ -219,6 +224,11 @@ class Broker:
             except BaseException:
                 self.close(keep=True)  # left as found, for a fix and another try
                 raise
+
+    def _segment_made(self, segment: Any) -> None:  # journaled; and registered with NIXL, once
+        self.state.journal.segment(segment.name, segment.size, "arena")  # type: ignore[union-attr]
+        if self.cluster is not None:
+            self.cluster.segment(segment.name)
 
     # -- life cycle ------------------------------------------------------------------------
 
@@ -264,6 +274,9 @@ class Broker:
         if keep is not None:
             self.keep_state = keep
         self.sessions.close()
+        if self.cluster is not None:
+            self.cluster.close()
+            self.cluster = None
         if self._exporter is not None:
             self._exporter.close()
             self._exporter = None
@@ -280,20 +293,26 @@ class Broker:
     # -- the loop --------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        endpoint, pidfds = self.endpoint, self.sessions.pidfds
+        endpoint, pidfds, cluster = self.endpoint, self.sessions.pidfds, self.cluster
+        others = pidfds if cluster is None else Watched(pidfds, cluster.sockets)
         exporter = self._exporter
         while not self._stopping:
             events = endpoint.poller.poll(self._poll_timeout_ms())
             self.outbox.begin()
             try:
-                for pidfd in endpoint.ready(events, pidfds, self._handle, self._refuse):
-                    self.sessions.exited(pidfd)
+                for item in endpoint.ready(events, others, self._handle, self._refuse):
+                    if item in pidfds:
+                        self.sessions.exited(item)
+                    elif cluster is not None:
+                        cluster.ready(item)
+                if cluster is not None:
+                    cluster.tick(time.monotonic())
             finally:
                 self.outbox.commit()
             # Only now that this batch's events are handled may their descriptors go.
             self.sessions.close_let_go()
-            if self.objects.refills:
-                self._top_up()
+            if self.objects.refills:  # the grants the batch's writes used (Note [grants])
+                self.outbox.batch(self.seals.top_up())
             now = time.monotonic()
             endpoint.after_batch(now)
             for w in self.lot.expired(now):
@@ -321,29 +340,21 @@ class Broker:
     def _poll_timeout_ms(self) -> int:
         if self.queues.rings.due:  # ring writes of work done after the last commit
             return 0
-        timeout = None
+        waits = [MAX_POLL_S]
         deadline = self.endpoint.next_deadline(self.lot.next_deadline())
         if deadline is not None:
-            timeout = max(0.0, deadline - time.monotonic())
+            waits.append(max(0.0, deadline - time.monotonic()))
         if self.devices.quarantine or self.registry.scanning:
-            timeout = min(timeout if timeout is not None else RECLAIM_POLL, RECLAIM_POLL)
+            waits.append(RECLAIM_POLL)
         if self.queues.rings.waited_on:  # a "done" lost: found by the scan
-            timeout = min(timeout if timeout is not None else RING_SCAN, RING_SCAN)
+            waits.append(RING_SCAN)
         if self.sessions.unwatched:
-            timeout = min(timeout if timeout is not None else math.inf, HEARTBEAT_INTERVAL)
+            waits.append(HEARTBEAT_INTERVAL)
         if self.endpoint.backlogged:
-            timeout = min(timeout if timeout is not None else math.inf, backlog.RETRY_S)
-        return -1 if timeout is None else int(min(timeout, MAX_POLL_S) * 1000) + 1
-
-    def _top_up(self) -> None:
-        """Top up the grants the writes of the last batch used, now that their replies are
-        out (Note [grants] in grants.py)."""
-        self.outbox.begin()
-        try:
-            for route, payload in self.seals.top_up():
-                self.outbox.send(route, payload)
-        finally:
-            self.outbox.commit()
+            waits.append(backlog.RETRY_S)
+        if self.cluster is not None:
+            waits.append(self.cluster.wake_in)
+        return -1 if len(waits) == 1 else int(min(waits) * 1000) + 1
 
     def _handle(self, route: bytes, message: Any, frame: zmq.Frame | None = None) -> None:
         """Answer one request; `frame`: the ZeroMQ frame it came in (None: a lane's)."""
@@ -427,6 +438,7 @@ class Broker:
             "uptime_s": time.monotonic() - self._started,
             "devices": self.devices.stats(),
             "cuda": self.devices.unavailable if self.devices.runtime is None else "",
+            **({} if self.cluster is None else {"cluster": self.cluster.stats()}),
         }
 
     def _ping(self) -> dict[str, Any]:
@@ -436,7 +448,3 @@ class Broker:
             "address": self.address,
             **self.sessions.shared(None),
         }
-
-
-def _nothing(session: Session, route: bytes, req: Request) -> None:
-    return None

@@ -35,6 +35,15 @@ class Send(Protocol):
     def __call__(self, route: bytes, payload: bytes, last: bool = False) -> None: ...
 
 
+class Elsewhere(Protocol):
+    """The keys other nodes of a cluster hold (cluster.py's Cluster)."""
+
+    def announce(self, key: str, version: int) -> None: ...
+    def get(self, session: Session, route: bytes, req: Request) -> bool: ...
+    def keys(self) -> list[str]: ...
+    def holds(self, key: str) -> bool: ...
+
+
 class Objects:
     """The handlers of keyed objects. `send(route, payload)` sends a reply."""
 
@@ -45,6 +54,7 @@ class Objects:
         self._waits: dict[str, set[Waiter]] = {}  # key -> waits for many keys that name it
         self.events = EventLog(lot, send)  # every put and delete, for watch_prefix
         self.eviction = Eviction(registry, self._evicted)
+        self.elsewhere: Elsewhere | None = None  # the other nodes of a cluster (cluster.py)
 
     def _evicted(self, obj: StoredObject) -> None:
         self._gone(obj.key, obj.version)
@@ -56,6 +66,8 @@ class Objects:
             if not w.done and w.request.fields.get("deletes", False):
                 self.answer(w, reply_ok(w.request.id, deleted=True))
         self.events.record("delete", key, version)
+        if self.elsewhere is not None:
+            self.elsewhere.announce(key, 0)
 
     def answer(self, w: Waiter, payload: bytes, last: bool = False) -> None:
         """Answer a request that waited (`last`: as `Send`)."""
@@ -173,9 +185,10 @@ class Objects:
                 if result is not None:
                     self._send(w.route, reply_ok(w.request.id, **result))
 
-    def seal(self, session: Session, put_id: int, keep: bool) -> Reply:
-        """Publish a keyed put as its key's next version, and answer the gets waiting for it."""
-        obj = self.registry.seal(session, put_id, keep)
+    def seal(self, session: Session, put_id: int, keep: bool, version: int | None = None) -> Reply:
+        """Publish a keyed put as its key's next version (or `version`: a replica), and answer
+        the gets waiting for it."""
+        obj = self.registry.seal(session, put_id, keep, version)
         obj.last_use = time.monotonic()
         for w in self.lot.line(("get", obj.key)):
             if w.done:  # answered in this loop already (its client cut off, say)
@@ -190,6 +203,8 @@ class Objects:
             if len(present) >= w.request.fields["num"]:
                 self.answer(w, reply_ok(w.request.id, keys=present))
         self.events.record("put", obj.key, obj.version)
+        if self.elsewhere is not None:
+            self.elsewhere.announce(obj.key, obj.version)
         return {"version": obj.version}
 
     def abort(self, session: Session, route: bytes, req: Request) -> Reply:
@@ -227,6 +242,8 @@ class Objects:
             return self.describe(session, obj, req.id)
         if obj is None and after and f.get("deletes", False):
             return {"deleted": True}  # gone since the watcher's version
+        if obj is None and self.elsewhere is not None and self.elsewhere.get(session, route, req):
+            return None  # pulled from the node that has it, then answered
         if after:
             what = f"no version of {key!r} newer than {after} was sealed"
         else:
@@ -275,7 +292,10 @@ class Objects:
         return {}
 
     def exists(self, session: Session, route: bytes, req: Request) -> Reply:
-        return {"exists": req.fields["key"] in self.registry.objects}
+        key = req.fields["key"]
+        there = self.elsewhere is not None and self.elsewhere.holds(key)
+        return {"exists": key in self.registry.objects or there}
 
     def keys(self, session: Session, route: bytes, req: Request) -> Reply:
-        return {"keys": sorted(self.registry.objects)}
+        there = self.elsewhere.keys() if self.elsewhere is not None else ()
+        return {"keys": sorted({*self.registry.objects, *there})}

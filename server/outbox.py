@@ -7,7 +7,7 @@ once, after the records so far (`answer`), unless it is to go after the batch's 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from .journal import Journal
 
@@ -44,6 +44,16 @@ class Outbox:
         for route, payload in after:
             self._send(route, payload)
         self._sent()
+
+    def batch(self, replies: Iterable[tuple[bytes, bytes]]) -> None:
+        """Messages made outside a request (grants topped up), sent after their journal
+        records, as one transaction."""
+        self.begin()
+        try:
+            for route, payload in replies:
+                self.send(route, payload)
+        finally:
+            self.commit()
 
     def send(self, route: bytes, payload: bytes) -> None:
         """A reply: after the batch's commit, or now outside of one."""

@@ -189,8 +189,9 @@ class Registry:
     def seal(
         self, session: Session, put_id: int, keep: bool, version: int | None = None
     ) -> StoredObject:
-        """Publish a pending put: as the next version of its key, or (a queue item, whose
-        version the queue numbers) live and unkeyed, for the queue to hand over."""
+        """Publish a pending put: as the next version of its key (or as `version`, a replica
+        of another node's: Note [cluster] in cluster.py), or (a queue item, whose version the
+        queue numbers) live and unkeyed, for the queue to hand over."""
         self.pending_put(session, put_id, "seal")
         obj = self._unpend(session, put_id)
         obj.live = True
@@ -201,8 +202,8 @@ class Registry:
         if obj.queue is not None:
             obj.version = version or 0
         else:
-            obj.version = self._versions.get(obj.key, 0) + 1
-            self._versions[obj.key] = obj.version
+            obj.version = version or self._versions.get(obj.key, 0) + 1
+            self._versions[obj.key] = max(obj.version, self._versions.get(obj.key, 0))
             old = self.objects.get(obj.key)
             self.objects[obj.key] = obj
             if self.directory is not None:  # listed before the old version can be freed

@@ -20,7 +20,8 @@ Errors, all from tensorbroker/common/errors.py:
      ├── CapacityError            the memory is full
      ├── InvalidRequest (ValueError)
      ├── ProtocolError            a message the other side could not read
-     └── QueueClosed              the queue ended
+     ├── QueueClosed              the queue ended
+     └── PeerUnavailable          the key lives on a node of the cluster that is down
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ _WHERE = {
     "NotFound": ".common.errors",
     "ProtocolError": ".common.errors",
     "QueueClosed": ".common.errors",
+    "PeerUnavailable": ".common.errors",
     "Timeout": ".common.errors",
     "BrokerProcess": ".launcher",
     "start_broker": ".launcher",
@@ -61,6 +63,7 @@ __all__ = [
     "ProtocolError",
     "Queue",
     "QueueClosed",
+    "PeerUnavailable",
     "Subscription",
     "Tensor",
     "Timeout",
@@ -80,6 +83,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr_
     from .common.errors import CapacityError as CapacityError
     from .common.errors import InvalidRequest as InvalidRequest
     from .common.errors import NotFound as NotFound
+    from .common.errors import PeerUnavailable as PeerUnavailable
     from .common.errors import ProtocolError as ProtocolError
     from .common.errors import QueueClosed as QueueClosed
     from .common.errors import Timeout as Timeout

@@ -34,6 +34,7 @@ log = logging.getLogger("tensorbroker")
 def _serve(args: argparse.Namespace) -> int:
     from .common import cudart
     from .server.broker import Broker
+    from .server.cluster import Joining
     from .server.devices import DeviceMemory
 
     address = check_address(args.address or default_address())
@@ -49,11 +50,13 @@ def _serve(args: argparse.Namespace) -> int:
     devices = DeviceMemory(load=cudart.load, spec=parse_cuda_memory(args.cuda_memory))
     capacity = parse_size(args.memory) if args.memory else default_capacity(SHM_DIR)
     try:
+        cluster = Joining.parse(args.node, args.cluster, args.peers, args.insecure_tcp)
+        insecure = args.insecure_tcp and (cluster is None or address.startswith("tcp://"))
         broker = Broker(
             address, capacity, devices=devices, state_dir=args.state_dir,
             keep_state=args.state_dir is not None, reset=args.reset,
             curve_secret=args.curve_secret, curve_clients=args.curve_clients,
-            insecure_tcp=args.insecure_tcp, group=args.group, evict=args.evict,
+            insecure_tcp=insecure, group=args.group, evict=args.evict, cluster=cluster,
         )  # fmt: skip
     except BrokerError as exc:
         print(f"tensorbroker: {exc}", file=sys.stderr)
@@ -336,6 +339,15 @@ def parser() -> argparse.ArgumentParser:
         help="serve Prometheus metrics at http://HOST:PORT/metrics, e.g. 127.0.0.1:9464 "
         "(needs pip install 'tensorbroker[metrics]')",
     )
+    serve.add_argument("--node", metavar="NAME", help="this node's name in a cluster")
+    serve.add_argument(
+        "--cluster", metavar="tcp://HOST:PORT", help="where the other brokers of a cluster reach "
+        "this one (loopback with --insecure-tcp for now)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--peers", metavar="ADDRS", default="", help="the other brokers' --cluster addresses, "
+        "comma-separated; dns:NAME:PORT stands for every address of NAME",
+    )  # fmt: skip
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     serve.add_argument("--parent-fd", type=int, help=argparse.SUPPRESS)

@@ -119,9 +119,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 # The files that take longest, longest first (50 to 15 s each on the 2-core VM, parallel run).
-LONGEST = ("test_chaos.py", "test_recovery.py", "test_hostile.py", "test_directory.py",
-           "test_pipelines.py", "test_outage.py", "test_handoff.py", "test_small_puts.py",
-           "test_leases.py")  # fmt: skip
+LONGEST = ("test_chaos.py", "test_recovery.py", "test_hostile.py", "test_cluster.py",
+           "test_directory.py", "test_pipelines.py", "test_outage.py", "test_handoff.py",
+           "test_small_puts.py", "test_leases.py")  # fmt: skip
 
 
 def _alive(pid: int) -> bool:

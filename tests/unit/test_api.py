@@ -16,6 +16,7 @@ PUBLIC = [
     "InvalidRequest",
     "KeyEvent",
     "NotFound",
+    "PeerUnavailable",
     "ProtocolError",
     "Queue",
     "QueueClosed",

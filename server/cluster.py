@@ -1,0 +1,362 @@
+"""One broker per node, the same keys everywhere: the links to the other brokers of a cluster
+and the messages on them (what the others hold, and the pulls: replicas.py).
+
+Note [cluster]
+
+    broker A (node a)                                   broker B (node b)
+    ROUTER at --cluster  <──── DEALER ── hello(b, agent metadata, b's keys)
+                         ──── welcome(a, agent metadata, a's keys) ───>  (and beats both ways)
+    a put sealed on A  ── key(k, version) ───> every peer: B's index says k lives on a
+    client of B: get k ── not listed on B ──> B: lend k? ──> A pins it: lent(version, layout,
+                                                              address of its bytes)
+                          B allocates a block, NIXL READs the bytes from A's registered
+                          memory, seals them as k's replica (A's version), answers the get,
+                          and says `returned`: A unpins. From then on B's clients read k
+                          from B's directory (microseconds), until a newer version is
+                          announced: the replica is dropped (it is a cache, and evictable).
+
+ZeroMQ carries only these control messages (msgpack, never pickle); the bytes go through NIXL
+(transfers.py). Each direction of a pair talks over the link its sender opened: requests
+(hello, beats, lend, returned, key) go out on this broker's DEALER to the peer, answers
+(welcome, beat, lent) come back on it. A peer heard from within DOWN_AFTER seconds is up; a
+peer that restarts gets this broker's hello again (its DEALER keeps trying; a broker that
+gets a message from a link that has not said hello answers `hello_first`) and its keys are
+listed again from its welcome. A peer that goes down: its keys raise PeerUnavailable, the
+replicas pulled from it stay readable, its loans here are unpinned. A `lent` carries the
+lender's agent metadata of now: NIXL learns a peer's registered memory from its metadata
+only, and a segment may be newer than the welcome (an arena grows; a broker that restarted
+adopts segments after it joined).
+
+Not yet: watches and queues across nodes, fan-out from replicas, GPU replicas, CURVE between
+brokers (a cluster serves on loopback with --insecure-tcp only): issue 33's note.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import time
+from collections.abc import Container
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import msgpack
+import zmq
+
+from ..common.errors import BrokerError, InvalidRequest
+from .objects import Objects
+from .parking import ParkingLot
+from .replicas import Replicas
+from .transfers import Transfers
+
+log = logging.getLogger(__name__)
+
+BEAT = 0.5  # seconds between beats (and hellos to a peer not up)
+DOWN_AFTER = 2.0  # a peer not heard from for this long is down (at most 3 s, says issue 33)
+MAX_MESSAGE = 64 * 2**20  # a peer's message (a welcome lists its keys): at most this
+
+
+class Joining(NamedTuple):
+    """What `serve --node --cluster --peers` says: this node's name, the address its peers
+    reach it at, and theirs."""
+
+    node: str
+    address: str
+    peers: list[str]
+
+    @classmethod
+    def parse(
+        cls, node: str | None, address: str | None, peers: str, insecure: bool
+    ) -> Joining | None:
+        """The options as given (None: no cluster); InvalidRequest saying what is wrong."""
+        if node is None and address is None and not peers:
+            return None
+        if not node or not address:
+            raise InvalidRequest("a cluster needs both --node NAME and --cluster tcp://HOST:PORT")
+        if not node.replace("-", "").replace("_", "").replace(".", "").isalnum():
+            raise InvalidRequest(f"--node: letters, digits, '-', '_' and '.' only, not {node!r}")
+        host = _tcp_host(address, "--cluster")
+        if not insecure or not _loopback(host):
+            raise InvalidRequest(
+                f"--cluster {address}: brokers do not authenticate each other yet, so a cluster "
+                "serves on a loopback address with --insecure-tcp only (issue 33's note)"
+            )
+        found = [a for spec in peers.split(",") if spec.strip() for a in _resolve(spec.strip())]
+        for peer in found:
+            if not _loopback(_tcp_host(peer, "--peers")):
+                raise InvalidRequest(f"--peers {peer}: a loopback address only, for now")
+        return cls(node, address, found)
+
+
+class Watched:
+    """The broker's ready items that are not its endpoint's: pidfds, and the cluster's sockets."""
+
+    def __init__(self, *parts: Container[Any]) -> None:
+        self.parts = parts
+
+    def __contains__(self, item: object) -> bool:
+        return any(item in part for part in self.parts)
+
+
+@dataclass(slots=True)
+class Peer:
+    """A broker this one links to at `address`; `node` once it answered."""
+
+    address: str
+    socket: zmq.Socket[bytes]
+    node: str | None = None
+    up: bool = False
+    heard: float = 0.0  # when it last answered (monotonic)
+
+
+def _tcp_host(address: str, option: str) -> str:
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    if not address.startswith("tcp://") or not host or not port.isdigit():
+        raise InvalidRequest(f"{option}: tcp://HOST:PORT, not {address!r}")
+    return host.strip("[]")
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _resolve(spec: str) -> list[str]:
+    """tcp://HOST:PORT as is; dns:NAME:PORT as every address NAME resolves to (a Kubernetes
+    headless service names each broker of the DaemonSet)."""
+    if not spec.startswith("dns:"):
+        return [spec]
+    name, _, port = spec[4:].rpartition(":")
+    if not name or not port.isdigit():
+        raise InvalidRequest(f"--peers: dns:NAME:PORT, not {spec!r}")
+    try:
+        infos = socket.getaddrinfo(name, int(port), type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise InvalidRequest(f"--peers {spec}: {name!r} does not resolve: {exc}") from None
+    hosts = sorted({str(info[4][0]) for info in infos})
+    return [f"tcp://[{h}]:{port}" if ":" in h else f"tcp://{h}:{port}" for h in hosts]
+
+
+def _pack(message: dict[str, Any]) -> bytes:
+    packed: bytes = msgpack.packb(message, use_bin_type=True)
+    return packed
+
+
+def _unpack(data: bytes) -> dict[str, Any] | None:
+    try:  # (ZeroMQ refused messages over MAX_MESSAGE already)
+        message = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception:  # whatever a peer sent that is not msgpack: dropped
+        return None
+    return message if isinstance(message, dict) and isinstance(message.get("op"), str) else None
+
+
+class Cluster:
+    """The links to the peers (Note [cluster]) and the messages on them; what the peers hold
+    and the pulls are `replicas`' (replicas.py). The broker registers `sockets` in its poller,
+    calls `ready` for them and `tick` each loop; Objects asks `replicas` about keys not held
+    here."""
+
+    def __init__(
+        self, node: str, address: str, peers: list[str], objects: Objects, lot: ParkingLot,
+        transfers: Transfers, poller: zmq.Poller,
+    ) -> None:  # fmt: skip
+        self.node, self.address, self.transfers = node, address, transfers
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+        self._router.bind(address)
+        self.peers = [self._link(a) for a in peers if a != address]
+        self.sockets = {self._router, *(p.socket for p in self.peers)}
+        for s in self.sockets:
+            poller.register(s, zmq.POLLIN)
+        self.replicas = Replicas(node, objects, lot, transfers, self)
+        self._routes: dict[bytes, str] = {}  # a peer's route to this ROUTER -> its node
+        self._next_beat = 0.0
+
+    @classmethod
+    def join(
+        cls, joining: Joining, objects: Objects, lot: ParkingLot, shm_dir: str, poller: zmq.Poller
+    ) -> Cluster:
+        """This broker in a cluster: its NIXL agent, its links, and Objects told of both."""
+        transfers = Transfers(joining.node, shm_dir)
+        cluster = cls(joining.node, joining.address, joining.peers, objects, lot, transfers, poller)
+        for segment in objects.registry.arena.segments:
+            transfers.register(segment)
+        objects.elsewhere = cluster.replicas
+        return cluster
+
+    def _link(self, address: str) -> Peer:
+        socket = self._ctx.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+        socket.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued for a peer not connected
+        socket.connect(address)
+        return Peer(address, socket)
+
+    def segment(self, name: str) -> None:
+        """A new arena segment: registered with NIXL now, not per transfer."""
+        self.transfers.register(name)
+
+    @property
+    def wake_in(self) -> float:
+        """Seconds until the loop must look again: reads under way are polled often."""
+        return 0.001 if self.replicas.reading else BEAT
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def ready(self, socket: Any) -> None:
+        """Read what `socket` (one of `sockets`) has. A fault here is logged: a peer's
+        message must never take the broker down."""
+        try:
+            self._read(socket)
+        except Exception:
+            log.exception("cluster: a message could not be handled")
+
+    def _read(self, socket: Any) -> None:
+        while socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames = socket.recv_multipart()
+            if socket is self._router:
+                message = _unpack(frames[1]) if len(frames) == 2 else None
+                if message is not None:
+                    self._request(frames[0], message)
+                continue
+            message = _unpack(frames[0]) if len(frames) == 1 else None
+            peer = next((p for p in self.peers if p.socket is socket), None)
+            if message is not None and peer is not None:
+                self._answer(peer, message)
+
+    def tick(self, now: float) -> None:
+        """Beats and hellos, peers gone quiet, and reads that ended."""
+        try:
+            if now >= self._next_beat:
+                self._next_beat = now + BEAT
+                for peer in self.peers:
+                    if peer.up and now - peer.heard > DOWN_AFTER:
+                        self._down(peer)
+                    self._send(peer, self._hello() if not peer.up else {"op": "beat"})
+            self.replicas.poll(now)
+        except Exception:
+            log.exception("cluster: the beat or a pull failed")
+
+    # -- requests from peers (on the ROUTER) --------------------------------------------------
+
+    def _request(self, route: bytes, m: dict[str, Any]) -> None:
+        op, replicas = m["op"], self.replicas
+        try:
+            if op == "hello":
+                node = str(m["node"])
+                self.transfers.add_peer(node, bytes(m["agent"]))
+                self._forget_node(node)  # its loans and route before: a broker that restarted
+                self._routes[route] = node
+                self._reply(route, self._hello("welcome"))
+                return
+            node = self._routes.get(route, "")
+            if not node:
+                self._reply(route, {"op": "hello_first"})  # this broker restarted: say hello
+            elif op == "beat":
+                self._reply(route, {"op": "beat"})
+            elif op == "key":
+                replicas.listed(node, str(m["key"]), int(m["version"]), int(m["size"]))
+            elif op == "lend":
+                self._reply(route, replicas.lend(node, int(m["pull"]), str(m["key"])))
+            elif op == "returned":
+                replicas.returned(node, int(m["pull"]))
+        except (KeyError, TypeError, ValueError, BrokerError) as exc:
+            log.warning("a cluster message %r from %r could not be used: %s", op, route, exc)
+
+    def _hello(self, op: str = "hello") -> dict[str, Any]:
+        """This broker, its agent, and the keys it holds (not its replicas)."""
+        agent = self.transfers.metadata
+        return {"op": op, "node": self.node, "agent": agent, "keys": self.replicas.own()}
+
+    def _forget_node(self, node: str) -> None:
+        """Unpin what `node` was lent (it will not return it), and forget its route."""
+        self.replicas.let_go(node)
+        for route in [r for r, n in self._routes.items() if n == node]:
+            del self._routes[route]
+
+    # -- answers from peers (on our DEALERs) ---------------------------------------------------
+
+    def _answer(self, peer: Peer, m: dict[str, Any]) -> None:
+        peer.heard = time.monotonic()
+        op = m["op"]
+        try:
+            if op == "welcome":
+                node = str(m["node"])
+                self.transfers.add_peer(node, bytes(m["agent"]))
+                peer.node, peer.up = node, True
+                self.replicas.welcome(node, m["keys"])
+                log.info("cluster: node %r at %s is up", node, peer.address)
+            elif op == "hello_first":
+                self._send(peer, self._hello())
+            elif op == "lent":
+                self.replicas.lent(m)
+        except (KeyError, TypeError, ValueError, BrokerError, OSError) as exc:
+            log.warning("a cluster answer %r from %s could not be used: %s", op, peer.address, exc)
+
+    def _down(self, peer: Peer) -> None:
+        peer.up = False
+        log.warning("cluster: node %r at %s is down", peer.node, peer.address)
+        if peer.node is not None:
+            self.replicas.node_down(peer.node)
+            self._forget_node(peer.node)
+
+    # -- sending (the Links of replicas.py) ------------------------------------------------------
+
+    def up(self, node: str) -> bool:
+        peer = self._peer(node)
+        return peer is not None and peer.up
+
+    def send(self, node: str, message: dict[str, Any]) -> bool:
+        peer = self._peer(node)
+        return peer is not None and self._send(peer, message)
+
+    def everyone(self, message: dict[str, Any]) -> None:
+        for peer in self.peers:
+            if peer.up:
+                self._send(peer, message)
+
+    def _peer(self, node: str) -> Peer | None:
+        return next((p for p in self.peers if p.node == node), None)
+
+    def _send(self, peer: Peer, message: dict[str, Any]) -> bool:
+        try:
+            peer.socket.send(_pack(message), zmq.NOBLOCK)
+        except zmq.Again:  # not connected (IMMEDIATE), or its queue is full: beats retry
+            return False
+        return True
+
+    def _reply(self, route: bytes, message: dict[str, Any]) -> None:
+        try:
+            self._router.send_multipart([route, _pack(message)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("a cluster reply to %r was dropped: %s", self._routes.get(route), exc)
+
+    # -- seeing it -----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        now, index, r = time.monotonic(), self.replicas.index, self.replicas
+        peers = {
+            (p.node or p.address): {
+                "address": p.address,
+                "state": "up" if p.up else "down",
+                "heard_s_ago": round(now - p.heard, 3) if p.heard else None,
+                "keys": sum(1 for k in index.values() if k.node == p.node),
+            }  # fmt: skip
+            for p in self.peers
+        }
+        return {
+            "node": self.node, "address": self.address, "peers": peers,
+            "bytes_sent": r.bytes_sent, "bytes_received": r.bytes_received,
+            "pulls": len(r.pulls), "loans": len(r.loans),
+        }  # fmt: skip
+
+    def close(self) -> None:
+        for s in self.sockets:
+            s.close(0)
+        self._ctx.term()
+        self.transfers.close()

@@ -1,0 +1,293 @@
+"""The keys of a cluster's other nodes (Note [cluster] in cluster.py): the index of what each
+holds, the pulls of their objects into this node's memory as replicas, and this node's
+objects lent to their pulls. Which version wins, the same on every node: the highest, then
+the one of the greatest node name.
+
+A replica is listed in this node's directory under its key and its owner's version, so that
+its readers read it as any object (microseconds); it is evictable, and dropped when another
+version wins. It is never announced: the index keeps its key, which is how this room tells a
+replica from a put of this node's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..common.errors import BrokerError, NotFound, PeerUnavailable
+from ..common.protocol import Request, reply_error
+from .objects import Objects
+from .parking import ParkingLot, Waiter
+from .records import Session, StoredObject
+from .transfers import Transfers
+
+PULL_WAIT = 30.0  # a get that pulls waits this long at least, whatever its own timeout
+
+
+class Links(Protocol):
+    """The links to the other nodes (cluster.py's Cluster)."""
+
+    def send(self, node: str, message: dict[str, Any]) -> bool: ...
+    def everyone(self, message: dict[str, Any]) -> None: ...
+    def up(self, node: str) -> bool: ...
+
+
+@dataclass(slots=True)
+class Remote:
+    """A key that lives on another node, at `version`, `size` bytes."""
+
+    node: str
+    version: int
+    size: int
+
+
+@dataclass(slots=True)
+class Pull:
+    """A key being pulled from `node`: asked to lend (handle None), then read."""
+
+    id: int
+    key: str
+    node: str
+    seen: int  # the version the index named when it was asked for
+    started: float
+    version: int = 0  # the version lent
+    put: int = 0  # the put lease of the replica's block
+    handle: Any = None
+    size: int = 0
+    waiters: list[Waiter] = field(default_factory=list)
+
+
+class Replicas:
+    """The index of the other nodes' keys, the pulls under way and the loans out."""
+
+    def __init__(
+        self, node: str, objects: Objects, lot: ParkingLot, transfers: Transfers, links: Links
+    ) -> None:
+        self.node, self.objects, self.registry, self.lot = node, objects, objects.registry, lot
+        self.transfers, self.links = transfers, links
+        self.session = Session(f"cluster:{node}", None)  # holds the replicas' puts
+        self.index: dict[str, Remote] = {}  # key -> where it lives (other nodes only)
+        self.pulls: dict[int, Pull] = {}  # pull id -> pull
+        self._pulling: dict[str, Pull] = {}  # key -> its pull under way
+        self.loans: dict[tuple[str, int], StoredObject] = {}  # (node, pull id) -> pinned
+        self._ids = 0
+        self.bytes_sent = self.bytes_received = 0
+
+    # -- what Objects asks (the Elsewhere protocol) ----------------------------------------------
+
+    def announce(self, key: str, version: int) -> None:
+        """A key sealed here (version > 0) or deleted (0): every peer is told."""
+        if key in self._pulling and version:  # a replica being listed: not ours to announce
+            return
+        if version:
+            self.index.pop(key, None)  # put here: this node holds it now
+        obj = self.registry.objects.get(key)
+        size = 0 if obj is None else int(obj.nbytes)
+        self.links.everyone({"op": "key", "key": key, "version": version, "size": size})
+
+    def get(self, session: Session, route: bytes, req: Request) -> bool:
+        """A get of a key not held here: pull it if another node has it (the get waits for
+        the pull); False if no node has it. PeerUnavailable if its node is down."""
+        key, after = req.fields["key"], req.fields.get("after", 0)
+        remote = self.index.get(key)
+        if remote is None or after:
+            return False
+        if not self.links.up(remote.node):
+            raise PeerUnavailable(
+                f"{key!r} lives on node {remote.node!r}, which is down: try again once it is "
+                "back (`tensorbroker stats` shows the cluster's peers)"
+            )
+        timeout = req.fields.get("timeout", 0.0)
+        wait = None if timeout is None else max(timeout, PULL_WAIT)
+        message = f"the pull of {key!r} from node {remote.node!r} did not end within {wait}s"
+        w = self.lot.park(session, route, req, wait, ("get", key), message)
+        pull = self._pulling.get(key) or self._ask(key, remote.node)
+        pull.waiters.append(w)
+        return True
+
+    def keys(self) -> list[str]:
+        return list(self.index)
+
+    def holds(self, key: str) -> bool:
+        return key in self.index
+
+    # -- what the other nodes hold ---------------------------------------------------------------
+
+    def own(self) -> list[list[Any]]:
+        """The keys this node holds, not its replicas: [[key, version, size], ...]."""
+        return [
+            [k, o.version, int(o.nbytes)]
+            for k, o in self.registry.objects.items()
+            if o.device == "cpu" and k not in self.index and k not in self._pulling
+        ]
+
+    def welcome(self, node: str, keys: list[Any]) -> None:
+        """What `node` holds, as it (re)joined: its keys known from before and gone are
+        forgotten."""
+        listed = set()
+        for key, version, size in keys:
+            listed.add(str(key))
+            self.listed(node, str(key), int(version), int(size))
+        for key in [k for k, r in self.index.items() if r.node == node and k not in listed]:
+            self._forget(key)
+
+    def listed(self, node: str, key: str, version: int, size: int) -> None:
+        """`node` holds `key` at `version` now (0: deleted there)."""
+        here = self.registry.objects.get(key)
+        known = self.index.get(key)
+        if version == 0:
+            if known is not None and known.node == node:
+                self._forget(key)
+            return
+        if known is not None and (known.version, known.node) > (version, node):
+            return
+        mine = here is not None and known is None  # put here (a replica's key is indexed)
+        if mine and (here.version, self.node) > (version, node):  # type: ignore[union-attr]
+            return
+        self.index[key] = Remote(node, version, size)
+        self.registry.seen_version(key, version)  # a put here from now on goes above it
+        stale = known is not None and (known.node != node or known.version < version)
+        if here is not None and (mine or stale):  # a put that lost, or a replica of a loser's
+            self.registry.delete(key)
+        waiting = [w for w in self.lot.line(("get", key)) if not w.request.fields.get("after")]
+        if waiting and key not in self._pulling and self.links.up(node):
+            self._ask(key, node).waiters = waiting  # gets that waited for it to be put
+
+    def _forget(self, key: str) -> None:
+        """`key` is no other node's now: its replica here goes too (else it would pass for
+        a put of this node's)."""
+        del self.index[key]
+        if key in self.registry.objects and key not in self._pulling:
+            self.registry.delete(key)
+
+    # -- lending ----------------------------------------------------------------------------------
+
+    def lend(self, node: str, pull: int, key: str) -> dict[str, Any]:
+        """Pin `key`'s live version for `node`'s pull, and say where its bytes are."""
+        obj = self.registry.objects.get(key)
+        if obj is None or obj.device != "cpu":
+            return {"op": "lent", "pull": pull, "error": f"node {self.node!r} has no {key!r}"}
+        self.transfers.register(obj.block.segment)
+        self.registry.pin(obj)
+        self.loans[node, pull] = obj
+        self.bytes_sent += obj.nbytes
+        specs = [[t.name, t.dtype, list(t.shape)] for t in obj.tensors]
+        return {  # with the agent's metadata of now: it knows the segment (an adopted one, say)
+            "op": "lent", "pull": pull, "version": obj.version, "bundle": obj.bundle,
+            "specs": specs, "size": obj.nbytes, "agent": self.transfers.metadata,
+            "address": self.transfers.address(obj.block.segment, obj.block.offset),
+        }  # fmt: skip
+
+    def returned(self, node: str, pull: int) -> None:
+        obj = self.loans.pop((node, pull), None)
+        if obj is not None:
+            self.registry.unpin(obj)
+
+    def let_go(self, node: str) -> None:
+        """`node` went down or restarted: what it was lent is unpinned (it will not say)."""
+        for loan in [loan for loan in self.loans if loan[0] == node]:
+            self.registry.unpin(self.loans.pop(loan))
+
+    def node_down(self, node: str) -> None:
+        for pull in [p for p in self.pulls.values() if p.node == node]:
+            self._fail(pull, PeerUnavailable(f"node {node!r} went down during the pull"))
+        self.let_go(node)
+
+    # -- pulls ------------------------------------------------------------------------------------
+
+    @property
+    def reading(self) -> bool:
+        """Whether reads are under way (the loop polls them)."""
+        return any(p.handle is not None for p in self.pulls.values())
+
+    def _ask(self, key: str, node: str) -> Pull:
+        self._ids += 1
+        pull = Pull(self._ids, key, node, self.index[key].version, time.monotonic())
+        self.pulls[pull.id] = self._pulling[key] = pull
+        self.links.send(node, {"op": "lend", "pull": pull.id, "key": key})
+        return pull
+
+    def _again(self, pull: Pull, error: BrokerError) -> None:
+        """Pull it again from where the index says it is now (another version won, or it was
+        deleted there, meanwhile), for the same gets; `error` for them if no node has it."""
+        self._end(pull)
+        remote = self.index.get(pull.key)
+        if remote is not None and self.links.up(remote.node):
+            self._ask(pull.key, remote.node).waiters = pull.waiters
+        else:
+            self._fail(pull, error)
+
+    def lent(self, m: dict[str, Any]) -> None:
+        pull = self.pulls.get(int(m["pull"]))
+        if pull is None:
+            return
+        if "error" in m:  # it had no such key: another node's won, or it was deleted there
+            remote = self.index.get(pull.key)
+            gone = NotFound(f"no object {pull.key!r}: {m['error']}")
+            if remote is not None and (remote.node, remote.version) != (pull.node, pull.seen):
+                self._again(pull, gone)
+            else:
+                self._fail(pull, gone)
+            return
+        pull.version = int(m["version"])
+        try:
+            self.transfers.add_peer(pull.node, bytes(m["agent"]))
+            specs = [(str(n), str(d), tuple(s)) for n, d, s in m["specs"]]
+            pull.put, obj = self.registry.begin_put(
+                self.session, pull.key, specs, bool(m["bundle"])
+            )
+            obj.evictable = True  # a replica is a cache
+            pull.size = min(int(m["size"]), int(obj.nbytes))
+            self.transfers.register(obj.block.segment)
+            local = self.transfers.address(obj.block.segment, obj.block.offset)
+            pull.handle = self.transfers.read(pull.node, int(m["address"]), local, pull.size)
+        except BrokerError as exc:  # no room here for it (CapacityError), say
+            self._fail(pull, exc)
+        except (OSError, KeyError, TypeError, ValueError) as exc:
+            self._fail(pull, PeerUnavailable(f"the pull of {pull.key!r} failed: {exc}"))
+
+    def poll(self, now: float) -> None:
+        """Reads that ended (sealed as replicas), and lends never answered."""
+        for pull in list(self.pulls.values()):
+            if pull.handle is not None:
+                self._poll(pull)
+            elif now - pull.started > PULL_WAIT:
+                self._fail(pull, PeerUnavailable(f"node {pull.node!r} did not lend {pull.key!r}"))
+
+    def _poll(self, pull: Pull) -> None:
+        try:
+            if not self.transfers.done(pull.handle):
+                return
+        except OSError as exc:
+            pull.handle = None
+            self._fail(pull, PeerUnavailable(f"the pull of {pull.key!r} failed: {exc}"))
+            return
+        pull.handle = None
+        self.bytes_received += pull.size
+        remote = self.index.get(pull.key)
+        if remote is not None and (remote.node, remote.version) == (pull.node, pull.version):
+            self.objects.seal(self.session, pull.put, False, version=pull.version)
+            self._end(pull)
+            return
+        self.registry.abort(self.session, pull.put, False)  # deleted, or another version won
+        pull.put = 0
+        self._again(pull, NotFound(f"no object {pull.key!r}: it went while it was pulled"))
+
+    def _fail(self, pull: Pull, error: BrokerError) -> None:
+        if pull.handle is not None:  # still reading: its block must outlive the read
+            return
+        self._end(pull)
+        if pull.put:
+            self.registry.abort(self.session, pull.put, False)
+        for w in pull.waiters:
+            if not w.done:
+                self.objects.answer(w, reply_error(w.request.id, error))
+
+    def _end(self, pull: Pull) -> None:
+        """The pull is over: the lender unpins its object."""
+        self.pulls.pop(pull.id, None)
+        if self._pulling.get(pull.key) is pull:
+            del self._pulling[pull.key]
+        if pull.version:
+            self.links.send(pull.node, {"op": "returned", "pull": pull.id})

@@ -1,0 +1,157 @@
+"""The bytes between brokers, moved by NIXL (UCX underneath: RDMA where the hardware has it,
+TCP or shared memory otherwise). Each broker has one NIXL agent, named after its node; the
+arena's segments are registered with it once, as they are made, never per transfer. Agent
+metadata travels in the cluster's own msgpack messages (cluster.py): NIXL's listener thread
+and its pickled descriptors are never used, so nothing from the network is unpickled.
+
+Only the puller acts: it READs the bytes of a block its peer lent it into a block of its own
+(`read`), and polls the transfer from the broker's loop (`done`); the lender only keeps the
+block pinned until the puller says it is through.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import mmap
+import os
+from typing import Any
+
+from ..common.errors import InvalidRequest
+
+PACKAGES = ("nixl_cu13", "nixl_cu12", "nixl")  # tensorbroker[cluster] installs one of these
+# The progress thread's pause between rounds, in microseconds. NIXL's Python agent sets 0, a
+# thread that spins: three idle brokers with one each took 22 CPU-s of system time in 26 s.
+# The reads' target needs the thread (UCX over TCP emulates them with messages): without
+# it a read from a broker whose loop sleeps never ends. 200 us: idle brokers cost little,
+# and a pull ends at most 200 us later.
+PROGRESS_PAUSE_US = 200
+
+
+def load_nixl() -> Any:
+    """NIXL's Python API; InvalidRequest saying how to install it if it is missing."""
+    for name in PACKAGES:
+        try:
+            return importlib.import_module(f"{name}._api")
+        except ImportError:
+            continue
+    raise InvalidRequest(
+        "a cluster needs NIXL: pip install 'tensorbroker[cluster]' (or nixl-cu12 / nixl-cu13 "
+        "with --no-deps next to the torch you have)"
+    )
+
+
+def _paced_agent(api: Any, node: str, config: Any) -> Any:
+    """NIXL's agent, with its progress thread pausing PROGRESS_PAUSE_US between rounds (the
+    Python agent offers no such option: the config class it makes is swapped for the call)."""
+    bindings = api.nixlBind
+    base = bindings.nixlAgentConfig
+
+    class Paced(base):  # type: ignore[misc, valid-type]
+        def __setattr__(self, name: str, value: Any) -> None:
+            if name == "pthrDelay":
+                value = max(int(value), PROGRESS_PAUSE_US)
+            super().__setattr__(name, value)
+
+    bindings.nixlAgentConfig = Paced
+    try:
+        return api.nixl_agent(node, config)
+    finally:
+        bindings.nixlAgentConfig = base
+
+
+class Transfers:
+    """This broker's NIXL agent, its registered segments (mapped here for NIXL: the broker maps
+    no segment otherwise) and the reads under way."""
+
+    def __init__(self, node: str, shm_dir: str) -> None:
+        api = load_nixl()
+        config = api.nixl_agent_config(
+            enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"]
+        )
+        self.agent = _paced_agent(api, node, config)
+        self.shm_dir = shm_dir
+        self._mapped: dict[str, tuple[mmap.mmap, int]] = {}  # segment -> (mapping, address)
+        self._peers: dict[str, bytes] = {}  # node -> the metadata its agent was added with
+
+    # -- memory ------------------------------------------------------------------------------
+
+    def register(self, segment: str) -> None:
+        """Map `segment` (an arena segment, in shm_dir) and register it with NIXL, once. A
+        peer knows it from metadata taken after this (`metadata`), not before."""
+        if segment in self._mapped:
+            return
+        fd = os.open(os.path.join(self.shm_dir, segment), os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+        self.agent.register_memory([(address, size, 0, segment)], "DRAM")
+        self._mapped[segment] = (mapping, address)
+
+    def address(self, segment: str, offset: int) -> int:
+        """Where byte `offset` of a registered segment lies in this process."""
+        return self._mapped[segment][1] + offset
+
+    # -- peers -------------------------------------------------------------------------------
+
+    @property
+    def metadata(self) -> bytes:
+        return bytes(self.agent.get_agent_metadata())
+
+    def add_peer(self, node: str, metadata: bytes) -> None:
+        """Know the agent of `node` (again, if it restarted: its metadata is new)."""
+        if self._peers.get(node) == metadata:
+            return
+        if node in self._peers:
+            self.agent.remove_remote_agent(node)
+            del self._peers[node]
+        try:
+            name = self.agent.add_remote_agent(metadata)
+        except Exception as exc:
+            raise InvalidRequest(f"NIXL refused the agent of node {node!r}: {exc!r}") from None
+        if (name.decode() if isinstance(name, bytes) else name) != node:
+            self.agent.remove_remote_agent(name)
+            raise InvalidRequest(f"the peer {node!r} sent the metadata of agent {name!r}")
+        self._peers[node] = metadata
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def read(self, node: str, remote: int, local: int, size: int) -> Any:
+        """Start reading `size` bytes at `remote` in `node`'s memory into `local` in ours."""
+        agent = self.agent
+        try:
+            mine = agent.get_xfer_descs([(local, size, 0)], "DRAM")
+            theirs = agent.get_xfer_descs([(remote, size, 0)], "DRAM")
+            handle = agent.initialize_xfer("READ", mine, theirs, node)
+        except Exception as exc:  # NIXL's own errors (nixlNotFoundError, ...)
+            raise OSError(
+                f"NIXL could not start a read of {size} bytes from {node!r}: {exc!r}"
+            ) from None
+        if agent.transfer(handle) == "ERR":
+            agent.release_xfer_handle(handle)
+            raise OSError(f"NIXL could not start a read of {size} bytes from {node!r}")
+        return handle
+
+    def done(self, handle: Any) -> bool:
+        """Whether read `handle` finished (then it is released); OSError if it failed."""
+        try:
+            state = self.agent.check_xfer_state(handle)
+        except Exception as exc:
+            raise OSError(f"NIXL lost a read: {exc!r}") from None
+        if state == "PROC":
+            return False
+        self.agent.release_xfer_handle(handle)
+        if state != "DONE":
+            raise OSError(f"a NIXL read ended in state {state}")
+        return True
+
+    def close(self) -> None:
+        for mapping, _ in self._mapped.values():
+            try:
+                mapping.close()
+            except BufferError:  # the address handed to NIXL still points into it
+                pass
+        self._mapped.clear()

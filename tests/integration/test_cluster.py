@@ -1,0 +1,227 @@
+"""Three brokers on this host as three nodes of a cluster (Note [cluster] in server/cluster.py),
+the bytes between them moved by NIXL over UCX's TCP transport (UCX_TLS=tcp), as between
+machines."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import tensorbroker as tb
+from tests.support import crash, in_thread, wait_until
+
+pytest.importorskip("nixl_cu12", reason="the cluster needs NIXL: make test installs nixl-cu12")
+
+NODES = ("a", "b", "c")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cluster_options(node: str, ports: dict[str, int]) -> list[str]:
+    peers = ",".join(f"tcp://127.0.0.1:{p}" for n, p in ports.items() if n != node)
+    return ["--node", node, "--cluster", f"tcp://127.0.0.1:{ports[node]}", "--peers", peers,
+            "--insecure-tcp"]  # fmt: skip
+
+
+@pytest.fixture
+def brokers(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, tb.BrokerProcess]]:
+    monkeypatch.setenv("UCX_TLS", "tcp")  # the network path, not shared memory
+    ports = {node: _free_port() for node in NODES}
+    started: dict[str, tb.BrokerProcess] = {}
+    try:
+        for node in NODES:
+            started[node] = tb.start_broker(
+                memory="64MiB", options=_cluster_options(node, ports), log_level="info"
+            )
+        yield started
+    finally:
+        for b in started.values():
+            b.stop()
+
+
+@pytest.fixture
+def clients(brokers: dict[str, tb.BrokerProcess]) -> Iterator[dict[str, tb.Client]]:
+    opened = {node: tb.connect(b.address) for node, b in brokers.items()}
+    try:
+        assert wait_until(lambda: all(_all_up(c) for c in opened.values()), 10), {
+            n: c.stats()["cluster"] for n, c in opened.items()
+        }
+        yield opened
+    finally:
+        for c in opened.values():
+            c.close()
+
+
+def _all_up(c: tb.Client) -> bool:
+    peers = c.stats()["cluster"]["peers"]
+    return len(peers) == len(NODES) - 1 and all(p["state"] == "up" for p in peers.values())
+
+
+def _received(c: tb.Client) -> int:
+    return int(c.stats()["cluster"]["bytes_received"])
+
+
+def test_a_key_put_on_one_node_is_read_on_the_others_then_locally(
+    clients: dict[str, tb.Client],
+) -> None:
+    a, b, c = clients["a"], clients["b"], clients["c"]
+    x = np.random.default_rng(0).standard_normal((512, 256)).astype(np.float32)  # 512 KiB
+    assert a.put("weights", x) == 1
+    assert wait_until(lambda: "weights" in b.keys() and b.exists("weights"), 5)
+    got = b.get("weights")  # pulled from a, once
+    assert got.version == 1
+    np.testing.assert_array_equal(got.numpy(), x)
+    pulled = _received(b)
+    assert pulled >= x.nbytes
+    again = b.get("weights")  # b's own replica now: no second pull
+    np.testing.assert_array_equal(again.numpy(), x)
+    assert _received(b) == pulled
+    assert a.stats()["cluster"]["bytes_sent"] >= x.nbytes
+    bundle = {"w": np.arange(10, dtype=np.int64), "b": np.ones((3, 3), np.float16)}
+    a.put("layer", bundle)  # a bundle keeps its names and dtypes
+    assert wait_until(lambda: c.exists("layer"), 5)
+    layer = c.get("layer")
+    assert set(layer) == {"w", "b"}
+    np.testing.assert_array_equal(layer["w"].numpy(), bundle["w"])
+    np.testing.assert_array_equal(layer["b"].numpy(), bundle["b"])
+    with pytest.raises(tb.NotFound):
+        c.get("nowhere")
+    del got, again, layer
+
+
+def test_a_get_that_waits_for_a_key_is_answered_by_a_put_on_another_node(
+    clients: dict[str, tb.Client],
+) -> None:
+    waiting, out = in_thread(lambda: clients["c"].get("later", timeout=10))
+    time.sleep(0.2)  # parked on c before the key exists anywhere
+    clients["a"].put("later", np.arange(7))
+    waiting.join(10)
+    assert out and not isinstance(out[0], BaseException), out
+    np.testing.assert_array_equal(out[0].numpy(), np.arange(7))
+
+
+def test_a_newer_version_replaces_the_replica(clients: dict[str, tb.Client]) -> None:
+    a, b = clients["a"], clients["b"]
+    a.put("k", np.zeros(1000))
+    assert wait_until(lambda: b.exists("k"), 5)
+    first = b.get("k")
+    assert first.version == 1 and first.numpy()[0] == 0
+    for v in range(2, 12):  # each read on b sees a whole version, never an older one
+        a.put("k", np.full(1000, v, np.float64))
+        assert wait_until(lambda: _version_seen(b, "k") >= v, 5)  # noqa: B023
+        item = b.get("k")
+        arr = item.numpy()
+        assert item.version == v and (arr == v).all()
+        del item, arr
+    assert first.numpy()[0] == 0  # the replica it held lives on while held
+    del first
+
+
+def _version_seen(c: tb.Client, key: str) -> int:
+    try:
+        return int(c.get(key).version)
+    except tb.NotFound:
+        return 0
+
+
+def test_two_nodes_putting_one_key_at_once_converge_on_one_version(
+    clients: dict[str, tb.Client],
+) -> None:
+    for i in range(5):
+        key = f"race{i}"
+        clients["a"].put(key, np.full(8, 1.0))
+        clients["b"].put(key, np.full(8, 2.0))
+
+        def agreed() -> bool:
+            got = {n: c.get(key, timeout=5) for n, c in clients.items()}  # noqa: B023
+            return len({(g.version, float(g.numpy()[0])) for g in got.values()}) == 1
+
+        assert wait_until(agreed, 10), {n: c.get(key).version for n, c in clients.items()}
+    # and a later put on the node that lost goes above every version seen
+    clients["a"].put("race0", np.full(8, 3.0))
+    assert wait_until(lambda: float(clients["c"].get("race0").numpy()[0]) == 3.0, 10)
+
+
+def test_a_peer_killed_is_down_within_3s_and_rejoins_with_its_objects(
+    brokers: dict[str, tb.BrokerProcess], clients: dict[str, tb.Client]
+) -> None:
+    a, b = clients["a"], clients["b"]
+    a.put("only-on-a", np.arange(100))
+    a.put("pulled", np.arange(50))
+    assert wait_until(lambda: b.exists("pulled"), 5)
+    held = b.get("pulled")
+    crash(brokers["a"])
+    killed = time.monotonic()
+    assert wait_until(lambda: b.stats()["cluster"]["peers"]["a"]["state"] == "down", 3.5)
+    assert time.monotonic() - killed < 3.0
+    with pytest.raises(tb.PeerUnavailable, match="only-on-a.*node 'a'.*down"):
+        b.get("only-on-a")
+    np.testing.assert_array_equal(b.get("pulled").numpy(), np.arange(50))  # the replica stays
+    brokers["a"].restart()  # on its state: it adopts its objects
+    assert wait_until(lambda: b.stats()["cluster"]["peers"]["a"]["state"] == "up", 10)
+    assert wait_until(lambda: b.exists("only-on-a"), 5)
+    np.testing.assert_array_equal(b.get("only-on-a").numpy(), np.arange(100))
+    assert wait_until(lambda: _loans(a) == 0, 5), "a pull left the object pinned on a"
+    del held
+
+
+def _loans(c: tb.Client) -> int:
+    return int(c.stats()["cluster"]["loans"])
+
+
+def test_pulls_leave_no_memory_held(clients: dict[str, tb.Client]) -> None:
+    a, b = clients["a"], clients["b"]
+    for i in range(20):
+        a.put(f"m{i}", np.full(64 * 1024, i, np.uint8))
+    assert wait_until(lambda: all(b.exists(f"m{i}") for i in range(20)), 5)
+    for i in range(20):
+        assert int(b.get(f"m{i}").numpy()[-1]) == i
+    assert wait_until(lambda: _loans(a) == 0, 5) and b.stats()["cluster"]["pulls"] == 0
+    for i in range(20):
+        a.delete(f"m{i}")
+    assert wait_until(lambda: not b.keys(), 5), b.keys()  # the replicas went with the keys
+    assert wait_until(lambda: b.stats()["used_bytes"] == 0, 5)
+    assert wait_until(lambda: a.stats()["used_bytes"] == 0, 5)
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--node", "a"], "both --node NAME and --cluster"),
+        (["--node", "a", "--cluster", "tcp://0.0.0.0:1"], "loopback address with --insecure-tcp"),
+        (["--node", "a/b", "--cluster", "tcp://127.0.0.1:1", "--insecure-tcp"], "--node"),
+        (["--node", "a", "--cluster", "127.0.0.1:1", "--insecure-tcp"], "tcp://HOST:PORT"),
+        (
+            [
+                "--node",
+                "a",
+                "--cluster",
+                "tcp://127.0.0.1:1",
+                "--insecure-tcp",
+                "--peers",
+                "dns:no-such-host.invalid:1",
+            ],
+            "does not resolve",
+        ),  # fmt: skip
+    ],
+)
+def test_cluster_options_that_cannot_work_are_refused_with_what_to_do(
+    args: list[str], says: str, tmp_path: object
+) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "tensorbroker", "serve", "--memory", "16MiB",
+         "--address", f"ipc://{tmp_path}/b.sock", *args],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr
+    assert says in run.stderr
