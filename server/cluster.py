@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 import msgpack
 import zmq
 
+from ..common.curve import ServerKeys, server_keys
 from ..common.errors import BrokerError, InvalidRequest
 from .objects import Objects
 from .parking import ParkingLot
@@ -59,16 +60,19 @@ MAX_MESSAGE = 64 * 2**20  # a peer's message (a welcome lists its keys): at most
 
 class Joining(NamedTuple):
     """What `serve --node --cluster --peers` says: this node's name, the address its peers
-    reach it at, and theirs."""
+    reach it at, theirs, and the CURVE keys the brokers share (None: --insecure-tcp, on
+    loopback only)."""
 
     node: str
     address: str
     peers: list[str]
+    keys: ServerKeys | None
 
     @classmethod
     def parse(
-        cls, node: str | None, address: str | None, peers: str, insecure: bool
-    ) -> Joining | None:
+        cls, node: str | None, address: str | None, peers: str, insecure: bool,
+        secret: str | None = None, clients: str | None = None,
+    ) -> Joining | None:  # fmt: skip
         """The options as given (None: no cluster); InvalidRequest saying what is wrong."""
         if node is None and address is None and not peers:
             return None
@@ -76,17 +80,21 @@ class Joining(NamedTuple):
             raise InvalidRequest("a cluster needs both --node NAME and --cluster tcp://HOST:PORT")
         if not node.replace("-", "").replace("_", "").replace(".", "").isalnum():
             raise InvalidRequest(f"--node: letters, digits, '-', '_' and '.' only, not {node!r}")
-        host = _tcp_host(address, "--cluster")
-        if not insecure or not _loopback(host):
-            raise InvalidRequest(
-                f"--cluster {address}: brokers do not authenticate each other yet, so a cluster "
-                "serves on a loopback address with --insecure-tcp only (issue 33's note)"
-            )
+        _tcp_host(address, "--cluster")
         found = [a for spec in peers.split(",") if spec.strip() for a in _resolve(spec.strip())]
         for peer in found:
-            if not _loopback(_tcp_host(peer, "--peers")):
-                raise InvalidRequest(f"--peers {peer}: a loopback address only, for now")
-        return cls(node, address, found)
+            _tcp_host(peer, "--peers")
+        # Brokers share one key pair (a Kubernetes Secret, say): each serves it, and reaches
+        # the others with it; --curve-clients, if given, must hold its public key.
+        keys = server_keys(address, secret, clients, insecure)  # refuses what would be open
+        if keys is None:
+            wide = [a for a in found if not _loopback(_tcp_host(a, "--peers"))]
+            if wide:
+                raise InvalidRequest(
+                    f"--peers {wide[0]}: without keys a cluster stays on loopback; serve every "
+                    "broker with the same --curve-secret (`tensorbroker keys`)"
+                )
+        return cls(node, address, found, keys)
 
 
 class Watched:
@@ -160,16 +168,26 @@ class Cluster:
     here."""
 
     def __init__(
-        self, node: str, address: str, peers: list[str], objects: Objects, lot: ParkingLot,
-        transfers: Transfers, poller: zmq.Poller,
+        self, joining: Joining, objects: Objects, lot: ParkingLot, transfers: Transfers,
+        poller: zmq.Poller,
     ) -> None:  # fmt: skip
-        self.node, self.address, self.transfers = node, address, transfers
+        node, address, keys = joining.node, joining.address, joining.keys
+        self.node, self.address, self.transfers, self._keys = node, address, transfers, keys
         self._ctx = zmq.Context()
+        self._authenticator: Any = None
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+        if keys is not None:
+            keys.apply(self._router)
+            if keys.clients is not None:  # ZeroMQ asks this thread about each peer
+                from zmq.auth.thread import ThreadAuthenticator
+
+                self._authenticator = ThreadAuthenticator(self._ctx, log=log)
+                self._authenticator.start()
+                self._authenticator.configure_curve(domain="*", location=keys.clients)
         self._router.bind(address)
-        self.peers = [self._link(a) for a in peers if a != address]
+        self.peers = [self._link(a) for a in joining.peers if a != address]
         self.sockets = {self._router, *(p.socket for p in self.peers)}
         for s in self.sockets:
             poller.register(s, zmq.POLLIN)
@@ -183,7 +201,7 @@ class Cluster:
     ) -> Cluster:
         """This broker in a cluster: its NIXL agent, its links, and Objects told of both."""
         transfers = Transfers(joining.node, shm_dir)
-        cluster = cls(joining.node, joining.address, joining.peers, objects, lot, transfers, poller)
+        cluster = cls(joining, objects, lot, transfers, poller)
         for segment in objects.registry.arena.segments:
             transfers.register(segment)
         objects.elsewhere = cluster.replicas
@@ -194,6 +212,10 @@ class Cluster:
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
         socket.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued for a peer not connected
+        if self._keys is not None:  # the pair every broker of the cluster serves
+            socket.curve_serverkey = self._keys.public
+            socket.curve_publickey = self._keys.public
+            socket.curve_secretkey = self._keys.secret
         socket.connect(address)
         return Peer(address, socket)
 
@@ -358,5 +380,7 @@ class Cluster:
     def close(self) -> None:
         for s in self.sockets:
             s.close(0)
+        if self._authenticator is not None:
+            self._authenticator.stop()
         self._ctx.term()
         self.transfers.close()

@@ -50,12 +50,17 @@ def _serve(args: argparse.Namespace) -> int:
     devices = DeviceMemory(load=cudart.load, spec=parse_cuda_memory(args.cuda_memory))
     capacity = parse_size(args.memory) if args.memory else default_capacity(SHM_DIR)
     try:
-        cluster = Joining.parse(args.node, args.cluster, args.peers, args.insecure_tcp)
-        insecure = args.insecure_tcp and (cluster is None or address.startswith("tcp://"))
+        cluster = Joining.parse(
+            args.node, args.cluster, args.peers, args.insecure_tcp, args.curve_secret,
+            args.curve_clients,
+        )  # fmt: skip
+        tcp = cluster is None or address.startswith("tcp://")  # the keys: clients' too?
+        insecure = args.insecure_tcp and tcp
         broker = Broker(
             address, capacity, devices=devices, state_dir=args.state_dir,
             keep_state=args.state_dir is not None, reset=args.reset,
-            curve_secret=args.curve_secret, curve_clients=args.curve_clients,
+            curve_secret=args.curve_secret if tcp else None,
+            curve_clients=args.curve_clients if tcp else None,
             insecure_tcp=insecure, group=args.group, evict=args.evict, cluster=cluster,
         )  # fmt: skip
     except BrokerError as exc:
@@ -342,7 +347,7 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--node", metavar="NAME", help="this node's name in a cluster")
     serve.add_argument(
         "--cluster", metavar="tcp://HOST:PORT", help="where the other brokers of a cluster reach "
-        "this one (loopback with --insecure-tcp for now)",
+        "this one; every broker serves the same --curve-secret (or --insecure-tcp on loopback)",
     )  # fmt: skip
     serve.add_argument(
         "--peers", metavar="ADDRS", default="", help="the other brokers' --cluster addresses, "

@@ -4,16 +4,19 @@ machines."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import tensorbroker as tb
+from tensorbroker.common.curve import make_keys
 from tests.support import crash, in_thread, wait_until
 
 pytest.importorskip("nixl_cu12", reason="the cluster needs NIXL: make test installs nixl-cu12")
@@ -198,7 +201,19 @@ def test_pulls_leave_no_memory_held(clients: dict[str, tb.Client]) -> None:
     ("args", "says"),
     [
         (["--node", "a"], "both --node NAME and --cluster"),
-        (["--node", "a", "--cluster", "tcp://0.0.0.0:1"], "loopback address with --insecure-tcp"),
+        (["--node", "a", "--cluster", "tcp://0.0.0.0:1"], "Make keys (`tensorbroker keys"),
+        (
+            [
+                "--node",
+                "a",
+                "--cluster",
+                "tcp://127.0.0.1:1",
+                "--insecure-tcp",
+                "--peers",
+                "tcp://10.0.0.9:1",
+            ],
+            "without keys a cluster stays on loopback",
+        ),  # fmt: skip
         (["--node", "a/b", "--cluster", "tcp://127.0.0.1:1", "--insecure-tcp"], "--node"),
         (["--node", "a", "--cluster", "127.0.0.1:1", "--insecure-tcp"], "tcp://HOST:PORT"),
         (
@@ -225,3 +240,39 @@ def test_cluster_options_that_cannot_work_are_refused_with_what_to_do(
     )  # fmt: skip
     assert run.returncode == 2, run.stderr
     assert says in run.stderr
+
+
+def test_brokers_with_the_cluster_keys_join_and_one_without_them_does_not(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Every broker serves the cluster's key pair and reaches the others with it; a broker
+    with another pair never completes the handshake (CURVE), so it never joins."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    shared, stray = tmp_path / "cluster", tmp_path / "stray"
+    _, secret = make_keys(str(shared), "cluster")
+    _, other = make_keys(str(stray), "cluster")
+    ports = {node: _free_port() for node in NODES}
+
+    def options(node: str, key: str) -> list[str]:
+        plain = _cluster_options(node, ports)[:-1]  # without --insecure-tcp
+        return [*plain, "--curve-secret", key, "--curve-clients", str(shared)]
+
+    with contextlib.ExitStack() as stack:
+        started = {
+            node: stack.enter_context(
+                tb.start_broker(
+                    memory="32MiB", options=options(node, other if node == "c" else secret)
+                )
+            )
+            for node in NODES
+        }
+        a, b, c = (stack.enter_context(tb.connect(started[n].address)) for n in NODES)
+        assert wait_until(
+            lambda: b.stats()["cluster"]["peers"].get("a", {}).get("state") == "up", 10
+        )
+        a.put("secret-weights", np.arange(16))
+        assert wait_until(lambda: b.exists("secret-weights"), 5)
+        np.testing.assert_array_equal(b.get("secret-weights").numpy(), np.arange(16))
+        time.sleep(1.5)  # c had every chance to join
+        assert all(p["state"] == "down" for p in c.stats()["cluster"]["peers"].values())
+        assert "c" not in a.stats()["cluster"]["peers"] and not c.exists("secret-weights")
