@@ -240,10 +240,11 @@ class Objects:
         obj = self.registry.objects.get(key)
         if obj is not None and obj.version > after:
             return self.describe(session, obj, req.id)
-        if obj is None and after and f.get("deletes", False):
+        elsewhere = self.elsewhere is not None and self.elsewhere.holds(key)
+        if obj is None and after and f.get("deletes", False) and not elsewhere:
             return {"deleted": True}  # gone since the watcher's version
-        if obj is None and self.elsewhere is not None and self.elsewhere.get(session, route, req):
-            return None  # pulled from the node that has it, then answered
+        if elsewhere and self.elsewhere.get(session, route, req):  # type: ignore[union-attr]
+            return None  # a newer version is pulled from the node that has it, then answered
         if after:
             what = f"no version of {key!r} newer than {after} was sealed"
         else:

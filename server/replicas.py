@@ -87,11 +87,13 @@ class Replicas:
         self.links.everyone({"op": "key", "key": key, "version": version, "size": size})
 
     def get(self, session: Session, route: bytes, req: Request) -> bool:
-        """A get of a key not held here: pull it if another node has it (the get waits for
-        the pull); False if no node has it. PeerUnavailable if its node is down."""
+        """A get of a key another node has, in a version newer than the get's `after` (a
+        watch's): pulled, the get waits for the pull. False if no node has one (a watch
+        then waits in its key's line: `listed` pulls for it when one is announced).
+        PeerUnavailable if its node is down."""
         key, after = req.fields["key"], req.fields.get("after", 0)
         remote = self.index.get(key)
-        if remote is None or after:
+        if remote is None or remote.version <= after:
             return False
         if not self.links.up(remote.node):
             raise PeerUnavailable(
@@ -150,9 +152,13 @@ class Replicas:
         stale = known is not None and (known.node != node or known.version < version)
         if here is not None and (mine or stale):  # a put that lost, or a replica of a loser's
             self.registry.delete(key)
-        waiting = [w for w in self.lot.line(("get", key)) if not w.request.fields.get("after")]
-        if waiting and key not in self._pulling and self.links.up(node):
-            self._ask(key, node).waiters = waiting  # gets that waited for it to be put
+        # Gets and watches waiting for a version: pulled now. So is the new version of a key
+        # read here before (a weight-sync reader does not pay the pull at its next get).
+        line = self.lot.line(("get", key))
+        waiting = [w for w in line if w.request.fields.get("after", 0) < version]
+        if (waiting or (here is not None and stale)) and self.links.up(node):
+            pull = self._pulling.get(key) or self._ask(key, node)
+            pull.waiters.extend(w for w in waiting if w not in pull.waiters)
 
     def _forget(self, key: str) -> None:
         """`key` is no other node's now: its replica here goes too (else it would pass for

@@ -113,6 +113,36 @@ def test_a_get_that_waits_for_a_key_is_answered_by_a_put_on_another_node(
     np.testing.assert_array_equal(out[0].numpy(), np.arange(7))
 
 
+def test_a_watch_on_another_node_sees_whole_versions_in_order_to_the_last(
+    clients: dict[str, tb.Client],
+) -> None:
+    a, b = clients["a"], clients["b"]
+    last = 40
+    a.put("policy", np.full(16 * 1024, 1, np.int64))
+    seen: list[int] = []
+
+    def follow() -> None:
+        for item in b.watch("policy", timeout=10):
+            assert item is not None
+            values = item.numpy()
+            assert (values == item.version).all(), f"version {item.version} torn"
+            seen.append(item.version)
+            if item.version == last:
+                return
+
+    watching, out = in_thread(follow)
+    for v in range(2, last + 1):
+        a.put("policy", np.full(16 * 1024, v, np.int64))
+        time.sleep(0.005)
+    watching.join(30)
+    assert out == [None], out
+    assert seen == sorted(set(seen)) and seen[-1] == last, seen
+    before = _received(b)  # the watched key's next version is pulled as it is announced
+    a.put("policy", np.full(16 * 1024, last + 1, np.int64))
+    assert wait_until(lambda: _received(b) > before, 5), "the new version was not pulled ahead"
+    assert b.get("policy").version == last + 1
+
+
 def test_a_newer_version_replaces_the_replica(clients: dict[str, tb.Client]) -> None:
     a, b = clients["a"], clients["b"]
     a.put("k", np.zeros(1000))
