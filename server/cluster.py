@@ -284,7 +284,8 @@ class Cluster:
             elif op == "key":
                 replicas.listed(node, str(m["key"]), int(m["version"]), int(m["size"]))
             elif op == "lend":
-                self._reply(route, replicas.lend(node, int(m["pull"]), str(m["key"])))
+                direct = bool(m.get("direct"))
+                replicas.lend(node, int(m["pull"]), str(m["key"]), direct)
             elif op == "returned":
                 replicas.returned(node, int(m["pull"]))
         except (KeyError, TypeError, ValueError, BrokerError) as exc:
@@ -336,6 +337,12 @@ class Cluster:
     def send(self, node: str, message: dict[str, Any]) -> bool:
         peer = self._peer(node)
         return peer is not None and self._send(peer, message)
+
+    def answer(self, node: str, message: dict[str, Any]) -> None:
+        """Answer a request of `node`'s (on the link it opened to this broker)."""
+        route = next((r for r, n in self._routes.items() if n == node), None)
+        if route is not None:
+            self._reply(route, message)
 
     def everyone(self, message: dict[str, Any]) -> None:
         for peer in self.peers:

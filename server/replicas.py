@@ -7,6 +7,11 @@ A replica is listed in this node's directory under its key and its owner's versi
 its readers read it as any object (microseconds); it is evictable, and dropped when another
 version wins. It is never announced: the index keeps its key, which is how this room tells a
 replica from a put of this node's.
+
+Fan-out: an owner lends each version to FANOUT nodes itself, and sends the pulls that come
+after to those borrowers (`redirect`), which lend their replica, or, still pulling it, lend
+it once they have it. A borrower that fails a pull sends it back to the owner, who then lends
+it directly. So the owner's node sends a version's bytes FANOUT times, however many read it.
 """
 
 from __future__ import annotations
@@ -23,12 +28,14 @@ from .records import Session, StoredObject
 from .transfers import Transfers
 
 PULL_WAIT = 30.0  # a get that pulls waits this long at least, whatever its own timeout
+FANOUT = 2  # the nodes a version's owner lends it to itself; later pullers go to theirs
 
 
 class Links(Protocol):
     """The links to the other nodes (cluster.py's Cluster)."""
 
     def send(self, node: str, message: dict[str, Any]) -> bool: ...
+    def answer(self, node: str, message: dict[str, Any]) -> None: ...
     def everyone(self, message: dict[str, Any]) -> None: ...
     def up(self, node: str) -> bool: ...
 
@@ -44,18 +51,21 @@ class Remote:
 
 @dataclass(slots=True)
 class Pull:
-    """A key being pulled from `node`: asked to lend (handle None), then read."""
+    """A key being pulled: its owner `node`, asked (or `source`, a node it sent this one to)
+    to lend it (handle None), then read. `lends`: pulls of other nodes sent here meanwhile."""
 
     id: int
     key: str
     node: str
     seen: int  # the version the index named when it was asked for
     started: float
+    source: str = ""
     version: int = 0  # the version lent
     put: int = 0  # the put lease of the replica's block
     handle: Any = None
     size: int = 0
     waiters: list[Waiter] = field(default_factory=list)
+    lends: list[tuple[str, int]] = field(default_factory=list)  # (node, its pull id)
 
 
 class Replicas:
@@ -71,6 +81,7 @@ class Replicas:
         self.pulls: dict[int, Pull] = {}  # pull id -> pull
         self._pulling: dict[str, Pull] = {}  # key -> its pull under way
         self.loans: dict[tuple[str, int], StoredObject] = {}  # (node, pull id) -> pinned
+        self._lent_to: dict[str, tuple[int, list[str]]] = {}  # key -> (version, borrowers)
         self._ids = 0
         self.bytes_sent = self.bytes_received = 0
 
@@ -169,11 +180,36 @@ class Replicas:
 
     # -- lending ----------------------------------------------------------------------------------
 
-    def lend(self, node: str, pull: int, key: str) -> dict[str, Any]:
-        """Pin `key`'s live version for `node`'s pull, and say where its bytes are."""
+    def lend(self, node: str, pull: int, key: str, direct: bool = False) -> None:
+        """Answer `node`'s pull of `key`: pin its version here and say where its bytes are;
+        or, the owner of a version it lent FANOUT times already, send it to one of those
+        borrowers (unless `direct`: one of them failed it); or, pulling it, lend it once
+        the pull is done."""
+        pulling = self._pulling.get(key)
+        if pulling is not None and key in self.index:
+            pulling.lends.append((node, pull))
+            return
         obj = self.registry.objects.get(key)
         if obj is None or obj.device != "cpu":
-            return {"op": "lent", "pull": pull, "error": f"node {self.node!r} has no {key!r}"}
+            error = f"node {self.node!r} has no {key!r}"
+            self.links.answer(node, {"op": "lent", "pull": pull, "error": error})
+            return
+        if key not in self.index:  # this node's own: its bytes go out FANOUT times at most
+            version, borrowers = self._lent_to.get(key, (0, []))
+            if version != obj.version:
+                version, borrowers = obj.version, []
+                self._lent_to[key] = (version, borrowers)
+            others = [b for b in borrowers if b != node and self.links.up(b)]
+            if len(borrowers) >= FANOUT and others and not direct:
+                to = others[pull % len(others)]
+                self.links.answer(node, {"op": "lent", "pull": pull, "redirect": to})
+                return
+            if node not in borrowers:
+                borrowers.append(node)
+        self.links.answer(node, self._loan(node, pull, obj))
+
+    def _loan(self, node: str, pull: int, obj: StoredObject) -> dict[str, Any]:
+        """Pin `obj` for `node`'s pull `pull`: its `lent` answer."""
         self.transfers.register(obj.block.segment)
         self.registry.pin(obj)
         self.loans[node, pull] = obj
@@ -196,8 +232,11 @@ class Replicas:
             self.registry.unpin(self.loans.pop(loan))
 
     def node_down(self, node: str) -> None:
-        for pull in [p for p in self.pulls.values() if p.node == node]:
-            self._fail(pull, PeerUnavailable(f"node {node!r} went down during the pull"))
+        for pull in [p for p in self.pulls.values() if node in (p.node, p.source)]:
+            if pull.node != node and pull.handle is None:  # a borrower sent to: the owner
+                self._ask_at(pull, pull.node, direct=True)
+            else:
+                self._fail(pull, PeerUnavailable(f"node {node!r} went down during the pull"))
         self.let_go(node)
 
     # -- pulls ------------------------------------------------------------------------------------
@@ -209,10 +248,20 @@ class Replicas:
 
     def _ask(self, key: str, node: str) -> Pull:
         self._ids += 1
-        pull = Pull(self._ids, key, node, self.index[key].version, time.monotonic())
+        pull = Pull(self._ids, key, node, self.index[key].version, time.monotonic(), node)
         self.pulls[pull.id] = self._pulling[key] = pull
         self.links.send(node, {"op": "lend", "pull": pull.id, "key": key})
         return pull
+
+    def _ask_at(self, pull: Pull, source: str, direct: bool = False) -> None:
+        """Ask `source` to lend `pull`'s key instead (the owner sent it there; or, `direct`,
+        the owner again, after `source` failed it)."""
+        pull.source, pull.started = source, time.monotonic()
+        message = {"op": "lend", "pull": pull.id, "key": pull.key}
+        if direct:
+            message["direct"] = True
+        if not self.links.send(source, message) and source != pull.node:
+            self._ask_at(pull, pull.node, direct=True)
 
     def _again(self, pull: Pull, error: BrokerError) -> None:
         """Pull it again from where the index says it is now (another version won, or it was
@@ -220,13 +269,21 @@ class Replicas:
         self._end(pull)
         remote = self.index.get(pull.key)
         if remote is not None and self.links.up(remote.node):
-            self._ask(pull.key, remote.node).waiters = pull.waiters
+            again = self._ask(pull.key, remote.node)
+            again.waiters, again.lends, pull.lends = pull.waiters, pull.lends, []
         else:
             self._fail(pull, error)
 
     def lent(self, m: dict[str, Any]) -> None:
         pull = self.pulls.get(int(m["pull"]))
         if pull is None:
+            return
+        if "redirect" in m:  # its owner lent it enough: one of those borrowers lends it
+            to = str(m["redirect"])
+            self._ask_at(pull, to) if self.links.up(to) else self._ask_at(pull, pull.node, True)
+            return
+        if "error" in m and pull.source != pull.node:  # a borrower failed it: the owner lends
+            self._ask_at(pull, pull.node, direct=True)
             return
         if "error" in m:  # it had no such key: another node's won, or it was deleted there
             remote = self.index.get(pull.key)
@@ -238,7 +295,7 @@ class Replicas:
             return
         pull.version = int(m["version"])
         try:
-            self.transfers.add_peer(pull.node, bytes(m["agent"]))
+            self.transfers.add_peer(pull.source, bytes(m["agent"]))
             specs = [(str(n), str(d), tuple(s)) for n, d, s in m["specs"]]
             pull.put, obj = self.registry.begin_put(
                 self.session, pull.key, specs, bool(m["bundle"])
@@ -247,7 +304,7 @@ class Replicas:
             pull.size = min(int(m["size"]), int(obj.nbytes))
             self.transfers.register(obj.block.segment)
             local = self.transfers.address(obj.block.segment, obj.block.offset)
-            pull.handle = self.transfers.read(pull.node, int(m["address"]), local, pull.size)
+            pull.handle = self.transfers.read(pull.source, int(m["address"]), local, pull.size)
         except BrokerError as exc:  # no room here for it (CapacityError), say
             self._fail(pull, exc)
         except (OSError, KeyError, TypeError, ValueError) as exc:
@@ -275,6 +332,10 @@ class Replicas:
         if remote is not None and (remote.node, remote.version) == (pull.node, pull.version):
             self.objects.seal(self.session, pull.put, False, version=pull.version)
             self._end(pull)
+            obj = self.registry.objects.get(pull.key)
+            for node, their in pull.lends:  # pulls sent here meanwhile: lent the replica
+                if obj is not None:
+                    self.links.answer(node, self._loan(node, their, obj))
             return
         self.registry.abort(self.session, pull.put, False)  # deleted, or another version won
         pull.put = 0
@@ -284,6 +345,9 @@ class Replicas:
         if pull.handle is not None:  # still reading: its block must outlive the read
             return
         self._end(pull)
+        for node, their in pull.lends:  # sent here: their owner lends it to them instead
+            gone = f"node {self.node!r} could not pull {pull.key!r}"
+            self.links.answer(node, {"op": "lent", "pull": their, "error": gone})
         if pull.put:
             self.registry.abort(self.session, pull.put, False)
         for w in pull.waiters:
@@ -296,4 +360,4 @@ class Replicas:
         if self._pulling.get(pull.key) is pull:
             del self._pulling[pull.key]
         if pull.version:
-            self.links.send(pull.node, {"op": "returned", "pull": pull.id})
+            self.links.send(pull.source, {"op": "returned", "pull": pull.id})

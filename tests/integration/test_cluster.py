@@ -36,13 +36,12 @@ def _cluster_options(node: str, ports: dict[str, int]) -> list[str]:
             "--insecure-tcp"]  # fmt: skip
 
 
-@pytest.fixture
-def brokers(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, tb.BrokerProcess]]:
-    monkeypatch.setenv("UCX_TLS", "tcp")  # the network path, not shared memory
-    ports = {node: _free_port() for node in NODES}
+@contextlib.contextmanager
+def _cluster(nodes: tuple[str, ...]) -> Iterator[dict[str, tb.BrokerProcess]]:
+    ports = {node: _free_port() for node in nodes}
     started: dict[str, tb.BrokerProcess] = {}
     try:
-        for node in NODES:
+        for node in nodes:
             started[node] = tb.start_broker(
                 memory="64MiB", options=_cluster_options(node, ports), log_level="info"
             )
@@ -50,6 +49,13 @@ def brokers(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, tb.BrokerProc
     finally:
         for b in started.values():
             b.stop()
+
+
+@pytest.fixture
+def brokers(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, tb.BrokerProcess]]:
+    monkeypatch.setenv("UCX_TLS", "tcp")  # the network path, not shared memory
+    with _cluster(NODES) as started:
+        yield started
 
 
 @pytest.fixture
@@ -67,7 +73,7 @@ def clients(brokers: dict[str, tb.BrokerProcess]) -> Iterator[dict[str, tb.Clien
 
 def _all_up(c: tb.Client) -> bool:
     peers = c.stats()["cluster"]["peers"]
-    return len(peers) == len(NODES) - 1 and all(p["state"] == "up" for p in peers.values())
+    return all(p["state"] == "up" for p in peers.values())
 
 
 def _received(c: tb.Client) -> int:
@@ -306,3 +312,30 @@ def test_brokers_with_the_cluster_keys_join_and_one_without_them_does_not(
         time.sleep(1.5)  # c had every chance to join
         assert all(p["state"] == "down" for p in c.stats()["cluster"]["peers"].values())
         assert "c" not in a.stats()["cluster"]["peers"] and not c.exists("secret-weights")
+
+
+def test_a_version_read_on_many_nodes_leaves_its_owner_twice_at_most(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fan-out without a hot spot: the owner lends a version to two nodes; the others pull
+    it from those (waiting, if they are still pulling it)."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    nodes = ("a", "b", "c", "d", "e")
+    with _cluster(nodes) as started, contextlib.ExitStack() as stack:
+        cs = {n: stack.enter_context(tb.connect(started[n].address)) for n in nodes}
+        assert wait_until(lambda: all(_all_up(c) for c in cs.values()), 10)
+        x = np.random.default_rng(1).integers(0, 255, 8 * 2**20, np.uint8)
+        cs["a"].put("shard", x)
+        readers = [cs[n] for n in nodes[1:]]
+        assert wait_until(lambda: all(r.exists("shard") for r in readers), 5)
+        threads = [in_thread(lambda r=r: r.get("shard")) for r in readers]  # at once
+        for thread, out in threads:
+            thread.join(30)
+            assert out and not isinstance(out[0], BaseException), out
+            np.testing.assert_array_equal(out[0].numpy(), x)
+            del out[:]
+        sent = cs["a"].stats()["cluster"]["bytes_sent"]
+        assert x.nbytes <= sent <= 2 * x.nbytes, f"the owner sent {sent / x.nbytes:.1f}x"
+        got = sum(r.stats()["cluster"]["bytes_received"] for r in readers)
+        assert got >= len(readers) * x.nbytes
+        assert wait_until(lambda: all(_loans(c) == 0 for c in cs.values()), 5)
