@@ -6,8 +6,7 @@ leases each one carries, hands it to its handler, and sends the replies after th
 journal records (Note [recovery] in state.py). The rooms:
 
     sessions.py   hello, bye, pidfds and heartbeats: who the clients are and when one is gone
-    objects.py    keyed objects: put, seal, abort, get and watch, wait, delete, exists, keys
-                  (events.py: watch_prefix; eviction.py: room made when memory is full)
+    objects.py    keyed objects: put, seal, get, watch, ... (events.py, eviction.py)
     seals.py      seals and writes, routed to their key or queue; grants topped up
     queues.py     pipeline queues (broadcast.py, handoff.py: subscribers and direct handoffs)
     parking.py    every request that waits, and its deadline
@@ -23,6 +22,7 @@ that has not said hello is refused before any handler runs.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -354,7 +354,7 @@ class Broker:
             waits.append(backlog.RETRY_S)
         if self.cluster is not None:
             waits.append(self.cluster.wake_in)
-        return -1 if len(waits) == 1 else int(min(waits) * 1000) + 1
+        return -1 if len(waits) == 1 else math.ceil(min(waits) * 1000)
 
     def _handle(self, route: bytes, message: Any, frame: zmq.Frame | None = None) -> None:
         """Answer one request; `frame`: the ZeroMQ frame it came in (None: a lane's)."""

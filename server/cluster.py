@@ -225,8 +225,8 @@ class Cluster:
 
     @property
     def wake_in(self) -> float:
-        """Seconds until the loop must look again: reads under way are polled often."""
-        return 0.001 if self.replicas.reading else BEAT
+        """Seconds until the loop must look again: reads under way are polled (Replicas)."""
+        return min(self.replicas.poll_in, BEAT)
 
     # -- the loop ------------------------------------------------------------------------------
 

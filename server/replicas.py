@@ -16,6 +16,7 @@ it directly. So the owner's node sends a version's bytes FANOUT times, however m
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -29,6 +30,8 @@ from .transfers import Transfers
 
 PULL_WAIT = 30.0  # a get that pulls waits this long at least, whatever its own timeout
 FANOUT = 2  # the nodes a version's owner lends it to itself; later pullers go to theirs
+SPIN = 0.002  # seconds a read is polled without sleeping, from its start (poll_in)
+POLL = 0.001  # and then every POLL seconds
 
 
 class Links(Protocol):
@@ -63,6 +66,7 @@ class Pull:
     version: int = 0  # the version lent
     put: int = 0  # the put lease of the replica's block
     handle: Any = None
+    read_at: float = 0.0  # when the read started
     size: int = 0
     waiters: list[Waiter] = field(default_factory=list)
     lends: list[tuple[str, int]] = field(default_factory=list)  # (node, its pull id)
@@ -242,9 +246,15 @@ class Replicas:
     # -- pulls ------------------------------------------------------------------------------------
 
     @property
-    def reading(self) -> bool:
-        """Whether reads are under way (the loop polls them)."""
-        return any(p.handle is not None for p in self.pulls.values())
+    def poll_in(self) -> float:
+        """Seconds until the reads under way are polled again: at once while one started
+        less than SPIN ago (a small one ends within microseconds: a loop that slept 1 ms
+        would make a 4 KiB pull take milliseconds), then every POLL."""
+        now, due = time.monotonic(), math.inf
+        for p in self.pulls.values():
+            if p.handle is not None:
+                due = min(due, 0.0 if now - p.read_at < SPIN else POLL)
+        return due
 
     def _ask(self, key: str, node: str) -> Pull:
         self._ids += 1
@@ -305,6 +315,7 @@ class Replicas:
             self.transfers.register(obj.block.segment)
             local = self.transfers.address(obj.block.segment, obj.block.offset)
             pull.handle = self.transfers.read(pull.source, int(m["address"]), local, pull.size)
+            pull.read_at = time.monotonic()
         except BrokerError as exc:  # no room here for it (CapacityError), say
             self._fail(pull, exc)
         except (OSError, KeyError, TypeError, ValueError) as exc:

@@ -1,0 +1,254 @@
+"""The cluster section of `make bench`: brokers on this host as nodes of one cluster, the
+bytes over UCX's TCP transport (UCX_TLS=tcp), against the raw floors measured in the same
+run. Written to bench/results/cluster.md.
+
+    first get of 256 MiB on another node    vs  one raw NIXL READ of 256 MiB, two processes
+    first get of 4 KiB on another node      vs  one raw ZeroMQ round trip, tcp loopback
+    second get of 4 KiB there (its replica) vs  a get on the node that put it
+    one 64 MiB version read on 3 nodes      vs  its size: what its owner's broker sent
+
+Each figure is the median of REPS tries (a fresh key for each first get). Usage:
+python bench/cluster.py [--reps N] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import zmq
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+os.environ.setdefault("UCX_TLS", "tcp")
+
+import tensorbroker as tb  # noqa: E402
+from tensorbroker.server.transfers import load_nixl  # noqa: E402
+
+MiB = 2**20
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def cluster(nodes: list[str], memory: str) -> Iterator[dict[str, tb.Client]]:
+    ports = {n: _port() for n in nodes}
+    with contextlib.ExitStack() as stack:
+        clients = {}
+        for n in nodes:
+            peers = ",".join(f"tcp://127.0.0.1:{p}" for m, p in ports.items() if m != n)
+            options = ["--node", n, "--cluster", f"tcp://127.0.0.1:{ports[n]}",
+                       "--peers", peers, "--insecure-tcp"]  # fmt: skip
+            broker = stack.enter_context(tb.start_broker(memory=memory, options=options))
+            clients[n] = stack.enter_context(tb.connect(broker.address))
+        deadline = time.monotonic() + 20
+        while not all(
+            all(p["state"] == "up" for p in c.stats()["cluster"]["peers"].values())
+            for c in clients.values()
+        ):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the cluster did not come up within 20 s")
+            time.sleep(0.05)
+        yield clients
+
+
+def _known(c: tb.Client, key: str) -> None:
+    deadline = time.monotonic() + 10
+    while not c.exists(key):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{key!r} never reached the other node")
+        time.sleep(0.001)
+
+
+def _median(f: Callable[[int], float], reps: int) -> float:
+    return statistics.median(f(i) for i in range(reps))
+
+
+# -- the floors ----------------------------------------------------------------------------------
+
+
+def _nixl_target(size: int, pipe: Any) -> None:
+    api = load_nixl()
+    agent = api.nixl_agent("target", api.nixl_agent_config(backends=["UCX"]))
+    buf = np.ones(size, np.uint8)
+    agent.register_memory([(buf.ctypes.data, size, 0, "")], "DRAM")
+    pipe.send((bytes(agent.get_agent_metadata()), buf.ctypes.data))
+    pipe.recv()  # until the reader is done
+
+
+def raw_nixl_read(size: int, reps: int) -> float:
+    """Seconds for one NIXL READ of `size` bytes from another process (the median)."""
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    target = ctx.Process(target=_nixl_target, args=(size, theirs))
+    target.start()
+    try:
+        metadata, remote = mine.recv()
+        api = load_nixl()
+        agent = api.nixl_agent("reader", api.nixl_agent_config(backends=["UCX"]))
+        dst = np.zeros(size, np.uint8)
+        agent.register_memory([(dst.ctypes.data, size, 0, "")], "DRAM")
+        agent.add_remote_agent(metadata)
+
+        def once(_: int) -> float:
+            began = time.perf_counter()
+            local = agent.get_xfer_descs([(dst.ctypes.data, size, 0)], "DRAM")
+            far = agent.get_xfer_descs([(remote, size, 0)], "DRAM")
+            handle = agent.initialize_xfer("READ", local, far, "target")
+            agent.transfer(handle)
+            while agent.check_xfer_state(handle) == "PROC":
+                pass
+            agent.release_xfer_handle(handle)
+            return time.perf_counter() - began
+
+        once(0)  # the connection is made on the first
+        return _median(once, reps)
+    finally:
+        mine.send("done")
+        target.join(30)
+
+
+def raw_zmq_round_trip(reps: int) -> float:
+    """Seconds for one small ZeroMQ request and reply over tcp loopback (the median)."""
+    ctx = zmq.Context()
+    rep, req = ctx.socket(zmq.REP), ctx.socket(zmq.REQ)
+    port = rep.bind_to_random_port("tcp://127.0.0.1")
+    req.connect(f"tcp://127.0.0.1:{port}")
+
+    def echo() -> None:
+        for _ in range(reps + 1):
+            rep.send(rep.recv())
+
+    thread = threading.Thread(target=echo)
+    thread.start()
+
+    def once(_: int) -> float:
+        began = time.perf_counter()
+        req.send(b"x" * 64)
+        req.recv()
+        return time.perf_counter() - began
+
+    once(0)
+    t = _median(once, reps)
+    thread.join()
+    req.close(0)
+    rep.close(0)
+    ctx.term()
+    return t
+
+
+# -- tensorbroker ----------------------------------------------------------------------------------
+
+
+def first_get(a: tb.Client, b: tb.Client, size: int, reps: int) -> float:
+    x = np.ones(size, np.uint8)
+
+    def once(i: int) -> float:
+        key = f"first-{size}-{i}"
+        a.put(key, x)
+        _known(b, key)
+        began = time.perf_counter()
+        item = b.get(key)
+        t = time.perf_counter() - began
+        del item
+        a.delete(key)
+        return t
+
+    return _median(once, reps)
+
+
+def repeat_get(c: tb.Client, key: str, reps: int) -> float:
+    c.get(key)
+
+    def once(_: int) -> float:
+        began = time.perf_counter()
+        item = c.get(key)
+        t = time.perf_counter() - began
+        del item
+        return t
+
+    return _median(once, reps)
+
+
+def fan_out(size: int) -> float:
+    """What the owner's broker sent for one version read on 3 other nodes at once, in
+    multiples of its size."""
+    nodes = ["a", "b", "c", "d"]
+    with cluster(nodes, f"{size // MiB * 2 + 64}MiB") as cs:
+        cs["a"].put("shard", np.ones(size, np.uint8))
+        readers = [cs[n] for n in nodes[1:]]
+        for r in readers:
+            _known(r, "shard")
+        threads = [threading.Thread(target=r.get, args=("shard",)) for r in readers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return float(cs["a"].stats()["cluster"]["bytes_sent"]) / size
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "cluster.md"))
+    args = parser.parse_args()
+    reps = args.reps
+    big = 256 * MiB
+    print("cluster bench: the floors ...", flush=True)
+    nixl = raw_nixl_read(big, max(3, reps // 3))
+    rtt = raw_zmq_round_trip(reps * 20)
+    print("cluster bench: two nodes ...", flush=True)
+    with cluster(["a", "b"], "700MiB") as cs:
+        a, b = cs["a"], cs["b"]
+        big_get = first_get(a, b, big, max(3, reps // 3))
+        small_get = first_get(a, b, 4096, reps)
+        a.put("small", np.ones(4096, np.uint8))
+        _known(b, "small")
+        replica = repeat_get(b, "small", reps * 20)
+        local = repeat_get(a, "small", reps * 20)
+    print("cluster bench: fan-out ...", flush=True)
+    sent = fan_out(64 * MiB)
+    rows = [
+        ("first get of 256 MiB on another node", f"{big_get * 1e3:.1f} ms",
+         f"raw NIXL READ {nixl * 1e3:.1f} ms", nixl / big_get, "bandwidth, at least 0.8x"),
+        ("first get of 4 KiB on another node", f"{small_get * 1e6:.0f} us",
+         f"raw ZeroMQ round trip {rtt * 1e6:.0f} us", small_get / rtt, "at most 3x"),
+        ("second get of 4 KiB there (replica)", f"{replica * 1e6:.1f} us",
+         f"local get {local * 1e6:.1f} us", replica / local, "at most 2x"),
+        ("64 MiB read on 3 nodes at once", f"owner sent {sent:.2f}x", "its size", sent,
+         "at most 2x"),
+    ]  # fmt: skip
+    lines = [
+        "# Cluster (UCX over TCP loopback, brokers on one host)",
+        "",
+        f"Measured {time.strftime('%Y-%m-%d %H:%M')} on {os.cpu_count()} CPUs, medians of "
+        f"{reps} tries (first gets: a fresh key each), same run.",
+        "",
+        "| pattern | tensorbroker | floor | ratio | target |",
+        "|---|---|---|---|---|",
+        *(f"| {p} | {t} | {f} | {r:.2f} | {g} |" for p, t, f, r, g in rows),
+        "",
+    ]
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
