@@ -65,6 +65,7 @@ $(BENCH_STAMP): $(STAMP) bench/requirements.txt
 
 bench: $(STAMP) $(BENCH_STAMP) $(PEERS_STAMP)
 	$(PY) bench/run.py $(BENCH_ARGS)
+	$(PY) bench/cluster.py  # the cluster section: bench/results/cluster.md
 
 # On a machine with an NVIDIA GPU: the cuda-marked tests and the GPU bench. By default in .venv,
 # with CuPy for CUDA $(CUDA) (`make test-gpu CUDA=13` for cupy-cuda13x); it has the CPU torch,

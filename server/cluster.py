@@ -191,6 +191,7 @@ class Cluster:
         self.sockets = {self._router, *(p.socket for p in self.peers)}
         for s in self.sockets:
             poller.register(s, zmq.POLLIN)
+        self._poller = poller
         self.replicas = Replicas(node, objects, lot, transfers, self)
         self._routes: dict[bytes, str] = {}  # a peer's route to this ROUTER -> its node
         self._next_beat = 0.0
@@ -275,6 +276,7 @@ class Cluster:
                 self._forget_node(node)  # its loans and route before: a broker that restarted
                 self._routes[route] = node
                 self._reply(route, self._hello("welcome"))
+                self._meet(str(m.get("address", "")))
                 return
             node = self._routes.get(route, "")
             if not node:
@@ -292,9 +294,26 @@ class Cluster:
             log.warning("a cluster message %r from %r could not be used: %s", op, route, exc)
 
     def _hello(self, op: str = "hello") -> dict[str, Any]:
-        """This broker, its agent, and the keys it holds (not its replicas)."""
-        agent = self.transfers.metadata
-        return {"op": op, "node": self.node, "agent": agent, "keys": self.replicas.own()}
+        """This broker, its address, its agent, and the keys it holds (not its replicas)."""
+        agent, keys = self.transfers.metadata, self.replicas.own()
+        return {"op": op, "node": self.node, "address": self.address, "agent": agent, "keys": keys}
+
+    def _meet(self, address: str) -> None:
+        """A broker said hello from `address`: link to it too, if this one has no link there
+        (it joined later than this broker's --peers were resolved: a new node, say)."""
+        if address == self.address or any(p.address == address for p in self.peers):
+            return
+        try:
+            host = _tcp_host(address, "a peer's address")
+        except InvalidRequest:
+            return
+        if self._keys is None and not _loopback(host):
+            return  # without keys, loopback only
+        peer = self._link(address)
+        self.peers.append(peer)
+        self.sockets.add(peer.socket)
+        self._poller.register(peer.socket, zmq.POLLIN)
+        log.info("cluster: a broker at %s joined; linked to it", address)
 
     def _forget_node(self, node: str) -> None:
         """Unpin what `node` was lent (it will not return it), and forget its route."""

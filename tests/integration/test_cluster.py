@@ -339,3 +339,26 @@ def test_a_version_read_on_many_nodes_leaves_its_owner_twice_at_most(
         got = sum(r.stats()["cluster"]["bytes_received"] for r in readers)
         assert got >= len(readers) * x.nbytes
         assert wait_until(lambda: all(_loans(c) == 0 for c in cs.values()), 5)
+
+
+def test_a_broker_that_knows_one_peer_joins_the_whole_cluster(
+    clients: dict[str, tb.Client],
+) -> None:
+    """A new node names one broker in --peers: that one links back to it, so both ways
+    work (a node added to a DaemonSet after the others resolved their peers)."""
+    port = _free_port()
+    a_cluster = clients["a"].stats()["cluster"]["address"]
+    options = ["--node", "d", "--cluster", f"tcp://127.0.0.1:{port}", "--peers", a_cluster,
+               "--insecure-tcp"]  # fmt: skip
+    with tb.start_broker(memory="32MiB", options=options) as d_broker:
+        with tb.connect(d_broker.address) as d:
+            a = clients["a"]
+            assert wait_until(
+                lambda: a.stats()["cluster"]["peers"].get("d", {}).get("state") == "up", 10
+            )
+            d.put("from-d", np.arange(5))
+            assert wait_until(lambda: a.exists("from-d"), 5)
+            np.testing.assert_array_equal(a.get("from-d").numpy(), np.arange(5))
+            a.put("from-a", np.arange(3))
+            assert wait_until(lambda: d.exists("from-a"), 5)
+            np.testing.assert_array_equal(d.get("from-a").numpy(), np.arange(3))
