@@ -362,3 +362,25 @@ def test_a_broker_that_knows_one_peer_joins_the_whole_cluster(
             a.put("from-a", np.arange(3))
             assert wait_until(lambda: d.exists("from-a"), 5)
             np.testing.assert_array_equal(d.get("from-a").numpy(), np.arange(3))
+
+
+def test_a_pull_cut_off_by_its_owner_dying_leaves_nothing_listed_or_held(
+    brokers: dict[str, tb.BrokerProcess], clients: dict[str, tb.Client]
+) -> None:
+    a, b = clients["a"], clients["b"]
+    a.put("big", np.ones(48 * 2**20, np.uint8))
+    assert wait_until(lambda: b.exists("big"), 5)
+    pulling, out = in_thread(lambda: b.get("big", timeout=20))
+    assert wait_until(lambda: b.stats()["cluster"]["pulls"] == 1, 5)
+    crash(brokers["a"])
+    pulling.join(30)
+    assert out and isinstance(out[0], tb.PeerUnavailable), out
+    assert wait_until(lambda: b.stats()["cluster"]["pulls"] == 0, 5)
+    assert wait_until(lambda: b.stats()["used_bytes"] == 0, 5), "a half-pulled block is held"
+    with pytest.raises(tb.PeerUnavailable):
+        b.get("big")
+    brokers["a"].restart()  # its object is whole there, and pulled whole once it is back
+    assert wait_until(lambda: b.stats()["cluster"]["peers"]["a"]["state"] == "up", 10)
+    got = b.get("big", timeout=10)
+    assert got.numpy().sum() == 48 * 2**20
+    del got
