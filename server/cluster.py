@@ -290,6 +290,8 @@ class Cluster:
                 replicas.lend(node, int(m["pull"]), str(m["key"]), direct)
             elif op == "returned":
                 replicas.returned(node, int(m["pull"]))
+            elif op == "delete":
+                replicas.deleted(node, str(m["key"]))
         except (KeyError, TypeError, ValueError, BrokerError) as exc:
             log.warning("a cluster message %r from %r could not be used: %s", op, route, exc)
 

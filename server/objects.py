@@ -42,6 +42,7 @@ class Elsewhere(Protocol):
     def get(self, session: Session, route: bytes, req: Request) -> bool: ...
     def keys(self) -> list[str]: ...
     def holds(self, key: str) -> bool: ...
+    def delete(self, key: str) -> bool: ...
 
 
 class Objects:
@@ -288,9 +289,15 @@ class Objects:
 
     def delete(self, session: Session, route: bytes, req: Request) -> Reply:
         key = req.fields["key"]
+        if self.elsewhere is not None and self.elsewhere.delete(key):
+            return {}  # another node's: deleted there (and its replica here)
+        self.forget(key)
+        return {}
+
+    def forget(self, key: str) -> None:
+        """Delete `key` here (NotFound if it has no object), and tell its watchers."""
         version = self.registry.delete(key)
         self._gone(key, version)
-        return {}
 
     def exists(self, session: Session, route: bytes, req: Request) -> Reply:
         key = req.fields["key"]

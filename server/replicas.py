@@ -126,6 +126,25 @@ class Replicas:
     def keys(self) -> list[str]:
         return list(self.index)
 
+    def delete(self, key: str) -> bool:
+        """A delete of another node's key: sent to it (False if no other node has `key`).
+        Its replica here and its place in the index go now; the other nodes forget it when
+        its owner announces the delete. PeerUnavailable if its node is down."""
+        remote = self.index.get(key)
+        if remote is None:
+            return False
+        if not self.links.send(remote.node, {"op": "delete", "key": key}):
+            raise PeerUnavailable(
+                f"{key!r} lives on node {remote.node!r}, which is down: delete it once it is back"
+            )
+        self._forget(key)
+        return True
+
+    def deleted(self, node: str, key: str) -> None:
+        """`node` deleted `key`, which this node holds (not a replica): deleted here too."""
+        if key in self.registry.objects and key not in self.index:
+            self.objects.forget(key)
+
     def holds(self, key: str) -> bool:
         return key in self.index
 
@@ -176,11 +195,11 @@ class Replicas:
             pull.waiters.extend(w for w in waiting if w not in pull.waiters)
 
     def _forget(self, key: str) -> None:
-        """`key` is no other node's now: its replica here goes too (else it would pass for
-        a put of this node's)."""
+        """`key` is no other node's now: its replica here goes too, as a delete (its watchers
+        are told; else it would pass for a put of this node's)."""
         del self.index[key]
         if key in self.registry.objects and key not in self._pulling:
-            self.registry.delete(key)
+            self.objects.forget(key)
 
     # -- lending ----------------------------------------------------------------------------------
 

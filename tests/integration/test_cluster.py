@@ -149,6 +149,22 @@ def test_a_watch_on_another_node_sees_whole_versions_in_order_to_the_last(
     assert b.get("policy").version == last + 1
 
 
+def test_a_key_deleted_on_another_node_is_gone_everywhere(clients: dict[str, tb.Client]) -> None:
+    a, b, c = clients["a"], clients["b"], clients["c"]
+    a.put("doomed", np.arange(4))
+    assert wait_until(lambda: b.exists("doomed") and c.exists("doomed"), 5)
+    held = c.get("doomed")  # a replica on c, held by its reader
+    b.delete("doomed")  # b never held it: the delete goes to a
+    assert not b.exists("doomed")
+    assert wait_until(lambda: not a.exists("doomed") and not c.exists("doomed"), 5)
+    with pytest.raises(tb.NotFound):
+        c.get("doomed")
+    assert held.numpy().tolist() == [0, 1, 2, 3]  # what a reader holds stays readable
+    with pytest.raises(tb.NotFound):
+        b.delete("doomed")
+    del held
+
+
 def test_a_newer_version_replaces_the_replica(clients: dict[str, tb.Client]) -> None:
     a, b = clients["a"], clients["b"]
     a.put("k", np.zeros(1000))
