@@ -51,15 +51,26 @@ def _cluster(nodes: tuple[str, ...]) -> Iterator[dict[str, tb.BrokerProcess]]:
             b.stop()
 
 
+@pytest.fixture(scope="module")
+def shared() -> Iterator[dict[str, tb.BrokerProcess]]:
+    """A cluster for the tests that neither kill a broker nor count memory (their keys are
+    their own)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("UCX_TLS", "tcp")  # the network path, not shared memory
+        with _cluster(NODES) as started:
+            yield started
+
+
 @pytest.fixture
 def brokers(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, tb.BrokerProcess]]:
-    monkeypatch.setenv("UCX_TLS", "tcp")  # the network path, not shared memory
+    """A cluster of this test's own."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
     with _cluster(NODES) as started:
         yield started
 
 
-@pytest.fixture
-def clients(brokers: dict[str, tb.BrokerProcess]) -> Iterator[dict[str, tb.Client]]:
+@contextlib.contextmanager
+def _connected(brokers: dict[str, tb.BrokerProcess]) -> Iterator[dict[str, tb.Client]]:
     opened = {node: tb.connect(b.address) for node, b in brokers.items()}
     try:
         assert wait_until(lambda: all(_all_up(c) for c in opened.values()), 10), {
@@ -69,6 +80,18 @@ def clients(brokers: dict[str, tb.BrokerProcess]) -> Iterator[dict[str, tb.Clien
     finally:
         for c in opened.values():
             c.close()
+
+
+@pytest.fixture
+def clients(shared: dict[str, tb.BrokerProcess]) -> Iterator[dict[str, tb.Client]]:
+    with _connected(shared) as opened:
+        yield opened
+
+
+@pytest.fixture
+def own(brokers: dict[str, tb.BrokerProcess]) -> Iterator[dict[str, tb.Client]]:
+    with _connected(brokers) as opened:
+        yield opened
 
 
 def _all_up(c: tb.Client) -> bool:
@@ -208,9 +231,9 @@ def test_two_nodes_putting_one_key_at_once_converge_on_one_version(
 
 
 def test_a_peer_killed_is_down_within_3s_and_rejoins_with_its_objects(
-    brokers: dict[str, tb.BrokerProcess], clients: dict[str, tb.Client]
+    brokers: dict[str, tb.BrokerProcess], own: dict[str, tb.Client]
 ) -> None:
-    a, b = clients["a"], clients["b"]
+    a, b = own["a"], own["b"]
     a.put("only-on-a", np.arange(100))
     a.put("pulled", np.arange(50))
     assert wait_until(lambda: b.exists("pulled"), 5)
@@ -234,8 +257,8 @@ def _loans(c: tb.Client) -> int:
     return int(c.stats()["cluster"]["loans"])
 
 
-def test_pulls_leave_no_memory_held(clients: dict[str, tb.Client]) -> None:
-    a, b = clients["a"], clients["b"]
+def test_pulls_leave_no_memory_held(own: dict[str, tb.Client]) -> None:
+    a, b = own["a"], own["b"]
     for i in range(20):
         a.put(f"m{i}", np.full(64 * 1024, i, np.uint8))
     assert wait_until(lambda: all(b.exists(f"m{i}") for i in range(20)), 5)
@@ -358,17 +381,17 @@ def test_a_version_read_on_many_nodes_leaves_its_owner_twice_at_most(
 
 
 def test_a_broker_that_knows_one_peer_joins_the_whole_cluster(
-    clients: dict[str, tb.Client],
+    own: dict[str, tb.Client],
 ) -> None:
     """A new node names one broker in --peers: that one links back to it, so both ways
     work (a node added to a DaemonSet after the others resolved their peers)."""
     port = _free_port()
-    a_cluster = clients["a"].stats()["cluster"]["address"]
+    a_cluster = own["a"].stats()["cluster"]["address"]
     options = ["--node", "d", "--cluster", f"tcp://127.0.0.1:{port}", "--peers", a_cluster,
                "--insecure-tcp"]  # fmt: skip
     with tb.start_broker(memory="32MiB", options=options) as d_broker:
         with tb.connect(d_broker.address) as d:
-            a = clients["a"]
+            a = own["a"]
             assert wait_until(
                 lambda: a.stats()["cluster"]["peers"].get("d", {}).get("state") == "up", 10
             )
@@ -381,9 +404,9 @@ def test_a_broker_that_knows_one_peer_joins_the_whole_cluster(
 
 
 def test_a_pull_cut_off_by_its_owner_dying_leaves_nothing_listed_or_held(
-    brokers: dict[str, tb.BrokerProcess], clients: dict[str, tb.Client]
+    brokers: dict[str, tb.BrokerProcess], own: dict[str, tb.Client]
 ) -> None:
-    a, b = clients["a"], clients["b"]
+    a, b = own["a"], own["b"]
     a.put("big", np.ones(48 * 2**20, np.uint8))
     assert wait_until(lambda: b.exists("big"), 5)
     pulling, out = in_thread(lambda: b.get("big", timeout=20))
