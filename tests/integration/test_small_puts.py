@@ -92,6 +92,7 @@ def test_errors_of_puts_that_did_not_wait_come_with_their_key(
     with tb.connect(fresh_broker.address) as c, tb.connect(fresh_broker.address) as other:
         q = c.queue("frames")
         q.put(np.ones(16), wait=False)
+        c.flush()  # sealed before the close, which another socket sends (it could overtake it)
         other.queue("frames").close()
         q.put(np.full(16, 2.0), wait=False)  # refused by the broker, after this returned
         time.sleep(0.2)  # the broker has answered by now
