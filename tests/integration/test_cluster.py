@@ -272,37 +272,18 @@ def test_pulls_leave_no_memory_held(own: dict[str, tb.Client]) -> None:
     assert wait_until(lambda: a.stats()["used_bytes"] == 0, 5)
 
 
+LOOPBACK = ["--node", "a", "--cluster", "tcp://127.0.0.1:1", "--insecure-tcp"]
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [
         (["--node", "a"], "both --node NAME and --cluster"),
         (["--node", "a", "--cluster", "tcp://0.0.0.0:1"], "Make keys (`tensorbroker keys"),
-        (
-            [
-                "--node",
-                "a",
-                "--cluster",
-                "tcp://127.0.0.1:1",
-                "--insecure-tcp",
-                "--peers",
-                "tcp://10.0.0.9:1",
-            ],
-            "without keys a cluster stays on loopback",
-        ),  # fmt: skip
+        ([*LOOPBACK, "--peers", "tcp://10.0.0.9:1"], "without keys a cluster stays on loopback"),
         (["--node", "a/b", "--cluster", "tcp://127.0.0.1:1", "--insecure-tcp"], "--node"),
         (["--node", "a", "--cluster", "127.0.0.1:1", "--insecure-tcp"], "tcp://HOST:PORT"),
-        (
-            [
-                "--node",
-                "a",
-                "--cluster",
-                "tcp://127.0.0.1:1",
-                "--insecure-tcp",
-                "--peers",
-                "dns:no-such-host.invalid:1",
-            ],
-            "does not resolve",
-        ),  # fmt: skip
+        ([*LOOPBACK, "--peers", "dns:no-such-host.invalid:1"], "does not resolve"),
     ],
 )
 def test_cluster_options_that_cannot_work_are_refused_with_what_to_do(
