@@ -5,6 +5,7 @@ machines."""
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
 import subprocess
 import sys
@@ -390,6 +391,7 @@ def test_a_pull_cut_off_by_its_owner_dying_leaves_nothing_listed_or_held(
     a, b = own["a"], own["b"]
     a.put("big", np.ones(48 * 2**20, np.uint8))
     assert wait_until(lambda: b.exists("big"), 5)
+    brokers["a"].send_signal(signal.SIGSTOP)  # the pull starts, and is never answered
     pulling, out = in_thread(lambda: b.get("big", timeout=20))
     assert wait_until(lambda: b.stats()["cluster"]["pulls"] == 1, 5)
     crash(brokers["a"])
