@@ -197,16 +197,22 @@ class Objects:
             if w.request.fields.get("after", 0) < obj.version:
                 reply = self.describe(w.session, obj, w.request.id)
                 self.answer(w, reply_ok(w.request.id, **reply))
-        for w in list(self._waits.get(obj.key, ())):
+        if version is None:  # (a replica's put was an event when its owner announced it)
+            self.arrived(obj.key, obj.version)
+        if self.elsewhere is not None:
+            self.elsewhere.announce(obj.key, obj.version)
+        return {"version": obj.version}
+
+    def arrived(self, key: str, version: int) -> None:
+        """`key` has `version` now, here or (a cluster's) on another node: the waits for
+        keys that name it, and watch_prefix, are told."""
+        for w in list(self._waits.get(key, ())):
             if w.done:
                 continue
             present = self._present(w.request)
             if len(present) >= w.request.fields["num"]:
                 self.answer(w, reply_ok(w.request.id, keys=present))
-        self.events.record("put", obj.key, obj.version)
-        if self.elsewhere is not None:
-            self.elsewhere.announce(obj.key, obj.version)
-        return {"version": obj.version}
+        self.events.record("put", key, version)
 
     def abort(self, session: Session, route: bytes, req: Request) -> Reply:
         self.registry.abort(session, req.fields["put"], req.fields.get("keep", False))
@@ -284,8 +290,11 @@ class Objects:
         return None
 
     def _present(self, req: Request) -> list[str]:
-        objects = self.registry.objects
-        return [k for k in req.fields["keys"] if k in objects]
+        objects, elsewhere = self.registry.objects, self.elsewhere
+        return [
+            k for k in req.fields["keys"]
+            if k in objects or (elsewhere is not None and elsewhere.holds(k))
+        ]  # fmt: skip
 
     def delete(self, session: Session, route: bytes, req: Request) -> Reply:
         key = req.fields["key"]

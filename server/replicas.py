@@ -183,6 +183,7 @@ class Replicas:
             return
         self.index[key] = Remote(node, version, size)
         self.registry.seen_version(key, version)  # a put here from now on goes above it
+        self.objects.arrived(key, version)  # an event for watch_prefix; waits for keys told
         stale = known is not None and (known.node != node or known.version < version)
         if here is not None and (mine or stale):  # a put that lost, or a replica of a loser's
             self.registry.delete(key)
@@ -197,9 +198,11 @@ class Replicas:
     def _forget(self, key: str) -> None:
         """`key` is no other node's now: its replica here goes too, as a delete (its watchers
         are told; else it would pass for a put of this node's)."""
-        del self.index[key]
+        version = self.index.pop(key).version
         if key in self.registry.objects and key not in self._pulling:
             self.objects.forget(key)
+        else:
+            self.objects.events.record("delete", key, version)
 
     # -- lending ----------------------------------------------------------------------------------
 

@@ -189,6 +189,27 @@ def test_a_key_deleted_on_another_node_is_gone_everywhere(clients: dict[str, tb.
     del held
 
 
+def test_get_many_wait_and_watch_prefix_see_keys_put_on_other_nodes(
+    clients: dict[str, tb.Client],
+) -> None:
+    a, b, c = clients["a"], clients["b"], clients["c"]
+    events = b.watch_prefix("many/", timeout=10)
+    waiting, out = in_thread(lambda: c.wait(["many/0", "many/1"], timeout=10))
+    a.put("many/0", np.zeros(3))
+    b.put("many/1", np.ones(3))  # one on the watcher's own node
+    waiting.join(10)
+    assert out == [["many/0", "many/1"]], out
+    got = c.get_many(["many/0", "many/1"])
+    assert [float(got[k].numpy()[0]) for k in ("many/0", "many/1")] == [0.0, 1.0]
+    seen = [next(events) for _ in range(2)]
+    assert sorted((e.event, e.key, e.version) for e in seen) == [
+        ("put", "many/0", 1), ("put", "many/1", 1)
+    ]  # fmt: skip
+    a.delete("many/0")
+    assert next(events) == tb.KeyEvent("delete", "many/0", 1)
+    del got
+
+
 def test_a_newer_version_replaces_the_replica(clients: dict[str, tb.Client]) -> None:
     a, b = clients["a"], clients["b"]
     a.put("k", np.zeros(1000))
