@@ -249,6 +249,28 @@ def families(stats: Mapping[str, Any]) -> Iterator[Metric]:
         refused.add_metric([code], count)
     yield refused
     yield _latency(stats["latency"], stats["latency_bounds"])
+    if "cluster" in stats:
+        yield from _cluster(stats["cluster"])
+
+
+def _cluster(cluster: Mapping[str, Any]) -> Iterator[Metric]:
+    """A cluster's figures (stats()["cluster"]: Cluster.stats in cluster.py)."""
+    up = GaugeMetricFamily(
+        "tensorbroker_cluster_peer_up", "1 while a peer broker answers, 0 once it is down.",
+        labels=["peer"],
+    )  # fmt: skip
+    for peer, figures in sorted(cluster["peers"].items()):
+        up.add_metric([peer], 1.0 if figures["state"] == "up" else 0.0)
+    yield up
+    for key, help in (
+        ("bytes_sent", "Bytes of this node's objects lent to other nodes' pulls."),
+        ("bytes_received", "Bytes pulled from other nodes into replicas here."),
+    ):
+        yield CounterMetricFamily(f"tensorbroker_cluster_{key}", help, value=cluster[key])
+    yield GaugeMetricFamily(
+        "tensorbroker_cluster_pulls", "Pulls of other nodes' objects under way.",
+        value=cluster["pulls"],
+    )  # fmt: skip
 
 
 def _latency(latency: Mapping[str, Any], bounds: list[float]) -> Metric:

@@ -38,14 +38,16 @@ def _cluster_options(node: str, ports: dict[str, int]) -> list[str]:
 
 
 @contextlib.contextmanager
-def _cluster(nodes: tuple[str, ...]) -> Iterator[dict[str, tb.BrokerProcess]]:
+def _cluster(
+    nodes: tuple[str, ...], more: dict[str, list[str]] | None = None
+) -> Iterator[dict[str, tb.BrokerProcess]]:
+    """Brokers of a cluster, one per node; `more`: more options, by node."""
     ports = {node: _free_port() for node in nodes}
     started: dict[str, tb.BrokerProcess] = {}
     try:
         for node in nodes:
-            started[node] = tb.start_broker(
-                memory="64MiB", options=_cluster_options(node, ports), log_level="info"
-            )
+            options = [*_cluster_options(node, ports), *(more or {}).get(node, [])]
+            started[node] = tb.start_broker(memory="64MiB", options=options, log_level="info")
         yield started
     finally:
         for b in started.values():
@@ -427,3 +429,23 @@ def test_a_pull_cut_off_by_its_owner_dying_leaves_nothing_listed_or_held(
     got = b.get("big", timeout=10)
     assert got.numpy().sum() == 48 * 2**20
     del got
+
+
+def test_the_cluster_figures_are_served_as_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.integration.test_metrics import scrape, value
+
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    port = _free_port()
+    with _cluster(("a", "b"), {"b": ["--metrics", f"127.0.0.1:{port}"]}) as started:
+        with _connected(started) as cs:
+            cs["a"].put("scraped", np.ones(1000, np.uint8))
+            assert wait_until(lambda: cs["b"].exists("scraped"), 5)
+            cs["b"].get("scraped")
+            figures = scrape(port)
+            assert value(figures, "tensorbroker_cluster_peer_up", peer="a") == 1.0
+            assert value(figures, "tensorbroker_cluster_bytes_received_total") >= 1000
+            assert value(figures, "tensorbroker_cluster_pulls") == 0
+        started["a"].stop()
+        assert wait_until(
+            lambda: value(scrape(port), "tensorbroker_cluster_peer_up", peer="a") == 0.0, 5
+        )
