@@ -167,7 +167,7 @@ class Broker:
         self.sessions.holds_ring = self.queues.rings.holds
         self.sessions.ring_held = self.queues.rings.held
         self.inventory = Inventory(
-            self.registry, self.queues, self.sessions.by_token.values(), self.lot
+            self.objects, self.queues, self.sessions.by_token.values(), self.lot
         )
         self.seals = Seals(
             self.objects, self.queues, self.adoption, self.handoffs, self.sessions.routes

@@ -16,11 +16,11 @@ from typing import Any
 
 from ..common.errors import InvalidRequest
 from ..common.protocol import Request
+from .objects import Objects
 from .parking import ParkingLot
 from .queue_state import BrokerQueue
 from .queues import Queues
 from .records import Session, StoredObject
-from .registry import Registry
 
 LIST_LIMIT = 10_000  # objects per page of `list`
 
@@ -29,9 +29,15 @@ Reply = dict[str, Any]
 
 class Inventory:
     def __init__(
-        self, registry: Registry, queues: Queues, sessions: Iterable[Session], lot: ParkingLot
+        self, objects: Objects, queues: Queues, sessions: Iterable[Session], lot: ParkingLot
     ) -> None:
-        self.registry, self.queues, self._sessions, self.lot = registry, queues, sessions, lot
+        self.registry, self.queues, self._sessions, self.lot = (
+            queues.registry,
+            queues,
+            sessions,
+            lot,
+        )
+        self._objects = objects  # (its `elsewhere`: the keys of a cluster's other nodes)
 
     def objects(self, session: Session, route: bytes, req: Request) -> Reply:
         """A page of objects: by key after `after` (with "more" if keys remain), or the
@@ -41,6 +47,7 @@ class Inventory:
         if not 1 <= limit <= LIST_LIMIT:
             raise InvalidRequest(f"limit must be 1 to {LIST_LIMIT}, got {limit}")
         objects = self.registry.objects
+        chosen: list[StoredObject | dict[str, Any]]
         if by == "size":
             # By block first (cheap), then by the tensors' bytes among the blocks at least as
             # large as the last one chosen: blocks come in size classes, so ties are common.
@@ -50,20 +57,34 @@ class Inventory:
             near = [o for o in under if o.nbytes >= least]
             if len(near) > LIST_LIMIT:  # a million objects of one class: any of them will do
                 near = blocks
-            chosen = heapq.nlargest(limit, near, key=lambda o: o.data_bytes)
+            largest: list[StoredObject] = heapq.nlargest(limit, near, key=lambda o: o.data_bytes)
+            chosen = list(largest)
             more = False
         elif by == "key":
             after = f.get("after")
+            elsewhere = self._objects.elsewhere
+            there = {} if elsewhere is None else elsewhere.where()  # key -> (node, version, size)
             keys = heapq.nsmallest(
                 limit + 1,
-                (k for k in objects if k.startswith(prefix) and (after is None or k > after)),
-            )
+                (
+                    k for k in (objects.keys() | there.keys())
+                    if k.startswith(prefix) and (after is None or k > after)
+                ),
+            )  # fmt: skip
             more = len(keys) > limit
-            chosen = [objects[k] for k in keys[:limit]]
+            chosen = [objects.get(k) or _remote_row(k, *there[k]) for k in keys[:limit]]
         else:
             raise InvalidRequest(f"by must be 'key' or 'size', got {by!r}")
         held = self.registry.slots.held() if self.registry.slots is not None else {}
-        return {"objects": [_object_row(o, held.get(o.oid, 0)) for o in chosen], "more": more}
+        rows = [o if isinstance(o, dict) else _object_row(o, held.get(o.oid, 0)) for o in chosen]
+        elsewhere = self._objects.elsewhere
+        if elsewhere is not None:  # where each lives: a replica's owner, or this node
+            there = elsewhere.where()
+            for row in rows:
+                row.setdefault(
+                    "node", there[row["key"]][0] if row["key"] in there else elsewhere.node
+                )
+        return {"objects": rows, "more": more}
 
     def queue_list(self, session: Session, route: bytes, req: Request) -> Reply:
         """Every queue not yet ended (closed queues still draining included)."""
@@ -106,6 +127,14 @@ def _object_row(obj: StoredObject, readers: int) -> dict[str, Any]:
         "tensors": [[t.name, t.dtype, list(t.shape)] for t in tensors],
         "evictable": obj.evictable,
     }
+
+
+def _remote_row(key: str, node: str, version: int, size: int) -> dict[str, Any]:
+    """A key only another node of the cluster holds (not pulled here)."""
+    return {
+        "key": key, "version": version, "nbytes": size, "device": "cpu", "leases": 0,
+        "bundle": False, "tensors": [], "evictable": False, "node": node,
+    }  # fmt: skip
 
 
 def _queue_row(q: BrokerQueue) -> dict[str, Any]:

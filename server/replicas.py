@@ -126,6 +126,10 @@ class Replicas:
     def keys(self) -> list[str]:
         return list(self.index)
 
+    def where(self) -> dict[str, tuple[str, int, int]]:
+        """The other nodes' keys: key -> (node, version, size)."""
+        return {k: (r.node, r.version, r.size) for k, r in self.index.items()}
+
     def delete(self, key: str) -> bool:
         """A delete of another node's key: sent to it (False if no other node has `key`).
         Its replica here and its place in the index go now; the other nodes forget it when

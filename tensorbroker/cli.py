@@ -213,8 +213,10 @@ def _ls(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"objects": list(objects), "queues": c.list_queues()}, indent=2))
             return 0
+        node = " NODE" if "cluster" in c.stats() else ""  # where each lives, in a cluster
         print(
-            f"{'KEY':32} {'VERSION':>7} {'SIZE':>10} {'DTYPE':10} {'SHAPE':16} {'DEVICE':7} LEASES"
+            f"{'KEY':32} {'VERSION':>7} {'SIZE':>10} {'DTYPE':10} {'SHAPE':16} {'DEVICE':7} "
+            f"LEASES{node}"
         )
         count = 0
         for o in objects:
@@ -224,7 +226,7 @@ def _ls(args: argparse.Namespace) -> int:
                 shapes = f"{len(o['tensors'])} tensors: {shapes}"
             print(
                 f"{o['key']:32} {o['version']:>7} {format_size(o['nbytes']):>10} {dtypes:10} "
-                f"{shapes:16} {o['device']:7} {o['leases']}"
+                f"{shapes:16} {o['device']:7} {o['leases']:>6}" + (f" {o['node']}" if node else "")
             )
             count += 1
         print(f"({count} object{'' if count == 1 else 's'})")

@@ -449,3 +449,25 @@ def test_the_cluster_figures_are_served_as_metrics(monkeypatch: pytest.MonkeyPat
         assert wait_until(
             lambda: value(scrape(port), "tensorbroker_cluster_peer_up", peer="a") == 0.0, 5
         )
+
+
+def test_ls_says_where_each_key_lives(clients: dict[str, tb.Client]) -> None:
+    a, b = clients["a"], clients["b"]
+    a.put("ls/on-a", np.zeros(10))
+    b.put("ls/on-b", np.zeros(20))
+    assert wait_until(lambda: b.exists("ls/on-a"), 5)
+    rows = {o["key"]: o for o in b.list_objects("ls/")}
+    assert {k: (o["node"], o["version"]) for k, o in rows.items()} == {
+        "ls/on-a": ("a", 1), "ls/on-b": ("b", 1)
+    }  # fmt: skip
+    b.get("ls/on-a")  # a replica on b now: still a's
+    assert {o["key"]: o["node"] for o in b.list_objects("ls/")}["ls/on-a"] == "a"
+    shown = subprocess.run(
+        [sys.executable, "-m", "tensorbroker", "ls", "ls/", "--address", b.address],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[0].split()[-1] == "NODE"
+    assert lines[1].split()[0] == "ls/on-a" and lines[1].split()[-1] == "a"
+    assert lines[2].split()[0] == "ls/on-b" and lines[2].split()[-1] == "b"
