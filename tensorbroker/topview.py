@@ -108,6 +108,15 @@ def _header(view: View, stats: dict[str, Any], width: int) -> _Section:
         f"evicted {stats['evicted']}",
         f"crashed {stats['crashed']}",
     ]
+    cluster = stats.get("cluster")
+    if cluster is not None:  # a node of a cluster: its peers, and the bytes pulled
+        peers = [f"{name} {p['state']}" for name, p in sorted(cluster["peers"].items())]
+        counts += [
+            f"node {cluster['node']}",
+            f"peers: {', '.join(peers) or 'none'}",
+            f"sent {format_size(cluster['bytes_sent'])}",
+            f"received {format_size(cluster['bytes_received'])}",
+        ]
     return _Section(lines + _wrap("", counts, width))
 
 

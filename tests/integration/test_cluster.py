@@ -471,3 +471,12 @@ def test_ls_says_where_each_key_lives(clients: dict[str, tb.Client]) -> None:
     assert lines[0].split()[-1] == "NODE"
     assert lines[1].split()[0] == "ls/on-a" and lines[1].split()[-1] == "a"
     assert lines[2].split()[0] == "ls/on-b" and lines[2].split()[-1] == "b"
+
+
+def test_top_shows_the_node_and_its_peers(clients: dict[str, tb.Client]) -> None:
+    shown = subprocess.run(
+        [sys.executable, "-m", "tensorbroker", "top", "--once", "--address", clients["b"].address],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    assert "node b" in shown.stdout and "peers: a up, c up" in shown.stdout, shown.stdout
