@@ -215,8 +215,8 @@ class Registry:
                     self.directory.remove(obj.key)
             if old is not None:
                 self._retire(old)
-        if obj.device == "cpu":
-            self.journal.sealed(obj)
+        if obj.device == "cpu" and not (version and obj.queue is None):
+            self.journal.sealed(obj)  # (not a replica: a broker that restarts pulls it again)
         if not keep:
             self.release(session, put_id)
         return obj

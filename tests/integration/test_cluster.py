@@ -480,3 +480,23 @@ def test_top_shows_the_node_and_its_peers(clients: dict[str, tb.Client]) -> None
     )  # fmt: skip
     assert shown.returncode == 0, shown.stderr
     assert "node b" in shown.stdout and "peers: a up, c up" in shown.stdout, shown.stdout
+
+
+def test_a_node_restarted_after_a_crash_does_not_take_its_replicas_for_its_own(
+    brokers: dict[str, tb.BrokerProcess], own: dict[str, tb.Client]
+) -> None:
+    a, b = own["a"], own["b"]
+    a.put("owned-by-a", np.arange(1000))
+    assert wait_until(lambda: b.exists("owned-by-a"), 5)
+    b.get("owned-by-a")  # a replica on b
+    crash(brokers["b"])
+    brokers["b"].restart()  # adopts its state: the replica is not part of it
+    assert wait_until(lambda: a.stats()["cluster"]["peers"]["b"]["state"] == "up", 10)
+    assert wait_until(lambda: b.exists("owned-by-a"), 5)
+    time.sleep(1)  # b's hello, and any announcement it would make, have come
+    assert {o["key"]: o["node"] for o in a.list_objects()} == {"owned-by-a": "a"}
+    assert {o["key"]: o["node"] for o in b.list_objects()} == {"owned-by-a": "a"}
+    np.testing.assert_array_equal(b.get("owned-by-a").numpy(), np.arange(1000))
+    assert a.stats()["objects"] == 1
+    one_copy = a.stats()["used_bytes"]  # b holds one replica: the old one's block was freed
+    assert wait_until(lambda: b.stats()["used_bytes"] <= one_copy, 5), b.stats()["used_bytes"]
