@@ -30,6 +30,7 @@ PROGRESS_PAUSE_US = 200
 
 def load_nixl() -> Any:
     """NIXL's Python API; InvalidRequest saying how to install it if it is missing."""
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # NIXL loads NumPy: no BLAS pool here
     for name in PACKAGES:
         try:
             return importlib.import_module(f"{name}._api")
