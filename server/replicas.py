@@ -110,12 +110,16 @@ class Replicas:
         remote = self.index.get(key)
         if remote is None or remote.version <= after:
             return False
-        if not self.links.up(remote.node):
-            raise PeerUnavailable(
-                f"{key!r} lives on node {remote.node!r}, which is down: try again once it is "
-                "back (`tensorbroker stats` shows the cluster's peers)"
-            )
         timeout = req.fields.get("timeout", 0.0)
+        if not self.links.up(remote.node):  # a get that may wait, waits for it to be back
+            down = f"{key!r} lives on node {remote.node!r}, which is down"
+            if timeout == 0.0:
+                raise PeerUnavailable(
+                    f"{down}: try again once it is back, or pass timeout= to wait for it "
+                    "(`tensorbroker stats` shows the cluster's peers)"
+                )
+            self.lot.park(session, route, req, timeout, ("get", key), f"{down}, and stayed down")
+            return True  # (its welcome lists the key again: `listed` pulls it for this get)
         wait = None if timeout is None else max(timeout, PULL_WAIT)
         message = f"the pull of {key!r} from node {remote.node!r} did not end within {wait}s"
         w = self.lot.park(session, route, req, wait, ("get", key), message)

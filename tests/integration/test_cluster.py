@@ -270,10 +270,17 @@ def test_a_peer_killed_is_down_within_3s_and_rejoins_with_its_objects(
     with pytest.raises(tb.PeerUnavailable, match="only-on-a.*node 'a'.*down"):
         b.get("only-on-a")
     np.testing.assert_array_equal(b.get("pulled").numpy(), np.arange(50))  # the replica stays
+    with pytest.raises(tb.Timeout, match="node 'a', which is down, and stayed down"):
+        b.get("only-on-a", timeout=0.3)
+    waiting, out = in_thread(lambda: b.get("only-on-a", timeout=20))  # waits for a to be back
     brokers["a"].restart()  # on its state: it adopts its objects
     assert wait_until(lambda: b.stats()["cluster"]["peers"]["a"]["state"] == "up", 10)
     assert wait_until(lambda: b.exists("only-on-a"), 5)
+    waiting.join(20)
+    assert out and not isinstance(out[0], BaseException), out
+    np.testing.assert_array_equal(out[0].numpy(), np.arange(100))
     np.testing.assert_array_equal(b.get("only-on-a").numpy(), np.arange(100))
+    del out[:]
     assert wait_until(lambda: _loans(a) == 0, 5), "a pull left the object pinned on a"
     del held
 
