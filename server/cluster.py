@@ -33,19 +33,18 @@ brokers (a cluster serves on loopback with --insecure-tcp only): issue 33's note
 
 from __future__ import annotations
 
-import ipaddress
 import logging
-import socket
 import time
 from collections.abc import Container
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgpack
 import zmq
 
-from ..common.curve import ServerKeys, server_keys
 from ..common.errors import BrokerError, InvalidRequest
+from .joining import Joining as Joining  # (the broker takes it from here)
+from .joining import loopback, tcp_host
 from .objects import Objects
 from .parking import ParkingLot
 from .replicas import Replicas
@@ -56,45 +55,6 @@ log = logging.getLogger(__name__)
 BEAT = 0.5  # seconds between beats (and hellos to a peer not up)
 DOWN_AFTER = 2.0  # a peer not heard from for this long is down (at most 3 s, says issue 33)
 MAX_MESSAGE = 64 * 2**20  # a peer's message (a welcome lists its keys): at most this
-
-
-class Joining(NamedTuple):
-    """What `serve --node --cluster --peers` says: this node's name, the address its peers
-    reach it at, theirs, and the CURVE keys the brokers share (None: --insecure-tcp, on
-    loopback only)."""
-
-    node: str
-    address: str
-    peers: list[str]
-    keys: ServerKeys | None
-
-    @classmethod
-    def parse(
-        cls, node: str | None, address: str | None, peers: str, insecure: bool,
-        secret: str | None = None, clients: str | None = None,
-    ) -> Joining | None:  # fmt: skip
-        """The options as given (None: no cluster); InvalidRequest saying what is wrong."""
-        if node is None and address is None and not peers:
-            return None
-        if not node or not address:
-            raise InvalidRequest("a cluster needs both --node NAME and --cluster tcp://HOST:PORT")
-        if not node.replace("-", "").replace("_", "").replace(".", "").isalnum():
-            raise InvalidRequest(f"--node: letters, digits, '-', '_' and '.' only, not {node!r}")
-        _tcp_host(address, "--cluster")
-        found = [a for spec in peers.split(",") if spec.strip() for a in _resolve(spec.strip())]
-        for peer in found:
-            _tcp_host(peer, "--peers")
-        # Brokers share one key pair (a Kubernetes Secret, say): each serves it, and reaches
-        # the others with it; --curve-clients, if given, must hold its public key.
-        keys = server_keys(address, secret, clients, insecure)  # refuses what would be open
-        if keys is None:
-            wide = [a for a in found if not _loopback(_tcp_host(a, "--peers"))]
-            if wide:
-                raise InvalidRequest(
-                    f"--peers {wide[0]}: without keys a cluster stays on loopback; serve every "
-                    "broker with the same --curve-secret (`tensorbroker keys`)"
-                )
-        return cls(node, address, found, keys)
 
 
 class Watched:
@@ -116,36 +76,6 @@ class Peer:
     node: str | None = None
     up: bool = False
     heard: float = 0.0  # when it last answered (monotonic)
-
-
-def _tcp_host(address: str, option: str) -> str:
-    host, _, port = address.removeprefix("tcp://").rpartition(":")
-    if not address.startswith("tcp://") or not host or not port.isdigit():
-        raise InvalidRequest(f"{option}: tcp://HOST:PORT, not {address!r}")
-    return host.strip("[]")
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _resolve(spec: str) -> list[str]:
-    """tcp://HOST:PORT as is; dns:NAME:PORT as every address NAME resolves to (a Kubernetes
-    headless service names each broker of the DaemonSet)."""
-    if not spec.startswith("dns:"):
-        return [spec]
-    name, _, port = spec[4:].rpartition(":")
-    if not name or not port.isdigit():
-        raise InvalidRequest(f"--peers: dns:NAME:PORT, not {spec!r}")
-    try:
-        infos = socket.getaddrinfo(name, int(port), type=socket.SOCK_STREAM)
-    except OSError as exc:
-        raise InvalidRequest(f"--peers {spec}: {name!r} does not resolve: {exc}") from None
-    hosts = sorted({str(info[4][0]) for info in infos})
-    return [f"tcp://[{h}]:{port}" if ":" in h else f"tcp://{h}:{port}" for h in hosts]
 
 
 def _pack(message: dict[str, Any]) -> bytes:
@@ -306,10 +236,10 @@ class Cluster:
         if address == self.address or any(p.address == address for p in self.peers):
             return
         try:
-            host = _tcp_host(address, "a peer's address")
+            host = tcp_host(address, "a peer's address")
         except InvalidRequest:
             return
-        if self._keys is None and not _loopback(host):
+        if self._keys is None and not loopback(host):
             return  # without keys, loopback only
         peer = self._link(address)
         self.peers.append(peer)

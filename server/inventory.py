@@ -46,7 +46,8 @@ class Inventory:
         prefix, limit, by = f.get("prefix", ""), f.get("limit", LIST_LIMIT), f.get("by", "key")
         if not 1 <= limit <= LIST_LIMIT:
             raise InvalidRequest(f"limit must be 1 to {LIST_LIMIT}, got {limit}")
-        objects = self.registry.objects
+        objects, elsewhere = self.registry.objects, self._objects.elsewhere
+        there = {} if elsewhere is None else elsewhere.where()  # key -> (node, version, size)
         chosen: list[StoredObject | dict[str, Any]]
         if by == "size":
             # By block first (cheap), then by the tensors' bytes among the blocks at least as
@@ -62,24 +63,18 @@ class Inventory:
             more = False
         elif by == "key":
             after = f.get("after")
-            elsewhere = self._objects.elsewhere
-            there = {} if elsewhere is None else elsewhere.where()  # key -> (node, version, size)
+            every = objects.keys() | there.keys() if there else objects  # (no copy, alone)
             keys = heapq.nsmallest(
                 limit + 1,
-                (
-                    k for k in (objects.keys() | there.keys())
-                    if k.startswith(prefix) and (after is None or k > after)
-                ),
-            )  # fmt: skip
+                (k for k in every if k.startswith(prefix) and (after is None or k > after)),
+            )
             more = len(keys) > limit
             chosen = [objects.get(k) or _remote_row(k, *there[k]) for k in keys[:limit]]
         else:
             raise InvalidRequest(f"by must be 'key' or 'size', got {by!r}")
         held = self.registry.slots.held() if self.registry.slots is not None else {}
         rows = [o if isinstance(o, dict) else _object_row(o, held.get(o.oid, 0)) for o in chosen]
-        elsewhere = self._objects.elsewhere
         if elsewhere is not None:  # where each lives: a replica's owner, or this node
-            there = elsewhere.where()
             for row in rows:
                 row.setdefault(
                     "node", there[row["key"]][0] if row["key"] in there else elsewhere.node

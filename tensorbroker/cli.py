@@ -34,8 +34,8 @@ log = logging.getLogger("tensorbroker")
 def _serve(args: argparse.Namespace) -> int:
     from .common import cudart
     from .server.broker import Broker
-    from .server.cluster import Joining
     from .server.devices import DeviceMemory
+    from .server.joining import Joining
 
     address = check_address(args.address or default_address())
     metrics = None

@@ -98,11 +98,16 @@ def run_segments(run_dir: str) -> set[str]:
     return left
 
 
-def free_tcp_address() -> str:
-    """tcp://127.0.0.1:PORT with a port no one listens on now."""
+def free_port() -> int:
+    """A port of 127.0.0.1 no one listens on now."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+        return int(probe.getsockname()[1])
+
+
+def free_tcp_address() -> str:
+    """tcp://127.0.0.1:PORT with a port no one listens on now."""
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:

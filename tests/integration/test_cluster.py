@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,17 +17,11 @@ import pytest
 
 import tensorbroker as tb
 from tensorbroker.common.curve import make_keys
-from tests.support import crash, in_thread, wait_until
+from tests.support import crash, free_port, in_thread, wait_until
 
 pytest.importorskip("nixl_cu12", reason="the cluster needs NIXL: make test installs nixl-cu12")
 
 NODES = ("a", "b", "c")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _cluster_options(node: str, ports: dict[str, int]) -> list[str]:
@@ -42,7 +35,7 @@ def _cluster(
     nodes: tuple[str, ...], more: dict[str, list[str]] | None = None
 ) -> Iterator[dict[str, tb.BrokerProcess]]:
     """Brokers of a cluster, one per node; `more`: more options, by node."""
-    ports = {node: _free_port() for node in nodes}
+    ports = {node: free_port() for node in nodes}
     started: dict[str, tb.BrokerProcess] = {}
     try:
         for node in nodes:
@@ -339,7 +332,7 @@ def test_brokers_with_the_cluster_keys_join_and_one_without_them_does_not(
     shared, stray = tmp_path / "cluster", tmp_path / "stray"
     _, secret = make_keys(str(shared), "cluster")
     _, other = make_keys(str(stray), "cluster")
-    ports = {node: _free_port() for node in NODES}
+    ports = {node: free_port() for node in NODES}
 
     def options(node: str, key: str) -> list[str]:
         plain = _cluster_options(node, ports)[:-1]  # without --insecure-tcp
@@ -398,7 +391,7 @@ def test_a_broker_that_knows_one_peer_joins_the_whole_cluster(
 ) -> None:
     """A new node names one broker in --peers: that one links back to it, so both ways
     work (a node added to a DaemonSet after the others resolved their peers)."""
-    port = _free_port()
+    port = free_port()
     a_cluster = own["a"].stats()["cluster"]["address"]
     options = ["--node", "d", "--cluster", f"tcp://127.0.0.1:{port}", "--peers", a_cluster,
                "--insecure-tcp"]  # fmt: skip
@@ -443,7 +436,7 @@ def test_the_cluster_figures_are_served_as_metrics(monkeypatch: pytest.MonkeyPat
     from tests.integration.test_metrics import scrape, value
 
     monkeypatch.setenv("UCX_TLS", "tcp")
-    port = _free_port()
+    port = free_port()
     with _cluster(("a", "b"), {"b": ["--metrics", f"127.0.0.1:{port}"]}) as started:
         with _connected(started) as cs:
             cs["a"].put("scraped", np.ones(1000, np.uint8))

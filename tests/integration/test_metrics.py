@@ -22,15 +22,11 @@ from prometheus_client.parser import text_string_to_metric_families
 import tensorbroker as tb
 from tensorbroker.server.broker import Broker
 from tensorbroker.server.metrics import Exporter
-from tests.support import free_tcp_address, wait_until
+from tests.support import free_port, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 2**20
 Figures = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def free_port() -> int:
-    return int(free_tcp_address().rsplit(":", 1)[1])
 
 
 def scrape(port: int) -> Figures:
