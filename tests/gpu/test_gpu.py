@@ -12,7 +12,7 @@ from typing import Any
 
 import gpu_workers as w
 import pytest
-from support import SPAWN, join_all, wait_until
+from support import CHILDREN, join_all, wait_until
 
 import tensorbroker as tb
 
@@ -21,8 +21,8 @@ SLEEP_1S = 2_000_000_000  # GPU clock cycles: about a second on a current data-c
 
 
 def _run(target: Any, *args: Any) -> tuple[Any, Any]:
-    out = SPAWN.Queue()
-    p = SPAWN.Process(target=target, args=(*args, out), name=target.__name__)
+    out = CHILDREN.Queue()
+    p = CHILDREN.Process(target=target, args=(*args, out), name=target.__name__)
     p.start()
     return p, out
 
@@ -31,8 +31,8 @@ def _run(target: Any, *args: Any) -> tuple[Any, Any]:
 def test_torch_put_jax_and_cupy_get_zero_copy_after_a_long_kernel(
     gpu_broker: tb.BrokerProcess,
 ) -> None:
-    start, done, out = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
-    producer = SPAWN.Process(
+    start, done, out = CHILDREN.Event(), CHILDREN.Event(), CHILDREN.Queue()
+    producer = CHILDREN.Process(
         target=w.torch_producer, args=(gpu_broker.address, "x", 3.0, SLEEP_1S, start, out, done)
     )
     producer.start()
@@ -59,10 +59,10 @@ def test_memory_is_not_reused_before_a_readers_kernels_finish() -> None:
         import torch
 
         c.put("a", torch.full((w.N,), 1.0, device="cuda:0"))
-        go = SPAWN.Event()
+        go = CHILDREN.Event()
         reader, reader_q = _run(w.slow_reader, b.address, "a", SLEEP_1S * 2, go)
-        out = SPAWN.Queue()
-        writer = SPAWN.Process(target=w.overwriter, args=(b.address, "a", go, out))
+        out = CHILDREN.Queue()
+        writer = CHILDREN.Process(target=w.overwriter, args=(b.address, "a", go, out))
         writer.start()
         got = reader_q.get(timeout=120)
         waited = out.get(timeout=120)
@@ -89,9 +89,9 @@ def test_torch_jax_torch_pipeline_with_checksums(gpu_broker: tb.BrokerProcess) -
 def test_a_killed_reader_gives_its_lease_back_and_a_reader_outlives_its_producer(
     gpu_broker: tb.BrokerProcess,
 ) -> None:
-    start, done, out = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
+    start, done, out = CHILDREN.Event(), CHILDREN.Event(), CHILDREN.Queue()
     start.set()
-    producer = SPAWN.Process(
+    producer = CHILDREN.Process(
         target=w.torch_producer, args=(gpu_broker.address, "k", 2.0, 0, start, out, done)
     )
     producer.start()

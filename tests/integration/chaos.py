@@ -1,5 +1,6 @@
-"""Workers of the recovery tests (spawn start method): clients that keep working while their
-broker is killed and restarted under them, and check everything they were told.
+"""Workers of the recovery tests (children of tests/support.py's fork server): clients that
+keep working while their broker is killed and restarted under them, and check everything
+they were told.
 
 Each logs what it relies on and reports one dict through `out`: the errors it saw that are
 not documented (must stay empty), and what it put, took and verified.
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 
 import tensorbroker as tb
+from tests.support import low_priority
 
 KEYS = 6  # per worker
 DOCUMENTED = (tb.BrokerUnavailable, tb.Timeout, tb.NotFound)
@@ -34,6 +36,7 @@ def crc(a: Any) -> int:
 def keyed(address: str, worker: int, stop: Any, out: Any) -> None:
     """Put, replace, delete and read its own keys; after every step, each key it put and
     did not delete must be there at the version the put returned, byte-identical."""
+    low_priority()
     rng = random.Random(worker)
     expected: dict[str, tuple[int, int]] = {}  # key -> (version, crc) as the put returned
     unknown: set[str] = set()  # a call raised: the next put tells again
@@ -106,6 +109,7 @@ def subscribe(address: str, worker: int, ready: Any, out: Any) -> None:
 def _put_numbered(q: Any, first: int, stop: Any) -> tuple[list[int], list[str]]:
     """Put items numbered from `first` until `stop`: the numbers whose put returned, and
     the errors that are not documented."""
+    low_priority()
     errors: list[str] = []
     sent: list[int] = []
     n = first

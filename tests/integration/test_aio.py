@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import stages
-from support import SPAWN, join_all
+from support import CHILDREN, join_all
 
 import tensorbroker as tb
 
@@ -40,7 +40,7 @@ def test_many_tasks_wait_on_one_client_without_blocking_the_loop(
     fresh_broker: tb.BrokerProcess,
 ) -> None:
     keys = [f"later/{i}" for i in range(20)]
-    putter = SPAWN.Process(target=stages.delayed_puts, args=(fresh_broker.address, keys, 0.5))
+    putter = CHILDREN.Process(target=stages.delayed_puts, args=(fresh_broker.address, keys, 0.5))
 
     async def main() -> None:
         async with tb.aio.connect(fresh_broker.address) as c:
@@ -83,11 +83,11 @@ def test_an_async_stage_between_a_sync_producer_and_a_torch_consumer(
     fresh_broker: tb.BrokerProcess,
 ) -> None:
     address, items = fresh_broker.address, 100
-    report = SPAWN.Queue()
+    report = CHILDREN.Queue()
     procs = [
-        SPAWN.Process(target=stages.numbered_producer, args=(address, "raw", 0, items)),
-        SPAWN.Process(target=stages.async_relay, args=(address, "raw", "doubled", report)),
-        SPAWN.Process(target=stages.torch_sink, args=(address, "doubled", report)),
+        CHILDREN.Process(target=stages.numbered_producer, args=(address, "raw", 0, items)),
+        CHILDREN.Process(target=stages.async_relay, args=(address, "raw", "doubled", report)),
+        CHILDREN.Process(target=stages.torch_sink, args=(address, "doubled", report)),
     ]
     for p in procs:
         p.start()
@@ -185,7 +185,7 @@ def test_watch(fresh_broker: tb.BrokerProcess) -> None:
     async def main() -> list[int]:
         versions = []
         async with tb.aio.connect(fresh_broker.address) as c:
-            putter = SPAWN.Process(target=stages.delayed_puts, args=(c.address, keys, 0.2))
+            putter = CHILDREN.Process(target=stages.delayed_puts, args=(c.address, keys, 0.2))
             putter.start()
             try:
                 async for value in c.watch("w", timeout=30):

@@ -13,7 +13,7 @@ import pytest
 
 import tensorbroker as tb
 from tests.integration import chaos
-from tests.support import SPAWN, crash, join_all, wait_until
+from tests.support import CHILDREN, crash, join_all, wait_until
 
 pytestmark = pytest.mark.usefixtures("transport")  # lanes and ZeroMQ both
 
@@ -38,9 +38,9 @@ def _reports(out: Any, count: int) -> dict[Any, dict[str, Any]]:
 
 def _subscribers(address: str, workers: list[int], out: Any) -> list[Any]:
     """Subscriber processes of the broadcast queue "cast", subscribed (chaos.subscribe)."""
-    ready = {w: SPAWN.Event() for w in workers}
+    ready = {w: CHILDREN.Event() for w in workers}
     subs = [
-        SPAWN.Process(target=chaos.subscribe, args=(address, w, ready[w], out), name=f"sub{w}")
+        CHILDREN.Process(target=chaos.subscribe, args=(address, w, ready[w], out), name=f"sub{w}")
         for w in workers
     ]
     for p in subs:
@@ -67,15 +67,15 @@ def test_clients_and_the_broker_survive_twenty_kills() -> None:
     restarted 20 times at random moments."""
     rng = random.Random(12)
     with tb.start_broker(memory="128MiB") as broker:
-        stop, out = SPAWN.Event(), SPAWN.Queue()
+        stop, out = CHILDREN.Event(), CHILDREN.Queue()
         address = broker.address
         subs = _subscribers(address, [4, 5], out)
         procs = [
-            SPAWN.Process(target=chaos.keyed, args=(address, 0, stop, out), name="keyed0"),
-            SPAWN.Process(target=chaos.keyed, args=(address, 1, stop, out), name="keyed1"),
-            SPAWN.Process(target=chaos.produce, args=(address, 2, stop, out), name="producer"),
-            SPAWN.Process(target=chaos.consume, args=(address, 3, out), name="consumer"),
-            SPAWN.Process(target=chaos.cast, args=(address, stop, out), name="cast"),
+            CHILDREN.Process(target=chaos.keyed, args=(address, 0, stop, out), name="keyed0"),
+            CHILDREN.Process(target=chaos.keyed, args=(address, 1, stop, out), name="keyed1"),
+            CHILDREN.Process(target=chaos.produce, args=(address, 2, stop, out), name="producer"),
+            CHILDREN.Process(target=chaos.consume, args=(address, 3, out), name="consumer"),
+            CHILDREN.Process(target=chaos.cast, args=(address, stop, out), name="cast"),
         ]
         for p in procs:
             p.start()
@@ -107,9 +107,9 @@ def test_broadcast_subscribers_get_every_item_once_in_order_through_kills() -> N
     once, in order."""
     rng = random.Random(15)
     with tb.start_broker(memory="64MiB") as broker:
-        stop, out = SPAWN.Event(), SPAWN.Queue()
+        stop, out = CHILDREN.Event(), CHILDREN.Queue()
         subs = _subscribers(broker.address, [0, 1], out)
-        producer = SPAWN.Process(target=chaos.cast, args=(broker.address, stop, out))
+        producer = CHILDREN.Process(target=chaos.cast, args=(broker.address, stop, out))
         producer.start()
         _kill_and_restart(broker, 8, rng)
         stop.set()

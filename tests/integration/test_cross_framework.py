@@ -9,19 +9,19 @@ from typing import Any
 
 import pytest
 import workers
-from support import SPAWN, join_all
+from support import CHILDREN, join_all
 
 import tensorbroker as tb
 
 
 def test_torch_producer_jax_and_numpy_readers_share_one_copy(broker: tb.BrokerProcess) -> None:
-    results, holding, done = SPAWN.Queue(), SPAWN.Queue(), SPAWN.Event()
-    modified = SPAWN.Event()
-    producer = SPAWN.Process(
+    results, holding, done = CHILDREN.Queue(), CHILDREN.Queue(), CHILDREN.Event()
+    modified = CHILDREN.Event()
+    producer = CHILDREN.Process(
         target=workers.torch_producer, args=(broker.address, done), name="torch"
     )
     readers = [
-        SPAWN.Process(
+        CHILDREN.Process(
             target=workers.reader, name=fw, args=(fw, broker.address, results, holding, modified)
         )
         for fw in ("jax", "numpy")
@@ -70,9 +70,9 @@ def test_torch_producer_jax_and_numpy_readers_share_one_copy(broker: tb.BrokerPr
 
 def test_every_dtype_round_trips_between_torch_jax_and_numpy(broker: tb.BrokerProcess) -> None:
     frameworks = ["torch", "jax", "numpy"]
-    results, produced = SPAWN.Queue(), SPAWN.Queue()
+    results, produced = CHILDREN.Queue(), CHILDREN.Queue()
     procs = [
-        SPAWN.Process(
+        CHILDREN.Process(
             target=workers.dtype_roundtrip,
             name=fw,
             args=(fw, broker.address, [o for o in frameworks if o != fw], results, produced),

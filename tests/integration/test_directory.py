@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import readers
-from support import SPAWN, join_all, seconds_until
+from support import CHILDREN, join_all, seconds_until
 
 import tensorbroker as tb
 
@@ -44,10 +44,10 @@ def test_a_get_needs_no_broker(fresh_broker: tb.BrokerProcess) -> None:
 def test_no_torn_reads_while_a_key_is_replaced_20000_times(
     fresh_broker: tb.BrokerProcess,
 ) -> None:
-    out, stop = SPAWN.Queue(), SPAWN.Event()
-    writer = SPAWN.Process(target=readers.replace_many, args=(fresh_broker.address, 20_000, out))
+    out, stop = CHILDREN.Queue(), CHILDREN.Event()
+    writer = CHILDREN.Process(target=readers.replace_many, args=(fresh_broker.address, 20_000, out))
     procs = [
-        SPAWN.Process(target=readers.read_uniform, args=(fresh_broker.address, stop, out))
+        CHILDREN.Process(target=readers.read_uniform, args=(fresh_broker.address, stop, out))
         for _ in range(3)
     ]
     for p in procs:
@@ -64,10 +64,10 @@ def test_no_torn_reads_while_a_key_is_replaced_20000_times(
 
 def test_memory_is_never_reused_under_a_reader() -> None:
     with tb.start_broker(memory="8MiB") as b:
-        out, stop = SPAWN.Queue(), SPAWN.Event()
-        writer = SPAWN.Process(target=readers.churn, args=(b.address, 4.0, out))
+        out, stop = CHILDREN.Queue(), CHILDREN.Event()
+        writer = CHILDREN.Process(target=readers.churn, args=(b.address, 4.0, out))
         holders = [
-            SPAWN.Process(target=readers.hold_and_check, args=(b.address, stop, seed, out))
+            CHILDREN.Process(target=readers.hold_and_check, args=(b.address, stop, seed, out))
             for seed in range(3)
         ]
         for p in [writer, *holders]:
@@ -87,8 +87,8 @@ def test_a_reader_killed_holding_1000_leases_gives_them_back_within_a_second(
 ) -> None:
     with tb.connect(fresh_broker.address) as c:
         c.put("k", np.ones(MiB // 4, np.float32))
-        out = SPAWN.Queue()
-        p = SPAWN.Process(target=readers.hold_many, args=(fresh_broker.address, "k", 1000, out))
+        out = CHILDREN.Queue()
+        p = CHILDREN.Process(target=readers.hold_many, args=(fresh_broker.address, "k", 1000, out))
         p.start()
         try:
             assert out.get(timeout=60) == 1000

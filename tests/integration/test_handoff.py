@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from support import SPAWN, GaveUp, in_thread, interrupt_after, join_all, wait_until
+from support import CHILDREN, GaveUp, in_thread, interrupt_after, join_all, wait_until
 from workers import shm_mapping
 
 import tensorbroker as tb
@@ -165,8 +165,8 @@ def parked_consumer(address: str, name: str) -> None:
 
 
 def test_items_put_while_a_consumer_waits_go_to_it_directly(c: tb.Client) -> None:
-    results = SPAWN.Queue()
-    proc = SPAWN.Process(target=consumer, args=(c.address, "direct", 20, results))
+    results = CHILDREN.Queue()
+    proc = CHILDREN.Process(target=consumer, args=(c.address, "direct", 20, results))
     proc.start()
     q = c.queue("direct")
     for i in range(20):
@@ -186,10 +186,12 @@ def test_items_put_while_a_consumer_waits_go_to_it_directly(c: tb.Client) -> Non
 
 def test_two_producers_and_three_consumers_each_item_once_in_order(c: tb.Client) -> None:
     q = c.queue("mixed", maxsize=4)
-    results = SPAWN.Queue()
-    takers = [SPAWN.Process(target=taker, args=(c.address, "mixed", 0, results)) for _ in range(3)]
+    results = CHILDREN.Queue()
+    takers = [
+        CHILDREN.Process(target=taker, args=(c.address, "mixed", 0, results)) for _ in range(3)
+    ]
     makers = [
-        SPAWN.Process(target=producer, args=(c.address, "mixed", tag, 150, 0.002 * tag))
+        CHILDREN.Process(target=producer, args=(c.address, "mixed", tag, 150, 0.002 * tag))
         for tag in (1, 2)
     ]
     for p in takers + makers:
@@ -310,7 +312,7 @@ def test_a_producer_that_dies_after_handing_over_loses_nothing(c: tb.Client) -> 
     """It died after filling the consumer's mailbox, before its seal went: the consumer has
     the item, and the broker seals it from the mailbox (then frees it when let go)."""
     q = c.queue("dies")
-    proc = SPAWN.Process(target=dying_producer, args=(c.address, "dies", "sealed"))
+    proc = CHILDREN.Process(target=dying_producer, args=(c.address, "dies", "sealed"))
     proc.start()
     first = q.get(timeout=30)  # its first put: it is the queue's last producer now
     assert first.numpy()[0] == 1
@@ -329,7 +331,7 @@ def test_a_producer_interrupted_after_handing_over_still_seals(c: tb.Client) -> 
     """Ctrl-C between filling the consumer's mailbox and sending the seal: the seal goes all
     the same, so the item is counted, freed when let go, and the stream goes on."""
     q = c.queue("interrupted")
-    proc = SPAWN.Process(target=interrupted_producer, args=(c.address, "interrupted"))
+    proc = CHILDREN.Process(target=interrupted_producer, args=(c.address, "interrupted"))
     proc.start()
     got = []
     for _ in range(3):
@@ -343,7 +345,7 @@ def test_a_producer_interrupted_after_handing_over_still_seals(c: tb.Client) -> 
 
 def test_a_producer_that_dies_before_filling_leaves_the_consumer_waiting(c: tb.Client) -> None:
     q = c.queue("dies")
-    proc = SPAWN.Process(target=dying_producer, args=(c.address, "dies", "claimed"))
+    proc = CHILDREN.Process(target=dying_producer, args=(c.address, "dies", "claimed"))
     proc.start()
     first = q.get(timeout=30)
     del first
@@ -365,7 +367,7 @@ def test_a_consumer_that_dies_waiting_loses_no_item(c: tb.Client) -> None:
     q = c.queue("orphan")
     q.put(np.zeros(4))
     q.get()
-    proc = SPAWN.Process(target=parked_consumer, args=(c.address, "orphan"))
+    proc = CHILDREN.Process(target=parked_consumer, args=(c.address, "orphan"))
     proc.start()
     assert wait_until(lambda: offered(c), 30)
     os.kill(proc.pid, signal.SIGKILL)
@@ -463,8 +465,8 @@ def test_an_item_handed_to_a_get_as_it_is_given_up_goes_to_the_next_get(c: tb.Cl
 
 
 def test_producer_threads_of_one_client_keep_their_order(c: tb.Client) -> None:
-    results = SPAWN.Queue()
-    proc = SPAWN.Process(target=consumer_of, args=(c.address, "threads", 200, results))
+    results = CHILDREN.Queue()
+    proc = CHILDREN.Process(target=consumer_of, args=(c.address, "threads", 200, results))
     proc.start()
     q = c.queue("threads", maxsize=4)
 

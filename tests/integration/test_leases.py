@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 import workers
-from support import SPAWN, GaveUp, interrupt_after, seconds_until, wait_until
+from support import CHILDREN, GaveUp, interrupt_after, seconds_until, wait_until
 
 import tensorbroker as tb
 
@@ -77,9 +77,9 @@ def test_readers_sigkilled_give_their_leases_back_within_a_second(
 
     with tb.connect(fresh_broker.address) as c:
         c.put("held", torch.ones(2 * MiB))
-        holding = SPAWN.Queue()
+        holding = CHILDREN.Queue()
         readers = [
-            SPAWN.Process(
+            CHILDREN.Process(
                 target=workers.hold_then_wait, args=(fresh_broker.address, "held", holding)
             )
             for _ in range(2)
@@ -107,8 +107,8 @@ def test_producer_sigkilled_while_writing_loses_its_allocation(
     fresh_broker: tb.BrokerProcess,
 ) -> None:
     with tb.connect(fresh_broker.address) as c:
-        holding = SPAWN.Queue()
-        p = SPAWN.Process(
+        holding = CHILDREN.Queue()
+        p = CHILDREN.Process(
             target=workers.create_then_wait, args=(fresh_broker.address, "w", holding)
         )
         p.start()

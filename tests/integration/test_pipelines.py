@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import stages
-from support import SPAWN, join_all, wait_until
+from support import CHILDREN, join_all, wait_until
 
 import tensorbroker as tb
 
@@ -18,7 +18,7 @@ MiB = 2**20
 
 
 def start(target: Any, *args: Any, name: str) -> Any:
-    proc = SPAWN.Process(target=target, args=args, name=name)
+    proc = CHILDREN.Process(target=target, args=args, name=name)
     proc.start()
     return proc
 
@@ -34,7 +34,7 @@ def reports(report: Any, count: int, timeout: float = 120) -> dict[str, Any]:
 
 def test_torch_jax_numpy_through_two_queues(fresh_broker: tb.BrokerProcess) -> None:
     items, n, address = 300, 4096, fresh_broker.address
-    report = SPAWN.Queue()
+    report = CHILDREN.Queue()
     procs = [
         start(stages.torch_source, address, "batches", items, n, 8, name="torch"),
         start(stages.jax_transform, address, "batches", "outputs", 8, report, name="jax"),
@@ -59,7 +59,7 @@ def test_two_producers_three_consumers_deliver_each_item_once(
     fresh_broker: tb.BrokerProcess,
 ) -> None:
     count, address = 150, fresh_broker.address
-    report = SPAWN.Queue()
+    report = CHILDREN.Queue()
     with tb.connect(address) as c:
         q = c.queue("work", maxsize=16)
         producers = [
@@ -90,7 +90,7 @@ def test_backpressure_bounds_memory_and_blocks_the_producer(
     fresh_broker: tb.BrokerProcess, wait: bool
 ) -> None:
     maxsize, count, address = 4, 24, fresh_broker.address
-    report = SPAWN.Queue()
+    report = CHILDREN.Queue()
     with tb.connect(address) as c:
         c.queue("frames", maxsize=maxsize)
         peak, stop = [0], threading.Event()
@@ -134,7 +134,7 @@ def test_weight_sync_watchers_see_only_whole_versions_and_end_on_the_last(
 ) -> None:
     versions, address = 50, fresh_broker.address
     names = sorted(stages.model_state(0))
-    report = SPAWN.Queue()
+    report = CHILDREN.Queue()
     watchers = [
         start(stages.weight_watcher, fw, address, "weights", names, versions - 1, report, name=fw)
         for fw in ("jax", "torch")
@@ -156,7 +156,7 @@ def test_a_consumer_killed_in_the_middle_neither_hangs_nor_leaks(
     fresh_broker: tb.BrokerProcess,
 ) -> None:
     maxsize, count, address = 4, 40, fresh_broker.address
-    report, holding = SPAWN.Queue(), SPAWN.Queue()
+    report, holding = CHILDREN.Queue(), CHILDREN.Queue()
     with tb.connect(address) as c:
         q = c.queue("frames", maxsize=maxsize)
         producer = start(stages.numbered_producer, address, "frames", 0, count, name="producer")
@@ -186,7 +186,7 @@ def test_closing_lets_consumers_drain_and_refuses_more_puts(
     fresh_broker: tb.BrokerProcess,
 ) -> None:
     count, address = 60, fresh_broker.address
-    report = SPAWN.Queue()
+    report = CHILDREN.Queue()
     with tb.connect(address) as c:
         c.queue("work")  # exists before anyone puts, so no consumer opens a new stream
         consumers = [

@@ -23,7 +23,7 @@ from tensorbroker.common.protocol import decode, encode
 from tensorbroker.server.journal import read_journal
 from tensorbroker.server.state import discard
 from tests.integration import chaos
-from tests.support import SPAWN, crash, join_all, run_segments, wait_until
+from tests.support import CHILDREN, crash, join_all, run_segments, wait_until
 
 pytestmark = pytest.mark.usefixtures("transport")  # lanes and ZeroMQ both
 
@@ -239,8 +239,8 @@ def test_reader_keeps_its_arrays_and_leases_across_a_kill() -> None:
     with tb.start_broker(memory="8MiB") as broker, tb.connect(broker.address) as c:
         c.put("a", np.ones(MiB, np.uint8))
         c.put("b", np.full(MiB, 2, np.uint8))
-        ready, go, out = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
-        reader = SPAWN.Process(target=chaos.hold_through, args=(broker.address, ready, go, out))
+        ready, go, out = CHILDREN.Event(), CHILDREN.Event(), CHILDREN.Queue()
+        reader = CHILDREN.Process(target=chaos.hold_through, args=(broker.address, ready, go, out))
         reader.start()
         assert ready.wait(60)
         crash(broker)
@@ -265,8 +265,8 @@ def test_reader_keeps_its_arrays_and_leases_across_a_kill() -> None:
 def test_a_put_in_place_when_the_broker_dies_is_sealed_after_it_comes_back(
     crashable: tb.BrokerProcess,
 ) -> None:
-    ready, go, out = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
-    writer = SPAWN.Process(
+    ready, go, out = CHILDREN.Event(), CHILDREN.Event(), CHILDREN.Queue()
+    writer = CHILDREN.Process(
         target=chaos.create_and_wait, args=(crashable.address, 16 * MiB, ready, go, out)
     )
     writer.start()
@@ -283,8 +283,8 @@ def test_a_put_in_place_when_the_broker_dies_is_sealed_after_it_comes_back(
 
 def test_memory_of_a_put_whose_writer_died_with_the_broker_is_freed() -> None:
     with tb.start_broker(memory="600MiB") as broker:
-        ready, go, out = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
-        writer = SPAWN.Process(
+        ready, go, out = CHILDREN.Event(), CHILDREN.Event(), CHILDREN.Queue()
+        writer = CHILDREN.Process(
             target=chaos.create_and_wait, args=(broker.address, 256 * MiB, ready, go, out)
         )
         writer.start()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import tensorbroker as tb
-from tests.support import SPAWN, join_all, seconds_until
+from tests.support import CHILDREN, join_all, seconds_until
 
 pytestmark = pytest.mark.usefixtures("transport")  # lanes and ZeroMQ both
 
@@ -148,8 +148,8 @@ def test_a_producer_that_found_a_queue_unbounded_heeds_a_bound_set_later(
 def test_a_writer_killed_with_grants_and_seals_on_their_way(
     fresh_broker: tb.BrokerProcess,
 ) -> None:
-    ready = SPAWN.Event()
-    writer = SPAWN.Process(target=_write_forever, args=(fresh_broker.address, ready))
+    ready = CHILDREN.Event()
+    writer = CHILDREN.Process(target=_write_forever, args=(fresh_broker.address, ready))
     writer.start()
     try:
         assert ready.wait(60)
@@ -181,11 +181,11 @@ def test_exactly_once_in_order_with_two_producers_and_three_consumers_not_waitin
     fresh_broker: tb.BrokerProcess,
 ) -> None:
     address, count = fresh_broker.address, 400
-    out = SPAWN.Queue()
+    out = CHILDREN.Queue()
     with tb.connect(address) as c:
         q = c.queue("work", maxsize=8)
-        consumers = [SPAWN.Process(target=_consume, args=(address, out)) for _ in range(3)]
-        producers = [SPAWN.Process(target=_produce, args=(address, p, count)) for p in range(2)]
+        consumers = [CHILDREN.Process(target=_consume, args=(address, out)) for _ in range(3)]
+        producers = [CHILDREN.Process(target=_produce, args=(address, p, count)) for p in range(2)]
         for p in [*consumers, *producers]:
             p.start()
         join_all(producers)

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from support import SPAWN
+from support import CHILDREN
 
 import tensorbroker as tb
 
@@ -31,9 +31,9 @@ def churn(address: str, worker: int, rounds: int, done: Any) -> None:
 @pytest.mark.slow
 def test_four_processes_churning_leave_no_memory_or_lease_behind() -> None:
     with tb.start_broker(memory="64MiB") as broker:
-        done = SPAWN.Queue()
+        done = CHILDREN.Queue()
         procs = [
-            SPAWN.Process(target=churn, args=(broker.address, w, 3000, done)) for w in range(4)
+            CHILDREN.Process(target=churn, args=(broker.address, w, 3000, done)) for w in range(4)
         ]
         for p in procs:
             p.start()
