@@ -7,7 +7,6 @@ import grp
 import os
 import re
 import tempfile
-from fractions import Fraction
 
 from .errors import BrokerError
 
@@ -58,7 +57,8 @@ def parse_size(text: str | int) -> int:
             f"cannot read size {text!r}: use a number with an optional unit, "
             "such as 1073741824, 512MiB, 4GiB or 2GB"
         )
-    return int(Fraction(match.group(1)) * _UNITS[unit])  # exact: '4.1GB' is 4100000000
+    whole, _, decimals = match.group(1).partition(".")  # exact: '4.1GB' is 4100000000
+    return int(whole + decimals) * _UNITS[unit] // 10 ** len(decimals)
 
 
 def parse_cuda_memory(text: str | None) -> dict[int, int] | None:

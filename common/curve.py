@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
-import zmq.auth
 
 from .errors import InvalidRequest
 
@@ -49,6 +48,8 @@ def make_keys(directory: str, name: str) -> tuple[str, str]:
     for path in (public, secret):
         if os.path.exists(path):
             raise InvalidRequest(f"{path} exists: remove it, or choose another --name or --out")
+    import zmq.auth  # here: 4 ms of every broker's start, where most brokers use no keys
+
     public, secret = zmq.auth.create_certificates(directory, name)
     os.chmod(secret, 0o600)
     return public, secret
@@ -56,6 +57,8 @@ def make_keys(directory: str, name: str) -> tuple[str, str]:
 
 def load_secret(path: str) -> tuple[bytes, bytes]:
     """(public, secret) from a secret key file made by `tensorbroker keys`."""
+    import zmq.auth
+
     try:
         public, secret = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as exc:
@@ -73,6 +76,8 @@ def public_key(value: str) -> bytes:
     """A public key given as its 40 Z85 characters, or as the path of a key file."""
     if len(value) == Z85_KEY_CHARS and not os.path.exists(value):
         return value.encode("ascii")
+    import zmq.auth
+
     try:
         public, _ = zmq.auth.load_certificate(value)
     except (OSError, ValueError) as exc:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import secrets
 import struct
 from bisect import bisect_left, insort
 from collections.abc import Callable, Iterable
@@ -78,7 +77,7 @@ class Segment:
             raise ValueError(f"segment size must be >= 1 byte, got {size}")
         segment = cls()
         while True:
-            name = prefix + secrets.token_hex(8)
+            name = prefix + os.urandom(8).hex()
             path = os.path.join(shm_dir, name)
             try:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)

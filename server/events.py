@@ -10,7 +10,7 @@ one that does not always knows it.
 
 from __future__ import annotations
 
-import secrets
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +33,7 @@ class EventLog:
         self.last = 0  # the number of the last event
         # This broker's numbering: a watcher that saw another's (a broker that restarted
         # numbers from 1 again) may have missed events, and is told so.
-        self.run = secrets.randbits(48)
+        self.run = int.from_bytes(os.urandom(6), "big")
 
     def record(self, kind: str, key: str, version: int) -> None:
         self.last += 1

@@ -48,7 +48,6 @@ import contextlib
 import fcntl
 import logging
 import os
-import secrets
 import time
 
 from ..common import host
@@ -91,7 +90,7 @@ class State:
             else:
                 self.recovered = self._read()
             found = self.recovered
-            self.id = secrets.token_hex(4) if found is None else str(found.meta["id"])
+            self.id = os.urandom(4).hex() if found is None else str(found.meta["id"])
             self._claim()
             if found is not None:
                 self._check_segments(found)  # a gc may have removed them as we waited
