@@ -190,8 +190,9 @@ class Replicas:
         if mine and (here.version, self.node) > (version, node):  # type: ignore[union-attr]
             return
         self.index[key] = Remote(node, version, size)
-        self.registry.seen_version(key, version)  # a put here from now on goes above it
-        self.objects.arrived(key, version)  # an event for watch_prefix; waits for keys told
+        if known is None or (known.node, known.version) != (node, version):  # heard once
+            self.registry.seen_version(key, version)  # a put here from now on goes above it
+            self.objects.arrived(key, version)  # an event for watch_prefix; waits for keys told
         stale = known is not None and (known.node != node or known.version < version)
         if here is not None and (mine or stale):  # a put that lost, or a replica of a loser's
             self.registry.delete(key)
@@ -225,8 +226,11 @@ class Replicas:
             return
         obj = self.registry.objects.get(key)
         if obj is None or obj.device != "cpu":
-            error = f"node {self.node!r} has no {key!r}"
-            self.links.answer(node, {"op": "lent", "pull": pull, "error": error})
+            answer = {"op": "lent", "pull": pull, "error": f"node {self.node!r} has no {key!r}"}
+            remote = self.index.get(key)
+            if remote is not None:  # another node's version won here: the puller may not know yet
+                answer["at"] = [remote.node, remote.version, remote.size]
+            self.links.answer(node, answer)
             return
         if key not in self.index:  # this node's own: its bytes go out FANOUT times at most
             version, borrowers = self._lent_to.get(key, (0, []))
@@ -326,6 +330,8 @@ class Replicas:
             self._ask_at(pull, pull.node, direct=True)
             return
         if "error" in m:  # it had no such key: another node's won, or it was deleted there
+            if "at" in m and m["at"][0] != self.node:  # where it won, heard here before its own
+                self.listed(str(m["at"][0]), pull.key, int(m["at"][1]), int(m["at"][2]))
             remote = self.index.get(pull.key)
             gone = NotFound(f"no object {pull.key!r}: {m['error']}")
             if remote is not None and (remote.node, remote.version) != (pull.node, pull.seen):

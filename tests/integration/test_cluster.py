@@ -233,7 +233,7 @@ def _version_seen(c: tb.Client, key: str) -> int:
 def test_two_nodes_putting_one_key_at_once_converge_on_one_version(
     clients: dict[str, tb.Client],
 ) -> None:
-    for i in range(5):
+    for i in range(50):  # a lender that lost the race to a node the puller had not heard yet
         key = f"race{i}"
         clients["a"].put(key, np.full(8, 1.0))
         clients["b"].put(key, np.full(8, 2.0))
