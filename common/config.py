@@ -58,7 +58,7 @@ def parse_size(text: str | int) -> int:
             "such as 1073741824, 512MiB, 4GiB or 2GB"
         )
     whole, _, decimals = match.group(1).partition(".")  # exact: '4.1GB' is 4100000000
-    return int(whole + decimals) * _UNITS[unit] // 10 ** len(decimals)
+    return int(int(whole + decimals) * _UNITS[unit] // 10 ** len(decimals))
 
 
 def parse_cuda_memory(text: str | None) -> dict[int, int] | None:

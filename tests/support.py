@@ -1,5 +1,5 @@
-"""Helpers the integration tests share: spawned children whose exit codes are checked, and
-waiting for a condition."""
+"""Helpers the integration tests share: child processes (forked from a fork server) whose
+exit codes are checked, and waiting for a condition."""
 
 from __future__ import annotations
 

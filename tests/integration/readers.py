@@ -1,5 +1,5 @@
-"""Worker processes of the directory tests (spawned). Each reports through its queue and
-exits 0 only if its own checks held."""
+"""Worker processes of the directory tests (tests/support.py CHILDREN). Each reports
+through its queue and exits 0 only if its own checks held."""
 
 from __future__ import annotations
 

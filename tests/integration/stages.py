@@ -1,4 +1,5 @@
-"""Pipeline stages: code that runs in the child processes of test_pipelines (spawn).
+"""Pipeline stages: code that runs in the child processes of test_pipelines
+(tests/support.py CHILDREN).
 
 Each stage reports through a multiprocessing queue and exits 0 only if it got to the end.
 Batch i of a pipeline is `i + arange(n) / n` (float32); the transform is `2 * x + 1`.

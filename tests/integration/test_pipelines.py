@@ -1,5 +1,6 @@
-"""Pipelines of real processes (spawn) through queues and watched keys: every item once, in
-order, zero copy; backpressure; weight sync; a consumer killed in the middle; closing."""
+"""Pipelines of real processes (tests/support.py CHILDREN) through queues and watched keys:
+every item once, in order, zero copy; backpressure; weight sync; a consumer killed in the
+middle; closing."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Code that runs in the child processes of the integration tests (spawn start method).
+"""Code that runs in the child processes of the integration tests (tests/support.py CHILDREN).
 
 Each worker reports through a multiprocessing queue and exits 0 only if it got that far.
 """
