@@ -223,7 +223,7 @@ class Reads:
         """A lease over the memory `desc` names: a mapped segment, or an opened device chunk
         with the object's events (opened once per Client)."""
         if desc.device == "cpu":
-            mapping = self.segments.get(desc.segment, populate=not reader)
+            mapping = self.segments.get(desc.segment)
             return Lease(lease_id, mapping, self.conn.leases.releases)
         index, link = device_index(desc.device), self.devices
         chunk = link.chunk(index, desc.segment, reply["handle"])

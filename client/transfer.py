@@ -192,7 +192,8 @@ class Transfer:
             self.conn.check_usable(settle=False, poll=not handing)
             if queue is not None:
                 credited = self.writes.ahead.take_credit(queue, fields.get("timeout"), wait)
-            mapping = self.segments.get(grant.segment, populate=True)
+            mapping = self.segments.get(grant.segment)
+            mapping.writing(grant.size)
             for (_, src, dt), offset in zip(items, plan.offsets, strict=True):
                 assert isinstance(src, np.ndarray)  # placed on the host
                 if plan.raw and src.flags.c_contiguous:
@@ -257,9 +258,10 @@ class Transfer:
 
     def _view(self, desc: TensorDesc, typestr: str) -> np.ndarray[Any, Any]:
         """A writable NumPy view of a tensor being put (the mapping is held by the cache)."""
-        mapping = self.segments.get(desc.segment, populate=True)
+        mapping = self.segments.get(desc.segment)
         count = int(np.prod(desc.shape))
         flat = np.frombuffer(mapping.mmap, np.dtype(typestr), count, desc.offset)
+        mapping.writing(flat.nbytes)
         return flat.reshape(desc.shape)
 
     @contextlib.contextmanager
