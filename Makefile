@@ -10,13 +10,21 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: demo test test-all lint clean bench bench-gpu test-gpu
 
+# uv installs into .venv: from a fresh clone on the 2-core VM, pip took 61 s and uv 10 s (the
+# same packages; uv unpacks in parallel). uv reads no pip configuration: the find-links that
+# pip is given in the environment (where this machine keeps its CPU torch wheel) go to uv too.
+INSTALL := $(VENV)/bin/uv pip install --quiet --python $(PY)
+ifneq ($(PIP_FIND_LINKS),)
+export UV_FIND_LINKS ?= $(PIP_FIND_LINKS)
+endif
+
 $(STAMP): pyproject.toml setup.py client/_dlpack.c common/_shm.c
 	$(PYTHON) -c 'import sys; sys.exit("tensorbroker needs Python 3.11+, found " + sys.version.split()[0]) if sys.version_info < (3, 11) else None'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
-	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet --no-build-isolation -e ".[torch,jax,test]"
-	$(PY) -m pip install --quiet --no-deps "$(NIXL)"  # the cluster's transfers (its torch: the one above)
+	$(PY) -m pip install --quiet uv
+	$(INSTALL) setuptools wheel "$(TORCH)"
+	$(INSTALL) --no-build-isolation -e ".[torch,jax,test]"
+	$(INSTALL) --no-deps "$(NIXL)"  # the cluster's transfers (its torch: the one above)
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -60,7 +68,7 @@ $(PEERS_STAMP): bench/requirements-peers.txt
 	touch $(PEERS_STAMP)
 
 $(BENCH_STAMP): $(STAMP) bench/requirements.txt
-	$(PY) -m pip install --quiet -r bench/requirements.txt
+	$(INSTALL) -r bench/requirements.txt
 	touch $(BENCH_STAMP)
 
 bench: $(STAMP) $(BENCH_STAMP) $(PEERS_STAMP)
@@ -78,7 +86,7 @@ ifeq ($(GPU_PYTHON),)
 GPU_PY := $(PY)
 GPU_STAMP := $(VENV)/.cuda$(CUDA)-installed
 $(GPU_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet -e ".[cuda$(CUDA)]"
+	$(INSTALL) --no-build-isolation -e ".[cuda$(CUDA)]"
 	touch $(GPU_STAMP)
 else
 GPU_PY := $(GPU_PYTHON)
