@@ -47,6 +47,8 @@ from .joining import Joining as Joining  # (the broker takes it from here)
 from .joining import loopback, tcp_host
 from .objects import Objects
 from .parking import ParkingLot
+from .queue_links import QueueLinks
+from .queues import Queues
 from .replicas import Replicas
 from .transfers import Transfers
 
@@ -98,8 +100,8 @@ class Cluster:
     here."""
 
     def __init__(
-        self, joining: Joining, objects: Objects, lot: ParkingLot, transfers: Transfers,
-        poller: zmq.Poller,
+        self, joining: Joining, objects: Objects, queues: Queues, lot: ParkingLot,
+        transfers: Transfers, poller: zmq.Poller,
     ) -> None:  # fmt: skip
         node, address, keys = joining.node, joining.address, joining.keys
         self.node, self.address, self.transfers, self._keys = node, address, transfers, keys
@@ -123,19 +125,19 @@ class Cluster:
             poller.register(s, zmq.POLLIN)
         self._poller = poller
         self.replicas = Replicas(node, objects, lot, transfers, self)
+        self.queues = QueueLinks(node, queues, transfers, self, self.replicas.session)
         self._routes: dict[bytes, str] = {}  # a peer's route to this ROUTER -> its node
         self._next_beat = 0.0
 
     @classmethod
-    def join(
-        cls, joining: Joining, objects: Objects, lot: ParkingLot, shm_dir: str, poller: zmq.Poller
-    ) -> Cluster:
-        """This broker in a cluster: its NIXL agent, its links, and Objects told of both."""
+    def join(cls, joining: Joining, queues: Queues, shm_dir: str, poller: zmq.Poller) -> Cluster:
+        """This broker in a cluster: its NIXL agent, its links, and Objects and Queues told."""
         transfers = Transfers(joining.node, shm_dir)
-        cluster = cls(joining, objects, lot, transfers, poller)
+        objects = queues.objects
+        cluster = cls(joining, objects, queues, queues.lot, transfers, poller)
         for segment in objects.registry.arena.segments:
             transfers.register(segment)
-        objects.elsewhere = cluster.replicas
+        objects.elsewhere, queues.elsewhere = cluster.replicas, cluster.queues
         return cluster
 
     def _link(self, address: str) -> Peer:
@@ -157,7 +159,7 @@ class Cluster:
     @property
     def wake_in(self) -> float:
         """Seconds until the loop must look again: reads under way are polled (Replicas)."""
-        return min(self.replicas.poll_in, BEAT)
+        return min(self.replicas.poll_in, self.queues.poll_in, BEAT)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -191,7 +193,9 @@ class Cluster:
                     if peer.up and now - peer.heard > DOWN_AFTER:
                         self._down(peer)
                     self._send(peer, self._hello() if not peer.up else {"op": "beat"})
+                self.queues.beat()
             self.replicas.poll(now)
+            self.queues.poll()
         except Exception:
             log.exception("cluster: the beat or a pull failed")
 
@@ -222,8 +226,30 @@ class Cluster:
                 replicas.returned(node, int(m["pull"]))
             elif op == "delete":
                 replicas.deleted(node, str(m["key"]))
+            elif op.startswith("q") or op == "want":
+                self._queue_request(node, op, m)
         except (KeyError, TypeError, ValueError, BrokerError) as exc:
             log.warning("a cluster message %r from %r could not be used: %s", op, route, exc)
+
+    def _queue_request(self, node: str, op: str, m: dict[str, Any]) -> None:
+        """The messages of queues across nodes (Note [queues across nodes])."""
+        links, name = self.queues, str(m.get("queue", ""))
+        if op == "want":
+            links.want(node, name, int(m["n"]))
+        elif op == "qitem":
+            links.arrived(node, m)
+        elif op == "qtaken":
+            links.taken(node, int(m["loan"]))
+        elif op == "qback":
+            links.back(node, int(m["loan"]))
+        elif op == "qclose":
+            q = links.queues.by_name.get(name)
+            if q is not None and not q.closed:
+                links.queues.close_part(q)
+        elif op == "qleft":
+            links.left(node, name)
+        elif op == "qhas":
+            links.has(node, name, int(m["left"]))
 
     def _hello(self, op: str = "hello") -> dict[str, Any]:
         """This broker, its address, its agent, and the keys it holds (not its replicas)."""
@@ -264,6 +290,7 @@ class Cluster:
                 self.transfers.add_peer(node, bytes(m["agent"]))
                 peer.node, peer.up = node, True
                 self.replicas.welcome(node, m["keys"])
+                self.queues.node_up(node)
                 log.info("cluster: node %r at %s is up", node, peer.address)
             elif op == "hello_first":
                 self._send(peer, self._hello())
@@ -277,6 +304,7 @@ class Cluster:
         log.warning("cluster: node %r at %s is down", peer.node, peer.address)
         if peer.node is not None:
             self.replicas.node_down(peer.node)
+            self.queues.node_down(peer.node)
             self._forget_node(peer.node)
 
     # -- sending (the Links of replicas.py) ------------------------------------------------------
@@ -299,6 +327,10 @@ class Cluster:
         for peer in self.peers:
             if peer.up:
                 self._send(peer, message)
+
+    def nodes(self) -> list[str]:
+        """The peers' node names (those that answered once)."""
+        return [p.node for p in self.peers if p.node is not None]
 
     def _peer(self, node: str) -> Peer | None:
         return next((p for p in self.peers if p.node == node), None)
@@ -331,8 +363,9 @@ class Cluster:
         }
         return {
             "node": self.node, "address": self.address, "peers": peers,
-            "bytes_sent": r.bytes_sent, "bytes_received": r.bytes_received,
-            "pulls": len(r.pulls), "loans": len(r.loans),
+            "bytes_sent": r.bytes_sent + self.queues.bytes_sent,
+            "bytes_received": r.bytes_received + self.queues.bytes_received,
+            "pulls": len(r.pulls), "loans": len(r.loans), "items_lent": len(self.queues.loans),
         }  # fmt: skip
 
     def close(self) -> None:

@@ -140,10 +140,12 @@ class QueueTable:
 
 
 def park_get(
-    lot: ParkingLot, session: Session, route: bytes, req: Request, q: BrokerQueue
-) -> Waiter:
-    """Park a get until an item comes (QueueClosed if none will)."""
-    if q.closed:
+    lot: ParkingLot, session: Session, route: bytes, req: Request, q: BrokerQueue,
+    more: bool = False,
+) -> Waiter:  # fmt: skip
+    """Park a get until an item comes (QueueClosed if none will: `more`, other nodes of a
+    cluster may still have items of closed `q`)."""
+    if q.closed and not more:
         raise QueueClosed(f"queue {q.name!r} is closed and drained")
     timeout = req.fields.get("timeout")
     empty = Timeout(f"queue {q.name!r} is empty")

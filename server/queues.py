@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from ..common.errors import InvalidRequest, NotFound, QueueClosed
 from ..common.protocol import Request, reply_error, reply_ok
@@ -24,6 +24,15 @@ from .slots import QueueSlots
 from .subscriptions import Broadcasts
 
 Reply = dict[str, Any]
+
+
+class OtherNodes(Protocol):
+    """The parts of this broker's queues on the other nodes of a cluster (queue_links.py)."""
+
+    def asked(self, q: BrokerQueue) -> None: ...
+    def item(self, q: BrokerQueue) -> None: ...
+    def closed(self, q: BrokerQueue) -> None: ...
+    def supplies(self, q: BrokerQueue) -> bool: ...
 
 
 class Queues:
@@ -42,6 +51,7 @@ class Queues:
         self.handoffs = self.direct.handoffs  # Note [direct handoff]
         # The item a broker that died handed to this very get, sent again (adoption.py).
         self.retake: Callable[[Session, int], StoredObject | None] = lambda s, request: None
+        self.elsewhere: OtherNodes | None = None  # a cluster's other nodes (queue_links.py)
 
     @property
     def by_name(self) -> dict[str, BrokerQueue]:
@@ -80,6 +90,10 @@ class Queues:
         if q.closed:
             self.registry.abort(session, put_id, keep)
             raise QueueClosed(f"queue {q.name!r} was closed before this item was sealed")
+        return self.deliver(session, put_id, q, keep)
+
+    def deliver(self, session: Session, put_id: int, q: BrokerQueue, keep: bool = False) -> Reply:
+        """Seal an item into `q` (also closed: one put on another node before the close)."""
         if q.id in self.handoffs.offered:  # the consumer's grant goes back, or came first
             self.handoffs.take_back(q)
         q.sealed += 1
@@ -93,7 +107,20 @@ class Queues:
             self.objects.answer(w, reply_ok(w.request.id, **reply))
         else:
             q.items.append(obj)
+            if self.elsewhere is not None:
+                self.elsewhere.item(q)
         return {"version": obj.version}
+
+    def requeue(self, q: BrokerQueue, obj: StoredObject) -> None:
+        """An item lent to another node came back: to a consumer waiting, else to the front."""
+        if q.removed:
+            self.registry.retire(obj)
+        elif q.getters:
+            w = q.getters[0]
+            self.objects.answer(w, reply_ok(w.request.id, **self.objects.describe(
+                w.session, obj, w.request.id)))  # fmt: skip
+        else:
+            q.items.appendleft(obj)
 
     def get(self, session: Session, route: bytes, req: Request) -> Reply | None:
         q = self.table.find(req)
@@ -109,23 +136,35 @@ class Queues:
         if q.items:
             reply = self.objects.describe(session, q.items.popleft(), req.id)
             self.table.note_if_ended(q)
+            if self.elsewhere is not None:
+                self.elsewhere.asked(q)
             return reply
-        self.handoffs.offer(q, park_get(self.lot, session, route, req, q))
+        more = q.closed and self.elsewhere is not None and self.elsewhere.supplies(q)
+        self.handoffs.offer(q, park_get(self.lot, session, route, req, q, more))
+        if self.elsewhere is not None:
+            self.elsewhere.asked(q)
         return None
 
     def close(self, session: Session, route: bytes, req: Request) -> Reply:
         q = self.table.by_id.get(req.fields["queue"])
-        if q is None or q.closed:
-            return {}  # closing a closed queue succeeds
+        if q is not None and not q.closed:  # closing a closed queue succeeds
+            self.close_part(q)
+            if self.elsewhere is not None:
+                self.elsewhere.closed(q)
+        return {}
+
+    def close_part(self, q: BrokerQueue) -> None:
+        """Close `q` on this node (here, or on another node of a cluster: `closed`). Its
+        consumers waiting end, unless other nodes may still have items for them."""
         q.closed = True
         self.registry.journal.queue(q)
         self.rings.end(q)
         self.handoffs.take_back(q)  # an item handed over already came before the close
-        for w in [*q.getters, *q.putters]:
+        more = self.elsewhere is not None and self.elsewhere.supplies(q)
+        for w in [*q.putters, *([] if more else q.getters)]:
             closed = QueueClosed(f"queue {q.name!r} was closed")
             self.objects.answer(w, reply_error(w.request.id, closed))
         self.table.note_if_ended(q)
-        return {}
 
     def remove(self, session: Session, route: bytes, req: Request) -> Reply:
         """Remove the queue `name` at once: its waiting consumers and producers get

@@ -248,6 +248,52 @@ def test_two_nodes_putting_one_key_at_once_converge_on_one_version(
     assert wait_until(lambda: float(clients["c"].get("race0").numpy()[0]) == 3.0, 10)
 
 
+def _consume(address: str, name: str, taken: list[int]) -> None:
+    """Take items of queue `name` on the broker at `address` until it is closed and drained
+    on every node: each item is (producer, its place in that producer's stream)."""
+    with tb.connect(address) as c:
+        for item in c.queue(name):
+            taken.append(int(item.numpy()[0]))
+            assert (item.numpy() == item.numpy()[0]).all(), "a torn item"
+            del item
+            time.sleep(0.002)  # a consumer that works on its item, as the others take theirs
+
+
+def test_a_queue_across_nodes_hands_each_item_to_one_consumer_in_order(
+    shared: dict[str, tb.BrokerProcess], clients: dict[str, tb.Client]
+) -> None:
+    """Producers on a and b, consumers on b and c: every item once, each producer's in
+    order, and a's part never over its bound."""
+    taken: dict[str, list[int]] = {"b": [], "c": []}
+    consumers = [in_thread(lambda n=n: _consume(shared[n].address, "jobs", taken[n]))
+                 for n in ("b", "c")]  # fmt: skip
+    queues = {n: clients[n].queue("jobs", maxsize=4) for n in ("a", "b")}
+    time.sleep(0.3)  # both consumers wait: their nodes want items
+    peak = 0
+    for i in range(60):  # a's items, each 32 KiB; b's own producer puts a few too
+        queues["a"].put(np.full(4096, 1000 + i, np.int64))
+        peak = max(peak, queues["a"].in_flight())
+        if i % 10 == 0:
+            queues["b"].put(np.full(4096, 2000 + i // 10, np.int64))
+    queues["a"].close()  # closes the queue on every node: the consumers drain it, then end
+    for thread, out in consumers:
+        thread.join(30)
+        assert out == [None], out
+    got = taken["b"] + taken["c"]
+    assert sorted(got) == [*range(1000, 1060), *range(2000, 2006)], got
+    for node, seq in taken.items():  # each producer's items in the order it put them
+        for producer in (1000, 2000):
+            mine = [x for x in seq if producer <= x < producer + 1000]
+            assert mine == sorted(mine), (node, mine)
+    assert taken["b"] and any(x < 2000 for x in taken["c"]), taken  # a's items reached both
+    assert peak <= 4, f"a's part held {peak} items in flight, over its maxsize of 4"
+    assert wait_until(lambda: all(_loans_out(clients[n]) == 0 for n in clients), 5)
+
+
+def _loans_out(c: tb.Client) -> int:
+    return int(c.stats()["cluster"]["items_lent"])
+
+
 def test_a_peer_killed_is_down_within_3s_and_rejoins_with_its_objects(
     brokers: dict[str, tb.BrokerProcess], own: dict[str, tb.Client]
 ) -> None:
