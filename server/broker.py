@@ -205,7 +205,7 @@ class Broker:
             Op.QOPEN: self.queues.open,
             Op.QPUT: self.queues.slots.put,
             Op.QGET: self.queues.get,
-            Op.QSUB: self.queues.broadcasts.subscribe,
+            Op.QSUB: self.queues.subscribe,
             Op.QUNSUB: self.queues.broadcasts.unsubscribe,
             Op.QCLOSE: self.queues.close,
             Op.QINFO: self.queues.info,

@@ -27,8 +27,8 @@ lender's agent metadata of now: NIXL learns a peer's registered memory from its 
 only, and a segment may be newer than the welcome (an arena grows; a broker that restarted
 adopts segments after it joined).
 
-Not yet: watches and queues across nodes, fan-out from replicas, GPU replicas, CURVE between
-brokers (a cluster serves on loopback with --insecure-tcp only): issue 33's note.
+Queues across nodes have messages of their own (want, subs, qitem, qtaken, qback, qclose,
+qleft, qhas): Note [queues across nodes] in queue_links.py. Not yet: GPU replicas.
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ class Cluster:
                 replicas.returned(node, int(m["pull"]))
             elif op == "delete":
                 replicas.deleted(node, str(m["key"]))
-            elif op.startswith("q") or op == "want":
+            elif op.startswith("q") or op in ("want", "subs"):
                 self._queue_request(node, op, m)
         except (KeyError, TypeError, ValueError, BrokerError) as exc:
             log.warning("a cluster message %r from %r could not be used: %s", op, route, exc)
@@ -234,18 +234,16 @@ class Cluster:
     def _queue_request(self, node: str, op: str, m: dict[str, Any]) -> None:
         """The messages of queues across nodes (Note [queues across nodes])."""
         links, name = self.queues, str(m.get("queue", ""))
-        if op == "want":
-            links.want(node, name, int(m["n"]))
+        if op in ("want", "subs"):
+            links.want(node, name, int(m["n"]), op)
         elif op == "qitem":
-            links.arrived(node, m)
+            links.arrivals.arrived(node, m)
         elif op == "qtaken":
             links.taken(node, int(m["loan"]))
         elif op == "qback":
             links.back(node, int(m["loan"]))
         elif op == "qclose":
-            q = links.queues.by_name.get(name)
-            if q is not None and not q.closed:
-                links.queues.close_part(q)
+            links.close_from(node, name)
         elif op == "qleft":
             links.left(node, name)
         elif op == "qhas":

@@ -1,5 +1,6 @@
-"""Ordinary queues across the nodes of a cluster (Note [queues across nodes]): consumers that
-want items, items lent to the nodes that want them, and items arriving here, read by NIXL.
+"""Queues across the nodes of a cluster (Note [queues across nodes]): the consumers each node
+wants items for, the subscribers each has, and the items lent to them. The items lent to
+this node are arrivals.py's.
 
 Note [queues across nodes]
 
@@ -28,43 +29,43 @@ queue went there), goes back to the front of its part. A node that dies after it
 item and before the lender heard so may see the item handed out twice: once more after the
 lender restarts with it.
 
-Closing closes every node's part (`qclose`). A consumer whose node's part is closed and
-drained asks the peers up what they have left (`qleft`), and waits while any has items;
-QueueClosed once none has. Items in the part of a node that is down are not waited for:
-they come when it is back. Broadcast queues and GPU items stay on their node.
+A broadcast queue's part on each node has that node's subscribers; each node tells the
+others how many (`subs`). An item a producer seals is lent to every node with subscribers
+(as it is published to its own), and each seals it into its part, for its subscribers: so
+every subscriber gets every item put on any node once it was heard of there, each
+producer's in order. The item keeps its slot until every node read it, and a node reads it
+once fewer than `maxsize` items that arrived wait for its subscribers: so the producer
+waits for the slowest subscriber on any node, and a part holds at most `maxsize` items of
+its own producers and `maxsize` that arrived (each bound apart: two nodes whose parts are
+full of items lent to each other must not wait for each other). Items that arrived are
+never lent on.
+
+Closing a queue on one node closes it on every node. The node where it is closed, and each
+node that hears so, takes no more puts and says `qclose` to every peer, after the items it
+lent before. A node's part closes once it heard `qclose` from every peer up (or CLOSE_WAIT
+passed) and the items lent to it are in: so no item put before the close is left out. A
+consumer whose node's part is closed and drained asks the peers up what they have left
+(`qleft`), and waits while any has items; QueueClosed once none has. Items in the part of a
+node that is down are not waited for: they come when it is back. GPU items stay on their
+node.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
-from ..common.errors import BrokerError, QueueClosed
+from ..common.errors import QueueClosed
 from ..common.protocol import reply_error
+from .arrivals import Arrival, Arrivals
 from .queue_state import BrokerQueue
 from .queues import Queues
 from .records import Session, StoredObject
-from .replicas import POLL, SPIN, Links
+from .replicas import Links
 from .transfers import Transfers
 
 REPASS = 5.0  # seconds without a consumer asking before items that arrived here are lent on
-
-
-@dataclass(slots=True)
-class Arrival:
-    """An item lent to this node by `node` (its `loan`), read into put `put` of part `q`."""
-
-    node: str
-    loan: int
-    q: BrokerQueue
-    put: int
-    handle: Any = None  # the read under way (None: done, or it failed)
-    size: int = 0
-    started: float = 0.0
-    failed: bool = False
+CLOSE_WAIT = 5.0  # seconds a part waits for the peers' qclose before it closes without them
 
 
 @dataclass(slots=True)
@@ -76,25 +77,28 @@ class Asked:
 
 
 class QueueLinks:
-    """The wants of the other nodes, the items lent to them (`loans`) and those arriving here
-    (Note [queues across nodes]). Queues calls `asked`, `item`, `closed` and `supplies`;
-    the cluster hands this room its messages and calls `poll` every loop, `beat` every beat."""
+    """What the other nodes want of this node's parts (`wants`, `subs`) and the items lent
+    to them (`loans`), Note [queues across nodes]. Queues calls `asked`, `item`, `published`,
+    `closed` and `supplies`; the cluster hands this room its messages and calls `poll` every
+    loop and `beat` every beat."""
 
     def __init__(
         self, node: str, queues: Queues, transfers: Transfers, links: Links, session: Session
     ) -> None:
         self.node, self.queues, self.registry = node, queues, queues.registry
         self.transfers, self.links, self.session = transfers, links, session
+        self.arrivals = Arrivals(queues, transfers, links, session, self._arrival_over)
         self.wants: dict[str, dict[str, int]] = {}  # queue -> node -> its consumers waiting
+        self.subs: dict[str, dict[str, int]] = {}  # broadcast queue -> node -> its subscribers
         self.loans: dict[tuple[str, int], tuple[BrokerQueue, StoredObject]] = {}
-        self._arriving: dict[str, deque[Arrival]] = {}  # by the node that lent them, in order
-        self._said: dict[str, int] = {}  # queue -> the want this node said last
+        self._said: dict[tuple[str, str], int] = {}  # (op, queue) -> what this node said last
         self._asked: dict[int, Asked] = {}  # closed part's id -> what the peers have left
         self._over: set[int] = set()  # closed parts no peer has items for: the stream ended
-        self._came: set[int] = set()  # the oids of items that arrived here from a peer
+        self._closing: dict[int, tuple[set[str], float]] = {}  # part id -> (peers not
+        # closed yet, since when)
         self._waited: dict[int, float] = {}  # part id -> when a consumer last asked in it
         self._ids = 0
-        self.bytes_sent = self.bytes_received = 0
+        self.bytes_sent = 0
 
     # -- what Queues tells and asks ---------------------------------------------------------------
 
@@ -102,15 +106,28 @@ class QueueLinks:
         """A consumer asked for an item of `q` (took one, or waits): the peers hear how many
         wait."""
         self._waited[q.id] = time.monotonic()
-        self._say_want(q)
+        self._say(q)
 
     def item(self, q: BrokerQueue) -> None:
-        """An item went to the back of `q`: a peer that wants one may get it."""
+        """An item went to the back of ordinary queue `q`: a peer that wants one may get it."""
         self._lend(q)
 
+    def published(self, q: BrokerQueue, obj: StoredObject, session: Session) -> None:
+        """A producer here sealed `obj` into broadcast queue `q`: lent to every node with
+        subscribers (never an item that arrived from another node: its own lender did)."""
+        if session is self.session or obj.device != "cpu":
+            return
+        for node, n in self.subs.get(q.name, {}).items():
+            if n and self.links.up(node):
+                self._lend_to(node, q, obj, broadcast=True)
+
+    def subscribed(self, q: BrokerQueue) -> None:
+        """Subscriptions of broadcast queue `q` came or went: the peers hear how many."""
+        self._say(q)
+
     def closed(self, q: BrokerQueue) -> None:
-        """`q` was closed here: so is its part on every other node."""
-        self.links.everyone({"op": "qclose", "queue": q.name})
+        """`q` is closed here: so it is on every node, and here once they all closed it."""
+        self._closing_now(q)
 
     def supplies(self, q: BrokerQueue) -> bool:
         """Whether another node may still hand an item to a consumer of closed and drained
@@ -118,9 +135,7 @@ class QueueLinks:
         now). False once none has."""
         if q.id in self._over:
             return False
-        if any(a.q is q for arriving in self._arriving.values() for a in arriving):
-            return True
-        if q.id in self._asked:
+        if self.arrivals.of(q) or q.id in self._asked:
             return True
         up = {n for n in self.links.nodes() if self.links.up(n)}
         if not up:
@@ -130,19 +145,21 @@ class QueueLinks:
             self.links.send(node, {"op": "qleft", "queue": q.name})
         return True
 
-    # -- wants and loans (the lending side) -------------------------------------------------------
+    # -- wants, subscribers and loans (the lending side) ------------------------------------------
 
-    def _say_want(self, q: BrokerQueue) -> None:
-        n = len(q.getters)
-        if q.subs is None and self._said.get(q.name, 0) != n:
-            self._said[q.name] = n
-            self.links.everyone({"op": "want", "queue": q.name, "n": n})
+    def _say(self, q: BrokerQueue) -> None:
+        """Tell the peers the consumers waiting in `q`, or its subscribers, if that changed."""
+        op, n = ("want", len(q.getters)) if q.subs is None else ("subs", len(q.subs))
+        if self._said.get((op, q.name), 0) != n:
+            self._said[op, q.name] = n
+            self.links.everyone({"op": op, "queue": q.name, "n": n})
 
-    def want(self, node: str, name: str, n: int) -> None:
-        """`node` has `n` consumers waiting in its part of `name`."""
-        self.wants.setdefault(name, {})[node] = n
+    def want(self, node: str, name: str, n: int, op: str = "want") -> None:
+        """`node` has `n` consumers waiting in its part of `name` (or, op "subs", `n`
+        subscribers of broadcast queue `name`)."""
+        (self.wants if op == "want" else self.subs).setdefault(name, {})[node] = n
         q = self.queues.by_name.get(name)
-        if q is not None:
+        if q is not None and op == "want":
             self._lend(q)
 
     def _lend(self, q: BrokerQueue) -> None:
@@ -158,45 +175,93 @@ class QueueLinks:
                 obj = self._lendable(q, repass)
                 if obj is None:
                     break
-                self._ids += 1
-                self.transfers.register(obj.block.segment)
-                self.registry.pin(obj)
-                self.loans[node, self._ids] = (q, obj)
-                specs = [[t.name, t.dtype, list(t.shape)] for t in obj.tensors]
-                self.links.send(node, {
-                    "op": "qitem", "queue": q.name, "loan": self._ids, "bundle": obj.bundle,
-                    "specs": specs, "size": obj.nbytes, "agent": self.transfers.metadata,
-                    "address": self.transfers.address(obj.block.segment, obj.block.offset),
-                })  # fmt: skip
-                self.bytes_sent += obj.nbytes
+                self._lend_to(node, q, obj)
                 out += 1
         self.queues.table.note_if_ended(q)
 
     def _lendable(self, q: BrokerQueue, repass: bool) -> StoredObject | None:
         """The oldest item of `q` that may be lent (taken out of it): a host item put here,
         or, `repass`, one that arrived here from another node too."""
+        came = self.arrivals.came
         for i, obj in enumerate(q.items):
-            if obj.device == "cpu" and (repass or obj.oid not in self._came):
+            if obj.device == "cpu" and (repass or obj.oid not in came):
                 del q.items[i]
-                self._came.discard(obj.oid)
+                came.discard(obj.oid)
                 return obj
         return None
 
+    def _lend_to(
+        self, node: str, q: BrokerQueue, obj: StoredObject, broadcast: bool = False
+    ) -> None:
+        """Pin `obj` for `node` and say where its bytes are."""
+        self._ids += 1
+        self.transfers.register(obj.block.segment)
+        self.registry.pin(obj)
+        self.loans[node, self._ids] = (q, obj)
+        specs = [[t.name, t.dtype, list(t.shape)] for t in obj.tensors]
+        self.links.send(node, {
+            "op": "qitem", "queue": q.name, "loan": self._ids, "bundle": obj.bundle,
+            "specs": specs, "size": obj.nbytes, "agent": self.transfers.metadata,
+            "address": self.transfers.address(obj.block.segment, obj.block.offset),
+            "broadcast": broadcast,
+        })  # fmt: skip
+        self.bytes_sent += obj.nbytes
+
     def taken(self, node: str, loan: int) -> None:
-        """`node` has the item it was lent: freed here, its slot opens."""
+        """`node` has the item it was lent: an ordinary queue's is freed here, its slot
+        opens; a broadcast queue's, once this node's subscribers have it too."""
         lent = self.loans.pop((node, loan), None)
         if lent is not None:
             q, obj = lent
-            self.registry.retire(obj)
+            if q.subs is None:
+                self.registry.retire(obj)
             self.registry.unpin(obj)
             self.queues.table.note_if_ended(q)
 
     def back(self, node: str, loan: int) -> None:
-        """`node` could not take the item it was lent: back to the front of its part."""
+        """`node` could not take the item it was lent: back to the front of its part (a
+        broadcast item: that node's subscribers go without it)."""
         lent = self.loans.pop((node, loan), None)
         if lent is not None:
-            self.registry.unpin(lent[1])
-            self.queues.requeue(lent[0], lent[1])
+            self._back(*lent)
+
+    def _back(self, q: BrokerQueue, obj: StoredObject) -> None:
+        self.registry.unpin(obj)
+        if q.subs is None:
+            self.queues.requeue(q, obj)
+
+    # -- the end of a stream ----------------------------------------------------------------------
+
+    def close_from(self, node: str, name: str) -> None:
+        """`node` closed its part of `name` (and lent this node all it will)."""
+        q = self.queues.by_name.get(name)
+        if q is None:  # no part here: nothing to lend, nothing to wait for
+            self.links.send(node, {"op": "qclose", "queue": name})
+        elif not q.closed:
+            self._closing_now(q, node)
+
+    def _closing_now(self, q: BrokerQueue, heard: str | None = None) -> None:
+        """`q` takes no more puts here; every peer hears so (after the items lent to it)."""
+        if q.id not in self._closing:
+            q.closing = True
+            for h in [*q.putters]:  # producers waiting for a slot
+                closed = QueueClosed(f"queue {q.name!r} was closed")
+                self.queues.objects.answer(h, reply_error(h.request.id, closed))
+            up = {n for n in self.links.nodes() if self.links.up(n)}
+            self._closing[q.id] = (up, time.monotonic())
+            self.links.everyone({"op": "qclose", "queue": q.name})
+        if heard is not None:
+            self._closing[q.id][0].discard(heard)
+        self._close_if_done(q)
+
+    def _close_if_done(self, q: BrokerQueue) -> None:
+        """Close `q` once every peer closed its part (or CLOSE_WAIT passed) and the items
+        lent here are in."""
+        waiting, since = self._closing[q.id]
+        if (waiting and time.monotonic() - since < CLOSE_WAIT) or self.arrivals.of(q):
+            return
+        del self._closing[q.id]
+        self.queues.close_part(q)
 
     def left(self, node: str, name: str) -> None:
         """`node` asks what this node has left of closed queue `name`."""
@@ -218,7 +283,7 @@ class QueueLinks:
     def _settle(self, q: BrokerQueue, asked: Asked) -> None:
         """Every peer asked answered (or went down): none has items left, so the consumers
         waiting here end; else they wait for the items their wants bring."""
-        del self._asked[q.id]
+        self._asked.pop(q.id, None)
         if any(asked.left.values()) or q.items or q.pending:
             return
         self._over.add(q.id)
@@ -226,105 +291,62 @@ class QueueLinks:
             closed = QueueClosed(f"queue {q.name!r} is closed and drained on every node")
             self.queues.objects.answer(w, reply_error(w.request.id, closed))
 
-    # -- arrivals (the taking side) ---------------------------------------------------------------
+    def _arrival_over(self, a: Arrival, delivered: bool) -> None:
+        """An item lent to this node is in its part (or was given back)."""
+        q = a.q
+        if q.id in self._closing:
+            self._close_if_done(q)
+        if q.subs is None:
+            self._say(q)
+            if q.closed and not q.items and q.getters and q.id not in self._over:
+                self.supplies(q)  # (asks again: what the peers have left may have changed)
 
-    def arrived(self, node: str, m: dict[str, Any]) -> None:
-        """`node` lent this node an item of its part of a queue: read it into this node's."""
-        loan, name = int(m["loan"]), str(m["queue"])
-        q = self.queues.by_name.get(name)
-        if q is None or q.subs is not None or q.removed:
-            self.links.send(node, {"op": "qback", "loan": loan})
-            return
-        try:
-            self.transfers.add_peer(node, bytes(m["agent"]))
-            specs = [(str(n), str(d), tuple(s)) for n, d, s in m["specs"]]
-            put, obj = self.registry.begin_put(self.session, name, specs, bool(m["bundle"]),
-                                               queue=q)  # fmt: skip
-        except (BrokerError, KeyError, TypeError, ValueError):  # no room here, say
-            self.links.send(node, {"op": "qback", "loan": loan})
-            return
-        q.in_flight += 1
-        q.pending += 1
-        arrival = Arrival(node, loan, q, put, size=min(int(m["size"]), int(obj.nbytes)))
-        self._arriving.setdefault(node, deque()).append(arrival)
-        try:
-            self.transfers.register(obj.block.segment)
-            local = self.transfers.address(obj.block.segment, obj.block.offset)
-            arrival.handle = self.transfers.read(node, int(m["address"]), local, arrival.size)
-            arrival.started = time.monotonic()
-        except OSError:
-            arrival.failed = True
+    # -- the loop, and peers coming and going -----------------------------------------------------
 
     @property
     def poll_in(self) -> float:
-        """Seconds until the reads under way are looked at again (as Replicas.poll_in)."""
-        now, due = time.monotonic(), math.inf
-        for arriving in self._arriving.values():
-            for a in arriving:
-                if a.handle is not None:
-                    due = min(due, 0.0 if now - a.started < SPIN else POLL)
-        return due
+        return self.arrivals.poll_in
+
+    @property
+    def bytes_received(self) -> int:
+        return self.arrivals.bytes_received
 
     def poll(self) -> None:
-        """Reads that ended: sealed, each peer's in the order it lent them."""
-        for node, arriving in list(self._arriving.items()):
-            for a in arriving:
-                if a.handle is not None:
-                    try:
-                        if self.transfers.done(a.handle):
-                            a.handle = None
-                    except OSError:
-                        a.handle, a.failed = None, True
-            while arriving and arriving[0].handle is None:
-                self._end(arriving.popleft())
-            if not arriving:
-                del self._arriving[node]
-
-    def _end(self, a: Arrival) -> None:
-        q = a.q
-        if a.failed:
-            self.registry.abort(self.session, a.put, False)
-            self.links.send(a.node, {"op": "qback", "loan": a.loan})
-        else:
-            self.bytes_received += a.size
-            # Not lent on from here (REPASS), should it stay in the part (it may, also
-            # with a consumer waiting: a producer here may hand that one its item first).
-            self._came.add(self.registry.pending[a.put].oid)
-            self.queues.deliver(self.session, a.put, q)
-            self.links.send(a.node, {"op": "qtaken", "loan": a.loan})
-        self._say_want(q)
-        if q.closed and not q.items and q.getters and q.id not in self._over:
-            self.supplies(q)  # (asks again: what the peers have left may have changed)
-
-    # -- peers coming and going -------------------------------------------------------------------
+        self.arrivals.poll()
 
     def beat(self) -> None:
-        """The wants said again (consumers that gave up leave no stale want), items that
-        arrived here and wait without a consumer lent on, and closed parts whose consumers
-        still wait: the peers are asked again what they have left."""
+        """The wants and subscribers said again (consumers that gave up leave no stale
+        want), items that arrived here and wait without a consumer lent on, and closed parts
+        whose consumers still wait: the peers are asked again what they have left."""
         for q in list(self.queues.by_name.values()):
+            if q.id in self._closing:
+                self._close_if_done(q)
+            self._say(q)
             if q.subs is not None:
                 continue
-            self._say_want(q)
             if q.items and self.wants.get(q.name):
                 self._lend(q)
             if q.closed and q.getters and not q.items and q.id not in self._asked:
                 if not self.supplies(q):
                     self._settle(q, Asked(set()))
-        self._came.intersection_update(o.oid for q in self.queues.by_name.values()
-                                       for o in q.items)  # fmt: skip
+        self.arrivals.came.intersection_update(
+            o.oid for q in self.queues.by_name.values() for o in q.items
+        )
 
     def node_down(self, node: str) -> None:
         """What `node` was lent goes back to the front of its parts; what it was lending
         here is dropped (it has the items still); its wants and answers go."""
         for key in sorted((k for k in self.loans if k[0] == node), reverse=True):
-            q, obj = self.loans.pop(key)
-            self.registry.unpin(obj)
-            self.queues.requeue(q, obj)
-        for a in self._arriving.get(node, ()):
-            a.failed = True  # (a read under way ends, or fails, before its block goes)
-        for wants in self.wants.values():
-            wants.pop(node, None)
+            self._back(*self.loans.pop(key))
+        self.arrivals.node_down(node)
+        for by_node in [*self.wants.values(), *self.subs.values()]:
+            by_node.pop(node, None)
+        for qid, (waiting, _) in list(self._closing.items()):
+            if node in waiting:
+                waiting.discard(node)
+                part = self.queues.by_id.get(qid)
+                if part is not None:
+                    self._close_if_done(part)
         for qid, asked in list(self._asked.items()):
             if node in asked.waiting:
                 asked.waiting.discard(node)
@@ -333,7 +355,7 @@ class QueueLinks:
                     self._settle(part, asked)
 
     def node_up(self, node: str) -> None:
-        """`node` (re)joined: it hears the wants of this node's consumers."""
-        for name, n in self._said.items():
+        """`node` (re)joined: it hears the wants and subscribers of this node's parts."""
+        for (op, name), n in self._said.items():
             if n:
-                self.links.send(node, {"op": "want", "queue": name, "n": n})
+                self.links.send(node, {"op": op, "queue": name, "n": n})

@@ -27,6 +27,7 @@ class BrokerQueue:
     id: int  # a new id for each queue ever opened under a name: handles of an ended one fail
     maxsize: int = 0  # items in flight at most; 0: no bound (Note [queue slots] in slots.py)
     closed: bool = False
+    closing: bool = False  # closed on another node of a cluster: no more puts, not ended yet
     items: deque[StoredObject] = field(default_factory=deque)  # sealed, not yet taken
     getters: deque[Waiter] = field(default_factory=deque)  # consumers waiting for an item
     putters: deque[Waiter] = field(default_factory=deque)  # producers waiting for a slot
@@ -66,7 +67,7 @@ class BrokerQueue:
         return f"queue {self.name!r} ({len(self.items)} waiting, {self.in_flight} {bound}in flight)"
 
     def check_open(self) -> None:
-        if self.closed:
+        if self.closed or self.closing:
             raise QueueClosed(
                 f"queue {self.name!r} is closed: it takes no more puts (a closed queue stays "
                 "closed; give a new stream a new name)"

@@ -31,6 +31,8 @@ class OtherNodes(Protocol):
 
     def asked(self, q: BrokerQueue) -> None: ...
     def item(self, q: BrokerQueue) -> None: ...
+    def published(self, q: BrokerQueue, obj: StoredObject, session: Session) -> None: ...
+    def subscribed(self, q: BrokerQueue) -> None: ...
     def closed(self, q: BrokerQueue) -> None: ...
     def supplies(self, q: BrokerQueue) -> bool: ...
 
@@ -83,11 +85,11 @@ class Queues:
         elif maxsize and not q.maxsize:
             q.maxsize = maxsize  # the first bound asked for holds
             self.registry.journal.queue(q)
-        return {"queue": q.id, "maxsize": q.maxsize, "closed": q.closed}
+        return {"queue": q.id, "maxsize": q.maxsize, "closed": q.closed or q.closing}
 
     def seal(self, session: Session, put_id: int, keep: bool, q: BrokerQueue) -> Reply:
         """An item sealed: to the first waiting consumer, else to the back of the queue."""
-        if q.closed:
+        if q.closed or q.closing:
             self.registry.abort(session, put_id, keep)
             raise QueueClosed(f"queue {q.name!r} was closed before this item was sealed")
         return self.deliver(session, put_id, q, keep)
@@ -100,6 +102,8 @@ class Queues:
         obj = self.registry.seal(session, put_id, keep, version=q.sealed)
         q.pending -= 1
         if q.subs is not None:
+            if self.elsewhere is not None:  # (pinned for the other nodes before it is given)
+                self.elsewhere.published(q, obj, session)
             self.broadcasts.publish(q, obj)
         elif q.getters:  # a consumer is waiting: it takes the item now
             w = q.getters[0]
@@ -145,22 +149,30 @@ class Queues:
             self.elsewhere.asked(q)
         return None
 
+    def subscribe(self, session: Session, route: bytes, req: Request) -> Reply:
+        reply = self.broadcasts.subscribe(session, route, req)
+        if self.elsewhere is not None:  # (its subscription starts there once they hear)
+            self.elsewhere.subscribed(self.table.find(req))
+        return reply
+
     def close(self, session: Session, route: bytes, req: Request) -> Reply:
         q = self.table.by_id.get(req.fields["queue"])
-        if q is not None and not q.closed:  # closing a closed queue succeeds
+        if q is None or q.closed or q.closing:
+            return {}  # closing a closed queue succeeds
+        if self.elsewhere is not None:
+            self.elsewhere.closed(q)  # closed here too once the other nodes closed theirs
+        else:
             self.close_part(q)
-            if self.elsewhere is not None:
-                self.elsewhere.closed(q)
         return {}
 
     def close_part(self, q: BrokerQueue) -> None:
-        """Close `q` on this node (here, or on another node of a cluster: `closed`). Its
+        """Close `q` on this node (in a cluster, once every node closed its part). Its
         consumers waiting end, unless other nodes may still have items for them."""
-        q.closed = True
+        q.closed, q.closing = True, False
         self.registry.journal.queue(q)
         self.rings.end(q)
         self.handoffs.take_back(q)  # an item handed over already came before the close
-        more = self.elsewhere is not None and self.elsewhere.supplies(q)
+        more = q.subs is None and self.elsewhere is not None and self.elsewhere.supplies(q)
         for w in [*q.putters, *([] if more else q.getters)]:
             closed = QueueClosed(f"queue {q.name!r} was closed")
             self.objects.answer(w, reply_error(w.request.id, closed))
@@ -201,7 +213,7 @@ class Queues:
             "len": len(q.items),
             "maxsize": q.maxsize,
             "in_flight": q.in_flight,
-            "closed": q.closed,
+            "closed": q.closed or q.closing,
         }
 
     def session_gone(self, session: Session, gone: bool = True) -> None:

@@ -8,6 +8,7 @@ import contextlib
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -287,6 +288,50 @@ def test_a_queue_across_nodes_hands_each_item_to_one_consumer_in_order(
             assert mine == sorted(mine), (node, mine)
     assert taken["b"] and any(x < 2000 for x in taken["c"]), taken  # a's items reached both
     assert peak <= 4, f"a's part held {peak} items in flight, over its maxsize of 4"
+    assert wait_until(lambda: all(_loans_out(clients[n]) == 0 for n in clients), 5)
+
+
+def _follow(address: str, name: str, seen: list[int], subscribed: threading.Event) -> None:
+    with tb.connect(address) as c, c.subscribe(name) as sub:
+        subscribed.set()
+        for item in sub:
+            assert (item.numpy() == item.numpy()[0]).all(), "a torn item"
+            seen.append(int(item.numpy()[0]))
+            del item
+
+
+def test_a_broadcast_reaches_subscribers_on_every_node(
+    shared: dict[str, tb.BrokerProcess], clients: dict[str, tb.Client]
+) -> None:
+    """Producers on a and b, two subscribers on c and one on each other node: each gets
+    every item once, each producer's in order; the producer's node sends an item's bytes
+    once to each other node with subscribers, however many subscribe there."""
+    where = ("a", "b", "c", "c")
+    seen: list[list[int]] = [[] for _ in where]
+    ready = [threading.Event() for _ in where]
+    subscribers = [in_thread(lambda i=i, n=n: _follow(shared[n].address, "news", seen[i], ready[i]))
+                   for i, n in enumerate(where)]  # fmt: skip
+    assert all(r.wait(10) for r in ready)
+    time.sleep(0.3)  # the other nodes heard of the subscriptions
+    queues = {n: clients[n].broadcast("news", maxsize=4) for n in ("a", "b")}
+    sent = {n: int(clients[n].stats()["cluster"]["bytes_sent"]) for n in ("a", "b")}
+    for i in range(40):  # 64 KiB each
+        queues["a"].put(np.full(8192, 1000 + i, np.int64))
+        if i % 8 == 0:
+            queues["b"].put(np.full(8192, 2000 + i // 8, np.int64))
+    queues["b"].close()
+    queues["a"].close()
+    for thread, out in subscribers:
+        thread.join(30)
+        assert out == [None], out
+    expected = [*range(1000, 1040), *range(2000, 2005)]
+    for node, got in zip(where, seen, strict=True):
+        assert sorted(got) == expected, (node, got)
+        for producer in (1000, 2000):
+            mine = [x for x in got if producer <= x < producer + 1000]
+            assert mine == sorted(mine), (node, mine)
+    a_sent = int(clients["a"].stats()["cluster"]["bytes_sent"]) - sent["a"]
+    assert a_sent == 2 * 40 * 8192 * 8, a_sent  # to b and to c, once each
     assert wait_until(lambda: all(_loans_out(clients[n]) == 0 for n in clients), 5)
 
 

@@ -1,0 +1,163 @@
+"""Queue items that other nodes of a cluster lent this node (Note [queues across nodes] in
+queue_links.py): each read by NIXL into a block of this node's part of its queue, and
+sealed there in the order its lender lent them, so that one producer's items keep their
+order. An item for a broadcast part that holds `maxsize` items that arrived waits, unread,
+until one of those is freed: its lender keeps it pinned meanwhile, and so its producer
+waits for the slowest subscriber on any node.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..common.errors import BrokerError
+from .queue_state import BrokerQueue
+from .queues import Queues
+from .records import Session, StoredObject
+from .replicas import POLL, SPIN, Links
+from .transfers import Transfers
+
+
+@dataclass(slots=True)
+class Arrival:
+    """Item `loan` of `node`, for part `q`: read into put `put` (0: not begun, waiting for a
+    slot of a full broadcast part)."""
+
+    node: str
+    loan: int
+    q: BrokerQueue
+    message: dict[str, Any]  # the lender's qitem: the item's layout and address
+    put: int = 0
+    handle: Any = None  # the read under way
+    size: int = 0
+    started: float = 0.0
+    failed: bool = False
+
+    @property
+    def over(self) -> bool:
+        """Read (or failed): ready to seal (or give back)."""
+        return self.handle is None and (self.put > 0 or self.failed)
+
+
+class Arrivals:
+    """The items being read into this node's parts, by lender in the order lent. `on_end(a,
+    delivered)` is told of each once it is sealed into its part (or failed, and its block
+    given back)."""
+
+    def __init__(
+        self, queues: Queues, transfers: Transfers, links: Links, session: Session,
+        on_end: Callable[[Arrival, bool], None],
+    ) -> None:  # fmt: skip
+        self.queues, self.registry, self.transfers = queues, queues.registry, transfers
+        self.links, self.session, self.on_end = links, session, on_end
+        self._by_node: dict[str, deque[Arrival]] = {}
+        self.came: set[int] = set()  # the oids of items sealed here from a peer's part
+        self._held: dict[int, list[StoredObject]] = {}  # broadcast part id -> items arrived
+        self.bytes_received = 0
+
+    def arrived(self, node: str, m: dict[str, Any]) -> None:
+        """`node` lent this node an item of its part of a queue (its `qitem`)."""
+        loan, name = int(m["loan"]), str(m["queue"])
+        q = self.queues.by_name.get(name)
+        if q is None or q.removed or (q.subs is not None) != bool(m.get("broadcast")):
+            self.links.send(node, {"op": "qback", "loan": loan})
+            return
+        a = Arrival(node, loan, q, m)
+        self._by_node.setdefault(node, deque()).append(a)
+        self._begin(a)
+
+    def _begin(self, a: Arrival) -> None:
+        """Read `a` into a new block of its part; not yet if it is for a full broadcast part,
+        or waits behind one that is (its lender's items keep their order)."""
+        q, m = a.q, a.message
+        if q.subs is not None and (self._full(q) or self._ahead(a)):
+            return
+        try:
+            self.transfers.add_peer(a.node, bytes(m["agent"]))
+            specs = [(str(n), str(d), tuple(s)) for n, d, s in m["specs"]]
+            a.put, obj = self.registry.begin_put(self.session, q.name, specs, bool(m["bundle"]),
+                                                 queue=q)  # fmt: skip
+        except (BrokerError, KeyError, TypeError, ValueError):  # no room here, say
+            a.failed = True
+            return
+        q.in_flight += 1
+        q.pending += 1
+        if q.subs is not None:
+            self._held.setdefault(q.id, []).append(obj)
+        a.size = min(int(m["size"]), int(obj.nbytes))
+        try:
+            self.transfers.register(obj.block.segment)
+            local = self.transfers.address(obj.block.segment, obj.block.offset)
+            a.handle = self.transfers.read(a.node, int(m["address"]), local, a.size)
+            a.started = time.monotonic()
+        except OSError:
+            a.failed = True
+
+    def _full(self, q: BrokerQueue) -> bool:
+        """Whether broadcast part `q` holds `maxsize` items that arrived, not yet freed."""
+        held = self._held[q.id] = [o for o in self._held.get(q.id, []) if not o.freed]
+        return 0 < q.maxsize <= len(held)
+
+    def _ahead(self, a: Arrival) -> bool:
+        """Whether an item of `a`'s lender waits for a slot ahead of `a`."""
+        first = next(b for b in self._by_node[a.node] if b.put == 0 and not b.failed)
+        return first is not a
+
+    def of(self, q: BrokerQueue, node: str | None = None) -> bool:
+        """Whether items for `q` (from `node`, or any) are being read or wait to be."""
+        lines = self._by_node.values() if node is None else [self._by_node.get(node, ())]
+        return any(a.q is q for line in lines for a in line)
+
+    @property
+    def poll_in(self) -> float:
+        """Seconds until the reads under way are looked at again (as Replicas.poll_in)."""
+        now, due = time.monotonic(), math.inf
+        for line in self._by_node.values():
+            for a in line:
+                if a.handle is not None:
+                    due = min(due, 0.0 if now - a.started < SPIN else POLL)
+                elif a.put == 0 and not a.failed:
+                    due = min(due, POLL)  # waits for a slot
+        return due
+
+    def poll(self) -> None:
+        """Reads that ended, sealed in each lender's order; items waiting for a slot begun."""
+        for node, line in list(self._by_node.items()):
+            for a in line:
+                if a.handle is not None:
+                    try:
+                        if self.transfers.done(a.handle):
+                            a.handle = None
+                    except OSError:
+                        a.handle, a.failed = None, True
+                elif a.put == 0 and not a.failed:
+                    self._begin(a)
+            while line and line[0].over:
+                self._end(line.popleft())
+            if not line:
+                del self._by_node[node]
+
+    def _end(self, a: Arrival) -> None:
+        if a.failed:
+            if a.put:
+                self.registry.abort(self.session, a.put, False)
+            self.links.send(a.node, {"op": "qback", "loan": a.loan})
+        else:
+            self.bytes_received += a.size
+            # Not lent on from here (REPASS in queue_links.py), should it stay in the part
+            # (it may, also with a consumer waiting: a producer here may hand that one its
+            # own item first).
+            self.came.add(self.registry.pending[a.put].oid)
+            self.queues.deliver(self.session, a.put, a.q)
+            self.links.send(a.node, {"op": "qtaken", "loan": a.loan})
+        self.on_end(a, not a.failed)
+
+    def node_down(self, node: str) -> None:
+        """`node` went down: what it lent here is given up (it keeps the items)."""
+        for a in self._by_node.get(node, ()):
+            a.failed = True  # (a read under way ends, or fails, before its block goes)
