@@ -274,6 +274,7 @@ class Cluster:
     def _forget_node(self, node: str) -> None:
         """Unpin what `node` was lent (it will not return it), and forget its route."""
         self.replicas.let_go(node)
+        self.queues.let_go(node)
         for route in [r for r, n in self._routes.items() if n == node]:
             del self._routes[route]
 

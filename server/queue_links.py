@@ -24,10 +24,11 @@ More items may arrive than consumers wait (two peers lend to one want): they wai
 part they came to, for its consumers. They are not lent on while that node has had a
 consumer asking within REPASS seconds: an item lent on could reach a consumer elsewhere
 after a later item of its producer. Only items whose consumers went away are, and those
-may come out of order. An item lent to a node that goes down, or sent back (`qback`: its
-queue went there), goes back to the front of its part. A node that dies after it took an
-item and before the lender heard so may see the item handed out twice: once more after the
-lender restarts with it.
+may come out of order. An item lent to a node that goes down or restarts, or sent back
+(`qback`: its queue went there), goes back to the front of its part. So an item a node took
+just before it died, whose `qtaken` was lost with it, is handed out again: across a node's
+death a queue is at least once, not exactly once. (A lender that dies is not the case: its
+part is adopted as it was journaled, without the items it freed.)
 
 A broadcast queue's part on each node has that node's subscribers; each node tells the
 others how many (`subs`). An item a producer seals is lent to every node with subscribers
@@ -97,7 +98,7 @@ class QueueLinks:
         self._closing: dict[int, tuple[set[str], float]] = {}  # part id -> (peers not
         # closed yet, since when)
         self._waited: dict[int, float] = {}  # part id -> when a consumer last asked in it
-        self._ids = 0
+        self._ids = time.time_ns() // 1000  # loans: never one of this broker's last run
         self.bytes_sent = 0
 
     # -- what Queues tells and asks ---------------------------------------------------------------
@@ -333,14 +334,23 @@ class QueueLinks:
             o.oid for q in self.queues.by_name.values() for o in q.items
         )
 
-    def node_down(self, node: str) -> None:
-        """What `node` was lent goes back to the front of its parts; what it was lending
-        here is dropped (it has the items still); its wants and answers go."""
+    def let_go(self, node: str) -> None:
+        """`node` went down, or restarted: what it was lent goes back to the front of its
+        parts; what it was lending here is dropped (it has the items still); its wants go
+        (it says them again), and it is asked again what this node asked it."""
         for key in sorted((k for k in self.loans if k[0] == node), reverse=True):
             self._back(*self.loans.pop(key))
         self.arrivals.node_down(node)
         for by_node in [*self.wants.values(), *self.subs.values()]:
             by_node.pop(node, None)
+        for qid, asked in self._asked.items():
+            q = self.queues.by_id.get(qid)
+            if node in asked.waiting and q is not None:
+                self.links.send(node, {"op": "qleft", "queue": q.name})
+
+    def node_down(self, node: str) -> None:
+        """`node` is down: as `let_go`, and it is not waited for."""
+        self.let_go(node)
         for qid, (waiting, _) in list(self._closing.items()):
             if node in waiting:
                 waiting.discard(node)

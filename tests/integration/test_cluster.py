@@ -369,6 +369,49 @@ def test_a_peer_killed_is_down_within_3s_and_rejoins_with_its_objects(
     del held
 
 
+def test_queue_items_on_a_node_killed_come_once_it_is_back(
+    brokers: dict[str, tb.BrokerProcess], own: dict[str, tb.Client]
+) -> None:
+    qa = own["a"].queue("work")
+    for i in range(10):
+        qa.put(np.full(1000, i, np.int32))
+    qb = own["b"].queue("work")
+    crash(brokers["a"])
+    assert wait_until(lambda: own["b"].stats()["cluster"]["peers"]["a"]["state"] == "down", 3.5)
+    with pytest.raises(tb.Timeout, match="'work' stayed empty"):
+        qb.get(timeout=0.3)  # its items are on a, which is down: they wait for it
+    waiting, out = in_thread(lambda: [int(qb.get(timeout=20).numpy()[0]) for _ in range(10)])
+    brokers["a"].restart()  # on its state: it adopts its part of the queue
+    waiting.join(30)
+    assert out == [list(range(10))], out
+    assert wait_until(lambda: _loans_out(own["a"]) == 0, 5)
+
+
+def test_queue_items_lent_to_a_node_killed_go_to_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A consumer's node dies: what it was lent and had not read goes back to the lender,
+    what it read waits in its part until it is back: nothing is lost. An item it took may
+    come again (its lender may not have heard that it was taken: at least once)."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    with _cluster(("a", "b", "c")) as started, contextlib.ExitStack() as stack:
+        cs = {n: stack.enter_context(tb.connect(started[n].address)) for n in started}
+        assert wait_until(lambda: all(_all_up(c) for c in cs.values()), 10)
+        qa, qc = cs["a"].queue("jobs"), cs["c"].queue("jobs")
+        for i in range(20):
+            qa.put(np.full(4096, i, np.int64))
+        on_c = [int(qc.get(timeout=10).numpy()[0]) for _ in range(5)]
+        crash(started["c"])
+        started["c"].restart()  # an item c took and did not hand out is lent on from there
+        qb = cs["b"].queue("jobs")
+        on_b: list[int] = []
+        while len(set(on_c + on_b)) < 20:
+            on_b.append(int(qb.get(timeout=15).numpy()[0]))
+        assert sorted(set(on_b)) == sorted(on_b), on_b  # each once on b
+        assert set(on_b) & set(on_c) <= {on_c[-1]}, (on_c, on_b)  # again: only what c took last
+        assert wait_until(lambda: _loans_out(cs["a"]) == 0, 5)
+
+
 def _loans(c: tb.Client) -> int:
     return int(c.stats()["cluster"]["loans"])
 
