@@ -6,6 +6,8 @@ run. Written to bench/results/cluster.md.
     first get of 4 KiB on another node      vs  one raw ZeroMQ round trip, tcp loopback
     second get of 4 KiB there (its replica) vs  a get on the node that put it
     one 64 MiB version read on 3 nodes      vs  its size: what its owner's broker sent
+    a queue item to a consumer waiting on another node, and a stream of 1 MiB items to
+    another node                            vs  the same with both on one node
 
 Each figure is the median of REPS tries (a fresh key for each first get). Usage:
 python bench/cluster.py [--reps N] [--out FILE]
@@ -184,6 +186,54 @@ def repeat_get(c: tb.Client, key: str, reps: int) -> float:
     return _median(once, reps)
 
 
+def queue_handoff(producer: tb.Client, consumer: tb.Client, name: str, reps: int) -> float:
+    """Seconds from a put of a 4 KiB item to its consumer, already waiting, having it (the
+    median): a consumer parked ahead."""
+    got: list[float] = []
+    ready = threading.Event()
+
+    def consume() -> None:
+        q = consumer.queue(name)
+        ready.set()
+        for _ in range(reps + 1):
+            item = q.get(timeout=30)
+            got.append(time.perf_counter())
+            del item
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    ready.wait()
+    q, x, times = producer.queue(name), np.ones(4096, np.uint8), []
+    for i in range(reps + 1):
+        time.sleep(0.02)  # the consumer waits again
+        began = time.perf_counter()
+        q.put(x)
+        while len(got) <= i:
+            time.sleep(0.0001)
+        times.append(got[i] - began)
+    thread.join()
+    return statistics.median(times[1:])
+
+
+def queue_stream(producer: tb.Client, consumer: tb.Client, name: str, n: int) -> float:
+    """Items per second of a stream of `n` 1 MiB items through a queue of at most 8 in
+    flight, from the producer's first put to the consumer's last item: streaming."""
+
+    def consume() -> None:
+        for item in consumer.queue(name, maxsize=8):
+            del item
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    q, x = producer.queue(name, maxsize=8), np.ones(MiB, np.uint8)
+    began = time.perf_counter()
+    for _ in range(n):
+        q.put(x)
+    q.close()
+    thread.join()
+    return n / (time.perf_counter() - began)
+
+
 def fan_out(size: int) -> float:
     """What the owner's broker sent for one version read on 3 other nodes at once, in
     multiples of its size."""
@@ -220,6 +270,11 @@ def main() -> int:
         _known(b, "small")
         replica = repeat_get(b, "small", reps * 20)
         local = repeat_get(a, "small", reps * 20)
+        print("cluster bench: queues ...", flush=True)
+        handoff_there = queue_handoff(a, b, "handoff-ab", reps * 3)
+        handoff_here = queue_handoff(a, a, "handoff-aa", reps * 3)
+        stream_there = queue_stream(a, b, "stream-ab", 200)
+        stream_here = queue_stream(a, a, "stream-aa", 200)
     print("cluster bench: fan-out ...", flush=True)
     sent = fan_out(64 * MiB)
     rows = [
@@ -231,6 +286,11 @@ def main() -> int:
          f"local get {local * 1e6:.1f} us", replica / local, "at most 2x"),
         ("64 MiB read on 3 nodes at once", f"owner sent {sent:.2f}x", "its size", sent,
          "at most 2x"),
+        ("queue: a 4 KiB item to a consumer waiting on another node",
+         f"{handoff_there * 1e6:.0f} us", f"both on one node {handoff_here * 1e6:.0f} us",
+         handoff_there / handoff_here, "(none)"),
+        ("queue: a stream of 1 MiB items to another node", f"{stream_there:.0f} items/s",
+         f"both on one node {stream_here:.0f} items/s", stream_here / stream_there, "(none)"),
     ]  # fmt: skip
     lines = [
         "# Cluster (UCX over TCP loopback, brokers on one host)",
