@@ -19,7 +19,7 @@ from ..common.errors import BrokerError
 from .queue_state import BrokerQueue
 from .queues import Queues
 from .records import Session, StoredObject
-from .replicas import POLL, SPIN, Links
+from .replicas import POLL, Links, poll_due
 from .transfers import Transfers
 
 
@@ -115,12 +115,12 @@ class Arrivals:
 
     @property
     def poll_in(self) -> float:
-        """Seconds until the reads under way are looked at again (as Replicas.poll_in)."""
+        """Seconds until the reads under way are looked at again (poll_due)."""
         now, due = time.monotonic(), math.inf
         for line in self._by_node.values():
             for a in line:
                 if a.handle is not None:
-                    due = min(due, 0.0 if now - a.started < SPIN else POLL)
+                    due = min(due, poll_due(self.transfers.ends(a.started, a.size), now))
                 elif a.put == 0 and not a.failed:
                     due = min(due, POLL)  # waits for a slot
         return due
@@ -133,6 +133,7 @@ class Arrivals:
                     try:
                         if self.transfers.done(a.handle):
                             a.handle = None
+                            self.transfers.took(a.size, time.monotonic() - a.started)
                     except OSError:
                         a.handle, a.failed = None, True
                 elif a.put == 0 and not a.failed:

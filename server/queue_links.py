@@ -14,6 +14,10 @@ waiting and no consumer of its own lends them, oldest first:
     c takes a block in its part of q, NIXL READs the bytes, seals the item into its part
     (to the consumer waiting there) ── qtaken(loan) ──> b frees the item: its slot opens
 
+A node whose consumers are at work (one asked within REPASS) wants AHEAD items more than
+wait, less what its part holds: a stream's items come ahead of their gets, not one trip
+each.
+
 So an item is in one node's part at a time and is handed to one consumer: exactly once. A
 node lends its items in order and seals what it received from one peer in the order it was
 lent, so the items of one producer reach each consumer in the order they were put. A part
@@ -66,6 +70,7 @@ from .replicas import Links
 from .transfers import Transfers
 
 REPASS = 5.0  # seconds without a consumer asking before items that arrived here are lent on
+AHEAD = 4  # items a node with consumers at work takes ahead of their gets (a stream's pace)
 CLOSE_WAIT = 5.0  # seconds a part waits for the peers' qclose before it closes without them
 
 
@@ -149,8 +154,13 @@ class QueueLinks:
     # -- wants, subscribers and loans (the lending side) ------------------------------------------
 
     def _say(self, q: BrokerQueue) -> None:
-        """Tell the peers the consumers waiting in `q`, or its subscribers, if that changed."""
-        op, n = ("want", len(q.getters)) if q.subs is None else ("subs", len(q.subs))
+        """Tell the peers how many items `q`'s consumers want (those waiting, and AHEAD more
+        while they asked within REPASS), or its subscribers, if that changed."""
+        if q.subs is not None:
+            op, n = "subs", len(q.subs)
+        else:
+            busy = time.monotonic() - self._waited.get(q.id, -REPASS) < REPASS
+            op, n = "want", len(q.getters) + (max(0, AHEAD - len(q.items)) if busy else 0)
         if self._said.get((op, q.name), 0) != n:
             self._said[op, q.name] = n
             self.links.everyone({"op": op, "queue": q.name, "n": n})

@@ -30,8 +30,18 @@ from .transfers import Transfers
 
 PULL_WAIT = 30.0  # a get that pulls waits this long at least, whatever its own timeout
 FANOUT = 2  # the nodes a version's owner lends it to itself; later pullers go to theirs
-SPIN = 0.002  # seconds a read is polled without sleeping, from its start (poll_in)
+SPIN = 0.002  # seconds a read is polled without sleeping, from when it may be over (poll_due)
 POLL = 0.001  # and then every POLL seconds
+
+
+def poll_due(ends: float, now: float) -> float:
+    """Seconds until a read that may be over at `ends` (Transfers.ends) is looked at: every
+    POLL until then (a broker that spun through each 1 MiB read of a stream took CPU its
+    peer needed), then at once for SPIN (a small one ends within microseconds: a loop that
+    slept 1 ms would make a 4 KiB pull take milliseconds), then every POLL again."""
+    if now < ends:
+        return min(ends - now, POLL)
+    return 0.0 if now - ends < SPIN else POLL
 
 
 class Links(Protocol):
@@ -282,13 +292,11 @@ class Replicas:
 
     @property
     def poll_in(self) -> float:
-        """Seconds until the reads under way are polled again: at once while one started
-        less than SPIN ago (a small one ends within microseconds: a loop that slept 1 ms
-        would make a 4 KiB pull take milliseconds), then every POLL."""
+        """Seconds until the reads under way are polled again (poll_due)."""
         now, due = time.monotonic(), math.inf
         for p in self.pulls.values():
             if p.handle is not None:
-                due = min(due, 0.0 if now - p.read_at < SPIN else POLL)
+                due = min(due, poll_due(self.transfers.ends(p.read_at, p.size), now))
         return due
 
     def _ask(self, key: str, node: str) -> Pull:
@@ -375,6 +383,7 @@ class Replicas:
             self._fail(pull, PeerUnavailable(f"the pull of {pull.key!r} failed: {exc}"))
             return
         pull.handle = None
+        self.transfers.took(pull.size, time.monotonic() - pull.read_at)
         self.bytes_received += pull.size
         remote = self.index.get(pull.key)
         if remote is not None and (remote.node, remote.version) == (pull.node, pull.version):

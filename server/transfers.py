@@ -26,6 +26,7 @@ PACKAGES = ("nixl_cu13", "nixl_cu12", "nixl")  # tensorbroker[cluster] installs 
 # it a read from a broker whose loop sleeps never ends. 200 us: idle brokers cost little,
 # and a pull ends at most 200 us later.
 PROGRESS_PAUSE_US = 200
+TIMED = 64 * 1024  # reads at least this large time the reads' rate (`took`)
 
 
 def load_nixl() -> Any:
@@ -79,6 +80,7 @@ class Transfers:
         self.shm_dir = shm_dir
         self._mapped: dict[str, tuple[mmap.mmap, int]] = {}  # segment -> (mapping, address)
         self._peers: dict[str, bytes] = {}  # node -> the metadata its agent was added with
+        self.rate = 0.0  # bytes a second that reads went lately (0: none timed yet)
 
     # -- memory ------------------------------------------------------------------------------
 
@@ -140,6 +142,17 @@ class Transfers:
             agent.release_xfer_handle(handle)
             raise OSError(f"NIXL could not start a read of {size} bytes from {node!r}")
         return handle
+
+    def ends(self, started: float, size: int) -> float:
+        """When a read of `size` bytes started at `started` may be over, at the earliest:
+        4/5 of the time the recent reads' rate says (at once, before any was timed)."""
+        return started + (0.8 * size / self.rate if self.rate else 0.0)
+
+    def took(self, size: int, seconds: float) -> None:
+        """A read of `size` bytes ended `seconds` after it started (as its poll saw)."""
+        if size >= TIMED and seconds > 0:
+            rate = size / seconds
+            self.rate = rate if not self.rate else 0.8 * self.rate + 0.2 * rate
 
     def done(self, handle: Any) -> bool:
         """Whether read `handle` finished (then it is released); OSError if it failed."""
