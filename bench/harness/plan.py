@@ -13,6 +13,7 @@ SMALL = 4096
 LATENCY = ("put", "put_nowait", "get", "handoff")
 THROUGHPUT = ("throughput_get", "throughput_putget")
 MANY_KEYS = 100  # get_many: of this many 4 KiB objects
+PATTERNS = ("pingpong", "stream")  # small handoffs as pipelines have them (base.py says how)
 FANOUT_SIZE = 4 << 20  # fanout: items of this size, to 1 reader (a queue) or 4 (a broadcast)
 FANOUT_READERS = (1, 4)
 MEMORY_METRICS = (
@@ -79,6 +80,7 @@ def cells(settings: Settings, rep: int) -> list[Cell]:
     for scenario in THROUGHPUT:
         out.extend(Cell(scenario, clients=n) for n in settings.clients)
     out.append(Cell("get_many", SMALL))
+    out.extend(Cell(scenario, SMALL) for scenario in PATTERNS)
     out.extend(Cell("fanout", FANOUT_SIZE, clients=n) for n in FANOUT_READERS)
     return out
 

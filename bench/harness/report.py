@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from .config import BASELINE, BY_NAME, SYSTEMS, Settings
-from .plan import LATENCY, MEMORY_METRICS, THROUGHPUT, Results, Row, format_size
+from .plan import LATENCY, MEMORY_METRICS, PATTERNS, THROUGHPUT, Results, Row, format_size
 from .targets import SCENARIO_TITLES, Target
 
 TITLES = {
@@ -23,6 +23,11 @@ TITLES = {
     "own (lower is better)",
     "get_many": "get_many: 100 existing 4 KiB objects in one call, as NumPy arrays (lower is "
     "better)",
+    "pingpong": "ping-pong handoff of 4 KiB: the consumer tells the producer it has an item and "
+    "asks for the next at once, the producer puts it as soon as it hears; from the put until "
+    "the consumer holds it as a NumPy array (queues of maxsize 8; lower is better)",
+    "stream": "streaming 4 KiB items: the producer puts 3000 as fast as a queue of maxsize 8 "
+    "takes them, the consumer drops each; items a second (higher is better)",
     "fanout": "fanout: 100 items of 4 MiB to 1 reader process (a queue) or 4 (a broadcast "
     "queue), per item, and the peak shared memory in use (maxsize 8; lower is better)",
 }
@@ -42,7 +47,7 @@ MEMORY_LABELS = {
 
 
 def format_value(row: Row, value: float) -> str:
-    if row.scenario in THROUGHPUT:
+    if row.scenario in (*THROUGHPUT, "stream"):
         return f"{value / 1000:.1f} k/s"
     if row.scenario == "memory" or row.metric == "peak_bytes":
         return format_size(value)
@@ -57,7 +62,7 @@ def _ratio(ratio: float) -> str:
 
 
 def _param_label(row: Row) -> str:
-    if row.scenario in (*LATENCY, "get_many"):
+    if row.scenario in (*LATENCY, "get_many", *PATTERNS):
         return format_size(row.param)
     if row.scenario == "fanout":
         what = "peak memory" if row.metric == "peak_bytes" else "per item"
@@ -76,9 +81,10 @@ def _table(results: Results, scenario: str) -> list[str]:
     columns = [spec.name for spec in SYSTEMS if spec.name in present]
     if not rows or not columns:
         return []
-    timed = (*LATENCY, "get_many", "fanout")
-    kind = "latency" if scenario in timed else "throughput" if scenario in THROUGHPUT else "memory"
-    heading = {"fanout": "readers"}.get(
+    timed = (*LATENCY, "get_many", "fanout", "pingpong")
+    rates = (*THROUGHPUT, "stream")
+    kind = "latency" if scenario in timed else "throughput" if scenario in rates else "memory"
+    heading = {"fanout": "readers", "stream": "size"}.get(
         scenario,
         "size" if scenario in timed else "clients" if scenario in THROUGHPUT else "metric",
     )

@@ -26,6 +26,9 @@ KEY_BYTES = 4  # bytes of each object of the memory run's small keys (one float3
 MANY_KEYS = 100  # get_many: objects read in one call (bench/harness/plan.py says so too)
 POOL_SIZE = 4  # client processes kept for throughput runs (runs use 1, 2 or 4)
 HANDOFF_TIMEOUT = 120.0  # seconds a consumer may take to report (mp.Queue moves 1 GiB in ~5 s)
+PINGPONG_ITEMS = 300  # pingpong: items handed over one after the other, each timed
+STREAM_ITEMS = 3000  # stream: items put as fast as the queue (maxsize STREAM_MAXSIZE) takes them
+STREAM_MAXSIZE = 8
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,17 @@ class System:
         every item), and the peak shared memory in use meanwhile."""
         raise NotImplementedError
 
+    def pingpong(self, array: np.ndarray[Any, Any], items: int) -> Metrics:
+        """Seconds from a put to the consumer holding the item (the median of `items`), where
+        the consumer, having told the producer it has an item, asks for the next at once and
+        the producer puts it as soon as it hears (`pattern_consumer`)."""
+        raise NotImplementedError
+
+    def stream(self, array: np.ndarray[Any, Any], items: int) -> Metrics:
+        """Items a second through a queue of STREAM_MAXSIZE, the producer putting `items` as
+        fast as it can and the consumer dropping each, from the first put to the last item."""
+        raise NotImplementedError
+
     def memory(self, count: int, nbytes: int) -> Metrics:
         raise NotImplementedError
 
@@ -135,6 +149,10 @@ class System:
         array = self.array(req.size)
         if req.scenario == "fanout":
             return self.fanout(array, req.clients), 1
+        if req.scenario == "pingpong":
+            return self.pingpong(array, PINGPONG_ITEMS), PINGPONG_ITEMS
+        if req.scenario == "stream":
+            return self.stream(array, STREAM_ITEMS), STREAM_ITEMS
         if req.scenario == "get_many":
             self.prepare_get_many(array, MANY_KEYS)
             try:
@@ -333,6 +351,47 @@ class Consumer:
             self.proc.kill()
             self.proc.join()
         self.conn.close()
+
+
+def pattern_consumer(conn: Connection, get: Callable[[str], Any]) -> None:
+    """The consumer of the pingpong and stream runs, `get(name)` taking the next item of queue
+    `name`. It is sent (name, count): for pingpong it reports its `time.perf_counter()` as
+    it holds each item (the producer hears back) and asks for the next at once; for stream
+    it takes every item and reports the moment it has the last."""
+    conn.send("ready")
+    while (order := conn.recv()) is not None:
+        name, count = order
+        for _ in range(count):
+            item = get(name)
+            if name == "pingpong":
+                conn.send(time.perf_counter())
+            del item
+        if name == "stream":
+            conn.send(time.perf_counter())
+
+
+def pingpong_run(put: Callable[[], None], conn: Connection, items: int) -> Metrics:
+    """Drive `pattern_consumer` through `items` ping-pong handoffs (`put` puts the next)."""
+    conn.send(("pingpong", items + 1))
+    times = []
+    for _ in range(items + 1):  # the first one untimed: the consumer was not waiting yet
+        began = time.perf_counter()
+        put()
+        if not conn.poll(HANDOFF_TIMEOUT):
+            raise RuntimeError("the pingpong consumer did not report within the timeout")
+        times.append(float(conn.recv()) - began)
+    return {"value": statistics.median(times[1:])}
+
+
+def stream_run(put: Callable[[], None], conn: Connection, items: int) -> Metrics:
+    """Drive `pattern_consumer` through a stream of `items` puts."""
+    conn.send(("stream", items))
+    began = time.perf_counter()
+    for _ in range(items):
+        put()
+    if not conn.poll(HANDOFF_TIMEOUT):
+        raise RuntimeError("the stream consumer did not report within the timeout")
+    return {"value": items / (float(conn.recv()) - began)}
 
 
 # -- memory ------------------------------------------------------------------------------

@@ -6,6 +6,8 @@ get: `c.get(key)` + `numpy.from_dlpack` of an existing object.
 handoff: through a queue: the consumer is parked in `q.get(timeout=...)` when the producer
 calls `q.put(array)`, and the clock stops when it holds the item as a NumPy array.
 get_many: `c.get_many(keys)` of 100 existing objects, each as a NumPy array.
+pingpong, stream: through queues of maxsize 8 (base.pattern_consumer), each item taken as a
+NumPy array.
 fanout: FANOUT_ITEMS items through a queue of maxsize 8 to 1 reader process, or a
 broadcast queue to 4 subscriber processes; from the first put until every reader has every
 item, per item; and the peak of `used_bytes` meanwhile.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -28,13 +31,17 @@ from .base import (
     KEY_BYTES,
     POOL_SIZE,
     SMALL,
+    STREAM_MAXSIZE,
     ClientPool,
     Consumer,
     Metrics,
     System,
     keys_growth,
     memory_growth,
+    pattern_consumer,
+    pingpong_run,
     private_rss,
+    stream_run,
 )
 
 MEMORY = "4GiB"
@@ -47,7 +54,7 @@ class TensorBroker(System):
     name = "tensorbroker"
     scenarios = frozenset(
         {"put", "put_nowait", "get", "handoff", "throughput_get", "throughput_putget", "memory",
-         "get_many", "fanout"}
+         "get_many", "fanout", "pingpong", "stream"}
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -55,6 +62,7 @@ class TensorBroker(System):
         self._broker: tb.BrokerProcess | None = None
         self._client: tb.Client | None = None
         self._consumer: Consumer | None = None
+        self._patterns: Consumer | None = None  # the pingpong and stream runs' consumer
         self._pool: ClientPool | None = None
         self._queue: tb.Queue | None = None
         self._keys = itertools.count()
@@ -76,11 +84,13 @@ class TensorBroker(System):
 
     def close(self) -> None:
         pool, consumer, client, broker = self._pool, self._consumer, self._client, self._broker
+        patterns, self._patterns = self._patterns, None
         self._pool = self._consumer = self._client = self._broker = None
         if pool is not None:
             pool.close()
-        if consumer is not None:
-            consumer.close()
+        for c in (consumer, patterns):
+            if c is not None:
+                c.close()
         if client is not None:
             client.close()
         if broker is not None:
@@ -170,6 +180,19 @@ class TensorBroker(System):
         self._queue.put(array)
         return self._consumer.received_at() - t0
 
+    def _pattern(self, name: str, array: np.ndarray[Any, Any]) -> tuple[Callable[[], Any], Any]:
+        if self._patterns is None:
+            assert self._broker is not None
+            self._patterns = Consumer(_pattern_consumer, (self._broker.address,))
+        q = self.client.queue(name, maxsize=STREAM_MAXSIZE)
+        return (lambda: q.put(array)), self._patterns.conn
+
+    def pingpong(self, array: np.ndarray[Any, Any], items: int) -> Metrics:
+        return pingpong_run(*self._pattern("pingpong", array), items)
+
+    def stream(self, array: np.ndarray[Any, Any], items: int) -> Metrics:
+        return stream_run(*self._pattern("stream", array), items)
+
     def throughput(self, mode: str, clients: int, duration: float) -> float:
         assert self._pool is not None
         return self._pool.run(mode, clients, duration)
@@ -257,6 +280,17 @@ def _consumer(conn: Connection, address: str) -> None:
             received = time.perf_counter()
             del view, item
             conn.send(received)
+
+
+def _pattern_consumer(conn: Connection, address: str) -> None:
+    with tb.connect(address) as client:
+        queues: dict[str, tb.Queue] = {}
+
+        def get(name: str) -> Any:
+            q = queues.get(name) or queues.setdefault(name, client.queue(name))
+            return np.from_dlpack(q.get(timeout=60.0))
+
+        pattern_consumer(conn, get)
 
 
 class PoolClient:
