@@ -13,15 +13,18 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # uv installs into .venv: from a fresh clone on the 2-core VM, pip took 61 s and uv 10 s (the
 # same packages; uv unpacks in parallel). uv reads no pip configuration: the find-links that
 # pip is given in the environment (where this machine keeps its CPU torch wheel) go to uv too.
-INSTALL := $(VENV)/bin/uv pip install --quiet --python $(PY)
+UV      := $(VENV)/bin/uv
+INSTALL := $(UV) pip install --quiet --python $(PY)
 ifneq ($(PIP_FIND_LINKS),)
 export UV_FIND_LINKS ?= $(PIP_FIND_LINKS)
 endif
 
-$(STAMP): pyproject.toml setup.py client/_dlpack.c common/_shm.c
+$(UV):  # (also into a .venv made before uv was used)
 	$(PYTHON) -c 'import sys; sys.exit("tensorbroker needs Python 3.11+, found " + sys.version.split()[0]) if sys.version_info < (3, 11) else None'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet uv
+
+$(STAMP): pyproject.toml setup.py client/_dlpack.c common/_shm.c | $(UV)
 	$(INSTALL) setuptools wheel "$(TORCH)"
 	$(INSTALL) --no-build-isolation -e ".[torch,jax,test]"
 	$(INSTALL) --no-deps "$(NIXL)"  # the cluster's transfers (its torch: the one above)
