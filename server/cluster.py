@@ -7,6 +7,8 @@ Note [cluster]
     ROUTER at --cluster  <──── DEALER ── hello(b, agent metadata, b's keys)
                          ──── welcome(a, agent metadata, a's keys) ───>  (and beats both ways)
     a put sealed on A  ── key(k, version) ───> every peer: B's index says k lives on a
+                          (and keys(all of A's) to a peer as it comes up, in case a put
+                          came between A's hello and the peer's welcome)
     client of B: get k ── not listed on B ──> B: lend k? ──> A pins it: lent(version, layout,
                                                               address of its bytes)
                           B allocates a block, NIXL READs the bytes from A's registered
@@ -219,6 +221,8 @@ class Cluster:
                 self._reply(route, {"op": "beat"})
             elif op == "key":
                 replicas.listed(node, str(m["key"]), int(m["version"]), int(m["size"]))
+            elif op == "keys":
+                replicas.welcome(node, m["keys"])
             elif op == "lend":
                 direct = bool(m.get("direct"))
                 replicas.lend(node, int(m["pull"]), str(m["key"]), direct)
@@ -289,6 +293,9 @@ class Cluster:
                 self.transfers.add_peer(node, bytes(m["agent"]))
                 peer.node, peer.up = node, True
                 self.replicas.welcome(node, m["keys"])
+                # What this node holds now, again: a put sealed while the peer was not up
+                # yet here was announced to the others only (its hello went before it).
+                self._send(peer, {"op": "keys", "keys": self.replicas.own()})
                 self.queues.node_up(node)
                 log.info("cluster: node %r at %s is up", node, peer.address)
             elif op == "hello_first":

@@ -12,12 +12,30 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
-from typing import ClassVar
+from collections.abc import Callable, Sequence
+from typing import IO, ClassVar, Protocol
 
 from .common.config import SOCKET_NAME, default_state_dir, parse_size
 from .common.errors import BrokerError, BrokerUnavailable
 from .server.state import discard
+
+
+class Running(Protocol):
+    """A broker process as BrokerProcess drives it (what subprocess.Popen has)."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def kill(self) -> None: ...
+
+
+def popen(argv: list[str], pass_fds: tuple[int, ...], log: IO[bytes]) -> Running:
+    """`argv` run as a new process: its output to `log`, with `pass_fds` open in it."""
+    return subprocess.Popen(
+        argv, pass_fds=pass_fds, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+    )
 
 
 class BrokerProcess:
@@ -29,7 +47,10 @@ class BrokerProcess:
     this process ends any other way (a signal, os._exit): it watches a pipe only this process
     holds (and children it forks, until they exit)."""
 
-    _proc: subprocess.Popen[bytes] | None = None
+    _proc: Running | None = None
+    # How `tensorbroker serve` is started: a new interpreter (popen). The test suite forks
+    # its brokers from a process that imported the broker once (tests/support.py).
+    spawn: ClassVar[Callable[[list[str], tuple[int, ...], IO[bytes]], Running]] = popen
     _parent: int = -1  # our end of a pipe whose closing (this process exits) stops the broker
     _tmpdir: str | None = None  # the temporary address's directory, until stopped
     _own_dir: str | None = None
@@ -95,29 +116,12 @@ class BrokerProcess:
         parent_r, self._parent = os.pipe()  # (neither is inherited by what this runs later)
         try:
             with open(self.log_path, "wb") as log:
-                self._proc = subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-P",
-                        "-m",
-                        "tensorbroker",
-                        "serve",
-                        "--address",
-                        address,
-                        "--memory",
-                        str(self.memory),
-                        *self._options,
-                        *once,
-                        "--ready-fd",
-                        str(write_fd),
-                        "--parent-fd",
-                        str(parent_r),
-                    ],
-                    pass_fds=(write_fd, parent_r),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                )
+                argv = [
+                    sys.executable, "-P", "-m", "tensorbroker", "serve", "--address", address,
+                    "--memory", str(self.memory), *self._options, *once,
+                    "--ready-fd", str(write_fd), "--parent-fd", str(parent_r),
+                ]  # fmt: skip
+                self._proc = BrokerProcess.spawn(argv, (write_fd, parent_r), log)
             BrokerProcess._unstopped.add(self._proc.pid)
             os.close(write_fd)
             write_fd = -1

@@ -11,9 +11,10 @@ import tempfile
 from collections.abc import Generator, Iterator
 
 import pytest
-from support import run_segments
+from support import ForkedBroker, run_segments
 
 import tensorbroker as tb
+from tensorbroker.launcher import BrokerProcess
 
 # The host tests run JAX on the CPU, also on a machine where JAX would pick a GPU (its arrays
 # would be CUDA tensors there, stored in GPU memory): in this process and in every worker it
@@ -24,6 +25,11 @@ if "JAX_PLATFORMS" not in os.environ:
 # on this 2-core VM, about 100 workers a run).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+
+# The suite's brokers are forked from its fork server, not started as new interpreters
+# (ForkedBroker in support.py); test_cli.py and the others that run `tensorbroker serve` as a
+# command still do.
+BrokerProcess.spawn = ForkedBroker
 
 # Each run of the suite keeps its temporary files (the brokers' sockets and state dirs,
 # tmp_path, the default address's runtime dir) in a folder of its own, made before anything
