@@ -29,9 +29,10 @@ part they came to, for its consumers. They are not lent on while that node has h
 consumer asking within REPASS seconds: an item lent on could reach a consumer elsewhere
 after a later item of its producer. Only items whose consumers went away are, and those
 may come out of order. An item lent to a node that goes down or restarts, or sent back
-(`qback`: its queue went there), goes back to the front of its part. So an item a node took
-just before it died, whose `qtaken` was lost with it, is handed out again: across a node's
-death a queue is at least once, not exactly once. (A lender that dies is not the case: its
+(`qback`: its queue went there), goes back to the front of its part. So the items a node took
+just before it died, whose `qtaken` was lost with it (its consumers' and those it took
+AHEAD, at most), are handed out again: across a node's death a queue is at least once, not
+exactly once. (A lender that dies is not the case: its
 part is adopted as it was journaled, without the items it freed.)
 
 A broadcast queue's part on each node has that node's subscribers; each node tells the

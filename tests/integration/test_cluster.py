@@ -18,6 +18,7 @@ import pytest
 
 import tensorbroker as tb
 from tensorbroker.common.curve import make_keys
+from tensorbroker.server.queue_links import AHEAD
 from tests.support import crash, free_port, in_thread, wait_until
 
 pytest.importorskip("nixl_cu12", reason="the cluster needs NIXL: make test installs nixl-cu12")
@@ -391,8 +392,9 @@ def test_queue_items_lent_to_a_node_killed_go_to_the_others(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A consumer's node dies: what it was lent and had not read goes back to the lender,
-    what it read waits in its part until it is back: nothing is lost. An item it took may
-    come again (its lender may not have heard that it was taken: at least once)."""
+    what it read waits in its part until it is back: nothing is lost. The items it took
+    last may come again (its lender may not have heard that they were taken: at least
+    once): its consumer's, and those it took ahead for it (AHEAD) at most."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     with _cluster(("a", "b", "c")) as started, contextlib.ExitStack() as stack:
         cs = {n: stack.enter_context(tb.connect(started[n].address)) for n in started}
@@ -407,8 +409,8 @@ def test_queue_items_lent_to_a_node_killed_go_to_the_others(
         on_b: list[int] = []
         while len(set(on_c + on_b)) < 20:
             on_b.append(int(qb.get(timeout=15).numpy()[0]))
-        assert sorted(set(on_b)) == sorted(on_b), on_b  # each once on b
-        assert set(on_b) & set(on_c) <= {on_c[-1]}, (on_c, on_b)  # again: only what c took last
+        again = len(on_c) + len(on_b) - 20
+        assert again <= 1 + AHEAD, (on_c, on_b)  # what c held when it died, at most
         assert wait_until(lambda: _loans_out(cs["a"]) == 0, 5)
 
 
