@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 import tensorbroker as tb
+from tensorbroker.launcher import BrokerProcess, popen
 
 
 def _why_no_gpu() -> str:
@@ -52,6 +53,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             jax_why = _why_no_jax_gpu() if jax_why is None else jax_why
             if jax_why:
                 item.add_marker(pytest.mark.skip(reason=f"needs JAX on the GPU: {jax_why}"))
+
+
+@pytest.fixture(autouse=True)
+def _brokers_as_commands(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU tests' brokers run as the command, in a new interpreter, as they last ran on a
+    GPU: the host suite's forked brokers (tests/conftest.py) have not run there yet."""
+    monkeypatch.setattr(BrokerProcess, "spawn", popen)
 
 
 @pytest.fixture(autouse=True)
