@@ -30,7 +30,7 @@ only, and a segment may be newer than the welcome (an arena grows; a broker that
 adopts segments after it joined).
 
 Queues across nodes have messages of their own (want, subs, qitem, qtaken, qback, qclose,
-qleft, qhas): Note [queues across nodes] in queue_links.py. Not yet: GPU replicas.
+qremove, qleft, qhas): Note [queues across nodes] in queue_links.py. Not yet: GPU replicas.
 """
 
 from __future__ import annotations
@@ -248,6 +248,10 @@ class Cluster:
             links.back(node, int(m["loan"]))
         elif op == "qclose":
             links.close_from(node, name)
+        elif op == "qremove":
+            q = links.queues.by_name.get(name)
+            if q is not None:
+                links.queues.remove_part(q)
         elif op == "qleft":
             links.left(node, name)
         elif op == "qhas":

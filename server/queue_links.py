@@ -132,6 +132,12 @@ class QueueLinks:
         """Subscriptions of broadcast queue `q` came or went: the peers hear how many."""
         self._say(q)
 
+    def removed(self, name: str) -> None:
+        """Queue `name` was removed here: its part on every other node goes too."""
+        self.links.everyone({"op": "qremove", "queue": name})
+        self.wants.pop(name, None)
+        self.subs.pop(name, None)
+
     def closed(self, q: BrokerQueue) -> None:
         """`q` is closed here: so it is on every node, and here once they all closed it."""
         self._closing_now(q)

@@ -35,6 +35,7 @@ class OtherNodes(Protocol):
     def subscribed(self, q: BrokerQueue) -> None: ...
     def closed(self, q: BrokerQueue) -> None: ...
     def supplies(self, q: BrokerQueue) -> bool: ...
+    def removed(self, name: str) -> None: ...
 
 
 class Queues:
@@ -183,11 +184,21 @@ class Queues:
         QueueClosed, the items waiting in it are freed (an item a consumer holds stays until
         it lets go), its handles fail with QueueClosed, and the name may start a new queue.
         Its journal row stays, closed, until its last item is freed: a broker that restarts
-        before then must not free items consumers still hold."""
+        before then must not free items consumers still hold. In a cluster, so is its part
+        on every node (and a name this node has no part of is no error: another may)."""
         name = req.fields["name"]
         q = self.table.by_name.get(name)
-        if q is None:
+        if self.elsewhere is not None:
+            self.elsewhere.removed(name)
+        elif q is None:
             raise NotFound(f"there is no queue {name!r} (`tensorbroker ls` lists them)")
+        if q is not None:
+            self.remove_part(q)
+        return {}
+
+    def remove_part(self, q: BrokerQueue) -> None:
+        """Remove `q` on this node (`remove`)."""
+        name = q.name
         self.table.remove(q)
         q.closed = q.removed = True
         self.handoffs.take_back(q)
@@ -204,7 +215,6 @@ class Queues:
         q.unseen.clear()
         for obj in items:
             self.registry.retire(obj)
-        return {}
 
     def info(self, session: Session, route: bytes, req: Request) -> Reply:
         q = self.table.find(req)

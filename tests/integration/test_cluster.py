@@ -336,6 +336,28 @@ def test_a_broadcast_reaches_subscribers_on_every_node(
     assert wait_until(lambda: all(_loans_out(clients[n]) == 0 for n in clients), 5)
 
 
+def test_a_queue_deleted_on_one_node_is_gone_on_every_node(clients: dict[str, tb.Client]) -> None:
+    a, b, c = clients["a"], clients["b"], clients["c"]
+    waiting_on_b = b.queue("doomed-queue")
+    a.queue("doomed-queue").put(np.arange(1000))  # an item in a's part
+    c.queue("doomed-queue")
+    got, out = in_thread(lambda: clients["c"].queue("doomed-queue").get(timeout=10))
+    got.join(10)  # c's consumer took a's item: the queue has a part on each node
+    assert out and not isinstance(out[0], BaseException), out
+    del out[:]
+    a.queue("doomed-queue").put(np.arange(1000))  # and one more, waiting in a's part
+    c.delete_queue("doomed-queue")  # c has no item of it: a's and b's parts go too
+
+    def gone_everywhere() -> bool:
+        return not any(q["name"] == "doomed-queue" for n in clients
+                       for q in clients[n].list_queues())  # fmt: skip
+
+    assert wait_until(gone_everywhere, 5), {n: clients[n].list_queues() for n in clients}
+    with pytest.raises(tb.QueueClosed):
+        waiting_on_b.get(timeout=1)
+    assert wait_until(lambda: a.stats()["queue_in_flight"] == 0, 5)  # a's item was freed
+
+
 def _loans_out(c: tb.Client) -> int:
     return int(c.stats()["cluster"]["items_lent"])
 
