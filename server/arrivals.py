@@ -78,10 +78,8 @@ class Arrivals:
         if q.subs is not None and (self._full(q) or self._ahead(a)):
             return
         try:
-            self.transfers.add_peer(a.node, bytes(m["agent"]))
-            specs = [(str(n), str(d), tuple(s)) for n, d, s in m["specs"]]
-            a.put, obj = self.registry.begin_put(self.session, q.name, specs, bool(m["bundle"]),
-                                                 queue=q)  # fmt: skip
+            specs, bundle = self.transfers.layout(a.node, m)
+            a.put, obj = self.registry.begin_put(self.session, q.name, specs, bundle, queue=q)
         except (BrokerError, KeyError, TypeError, ValueError):  # no room here, say
             a.failed = True
             return
@@ -89,13 +87,10 @@ class Arrivals:
         q.pending += 1
         if q.subs is not None:
             self._held.setdefault(q.id, []).append(obj)
-        a.size = min(int(m["size"]), int(obj.nbytes))
         try:
-            self.transfers.register(obj.block.segment)
-            local = self.transfers.address(obj.block.segment, obj.block.offset)
-            a.handle = self.transfers.read(a.node, int(m["address"]), local, a.size)
+            a.handle, a.size = self.transfers.take(a.node, m, obj)
             a.started = time.monotonic()
-        except OSError:
+        except (OSError, KeyError, TypeError, ValueError):
             a.failed = True
 
     def _full(self, q: BrokerQueue) -> bool:

@@ -213,15 +213,11 @@ class QueueLinks:
     ) -> None:
         """Pin `obj` for `node` and say where its bytes are."""
         self._ids += 1
-        self.transfers.register(obj.block.segment)
         self.registry.pin(obj)
         self.loans[node, self._ids] = (q, obj)
-        specs = [[t.name, t.dtype, list(t.shape)] for t in obj.tensors]
         self.links.send(node, {
-            "op": "qitem", "queue": q.name, "loan": self._ids, "bundle": obj.bundle,
-            "specs": specs, "size": obj.nbytes, "agent": self.transfers.metadata,
-            "address": self.transfers.address(obj.block.segment, obj.block.offset),
-            "broadcast": broadcast,
+            "op": "qitem", "queue": q.name, "loan": self._ids, "broadcast": broadcast,
+            **self.transfers.offer(obj),
         })  # fmt: skip
         self.bytes_sent += obj.nbytes
 

@@ -107,9 +107,7 @@ class Queues:
                 self.elsewhere.published(q, obj, session)
             self.broadcasts.publish(q, obj)
         elif q.getters:  # a consumer is waiting: it takes the item now
-            w = q.getters[0]
-            reply = self.objects.describe(w.session, obj, w.request.id)
-            self.objects.answer(w, reply_ok(w.request.id, **reply))
+            self._to_first_getter(q, obj)
         else:
             q.items.append(obj)
             if self.elsewhere is not None:
@@ -121,11 +119,14 @@ class Queues:
         if q.removed:
             self.registry.retire(obj)
         elif q.getters:
-            w = q.getters[0]
-            self.objects.answer(w, reply_ok(w.request.id, **self.objects.describe(
-                w.session, obj, w.request.id)))  # fmt: skip
+            self._to_first_getter(q, obj)
         else:
             q.items.appendleft(obj)
+
+    def _to_first_getter(self, q: BrokerQueue, obj: StoredObject) -> None:
+        w = q.getters[0]
+        reply = self.objects.describe(w.session, obj, w.request.id)
+        self.objects.answer(w, reply_ok(w.request.id, **reply))
 
     def get(self, session: Session, route: bytes, req: Request) -> Reply | None:
         q = self.table.find(req)

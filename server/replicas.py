@@ -259,16 +259,10 @@ class Replicas:
 
     def _loan(self, node: str, pull: int, obj: StoredObject) -> dict[str, Any]:
         """Pin `obj` for `node`'s pull `pull`: its `lent` answer."""
-        self.transfers.register(obj.block.segment)
         self.registry.pin(obj)
         self.loans[node, pull] = obj
         self.bytes_sent += obj.nbytes
-        specs = [[t.name, t.dtype, list(t.shape)] for t in obj.tensors]
-        return {  # with the agent's metadata of now: it knows the segment (an adopted one, say)
-            "op": "lent", "pull": pull, "version": obj.version, "bundle": obj.bundle,
-            "specs": specs, "size": obj.nbytes, "agent": self.transfers.metadata,
-            "address": self.transfers.address(obj.block.segment, obj.block.offset),
-        }  # fmt: skip
+        return {"op": "lent", "pull": pull, "version": obj.version, **self.transfers.offer(obj)}
 
     def returned(self, node: str, pull: int) -> None:
         obj = self.loans.pop((node, pull), None)
@@ -350,16 +344,10 @@ class Replicas:
             return
         pull.version = int(m["version"])
         try:
-            self.transfers.add_peer(pull.source, bytes(m["agent"]))
-            specs = [(str(n), str(d), tuple(s)) for n, d, s in m["specs"]]
-            pull.put, obj = self.registry.begin_put(
-                self.session, pull.key, specs, bool(m["bundle"])
-            )
+            specs, bundle = self.transfers.layout(pull.source, m)
+            pull.put, obj = self.registry.begin_put(self.session, pull.key, specs, bundle)
             obj.evictable = True  # a replica is a cache
-            pull.size = min(int(m["size"]), int(obj.nbytes))
-            self.transfers.register(obj.block.segment)
-            local = self.transfers.address(obj.block.segment, obj.block.offset)
-            pull.handle = self.transfers.read(pull.source, int(m["address"]), local, pull.size)
+            pull.handle, pull.size = self.transfers.take(pull.source, m, obj)
             pull.read_at = time.monotonic()
         except BrokerError as exc:  # no room here for it (CapacityError), say
             self._fail(pull, exc)

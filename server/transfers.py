@@ -125,6 +125,35 @@ class Transfers:
             raise InvalidRequest(f"the peer {node!r} sent the metadata of agent {name!r}")
         self._peers[node] = metadata
 
+    # -- offers: an object's bytes lent to a peer, and read from one ---------------------------
+
+    def offer(self, obj: Any) -> dict[str, Any]:
+        """Where a StoredObject's bytes are, for a peer to read them (the fields of a `lent`
+        or a `qitem`): its layout and address, and this agent's metadata of now (it knows
+        the segment: an adopted one, say)."""
+        block = obj.block
+        self.register(block.segment)
+        return {
+            "bundle": obj.bundle, "specs": [[t.name, t.dtype, list(t.shape)] for t in obj.tensors],
+            "size": obj.nbytes, "agent": self.metadata,
+            "address": self.address(block.segment, block.offset),
+        }  # fmt: skip
+
+    def layout(self, node: str, offer: dict[str, Any]) -> tuple[list[Any], bool]:
+        """The specs and bundle flag of `node`'s `offer`, for a block of its size here (its
+        agent known from now on)."""
+        self.add_peer(node, bytes(offer["agent"]))
+        return [(str(n), str(d), tuple(s)) for n, d, s in offer["specs"]], bool(offer["bundle"])
+
+    def take(self, node: str, offer: dict[str, Any], obj: Any) -> tuple[Any, int]:
+        """Start reading the bytes of `node`'s `offer` into StoredObject `obj`'s block: the
+        read's handle, and its size."""
+        block = obj.block
+        size = min(int(offer["size"]), int(obj.nbytes))
+        self.register(block.segment)
+        local = self.address(block.segment, block.offset)
+        return self.read(node, int(offer["address"]), local, size), size
+
     # -- reads -------------------------------------------------------------------------------
 
     def read(self, node: str, remote: int, local: int, size: int) -> Any:
