@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Iterable
+from itertools import chain
 from typing import Any
 
 from ..common.errors import InvalidRequest
@@ -63,7 +64,8 @@ class Inventory:
             more = False
         elif by == "key":
             after = f.get("after")
-            every = objects.keys() | there.keys() if there else objects  # (no copy, alone)
+            # Every key once, no copy of either (a replica's key is in both).
+            every = chain(objects, (k for k in there if k not in objects))
             keys = heapq.nsmallest(
                 limit + 1,
                 (k for k in every if k.startswith(prefix) and (after is None or k > after)),

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from types import MappingProxyType
+from typing import Any, NamedTuple, Protocol
 
 from ..common.errors import BrokerError, NotFound, PeerUnavailable
 from ..common.protocol import Request, reply_error
@@ -54,8 +56,7 @@ class Links(Protocol):
     def nodes(self) -> list[str]: ...
 
 
-@dataclass(slots=True)
-class Remote:
+class Remote(NamedTuple):
     """A key that lives on another node, at `version`, `size` bytes."""
 
     node: str
@@ -141,9 +142,10 @@ class Replicas:
     def keys(self) -> list[str]:
         return list(self.index)
 
-    def where(self) -> dict[str, tuple[str, int, int]]:
-        """The other nodes' keys: key -> (node, version, size)."""
-        return {k: (r.node, r.version, r.size) for k, r in self.index.items()}
+    def where(self) -> Mapping[str, tuple[str, int, int]]:
+        """The other nodes' keys: key -> (node, version, size), a view (no copy: `list`
+        asks for it at each page)."""
+        return MappingProxyType(self.index)
 
     def delete(self, key: str) -> bool:
         """A delete of another node's key: sent to it (False if no other node has `key`).
