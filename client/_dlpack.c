@@ -146,18 +146,10 @@ static int check_range(const char *what, int v, int lo, int hi) {
     return 0;
 }
 
-static PyObject *make_capsule(PyObject *self, PyObject *args, PyObject *kwargs) {
-    (void)self;
-    static char *kwlist[] = {"owner", "data", "shape", "strides", "code", "bits", "lanes",
-                             "device_type", "device_id", "versioned", "readonly", "copied",
-                             NULL};
-    PyObject *owner, *data_obj, *shape, *strides;
-    int code, bits, lanes, device_type, device_id, versioned, readonly, copied = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO!O!iiiiipp|$p:make_capsule", kwlist,
-                                     &owner, &data_obj, &PyTuple_Type, &shape, &PyTuple_Type,
-                                     &strides, &code, &bits, &lanes, &device_type, &device_id,
-                                     &versioned, &readonly, &copied))
-        return NULL;
+static PyObject *build_capsule(PyObject *owner, PyObject *data_obj, PyObject *shape,
+                               PyObject *strides, int code, int bits, int lanes,
+                               int device_type, int device_id, int versioned, int readonly,
+                               int copied) {
     if (!PyLong_Check(data_obj)) {
         PyErr_Format(PyExc_TypeError, "data must be an int address, not %.100s",
                      Py_TYPE(data_obj)->tp_name);
@@ -247,6 +239,75 @@ static PyObject *make_capsule(PyObject *self, PyObject *args, PyObject *kwargs) 
     return capsule;
 }
 
+/* Keywords (any of them): the general parser. */
+static PyObject *make_capsule_keywords(PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"owner", "data", "shape", "strides", "code", "bits", "lanes",
+                             "device_type", "device_id", "versioned", "readonly", "copied",
+                             NULL};
+    PyObject *owner, *data_obj, *shape, *strides;
+    int code, bits, lanes, device_type, device_id, versioned, readonly, copied = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO!O!iiiiipp|$p:make_capsule", kwlist,
+                                     &owner, &data_obj, &PyTuple_Type, &shape, &PyTuple_Type,
+                                     &strides, &code, &bits, &lanes, &device_type, &device_id,
+                                     &versioned, &readonly, &copied))
+        return NULL;
+    return build_capsule(owner, data_obj, shape, strides, code, bits, lanes, device_type,
+                         device_id, versioned, readonly, copied);
+}
+
+static int int_arg(PyObject *obj, int *out) {
+    long v = PyLong_AsLong(obj);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    if (v < INT_MIN || v > INT_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "signed integer is out of an int's range");
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+/* The call every host __dlpack__ makes: eleven positional arguments. The general parser
+   took 0.7 us of np.from_dlpack's 1.6 (NumPy's own arrays: 0.44); anything else goes to it. */
+static PyObject *make_capsule(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                              PyObject *kwnames) {
+    (void)self;
+    int v[5], flags[2];
+    if (nargs == 11 && kwnames == NULL && PyTuple_CheckExact(args[2]) &&
+        PyTuple_CheckExact(args[3])) {
+        for (int i = 0; i < 5; i++)
+            if (int_arg(args[4 + i], &v[i]))
+                return NULL;
+        for (int i = 0; i < 2; i++)
+            if ((flags[i] = PyObject_IsTrue(args[9 + i])) < 0)
+                return NULL;
+        return build_capsule(args[0], args[1], args[2], args[3], v[0], v[1], v[2], v[3], v[4],
+                             flags[0], flags[1], 0);
+    }
+    PyObject *tuple = PyTuple_New(nargs);
+    if (tuple == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < nargs; i++)
+        PyTuple_SET_ITEM(tuple, i, Py_NewRef(args[i]));
+    PyObject *kwargs = NULL;
+    Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    if (nkw > 0 && (kwargs = PyDict_New()) == NULL) {
+        Py_DECREF(tuple);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < nkw; i++) {
+        if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), args[nargs + i]) < 0) {
+            Py_DECREF(tuple);
+            Py_DECREF(kwargs);
+            return NULL;
+        }
+    }
+    PyObject *capsule = make_capsule_keywords(tuple, kwargs);
+    Py_DECREF(tuple);
+    Py_XDECREF(kwargs);
+    return capsule;
+}
+
 /* ---- capsule_info ------------------------------------------------------------------ */
 static PyObject *int64_tuple(const int64_t *values, int32_t n) {
     PyObject *tuple = PyTuple_New(n);
@@ -319,7 +380,7 @@ static PyObject *capsule_info(PyObject *self, PyObject *capsule) {
 
 /* ---- module ------------------------------------------------------------------------ */
 static PyMethodDef methods[] = {
-    {"make_capsule", (PyCFunction)(void (*)(void))make_capsule, METH_VARARGS | METH_KEYWORDS,
+    {"make_capsule", (PyCFunction)(void (*)(void))make_capsule, METH_FASTCALL | METH_KEYWORDS,
      "make_capsule(owner, data, shape, strides, code, bits, lanes, device_type, device_id,"
      " versioned, readonly) -> capsule\n\nWrap memory at `data` in a DLPack capsule that keeps"
      " `owner` alive until the last consumer releases it. Strides are in elements."},

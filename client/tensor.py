@@ -193,6 +193,12 @@ class Tensor:
         dl_device: tuple[int, int] | None = None,
         copy: bool | None = None,
     ) -> Any:
+        if stream is None and dl_device is None and not copy and self.device == "cpu":
+            dt = self._dt  # the common case first: zero copy of host memory
+            return _dlpack.make_capsule(
+                self._lease, self._ptr, self.shape, self.strides, dt.code, dt.bits, 1, KDL_CPU,
+                0, max_version is not None and max_version[0] >= 1, not self._writable,
+            )  # fmt: skip
         here = self.__dlpack_device__()
         if dl_device is not None and tuple(dl_device) != here:
             raise BufferError(

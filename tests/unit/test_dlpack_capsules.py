@@ -637,14 +637,31 @@ GOOD: dict[str, Any] = dict(
         ({"device_id": -1}, ValueError, "device_id must be in"),
     ],
 )
+@pytest.mark.parametrize("positional", [False, True], ids=["keywords", "positional"])
 def test_make_capsule_validation(
-    dl: ModuleType, changes: dict[str, Any], exc: type, match: str
+    dl: ModuleType, changes: dict[str, Any], exc: type, match: str, positional: bool
 ) -> None:
+    """The same checks whether the arguments come by keyword (the general parser) or as the
+    eleven positional ones every __dlpack__ passes (a parser of their own)."""
     owner = Owner(np.zeros(1))
     before = sys.getrefcount(owner)
+    args = {**GOOD, **changes}
     with pytest.raises(exc, match=match):
-        dl.make_capsule(owner, **{**GOOD, **changes})
+        if positional:
+            dl.make_capsule(owner, *args.values())
+        else:
+            dl.make_capsule(owner, **args)
     assert sys.getrefcount(owner) == before
+
+
+def test_make_capsule_positional_ints_are_range_checked(dl: ModuleType) -> None:
+    args = list(GOOD.values())
+    args[3] = 2**40  # code, past an int
+    with pytest.raises(OverflowError):
+        dl.make_capsule(None, *args)
+    args[3] = 2.0
+    with pytest.raises(TypeError):
+        dl.make_capsule(None, *args)
 
 
 def test_make_capsule_limits_accepted(dl: ModuleType) -> None:
