@@ -156,11 +156,13 @@ class Reads:
             self._reattach()
             return {}
         out: dict[str, Item] = {}
+        item = self._item
         try:
-            for i, (key, leased) in enumerate(zip(keys, found, strict=True)):
+            for i, leased in enumerate(found):
                 if leased is not None:
                     found[i] = None  # `_item` owns its slot: given back once, whatever happens
-                    out[key] = self._item(key, *leased)
+                    key = keys[i]
+                    out[key] = item(key, *leased)
         finally:
             for leased in found:
                 if leased is not None:  # an item not built: its slot goes back

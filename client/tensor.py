@@ -61,7 +61,8 @@ class SlotLease(Lease):
     __slots__ = ("_slot", "_slots")
 
     def __init__(self, mapping: Any, slot: int, slots: Any) -> None:
-        super().__init__(None, mapping, None)
+        # Lease's fields set here, not through super(): one per object of a get_many
+        self.id, self.mapping, self._releases = None, mapping, None
         self._slot, self._slots = slot, slots
 
     def __del__(self) -> None:
