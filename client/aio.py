@@ -275,9 +275,9 @@ class AsyncClient:
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
-        for turn in self._turns.values():  # items kept for gets that will not come
-            while turn.kept:
-                self._transfer.reads.read(turn.kept.popleft())  # dropped: let go
+        for queue_id, turn in self._turns.items():  # items kept for gets that will not come:
+            while turn.kept:  # given back to their queues as the Client beneath closes
+                self._transfer.reads.keep(queue_id, turn.kept.popleft())
         self._ctx.term()
         await asyncio.to_thread(self.sync.close)
 

@@ -24,6 +24,7 @@ from ..common.config import SHM_DIR
 from ..common.cudart import device_index
 from ..common.descriptors import TensorDesc
 from ..common.directory import DirectoryView, decode_desc, map_segment
+from ..common.errors import BrokerError
 from ..common.mailbox import Mailboxes
 from ..common.protocol import Op
 from . import placement
@@ -287,9 +288,32 @@ class Reads:
     # -- closing ---------------------------------------------------------------------------
 
     def finish(self) -> None:
-        """Before bye: items kept for gets that will not come are let go."""
+        """Before bye: items kept for gets that will not come go back to their queues (for
+        the next get of any consumer: they were never taken); a subscription's, which no
+        other reader wants, are let go."""
         for line in list(self._kept):
+            if line[1] is None:
+                self._give_back(line)
             self.forget_kept(line)
+
+    def _give_back(self, line: tuple[int, int | None]) -> None:
+        kept = self._kept.get(line)
+        leases = [r["lease"] for r in kept or () if self._still_held(r)]
+        if not leases:
+            return
+        try:
+            back = set(self.conn.call(Op.QBACK, queue=line[0], leases=leases)["back"])
+        except BrokerError as exc:  # (a broker gone: what it handed out went with it)
+            log.warning("could not give back %d queue items never taken: %s", len(leases), exc)
+            return
+        for reply in [r for r in kept or () if r["lease"] in back]:
+            kept.remove(reply)  # type: ignore[union-attr]
+            self.conn.leases.forget(reply["lease"])  # the broker's again, not ours to let go
+
+    def keep(self, queue: int, reply: dict[str, Any]) -> None:
+        """An item answered to a get of queue `queue` given up elsewhere (an asyncio get's),
+        kept here: given back at close like this client's own."""
+        self._keep((queue, None), reply)
 
     def close(self) -> None:
         """Forget what was mapped (each closes once no array uses it)."""

@@ -175,7 +175,7 @@ def _ids(value: Any) -> list[int]:
         or len(value) > MAX_RELEASES
         or not all(type(x) is int and x >= 0 for x in value)
     ):
-        raise InvalidRequest("expected a list of request ids")
+        raise InvalidRequest("expected a list of ids (request or lease ids)")
     return value
 
 
@@ -269,6 +269,7 @@ FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
         "timeout": (check_timeout, False),
     },
     Op.QCLOSE: {"queue": (_int, True), "name": (check_key, False)},
+    Op.QBACK: {"queue": (_int, True), "leases": (_ids, True)},
     Op.QINFO: {"queue": (_int, True), "name": (check_key, False)},
     Op.QDELETE: {"name": (check_key, True)},
     Op.CANCEL: {"call": (_int, True)},

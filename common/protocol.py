@@ -65,6 +65,8 @@ class Op:
     QSUB = "qsub"  # queue -> sub: a subscription to a broadcast queue (its qgets name it)
     QUNSUB = "qunsub"  # queue, sub
     QCLOSE = "qclose"  # queue
+    QBACK = "qback"  # queue, leases: items handed to this client that it never took (gets
+    # it gave up), back to the queue as it closes -> back (the leases given back)
     QINFO = "qinfo"  # queue -> len, maxsize, in_flight, closed
     QDELETE = "qdelete"  # name: remove a queue (its consumers get QueueClosed)
     CANCEL = "cancel"  # call (the id of a request of this socket) -> cancelled: whether it

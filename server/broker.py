@@ -166,9 +166,8 @@ class Broker:
         self.sessions.on_drop = self.queues.session_gone
         self.sessions.holds_ring = self.queues.rings.holds
         self.sessions.ring_held = self.queues.rings.held
-        self.inventory = Inventory(
-            self.objects, self.queues, self.sessions.by_token.values(), self.lot
-        )
+        sessions = self.sessions.by_token.values()
+        self.inventory = Inventory(self.objects, self.queues, sessions, self.lot)
         self.seals = Seals(
             self.objects, self.queues, self.adoption, self.handoffs, self.sessions.routes
         )
@@ -208,6 +207,7 @@ class Broker:
             Op.QSUB: self.queues.subscribe,
             Op.QUNSUB: self.queues.broadcasts.unsubscribe,
             Op.QCLOSE: self.queues.close,
+            Op.QBACK: self.queues.give_back,
             Op.QINFO: self.queues.info,
             Op.QDELETE: self.queues.remove,
             Op.CANCEL: self.handoffs.cancel,

@@ -123,6 +123,20 @@ class Queues:
         else:
             q.items.appendleft(obj)
 
+    def give_back(self, session: Session, route: bytes, req: Request) -> Reply:
+        """Items of queue `queue` handed to this client that it never took (answers to gets
+        it gave up), given back as it closes: to a consumer waiting, else to the front, as
+        if never handed out. Leases it does not hold so stay its own (it lets them go)."""
+        q = self.table.by_id.get(req.fields["queue"])
+        back = []
+        if q is not None and q.subs is None and not q.ended:  # (an ended one tells no one)
+            for lease in req.fields["leases"]:
+                obj = self.registry.take_back(session, lease, q)
+                if obj is not None:
+                    self.requeue(q, obj)
+                    back.append(lease)
+        return {"back": back}
+
     def _to_first_getter(self, q: BrokerQueue, obj: StoredObject) -> None:
         w = q.getters[0]
         reply = self.objects.describe(w.session, obj, w.request.id)

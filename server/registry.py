@@ -301,6 +301,20 @@ class Registry:
         self._retire(obj, session.token, request_id)
         return lease_id
 
+    def take_back(self, session: Session, lease_id: int, queue: Any) -> StoredObject | None:
+        """An item of `queue` handed to `session` on `lease_id` that it never took, given
+        back: live again as if never handed out (its slot still counts in flight), the
+        lease gone. None (and nothing changes) if that is not what the lease holds."""
+        obj = session.leases.get(lease_id)  # (not a put of its own, nor a device item)
+        if obj is None or obj.queue is not queue or obj.freed or obj.leases != 1 or obj.events:
+            return None
+        del session.leases[lease_id]
+        obj.leases -= 1
+        self.lease_count -= 1
+        obj.live, obj.retired = True, False
+        self.journal.returned(obj)
+        return obj
+
     def release(self, session: Session, lease_id: int) -> bool:
         """End one lease; False (and nothing changes) if the session does not hold it."""
         obj = session.leases.pop(lease_id, None)

@@ -446,11 +446,16 @@ def test_a_get_given_up_leaves_its_line_and_loses_no_item(c: tb.Client) -> None:
         assert a.get(timeout=5).numpy().tolist() == [9.0] * 4
 
 
-def test_an_item_handed_to_a_get_as_it_is_given_up_goes_to_the_next_get(c: tb.Client) -> None:
+@pytest.mark.parametrize("then", ["its next get", "its client closes"])
+def test_an_item_handed_to_a_get_as_it_is_given_up_is_not_lost(c: tb.Client, then: str) -> None:
+    """The item handed straight into the mailbox of a get as it is given up goes to that
+    client's next get; if the client closes first, back to the queue, for the next consumer
+    (as an item answered through the broker)."""
     with tb.connect(c.address) as p:
-        q, pq = c.queue("crossed"), p.queue("crossed")
+        consumer = tb.connect(c.address)
+        q, pq = consumer.queue("crossed"), p.queue("crossed")
         pq.put(np.zeros(4))  # `p` is the last producer
-        q.get()
+        assert q.get().numpy()[0] == 0
 
         def hand_then_give_up() -> None:
             pq.put(np.full(4, 7.0))  # handed to the waiting get, which gives up before it looks
@@ -460,7 +465,12 @@ def test_an_item_handed_to_a_get_as_it_is_given_up_goes_to_the_next_get(c: tb.Cl
         with interrupt_after(0.3, hand_then_give_up), pytest.raises(GaveUp):
             q.get(timeout=10)
         assert c.stats()["direct_handoffs"] == before + 1
-        assert q.get(timeout=0).numpy().tolist() == [7.0] * 4
+        if then == "its next get":
+            assert q.get(timeout=0).numpy().tolist() == [7.0] * 4
+            consumer.close()
+        else:
+            consumer.close()
+            assert c.queue("crossed").get(timeout=5).numpy().tolist() == [7.0] * 4
     assert wait_until(lambda: settled(c), 5)
 
 

@@ -122,6 +122,34 @@ def test_an_item_answered_to_a_get_given_up_goes_to_the_next_get(
         assert wait_until(lambda: c.stats()["queue_in_flight"] == 0, 5)
 
 
+@pytest.mark.usefixtures("transport")
+def test_an_item_answered_to_a_get_given_up_goes_back_to_the_queue_when_its_client_closes(
+    fresh_broker: tb.BrokerProcess,
+) -> None:
+    """A consumer interrupted (Ctrl-C) while a get waited, then closed, never took the item
+    answered to that get: it goes back to the front of the queue for another consumer, once,
+    and its slot stays counted until that one lets go."""
+    with tb.connect(fresh_broker.address) as p, tb.connect(fresh_broker.address) as other:
+        pq = p.queue("handed-back", maxsize=4)
+        interrupted = tb.connect(fresh_broker.address)
+        q = interrupted.queue("handed-back")
+
+        def answer_then_give_up() -> None:
+            pq.put(np.full(4, 7.0))
+            assert wait_until(lambda: pq.in_flight() == 1 and len(pq) == 0, 5)  # answered
+            raise GaveUp
+
+        with interrupt_after(0.3, answer_then_give_up), pytest.raises(GaveUp):
+            q.get(timeout=10)
+        pq.put(np.full(4, 8.0))
+        interrupted.close()  # never took the 7.0: it goes back, in front of the 8.0
+        oq = other.queue("handed-back")
+        assert [oq.get(timeout=5).numpy()[0] for _ in range(2)] == [7.0, 8.0]
+        assert pq.in_flight() == 0 or wait_until(lambda: pq.in_flight() == 0, 5)
+        with pytest.raises(tb.Timeout):
+            oq.get(timeout=0.2)  # and only once
+
+
 def test_a_full_queue_blocks_put_until_a_consumer_lets_go(c: tb.Client) -> None:
     q = c.queue("frames", maxsize=2)
     q.put(np.zeros(1024))

@@ -23,7 +23,15 @@ from tensorbroker.common.protocol import decode, encode
 from tensorbroker.server.journal import read_journal
 from tensorbroker.server.state import discard
 from tests.integration import chaos
-from tests.support import CHILDREN, crash, join_all, run_segments, wait_until
+from tests.support import (
+    CHILDREN,
+    GaveUp,
+    crash,
+    interrupt_after,
+    join_all,
+    run_segments,
+    wait_until,
+)  # fmt: skip
 
 pytestmark = pytest.mark.usefixtures("transport")  # lanes and ZeroMQ both
 
@@ -73,6 +81,30 @@ def test_objects_queues_and_versions_survive_a_kill(crashable: tb.BrokerProcess)
             c.delete(key)
         q.close()
         assert wait_until(lambda: c.stats()["used_bytes"] == 0, 5)
+
+
+def test_an_item_given_back_is_in_its_queue_after_a_kill(crashable: tb.BrokerProcess) -> None:
+    """The journal has an item given back untaken (a get given up, then its client closed)
+    as waiting in its queue again: the broker that comes back hands it out, once."""
+    with tb.connect(crashable.address) as p:
+        pq = p.queue("back", maxsize=4)
+        consumer = tb.connect(crashable.address)
+        q = consumer.queue("back")
+
+        def answer_then_give_up() -> None:
+            pq.put(np.full(4, 7.0))
+            assert wait_until(lambda: len(pq) == 0, 5)
+            raise GaveUp
+
+        with interrupt_after(0.3, answer_then_give_up), pytest.raises(GaveUp):
+            q.get(timeout=10)
+        consumer.close()
+        assert wait_until(lambda: len(pq) == 1, 5)
+        crash(crashable)
+        crashable.restart()
+        assert pq.get(timeout=5).numpy().tolist() == [7.0] * 4
+        with pytest.raises(tb.Timeout):
+            pq.get(timeout=0.2)
 
 
 def test_a_parked_get_resumes_on_the_new_broker(crashable: tb.BrokerProcess) -> None:
