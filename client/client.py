@@ -398,10 +398,12 @@ class Client:
                 "answered them", writes.outstanding, self.address,
             )  # fmt: skip
         conn.stop_releasing()
-        self._transfer.finish()
-        self._transfer.writes.close()
-        conn.close()
-        self._transfer.close()
+        try:
+            self._transfer.finish()  # (asks the broker: a Ctrl-C here still closes the rest)
+        finally:
+            self._transfer.writes.close()
+            conn.close()
+            self._transfer.close()
         if failed is not None:  # a put that did not wait failed: say so, once closed
             raise failed
 

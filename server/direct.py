@@ -36,6 +36,7 @@ class DirectItems:
         self.objects, self.registry = objects, objects.registry
         self.table, self.slots, self._seal, self._get = table, slots, seal, get
         self.handoffs = Handoffs(self.registry, objects.lot, self._get_again, self._undo_claim)
+        self.requeue: Callable[[BrokerQueue, Any], Any] = lambda q, obj: None  # Queues sets it
 
     def write(self, session: Session, route: bytes, req: Request) -> Reply:
         """An item written into a block granted ahead, on a slot credited ahead (an unbounded
@@ -87,6 +88,8 @@ class DirectItems:
         q.pending -= 1
         if consumer is not None:
             self.registry.hand_over(consumer, obj, None, lease_id=direct.lease)
+        elif direct.back:  # its consumer gave it back untaken: the queue's again
+            self.requeue(q, obj)
         else:  # its consumer is gone (or let go of it before this seal came)
             self.registry.retire(obj)
         if q.getters:

@@ -52,6 +52,7 @@ class Bound:
     lease: int
     version: int
     counted: bool
+    back: bool = False  # its consumer gave it back untaken before this seal came
 
 
 class Handoffs:
@@ -76,6 +77,7 @@ class Handoffs:
         self._release_later: set[int] = set()  # mailboxes of clients gone, grants still out
         self._leases: dict[tuple[str, int], Direct] = {}  # consumer's lease set aside
         self._early: set[tuple[str, int]] = set()  # of those, let go before the seal came
+        self._back: set[tuple[str, int]] = set()  # or given back (qback) before it came
         self._unknown: dict[tuple[str, int], None] = {}  # let go, unknown (after a restart)
         self._rings: dict[bytes, tuple[int, Session]] = {}  # route -> bell, after its reply
         self._applied: dict[str, tuple[Session, int]] = {}  # seals applied, not yet journaled
@@ -197,6 +199,7 @@ class Handoffs:
         key = (d.waiter.session.token, d.lease)
         self._leases.pop(key, None)
         self._early.discard(key)
+        self._back.discard(key)
         if self._out.get(d.index) is d:
             del self._out[d.index]
             if d.index in self._release_later and self.mailboxes is not None:
@@ -219,10 +222,11 @@ class Handoffs:
         d.producer = producer  # whoever claimed it handed it over
         consumer = d.waiter.session
         early = (consumer.token, d.lease) in self._early
+        back = (consumer.token, d.lease) in self._back
         self._forget(d)
         self.handed += 1
-        keeps = self._alive(consumer) and not early
-        return Bound(d.queue, consumer if keeps else None, d.lease, d.version, counted=True)
+        keeps = self._alive(consumer) and not early and not back
+        return Bound(d.queue, consumer if keeps else None, d.lease, d.version, True, back)
 
     def _bind_unknown(
         self, token: int, consumer_token: str, lease: int, version: int,
@@ -253,6 +257,14 @@ class Handoffs:
         self._undo(d)
         if self._alive(d.waiter.session):
             self._retry(d.waiter)
+
+    def given_back_early(self, session: Session, lease: int) -> bool:
+        """`session` gives back the item of a direct grant whose seal has not come yet
+        (qback): when it comes, the item goes back to its queue. False if no such grant."""
+        if (session.token, lease) not in self._leases:
+            return False
+        self._back.add((session.token, lease))
+        return True
 
     def released_early(self, session: Session, leases: list[int]) -> list[int]:
         """Of the leases `session` let go that the broker does not know, those set aside for

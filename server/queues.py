@@ -52,6 +52,7 @@ class Queues:
         self.broadcasts = Broadcasts(objects, self.table, self.rings)
         self.direct = DirectItems(objects, self.table, self.slots, self.seal, self.get)
         self.handoffs = self.direct.handoffs  # Note [direct handoff]
+        self.direct.requeue = self._give_back
         # The item a broker that died handed to this very get, sent again (adoption.py).
         self.retake: Callable[[Session, int], StoredObject | None] = lambda s, request: None
         self.elsewhere: OtherNodes | None = None  # a cluster's other nodes (queue_links.py)
@@ -114,14 +115,20 @@ class Queues:
                 self.elsewhere.item(q)
         return {"version": obj.version}
 
-    def requeue(self, q: BrokerQueue, obj: StoredObject) -> None:
-        """An item lent to another node came back: to a consumer waiting, else to the front."""
+    def requeue(self, q: BrokerQueue, obj: StoredObject) -> bool:
+        """An item lent to another node came back, or one given back: to a consumer waiting,
+        else to the front (True). A waiting get whose grant a producer claimed has its
+        answer: the grant is taken back first, as `deliver` does."""
+        if q.id in self.handoffs.offered:
+            self.handoffs.take_back(q)
         if q.removed:
             self.registry.retire(obj)
         elif q.getters:
             self._to_first_getter(q, obj)
         else:
             q.items.appendleft(obj)
+            return True
+        return False
 
     def give_back(self, session: Session, route: bytes, req: Request) -> Reply:
         """Items of queue `queue` handed to this client that it never took (answers to gets
@@ -133,9 +140,15 @@ class Queues:
             for lease in req.fields["leases"]:
                 obj = self.registry.take_back(session, lease, q)
                 if obj is not None:
-                    self.requeue(q, obj)
+                    self._give_back(q, obj)
                     back.append(lease)
+                elif self.handoffs.given_back_early(session, lease):
+                    back.append(lease)  # handed over directly: back once its seal comes
         return {"back": back}
+
+    def _give_back(self, q: BrokerQueue, obj: StoredObject) -> None:
+        if self.requeue(q, obj) and self.elsewhere is not None:
+            self.elsewhere.item(q)  # (the other nodes' consumers may want it)
 
     def _to_first_getter(self, q: BrokerQueue, obj: StoredObject) -> None:
         w = q.getters[0]

@@ -302,11 +302,12 @@ class Registry:
         return lease_id
 
     def take_back(self, session: Session, lease_id: int, queue: Any) -> StoredObject | None:
-        """An item of `queue` handed to `session` on `lease_id` that it never took, given
-        back: live again as if never handed out (its slot still counts in flight), the
-        lease gone. None (and nothing changes) if that is not what the lease holds."""
-        obj = session.leases.get(lease_id)  # (not a put of its own, nor a device item)
-        if obj is None or obj.queue is not queue or obj.freed or obj.leases != 1 or obj.events:
+        """An item of `queue` handed to `session` on `lease_id`, never taken, given back: live
+        again, its slot still in flight, the lease gone. None if the lease holds no such item."""
+        obj = session.leases.get(lease_id)  # an item handed over: retired, the lease its only hold
+        if obj is None or obj.queue is not queue or obj.live or not obj.retired or obj.freed:
+            return None
+        if obj.leases != 1 or obj.events or lease_id in session.pending:  # (no device item)
             return None
         del session.leases[lease_id]
         obj.leases -= 1

@@ -474,6 +474,82 @@ def test_an_item_handed_to_a_get_as_it_is_given_up_is_not_lost(c: tb.Client, the
     assert wait_until(lambda: settled(c), 5)
 
 
+@pytest.fixture
+def slow_seal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Producers of this process pause 0.5 s between handing an item over and its seal."""
+    from tensorbroker.client import transfer
+
+    real = transfer.hand_over
+
+    def hand_over_then_pause(*args: Any) -> Any:
+        done = real(*args)
+        time.sleep(0.5)
+        return done
+
+    monkeypatch.setattr(transfer, "hand_over", hand_over_then_pause)
+
+
+@pytest.mark.usefixtures("slow_seal")
+def test_an_item_given_back_while_a_handoff_is_unsealed_answers_one_get_once(
+    c: tb.Client,
+) -> None:
+    """A client closes with an item kept (qback) while a producer has handed the waiting
+    get of another consumer its item, unsealed: that get keeps its one answer, and the item
+    given back goes to the next get."""
+    with tb.connect(c.address) as p, tb.connect(c.address) as waiting:
+        pq, wq = p.queue("race"), waiting.queue("race")
+        closing = tb.connect(c.address)
+        cq = closing.queue("race")
+
+        def answer_then_give_up() -> None:
+            pq.put(np.full(4, 7.0), wait=False)  # answered to the get about to be given up
+            assert wait_until(lambda: pq.in_flight() == 1 and len(pq) == 0, 5)
+            raise GaveUp
+
+        with interrupt_after(0.3, answer_then_give_up), pytest.raises(GaveUp):
+            cq.get(timeout=10)
+        thread, got = in_thread(lambda: wq.get(timeout=10))
+        assert wait_until(lambda: offered(p), 5)  # `p` may hand the waiting get its item
+        putter, _ = in_thread(lambda: pq.put(np.full(4, 8.0)))  # handed over, sealed 0.5 s on
+        time.sleep(0.2)
+        closing.close()  # gives the 7.0 back
+        putter.join(10)
+        thread.join(10)
+        assert got[0].numpy().tolist() == [8.0] * 4
+        assert c.queue("race").get(timeout=5).numpy().tolist() == [7.0] * 4
+        del got
+        assert wait_until(lambda: pq.in_flight() == 0, 5)
+
+
+@pytest.mark.usefixtures("slow_seal")
+def test_an_item_handed_over_given_back_before_its_seal_goes_back_to_the_queue(
+    c: tb.Client,
+) -> None:
+    """A get given up after a producer handed it an item but before that item's seal, and
+    its client closed at once: when the seal comes, the item goes back to the queue."""
+    with tb.connect(c.address) as p:
+        consumer = tb.connect(c.address)
+        q, pq = consumer.queue("early"), p.queue("early")
+        pq.put(np.zeros(4))  # `p` is the last producer
+        assert q.get().numpy()[0] == 0
+        putter: list[Any] = []
+
+        def hand_then_give_up() -> None:  # handed over; its seal goes 0.5 s later
+            putter.append(in_thread(lambda: pq.put(np.full(4, 7.0)))[0])
+            assert wait_until(lambda: consumer._transfer.reads.bell is not None, 1)
+            time.sleep(0.1)
+            raise GaveUp
+
+        with interrupt_after(0.3, hand_then_give_up), pytest.raises(GaveUp):
+            q.get(timeout=10)
+        consumer.close()  # before the seal: the item goes back once it comes
+        putter[0].join(10)
+        assert c.queue("early").get(timeout=5).numpy().tolist() == [7.0] * 4
+        with pytest.raises(tb.Timeout):
+            c.queue("early").get(timeout=0.2)
+    assert wait_until(lambda: settled(c), 5)
+
+
 def test_producer_threads_of_one_client_keep_their_order(c: tb.Client) -> None:
     results = CHILDREN.Queue()
     proc = CHILDREN.Process(target=consumer_of, args=(c.address, "threads", 200, results))

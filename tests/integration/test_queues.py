@@ -13,6 +13,7 @@ import pytest
 from support import GaveUp, in_thread, interrupt_after, wait_until
 
 import tensorbroker as tb
+from tensorbroker.common.protocol import Op
 
 MiB = 2**20
 
@@ -148,6 +149,20 @@ def test_an_item_answered_to_a_get_given_up_goes_back_to_the_queue_when_its_clie
         assert pq.in_flight() == 0 or wait_until(lambda: pq.in_flight() == 0, 5)
         with pytest.raises(tb.Timeout):
             oq.get(timeout=0.2)  # and only once
+
+
+def test_only_an_item_handed_to_a_get_can_be_given_back(c: tb.Client) -> None:
+    """qback refuses a lease that is not an item handed over: a producer's put not yet
+    sealed stays its put (no consumer gets its block before the seal, or twice)."""
+    q = c.queue("not-handed")
+    conn = c._transfer.conn
+    put = conn.call(Op.QPUT, queue=q._id, name=q.name, tensors=[["", "float32", [4]]])["put"]
+    assert conn.call(Op.QBACK, queue=q._id, leases=[put, 999_999])["back"] == []
+    assert len(q) == 0
+    conn.call(Op.SEAL, put=put)
+    assert q.get(timeout=5).numpy().shape == (4,)
+    with pytest.raises(tb.Timeout):
+        q.get(timeout=0.1)
 
 
 def test_a_full_queue_blocks_put_until_a_consumer_lets_go(c: tb.Client) -> None:
