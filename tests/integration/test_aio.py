@@ -138,6 +138,35 @@ def test_a_cancelled_queue_get_holds_nothing_and_loses_no_item(
     assert run(main()) == list(range(items))  # each once, in order
 
 
+def test_an_item_kept_for_a_cancelled_get_goes_back_when_the_client_closes(
+    fresh_broker: tb.BrokerProcess,
+) -> None:
+    """An item answered to a get cancelled as it was answered is kept for the next get; a
+    client that closes first gives it back to the queue, for another consumer."""
+
+    async def main() -> int:
+        async with tb.aio.connect(fresh_broker.address) as p:
+            pq = await p.queue("back")
+            c = await tb.aio.connect(fresh_broker.address)
+            q = await c.queue("back")
+            await pq.put(np.array([7]))
+            getter = asyncio.create_task(q.get())
+            await asyncio.sleep(0)  # its request is sent, its answer not read
+            getter.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await getter
+            for _ in range(100):
+                if any(turn.kept for turn in c._turns.values()):
+                    break
+                await asyncio.sleep(0.01)
+            assert any(turn.kept for turn in c._turns.values())  # the answer came anyway
+            await c.aclose()
+            item = await pq.get(timeout=5)
+            return int(np.from_dlpack(item)[0])
+
+    assert run(main()) == 7
+
+
 def test_a_cancelled_put_waiting_for_a_slot_takes_none(fresh_broker: tb.BrokerProcess) -> None:
     async def main() -> None:
         async with tb.aio.connect(fresh_broker.address) as c:
