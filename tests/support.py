@@ -8,6 +8,7 @@ import gc
 import glob
 import multiprocessing as mp
 import os
+import random
 import re
 import signal
 import socket
@@ -204,10 +205,25 @@ def run_segments(run_dir: str) -> set[str]:
 
 
 def free_port() -> int:
-    """A port of 127.0.0.1 no one listens on now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    """A port of 127.0.0.1 no one listens on now, below the kernel's ephemeral range: a port
+    picked from that range (bind to port 0) can be taken before the broker binds it by any
+    socket given a port by the kernel, such as those of the UCX agents of a cluster's other
+    brokers (seen: a three-node cluster whose third broker found its port in use)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    low = max(1024, ephemeral - 12000)
+    for _ in range(100):
+        port = random.randrange(low, ephemeral)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port of 127.0.0.1 in {low}-{ephemeral - 1}")
 
 
 def free_tcp_address() -> str:
