@@ -297,8 +297,8 @@ class Reads:
             self.forget_kept(line)
 
     def _give_back(self, line: tuple[int, int | None]) -> None:
-        kept = self._kept.get(line)
-        leases = [r["lease"] for r in kept or () if self._still_held(r)]
+        kept = self._kept.get(line, collections.deque())
+        leases = [r["lease"] for r in kept if self._still_held(r)]
         if not leases:
             return
         try:
@@ -306,8 +306,8 @@ class Reads:
         except BrokerError as exc:  # (a broker gone: what it handed out went with it)
             log.warning("could not give back %d queue items never taken: %s", len(leases), exc)
             return
-        for reply in [r for r in kept or () if r["lease"] in back]:
-            kept.remove(reply)  # type: ignore[union-attr]
+        for reply in [r for r in kept if r["lease"] in back]:
+            kept.remove(reply)
             self.conn.leases.forget(reply["lease"])  # the broker's again, not ours to let go
 
     def keep(self, queue: int, reply: dict[str, Any]) -> None:

@@ -52,7 +52,7 @@ class Queues:
         self.broadcasts = Broadcasts(objects, self.table, self.rings)
         self.direct = DirectItems(objects, self.table, self.slots, self.seal, self.get)
         self.handoffs = self.direct.handoffs  # Note [direct handoff]
-        self.direct.requeue = self._give_back
+        self.direct.requeue = self._back_in_queue
         # The item a broker that died handed to this very get, sent again (adoption.py).
         self.retake: Callable[[Session, int], StoredObject | None] = lambda s, request: None
         self.elsewhere: OtherNodes | None = None  # a cluster's other nodes (queue_links.py)
@@ -140,13 +140,13 @@ class Queues:
             for lease in req.fields["leases"]:
                 obj = self.registry.take_back(session, lease, q)
                 if obj is not None:
-                    self._give_back(q, obj)
+                    self._back_in_queue(q, obj)
                     back.append(lease)
                 elif self.handoffs.given_back_early(session, lease):
                     back.append(lease)  # handed over directly: back once its seal comes
         return {"back": back}
 
-    def _give_back(self, q: BrokerQueue, obj: StoredObject) -> None:
+    def _back_in_queue(self, q: BrokerQueue, obj: StoredObject) -> None:
         if self.requeue(q, obj) and self.elsewhere is not None:
             self.elsewhere.item(q)  # (the other nodes' consumers may want it)
 
