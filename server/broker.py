@@ -309,6 +309,8 @@ class Broker:
                     cluster.tick(time.monotonic())
             finally:
                 self.outbox.commit()
+            if cluster is not None:
+                cluster.flush()
             # Only now that this batch's events are handled may their descriptors go.
             self.sessions.close_let_go()
             if self.objects.refills:  # the grants the batch's writes used (Note [grants])

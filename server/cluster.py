@@ -1,5 +1,6 @@
 """One broker per node, the same keys everywhere: the links to the other brokers of a cluster
-and the messages on them (what the others hold, and the pulls: replicas.py).
+and the messages on them (what the others hold, and the pulls: replicas.py; this node's keys
+announced and lent to theirs: lending.py).
 
 Note [cluster]
 
@@ -16,6 +17,8 @@ Note [cluster]
                           and says `returned`: A unpins. From then on B's clients read k
                           from B's directory (microseconds), until a newer version is
                           announced: the replica is dropped (it is a cache, and evictable).
+    a small version (at most 64 KiB) goes with its offer in its `key` message: B's first
+    get reads it at once, without lend and lent (Note [offers] in offers.py).
 
 ZeroMQ carries only these control messages (msgpack, never pickle); the bytes go through NIXL
 (transfers.py). Each direction of a pair talks over the link its sender opened: requests
@@ -155,8 +158,11 @@ class Cluster:
         return Peer(address, socket)
 
     def segment(self, name: str) -> None:
-        """A new arena segment: registered with NIXL now, not per transfer."""
+        """A new arena segment: registered with NIXL now, not per transfer, and the peers
+        given this agent's metadata of now (an offer sent with an announcement, Note [offers]
+        in offers.py, may lie in it; this message goes before any such on each link)."""
         self.transfers.register(name)
+        self.everyone({"op": "agent", "agent": self.transfers.metadata})
 
     @property
     def wake_in(self) -> float:
@@ -201,6 +207,14 @@ class Cluster:
         except Exception:
             log.exception("cluster: the beat or a pull failed")
 
+    def flush(self) -> None:
+        """Send what the loop's batch left for after its replies (announcements, loans and
+        offers given back): off the path of the replies."""
+        try:
+            self.replicas.flush()
+        except Exception:
+            log.exception("cluster: the announcements could not be sent")
+
     # -- requests from peers (on the ROUTER) --------------------------------------------------
 
     def _request(self, route: bytes, m: dict[str, Any]) -> None:
@@ -220,14 +234,22 @@ class Cluster:
             elif op == "beat":
                 self._reply(route, {"op": "beat"})
             elif op == "key":
-                replicas.listed(node, str(m["key"]), int(m["version"]), int(m["size"]))
+                offer = m.get("offer")
+                offer = offer if isinstance(offer, dict) else None
+                replicas.listed(node, str(m["key"]), int(m["version"]), int(m["size"]), offer)
+            elif op == "offers_back":
+                replicas.lending.offers_back(node, m["offers"])
+            elif op == "offer_read":
+                replicas.lending.offer_read(node, str(m["key"]), int(m["version"]))
+            elif op == "agent":
+                self.transfers.add_peer(node, bytes(m["agent"]))
             elif op == "keys":
                 replicas.welcome(node, m["keys"])
             elif op == "lend":
                 direct = bool(m.get("direct"))
-                replicas.lend(node, int(m["pull"]), str(m["key"]), direct)
+                replicas.lending.lend(node, int(m["pull"]), str(m["key"]), direct)
             elif op == "returned":
-                replicas.returned(node, int(m["pull"]))
+                replicas.lending.returned(node, int(m["pull"]))
             elif op == "delete":
                 replicas.deleted(node, str(m["key"]))
             elif op.startswith("q") or op in ("want", "subs"):
@@ -373,9 +395,12 @@ class Cluster:
         }
         return {
             "node": self.node, "address": self.address, "peers": peers,
-            "bytes_sent": r.bytes_sent + self.queues.bytes_sent,
+            "bytes_sent": r.lending.bytes_sent + self.queues.bytes_sent,
             "bytes_received": r.bytes_received + self.queues.bytes_received,
-            "pulls": len(r.pulls), "loans": len(r.loans), "items_lent": len(self.queues.loans),
+            "pulls": len(r.pulls), "loans": len(r.lending.loans),
+            "items_lent": len(self.queues.loans),
+            "offered": len(r.lending.offered), "offers_held": len(r.held),
+            "pulled": dict(r.pulled),
         }  # fmt: skip
 
     def close(self) -> None:

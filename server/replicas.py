@@ -1,17 +1,13 @@
 """The keys of a cluster's other nodes (Note [cluster] in cluster.py): the index of what each
-holds, the pulls of their objects into this node's memory as replicas, and this node's
-objects lent to their pulls. Which version wins, the same on every node: the highest, then
-the one of the greatest node name.
+holds, and the pulls of their objects into this node's memory as replicas (this node's
+objects lent to their pulls: lending.py). Which version wins, the same on every node: the
+highest, then the one of the greatest node name.
 
 A replica is listed in this node's directory under its key and its owner's version, so that
 its readers read it as any object (microseconds); it is evictable, and dropped when another
 version wins. It is never announced: the index keeps its key, which is how this room tells a
 replica from a put of this node's.
 
-Fan-out: an owner lends each version to FANOUT nodes itself, and sends the pulls that come
-after to those borrowers (`redirect`), which lend their replica, or, still pulling it, lend
-it once they have it. A borrower that fails a pull sends it back to the owner, who then lends
-it directly. So the owner's node sends a version's bytes FANOUT times, however many read it.
 """
 
 from __future__ import annotations
@@ -25,13 +21,14 @@ from typing import Any, NamedTuple, Protocol
 
 from ..common.errors import BrokerError, NotFound, PeerUnavailable
 from ..common.protocol import Request, reply_error
+from .lending import Lending
 from .objects import Objects
+from .offers import Held, Offer
 from .parking import ParkingLot, Waiter
-from .records import Session, StoredObject
+from .records import Session
 from .transfers import Transfers
 
 PULL_WAIT = 30.0  # a get that pulls waits this long at least, whatever its own timeout
-FANOUT = 2  # the nodes a version's owner lends it to itself; later pullers go to theirs
 SPIN = 0.002  # seconds a read is polled without sleeping, from when it may be over (poll_due)
 POLL = 0.001  # and then every POLL seconds
 
@@ -80,6 +77,7 @@ class Pull:
     handle: Any = None
     read_at: float = 0.0  # when the read started
     size: int = 0
+    offer: Offer | None = None  # read from the offer its announcement carried (offers.py)
     waiters: list[Waiter] = field(default_factory=list)
     lends: list[tuple[str, int]] = field(default_factory=list)  # (node, its pull id)
 
@@ -96,22 +94,34 @@ class Replicas:
         self.index: dict[str, Remote] = {}  # key -> where it lives (other nodes only)
         self.pulls: dict[int, Pull] = {}  # pull id -> pull
         self._pulling: dict[str, Pull] = {}  # key -> its pull under way
-        self.loans: dict[tuple[str, int], StoredObject] = {}  # (node, pull id) -> pinned
-        self._lent_to: dict[str, tuple[int, list[str]]] = {}  # key -> (version, borrowers)
+        self.lending = Lending(node, self.registry, transfers, links, self.index, self._pulling)
+        self.held = Held()  # the offers of other nodes' versions (Note [offers] in offers.py)
+        self._later: list[tuple[str, dict[str, Any]]] = []  # (node, message), sent by `flush`
         self._ids = 0
-        self.bytes_sent = self.bytes_received = 0
+        self.bytes_received = 0
+        self.pulled = {"offered": 0, "lent": 0}  # pulls done: read from an offer, or lent
 
     # -- what Objects asks (the Elsewhere protocol) ----------------------------------------------
 
     def announce(self, key: str, version: int) -> None:
-        """A key sealed here (version > 0) or deleted (0): every peer is told."""
+        """A key sealed here (version > 0) or deleted (0): every peer is told (Lending)."""
         if key in self._pulling and version:  # a replica being listed: not ours to announce
             return
         if version:
             self.index.pop(key, None)  # put here: this node holds it now
-        obj = self.registry.objects.get(key)
-        size = 0 if obj is None else int(obj.nbytes)
-        self.links.everyone({"op": "key", "key": key, "version": version, "size": size})
+            self.held.drop(key)
+        self.lending.announce(key, version)
+
+    def flush(self) -> None:
+        """Send what this loop left for after its replies: announcements, loans returned,
+        offers read or given back (Note [offers])."""
+        self.lending.flush()
+        for node, offers in self.held.due.items():
+            self.links.send(node, {"op": "offers_back", "offers": offers})
+        self.held.due.clear()
+        later, self._later = self._later, []
+        for node, message in later:
+            self.links.send(node, message)
 
     def get(self, session: Session, route: bytes, req: Request) -> bool:
         """A get of a key another node has, in a version newer than the get's `after` (a
@@ -189,20 +199,28 @@ class Replicas:
         for key in [k for k, r in self.index.items() if r.node == node and k not in listed]:
             self._forget(key)
 
-    def listed(self, node: str, key: str, version: int, size: int) -> None:
-        """`node` holds `key` at `version` now (0: deleted there)."""
+    def listed(
+        self, node: str, key: str, version: int, size: int, offer: dict[str, Any] | None = None
+    ) -> None:
+        """`node` holds `key` at `version` now (0: deleted there), and may offer it."""
         here = self.registry.objects.get(key)
         known = self.index.get(key)
         if version == 0:
             if known is not None and known.node == node:
                 self._forget(key)
             return
-        if known is not None and (known.version, known.node) > (version, node):
-            return
         mine = here is not None and known is None  # put here (a replica's key is indexed)
-        if mine and (here.version, self.node) > (version, node):  # type: ignore[union-attr]
+        if (known is not None and (known.version, known.node) > (version, node)) or (
+            mine and (here.version, self.node) > (version, node)  # type: ignore[union-attr]
+        ):
+            if offer is not None:  # a version that lost here: its offer is not wanted
+                self.held.due.setdefault(node, []).append([key, version])
             return
         self.index[key] = Remote(node, version, size)
+        if offer is not None:
+            self.held.keep(node, key, version, offer)
+        elif self.held.of(key, node, version) is None:
+            self.held.drop(key)
         if known is None or (known.node, known.version) != (node, version):  # heard once
             self.registry.seen_version(key, version)  # a put here from now on goes above it
             self.objects.arrived(key, version)  # an event for watch_prefix; waits for keys told
@@ -221,60 +239,11 @@ class Replicas:
         """`key` is no other node's now: its replica here goes too, as a delete (its watchers
         are told; else it would pass for a put of this node's)."""
         version = self.index.pop(key).version
+        self.held.drop(key)
         if key in self.registry.objects and key not in self._pulling:
             self.objects.forget(key)
         else:
             self.objects.events.record("delete", key, version)
-
-    # -- lending ----------------------------------------------------------------------------------
-
-    def lend(self, node: str, pull: int, key: str, direct: bool = False) -> None:
-        """Answer `node`'s pull of `key`: pin its version here and say where its bytes are;
-        or, the owner of a version it lent FANOUT times already, send it to one of those
-        borrowers (unless `direct`: one of them failed it); or, pulling it, lend it once
-        the pull is done."""
-        pulling = self._pulling.get(key)
-        if pulling is not None and key in self.index:
-            pulling.lends.append((node, pull))
-            return
-        obj = self.registry.objects.get(key)
-        if obj is None or obj.device != "cpu":
-            answer = {"op": "lent", "pull": pull, "error": f"node {self.node!r} has no {key!r}"}
-            remote = self.index.get(key)
-            if remote is not None:  # another node's version won here: the puller may not know yet
-                answer["at"] = [remote.node, remote.version, remote.size]
-            self.links.answer(node, answer)
-            return
-        if key not in self.index:  # this node's own: its bytes go out FANOUT times at most
-            version, borrowers = self._lent_to.get(key, (0, []))
-            if version != obj.version:
-                version, borrowers = obj.version, []
-                self._lent_to[key] = (version, borrowers)
-            others = [b for b in borrowers if b != node and self.links.up(b)]
-            if len(borrowers) >= FANOUT and others and not direct:
-                to = others[pull % len(others)]
-                self.links.answer(node, {"op": "lent", "pull": pull, "redirect": to})
-                return
-            if node not in borrowers:
-                borrowers.append(node)
-        self.links.answer(node, self._loan(node, pull, obj))
-
-    def _loan(self, node: str, pull: int, obj: StoredObject) -> dict[str, Any]:
-        """Pin `obj` for `node`'s pull `pull`: its `lent` answer."""
-        self.registry.pin(obj)
-        self.loans[node, pull] = obj
-        self.bytes_sent += obj.nbytes
-        return {"op": "lent", "pull": pull, "version": obj.version, **self.transfers.offer(obj)}
-
-    def returned(self, node: str, pull: int) -> None:
-        obj = self.loans.pop((node, pull), None)
-        if obj is not None:
-            self.registry.unpin(obj)
-
-    def let_go(self, node: str) -> None:
-        """`node` went down or restarted: what it was lent is unpinned (it will not say)."""
-        for loan in [loan for loan in self.loans if loan[0] == node]:
-            self.registry.unpin(self.loans.pop(loan))
 
     def node_down(self, node: str) -> None:
         for pull in [p for p in self.pulls.values() if node in (p.node, p.source)]:
@@ -283,6 +252,12 @@ class Replicas:
             else:
                 self._fail(pull, PeerUnavailable(f"node {node!r} went down during the pull"))
         self.let_go(node)
+
+    def let_go(self, node: str) -> None:
+        """`node` went down or restarted: what it was lent or offered is unpinned (it will not
+        say), and what it offered is void (its addresses are new, if it restarted)."""
+        self.lending.let_go(node)
+        self.held.forget(node)
 
     # -- pulls ------------------------------------------------------------------------------------
 
@@ -296,11 +271,33 @@ class Replicas:
         return due
 
     def _ask(self, key: str, node: str) -> Pull:
+        """Pull `key` from `node`: read at once if it offered the version listed, else asked
+        to lend it."""
         self._ids += 1
         pull = Pull(self._ids, key, node, self.index[key].version, time.monotonic(), node)
         self.pulls[pull.id] = self._pulling[key] = pull
-        self.links.send(node, {"op": "lend", "pull": pull.id, "key": key})
+        offer = self.held.of(key, node, pull.seen)
+        if offer is None:
+            self.links.send(node, {"op": "lend", "pull": pull.id, "key": key})
+        else:
+            offer.reading, pull.offer = True, offer
+            self._take(pull, offer.fields, offer.version)
         return pull
+
+    def _unoffered(self, pull: Pull, exc: Exception) -> None:
+        """A read from an offer failed (a segment of its owner's that this node's NIXL does
+        not know yet, say): the offer is given back, and its owner asked to lend it instead."""
+        offer, pull.offer = pull.offer, None
+        if offer is not None:
+            self.held.read(pull.key, offer, failed=True)
+        if pull.put:
+            self.registry.abort(self.session, pull.put, False)
+        pull.put = pull.version = 0
+        if not self.links.up(pull.node):
+            self._fail(pull, PeerUnavailable(f"the pull of {pull.key!r} failed: {exc}"))
+            return
+        pull.started = time.monotonic()
+        self.links.send(pull.node, {"op": "lend", "pull": pull.id, "key": pull.key})
 
     def _ask_at(self, pull: Pull, source: str, direct: bool = False) -> None:
         """Ask `source` to lend `pull`'s key instead (the owner sent it there; or, `direct`,
@@ -344,7 +341,11 @@ class Replicas:
             else:
                 self._fail(pull, gone)
             return
-        pull.version = int(m["version"])
+        self._take(pull, m, int(m["version"]))
+
+    def _take(self, pull: Pull, m: dict[str, Any], version: int) -> None:
+        """Start reading `version`, lent or offered (`m`), into a block of a replica's."""
+        pull.version = version
         try:
             specs, bundle = self.transfers.layout(pull.source, m)
             pull.put, obj = self.registry.begin_put(self.session, pull.key, specs, bundle)
@@ -354,7 +355,10 @@ class Replicas:
         except BrokerError as exc:  # no room here for it (CapacityError), say
             self._fail(pull, exc)
         except (OSError, KeyError, TypeError, ValueError) as exc:
-            self._fail(pull, PeerUnavailable(f"the pull of {pull.key!r} failed: {exc}"))
+            if pull.offer is not None:
+                self._unoffered(pull, exc)
+            else:
+                self._fail(pull, PeerUnavailable(f"the pull of {pull.key!r} failed: {exc}"))
 
     def poll(self, now: float) -> None:
         """Reads that ended (sealed as replicas), and lends never answered."""
@@ -370,11 +374,18 @@ class Replicas:
                 return
         except OSError as exc:
             pull.handle = None
-            self._fail(pull, PeerUnavailable(f"the pull of {pull.key!r} failed: {exc}"))
+            if pull.offer is not None:
+                self._unoffered(pull, exc)
+            else:
+                self._fail(pull, PeerUnavailable(f"the pull of {pull.key!r} failed: {exc}"))
             return
         pull.handle = None
         self.transfers.took(pull.size, time.monotonic() - pull.read_at)
         self.bytes_received += pull.size
+        self.pulled["lent" if pull.offer is None else "offered"] += 1
+        if pull.offer is not None:  # its owner counts the bytes it sent
+            read = {"op": "offer_read", "key": pull.key, "version": pull.version}
+            self._later.append((pull.node, read))
         remote = self.index.get(pull.key)
         if remote is not None and (remote.node, remote.version) == (pull.node, pull.version):
             self.objects.seal(self.session, pull.put, False, version=pull.version)
@@ -382,7 +393,7 @@ class Replicas:
             obj = self.registry.objects.get(pull.key)
             for node, their in pull.lends:  # pulls sent here meanwhile: lent the replica
                 if obj is not None:
-                    self.links.answer(node, self._loan(node, their, obj))
+                    self.links.answer(node, self.lending.loan(node, their, obj))
             return
         self.registry.abort(self.session, pull.put, False)  # deleted, or another version won
         pull.put = 0
@@ -402,9 +413,12 @@ class Replicas:
                 self.objects.answer(w, reply_error(w.request.id, error))
 
     def _end(self, pull: Pull) -> None:
-        """The pull is over: the lender unpins its object."""
+        """The pull is over: the lender unpins its object (after this loop's replies); an
+        offer read is given back if it was dropped meanwhile."""
         self.pulls.pop(pull.id, None)
         if self._pulling.get(pull.key) is pull:
             del self._pulling[pull.key]
-        if pull.version:
-            self.links.send(pull.source, {"op": "returned", "pull": pull.id})
+        if pull.offer is not None:
+            self.held.read(pull.key, pull.offer)
+        elif pull.version:
+            self._later.append((pull.source, {"op": "returned", "pull": pull.id}))

@@ -127,22 +127,26 @@ class Transfers:
 
     # -- offers: an object's bytes lent to a peer, and read from one ---------------------------
 
-    def offer(self, obj: Any) -> dict[str, Any]:
+    def offer(self, obj: Any, agent: bool = True) -> dict[str, Any]:
         """Where a StoredObject's bytes are, for a peer to read them (the fields of a `lent`
-        or a `qitem`): its layout and address, and this agent's metadata of now (it knows
-        the segment: an adopted one, say)."""
+        or a `qitem`): its layout and address, and, if `agent`, this agent's metadata of now
+        (it knows the segment: an adopted one, say; an offer sent with an announcement goes
+        without, Note [offers])."""
         block = obj.block
         self.register(block.segment)
-        return {
+        offer = {
             "bundle": obj.bundle, "specs": [[t.name, t.dtype, list(t.shape)] for t in obj.tensors],
-            "size": obj.nbytes, "agent": self.metadata,
-            "address": self.address(block.segment, block.offset),
+            "size": obj.nbytes, "address": self.address(block.segment, block.offset),
         }  # fmt: skip
+        if agent:
+            offer["agent"] = self.metadata
+        return offer
 
     def layout(self, node: str, offer: dict[str, Any]) -> tuple[list[Any], bool]:
         """The specs and bundle flag of `node`'s `offer`, for a block of its size here (its
-        agent known from now on)."""
-        self.add_peer(node, bytes(offer["agent"]))
+        agent known from now on, if it sent its metadata)."""
+        if "agent" in offer:
+            self.add_peer(node, bytes(offer["agent"]))
         return [(str(n), str(d), tuple(s)) for n, d, s in offer["specs"]], bool(offer["bundle"])
 
     def take(self, node: str, offer: dict[str, Any], obj: Any) -> tuple[Any, int]:

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -453,6 +454,44 @@ def test_pulls_leave_no_memory_held(own: dict[str, tb.Client]) -> None:
     assert wait_until(lambda: not b.keys(), 5), b.keys()  # the replicas went with the keys
     assert wait_until(lambda: b.stats()["used_bytes"] == 0, 5)
     assert wait_until(lambda: a.stats()["used_bytes"] == 0, 5)
+
+
+def _figures(c: tb.Client) -> dict[str, Any]:
+    return dict(c.stats()["cluster"])
+
+
+def test_a_small_version_is_read_from_the_offer_sent_with_it_and_given_back_once_replaced(
+    brokers: dict[str, tb.BrokerProcess], own: dict[str, tb.Client]
+) -> None:
+    """Note [offers]: a version of at most 64 KiB is announced with where its bytes are, so
+    a first get on another node reads them without asking its owner first; the owner keeps
+    the version it replaced only until the other nodes gave its offer back."""
+    a, b = own["a"], own["b"]
+    x = np.arange(1024, dtype=np.float32)  # 4 KiB
+    a.put("small", x)
+    one = a.stats()["used_bytes"]
+    assert wait_until(lambda: b.exists("small") and _figures(b)["offers_held"] == 1, 5)
+    assert _figures(a)["offered"] == 1
+    np.testing.assert_array_equal(b.get("small").numpy(), x)
+    assert _figures(b)["pulled"] == {"offered": 1, "lent": 0}
+    assert wait_until(lambda: _figures(a)["bytes_sent"] == x.nbytes, 5)  # b said it read it
+    a.put("small", x + 1)  # b read it before: its replica goes, and the new one is pulled
+    assert wait_until(lambda: b.get("small", timeout=5).version == 2, 5)
+    np.testing.assert_array_equal(b.get("small").numpy(), x + 1)
+    assert _figures(b)["pulled"] == {"offered": 2, "lent": 0}
+    # Version 1's offer came back from b: a holds version 2 alone.
+    assert wait_until(lambda: a.stats()["used_bytes"] == one, 5), a.stats()["used_bytes"]
+    assert _figures(a)["offered"] == 1 and _figures(b)["offers_held"] == 1
+    a.put("large", np.ones(64 * 1024 + 1, np.uint8))  # over 64 KiB: lent when asked
+    assert wait_until(lambda: b.exists("large"), 5)
+    assert b.get("large").numpy().sum() == 64 * 1024 + 1
+    assert _figures(b)["pulled"] == {"offered": 2, "lent": 1}
+    crash(brokers["b"])  # what a node that died held is let go by the owner
+    assert wait_until(lambda: _figures(a)["offered"] == 0, 3.5)
+    a.delete("small")
+    a.delete("large")
+    assert wait_until(lambda: a.stats()["used_bytes"] == 0, 5)
+    brokers["b"].restart()
 
 
 LOOPBACK = ["--node", "a", "--cluster", "tcp://127.0.0.1:1", "--insecure-tcp"]

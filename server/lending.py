@@ -1,0 +1,131 @@
+"""This node's side of the other nodes' pulls (Note [cluster] in cluster.py): its keys announced
+to them, a small version with its offer (Note [offers] in offers.py), and its versions lent
+to their pulls, pinned until each says it is through.
+
+Fan-out: an owner lends each version to FANOUT nodes itself, and sends the pulls that come
+after to those borrowers (`redirect`), which lend their replica, or, still pulling it, lend
+it once they have it. A borrower that fails a pull sends it back to the owner, who then lends
+it directly. So the owner's node sends a version's bytes FANOUT times, however many read it
+(an offered version excepted: every node reads it from its owner).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from .offers import Lent
+from .records import StoredObject
+from .registry import Registry
+from .transfers import Transfers
+
+if TYPE_CHECKING:
+    from .replicas import Links, Pull, Remote
+
+FANOUT = 2  # the nodes a version's owner lends it to itself; later pullers go to theirs
+
+
+class Lending:
+    """The announcements, loans and offers of this node's keys. `index` and `pulling` are
+    Replicas' (the keys that are other nodes', and those being pulled here): a replica is
+    lent as any version, but never announced, and a key still being pulled is lent once it
+    is here."""
+
+    def __init__(
+        self, node: str, registry: Registry, transfers: Transfers, links: Links,
+        index: Mapping[str, Remote], pulling: Mapping[str, Pull],
+    ) -> None:  # fmt: skip
+        self.node, self.registry, self.transfers, self.links = node, registry, transfers, links
+        self.index, self.pulling = index, pulling
+        self.loans: dict[tuple[str, int], StoredObject] = {}  # (node, pull id) -> pinned
+        self.offered = Lent(registry)
+        self._lent_to: dict[str, tuple[int, list[str]]] = {}  # key -> (version, borrowers)
+        self._announcing: list[tuple[str, int]] = []  # sent after the loop's replies (`flush`)
+        self.bytes_sent = 0
+
+    # -- announcements ---------------------------------------------------------------------------
+
+    def announce(self, key: str, version: int) -> None:
+        """`key` sealed here at `version` (0: deleted): every peer is told, once this loop's
+        replies are out (a put's reply does not wait for the messages to its peers)."""
+        self._announcing.append((key, version))
+
+    def flush(self) -> None:
+        """The announcements: a small version goes with its offer, pinned for the peers it
+        reached (Note [offers])."""
+        announcing, self._announcing = self._announcing, []
+        for key, version in announcing:
+            obj = self.registry.objects.get(key)
+            size = 0 if obj is None else int(obj.nbytes)
+            message = {"op": "key", "key": key, "version": version, "size": size}
+            if obj is not None and obj.version == version and self.offered.offerable(obj):
+                message["offer"] = self.transfers.offer(obj, agent=False)
+            else:
+                obj = None
+            nodes = [n for n in self.links.nodes() if self.links.up(n)]
+            told = {n for n in nodes if self.links.send(n, message)}
+            if obj is not None:
+                self.offered.pin(obj, told)
+
+    # -- loans -----------------------------------------------------------------------------------
+
+    def lend(self, node: str, pull: int, key: str, direct: bool = False) -> None:
+        """Answer `node`'s pull of `key`: pin its version here and say where its bytes are;
+        or, the owner of a version it lent FANOUT times already, send it to one of those
+        borrowers (unless `direct`: one of them failed it); or, pulling it, lend it once
+        the pull is done."""
+        pulling = self.pulling.get(key)
+        if pulling is not None and key in self.index:
+            pulling.lends.append((node, pull))
+            return
+        obj = self.registry.objects.get(key)
+        if obj is None or obj.device != "cpu":
+            answer = {"op": "lent", "pull": pull, "error": f"node {self.node!r} has no {key!r}"}
+            remote = self.index.get(key)
+            if remote is not None:  # another node's version won here: the puller may not know yet
+                answer["at"] = [remote.node, remote.version, remote.size]
+            self.links.answer(node, answer)
+            return
+        if key not in self.index:  # this node's own: its bytes go out FANOUT times at most
+            version, borrowers = self._lent_to.get(key, (0, []))
+            if version != obj.version:
+                version, borrowers = obj.version, []
+                self._lent_to[key] = (version, borrowers)
+            others = [b for b in borrowers if b != node and self.links.up(b)]
+            if len(borrowers) >= FANOUT and others and not direct:
+                to = others[pull % len(others)]
+                self.links.answer(node, {"op": "lent", "pull": pull, "redirect": to})
+                return
+            if node not in borrowers:
+                borrowers.append(node)
+        self.links.answer(node, self.loan(node, pull, obj))
+
+    def loan(self, node: str, pull: int, obj: StoredObject) -> dict[str, Any]:
+        """Pin `obj` for `node`'s pull `pull`: its `lent` answer."""
+        self.registry.pin(obj)
+        self.loans[node, pull] = obj
+        self.bytes_sent += obj.nbytes
+        return {"op": "lent", "pull": pull, "version": obj.version, **self.transfers.offer(obj)}
+
+    def returned(self, node: str, pull: int) -> None:
+        obj = self.loans.pop((node, pull), None)
+        if obj is not None:
+            self.registry.unpin(obj)
+
+    # -- offers ----------------------------------------------------------------------------------
+
+    def offer_read(self, node: str, key: str, version: int) -> None:
+        """`node` read the version of `key` offered to it (its bytes are counted as sent)."""
+        self.bytes_sent += self.offered.size(node, key, version)
+
+    def offers_back(self, node: str, offers: list[Any]) -> None:
+        """`node` gave back these offers ([[key, version], ...]): unpinned once all did."""
+        for key, version in offers:
+            self.offered.back(node, str(key), int(version))
+
+    def let_go(self, node: str) -> None:
+        """`node` went down or restarted: what it was lent or offered is unpinned (it will not
+        say)."""
+        for loan in [loan for loan in self.loans if loan[0] == node]:
+            self.registry.unpin(self.loans.pop(loan))
+        self.offered.let_go(node)

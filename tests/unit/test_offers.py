@@ -1,0 +1,146 @@
+"""Unit tests for the offers of small versions (server/offers.py, Note [offers]): when an
+owner's pin goes, when a peer gives an offer back, and a read from an offer that fails."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tensorbroker.common.protocol import Request
+from tensorbroker.server.arena import Arena
+from tensorbroker.server.objects import Objects
+from tensorbroker.server.offers import OFFER_MAX, Held, Lent
+from tensorbroker.server.parking import ParkingLot
+from tensorbroker.server.records import Session
+from tensorbroker.server.registry import Registry
+from tensorbroker.server.replicas import Replicas
+
+MiB = 2**20
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Iterator[Registry]:
+    arena = Arena(16 * MiB, shm_dir=str(tmp_path), chunk_size=4 * MiB)
+    yield Registry(arena)
+    arena.close()
+
+
+def _sealed(registry: Registry, key: str, nbytes: int = 4096, evictable: bool = False) -> Any:
+    s = Session("owner" * 4, None)
+    put, obj = registry.begin_put(s, key, [("", "uint8", (nbytes,))], False)
+    obj.evictable = evictable
+    return registry.seal(s, put, keep=False)
+
+
+# -- the owner's side ------------------------------------------------------------------------------
+
+
+def test_an_offered_version_stays_until_every_peer_gave_it_back(registry: Registry) -> None:
+    lent = Lent(registry)
+    v1 = _sealed(registry, "k")
+    lent.pin(v1, {"b", "c"})
+    _sealed(registry, "k")  # version 2 replaces it: version 1 is held for b and c
+    assert not v1.freed and len(lent) == 1
+    lent.back("b", "k", 1)
+    lent.back("b", "k", 1)  # twice: still c's
+    assert not v1.freed
+    lent.let_go("c")  # c went down: it will not say
+    assert v1.freed and len(lent) == 0
+
+
+def test_what_no_peer_was_told_of_is_not_pinned(registry: Registry) -> None:
+    lent = Lent(registry)
+    v1 = _sealed(registry, "k")
+    lent.pin(v1, set())
+    registry.delete("k")
+    assert v1.freed and len(lent) == 0
+
+
+def test_large_evictable_or_device_versions_are_not_offered(registry: Registry) -> None:
+    lent = Lent(registry)
+    assert lent.offerable(_sealed(registry, "small", OFFER_MAX))
+    assert not lent.offerable(_sealed(registry, "large", OFFER_MAX + 1))
+    assert not lent.offerable(_sealed(registry, "cache", 64, evictable=True))
+
+
+# -- the peer's side -------------------------------------------------------------------------------
+
+
+def test_an_offer_replaced_is_given_back_at_once_or_once_its_read_is_over() -> None:
+    held = Held()
+    held.keep("a", "k", 1, {})
+    held.keep("a", "k", 2, {})  # version 2 listed: version 1 goes back
+    assert held.due == {"a": [["k", 1]]}
+    held.due.clear()
+    offer = held.of("k", "a", 2)
+    assert offer is not None and held.of("k", "a", 1) is None
+    offer.reading = True
+    held.drop("k")  # deleted there while it is read: the owner must keep it until the read ends
+    assert held.due == {}
+    held.read("k", offer)
+    assert held.due == {"a": [["k", 2]]}
+
+
+def test_the_offers_of_a_node_that_went_down_are_void_and_not_given_back() -> None:
+    held = Held()
+    held.keep("a", "k", 1, {})
+    held.keep("b", "j", 1, {})
+    offer = held.of("k", "a", 1)
+    assert offer is not None
+    offer.reading = True
+    held.forget("a")
+    held.read("k", offer)
+    assert held.of("k", "a", 1) is None and held.due == {} and len(held) == 1
+
+
+# -- a read from an offer that fails ---------------------------------------------------------------
+
+
+class Links:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, dict[str, Any]]] = []
+
+    def send(self, node: str, message: dict[str, Any]) -> bool:
+        self.sent.append((node, message))
+        return True
+
+    def answer(self, node: str, message: dict[str, Any]) -> None:
+        self.sent.append((node, message))
+
+    def everyone(self, message: dict[str, Any]) -> None:
+        pass
+
+    def up(self, node: str) -> bool:
+        return True
+
+    def nodes(self) -> list[str]:
+        return ["a"]
+
+
+class FailingTransfers:
+    """NIXL knows no memory at the offered address (a segment made after its metadata)."""
+
+    def layout(self, node: str, offer: dict[str, Any]) -> tuple[list[Any], bool]:
+        return [(str(n), str(d), tuple(s)) for n, d, s in offer["specs"]], bool(offer["bundle"])
+
+    def take(self, node: str, offer: dict[str, Any], obj: Any) -> tuple[Any, int]:
+        raise OSError("NIXL could not start a read: nixlNotFoundError")
+
+
+def test_a_read_from_an_offer_that_fails_asks_its_owner_to_lend_it(registry: Registry) -> None:
+    lot, links = ParkingLot(), Links()
+    objects = Objects(registry, lot, lambda route, payload, last=False: None)
+    replicas = Replicas("b", objects, lot, FailingTransfers(), links)  # type: ignore[arg-type]
+    offer = {"specs": [["", "uint8", [4096]]], "bundle": False, "size": 4096, "address": 1}
+    replicas.listed("a", "k", 1, 4096, offer)
+    get = Request("get", 7, {"key": "k", "timeout": 5.0}, [])
+    assert replicas.get(Session("reader" * 4, None), b"route", get)
+    replicas.flush()
+    assert ("a", {"op": "lend", "pull": 1, "key": "k"}) in links.sent  # asked instead
+    assert ("a", {"op": "offers_back", "offers": [["k", 1]]}) in links.sent
+    assert len(replicas.held) == 0  # and the block it began for the read is given back:
+    assert registry.arena.used_bytes == 0 and "k" not in registry.objects
+    assert len(replicas.pulls) == 1  # the get still waits, for the loan now
