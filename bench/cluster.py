@@ -19,7 +19,6 @@ import argparse
 import contextlib
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import threading
@@ -36,19 +35,14 @@ os.environ.setdefault("UCX_TLS", "tcp")
 
 import tensorbroker as tb  # noqa: E402
 from tensorbroker.server.transfers import load_nixl  # noqa: E402
+from tests.support import free_port  # noqa: E402
 
 MiB = 2**20
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def cluster(nodes: list[str], memory: str) -> Iterator[dict[str, tb.Client]]:
-    ports = {n: _port() for n in nodes}
+    ports = {n: free_port() for n in nodes}  # (below the ephemeral range: tests/support.py)
     with contextlib.ExitStack() as stack:
         clients = {}
         for n in nodes:

@@ -12,7 +12,8 @@ journal records (Note [recovery] in state.py). The rooms:
     parking.py    every request that waits, and its deadline
     registry.py   objects, versions, leases and memory (grants.py, arena.py, devices.py)
     adoption.py   the state of a broker that died, taken over
-    cluster.py    the other brokers of a cluster (replicas.py: their keys, pulled by NIXL)
+    cluster.py    the other brokers of a cluster (replicas.py: their keys, pulled by NIXL;
+                  lending.py: this node's, lent to their pulls)
     endpoint.py   the sockets: ZeroMQ, the lanes beside an ipc:// address, wake-ups
 
 Every handler but hello's and ping's is given the sender's session; a request from a socket
@@ -34,14 +35,7 @@ from ..common import cudart, curve, protocol
 from ..common.config import SHM_DIR, check_address, default_state_dir, format_size, group_id
 from ..common.errors import BrokerError, InvalidRequest, SessionUnknown, Timeout
 from ..common.fields import parse_request
-from ..common.protocol import (
-    NO_REPLY,
-    PROTOCOL_VERSION,
-    Op,
-    Request,
-    reply_error,
-    reply_ok,
-)
+from ..common.protocol import NO_REPLY, PROTOCOL_VERSION, Op, Request, reply_error, reply_ok
 from . import backlog
 from .adoption import Adoption
 from .arena import Arena
@@ -309,7 +303,7 @@ class Broker:
                     cluster.tick(time.monotonic())
             finally:
                 self.outbox.commit()
-            if cluster is not None:
+            if cluster is not None:  # what the replies go before: announcements, loans back
                 cluster.flush()
             # Only now that this batch's events are handled may their descriptors go.
             self.sessions.close_let_go()

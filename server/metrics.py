@@ -271,6 +271,18 @@ def _cluster(cluster: Mapping[str, Any]) -> Iterator[Metric]:
         "tensorbroker_cluster_pulls", "Pulls of other nodes' objects under way.",
         value=cluster["pulls"],
     )  # fmt: skip
+    pulled = CounterMetricFamily(
+        "tensorbroker_cluster_pulled", "Pulls done: read from the offer that came with the "
+        "version's announcement (offered), or lent when asked (lent).", labels=["how"],
+    )  # fmt: skip
+    for how, count in sorted(cluster["pulled"].items()):
+        pulled.add_metric([how], count)
+    yield pulled
+    yield GaugeMetricFamily(
+        "tensorbroker_cluster_offered", "Small versions of this node's pinned for the offers "
+        "sent with their announcements, until every peer gives its offer back.",
+        value=cluster["offered"],
+    )  # fmt: skip
 
 
 def _latency(latency: Mapping[str, Any], bounds: list[float]) -> Metric:

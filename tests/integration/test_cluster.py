@@ -643,6 +643,9 @@ def test_the_cluster_figures_are_served_as_metrics(monkeypatch: pytest.MonkeyPat
             assert value(figures, "tensorbroker_cluster_peer_up", peer="a") == 1.0
             assert value(figures, "tensorbroker_cluster_bytes_received_total") >= 1000
             assert value(figures, "tensorbroker_cluster_pulls") == 0
+            assert value(figures, "tensorbroker_cluster_pulled_total", how="offered") == 1
+            assert value(figures, "tensorbroker_cluster_pulled_total", how="lent") == 0
+            assert value(figures, "tensorbroker_cluster_offered") == 0  # b put nothing
         started["a"].stop()
         assert wait_until(
             lambda: value(scrape(port), "tensorbroker_cluster_peer_up", peer="a") == 0.0, 5
