@@ -99,6 +99,10 @@ def _all_up(c: tb.Client) -> bool:
     return all(p["state"] == "up" for p in peers.values())
 
 
+def _figures(c: tb.Client) -> dict[str, Any]:
+    return dict(c.stats()["cluster"])
+
+
 def _received(c: tb.Client) -> int:
     return int(c.stats()["cluster"]["bytes_received"])
 
@@ -142,16 +146,17 @@ def test_a_get_that_waits_for_a_key_is_answered_by_a_put_on_another_node(
     np.testing.assert_array_equal(out[0].numpy(), np.arange(7))
 
 
+@pytest.mark.parametrize("n", [16 * 1024, 512], ids=["128KiB-lent", "4KiB-offered"])
 def test_a_watch_on_another_node_sees_whole_versions_in_order_to_the_last(
-    clients: dict[str, tb.Client],
+    clients: dict[str, tb.Client], n: int
 ) -> None:
     a, b = clients["a"], clients["b"]
-    last = 40
-    a.put("policy", np.full(16 * 1024, 1, np.int64))
+    last, key = 40, f"policy-{n}"
+    a.put(key, np.full(n, 1, np.int64))
     seen: list[int] = []
 
     def follow() -> None:
-        for item in b.watch("policy", timeout=10):
+        for item in b.watch(key, timeout=10):
             assert item is not None
             values = item.numpy()
             assert (values == item.version).all(), f"version {item.version} torn"
@@ -161,15 +166,48 @@ def test_a_watch_on_another_node_sees_whole_versions_in_order_to_the_last(
 
     watching, out = in_thread(follow)
     for v in range(2, last + 1):
-        a.put("policy", np.full(16 * 1024, v, np.int64))
+        a.put(key, np.full(n, v, np.int64))
         time.sleep(0.005)
     watching.join(30)
     assert out == [None], out
     assert seen == sorted(set(seen)) and seen[-1] == last, seen
     before = _received(b)  # the watched key's next version is pulled as it is announced
-    a.put("policy", np.full(16 * 1024, last + 1, np.int64))
+    a.put(key, np.full(n, last + 1, np.int64))
     assert wait_until(lambda: _received(b) > before, 5), "the new version was not pulled ahead"
-    assert b.get("policy").version == last + 1
+    assert b.get(key).version == last + 1
+
+
+def test_small_versions_replaced_fast_are_never_read_torn_and_leave_nothing_pinned(
+    own: dict[str, tb.Client],
+) -> None:
+    """Offers given back while their reads are under way, and reads of versions replaced
+    meanwhile: every version read is whole, and the owner holds the last one alone."""
+    a, b = own["a"], own["b"]
+    a.put("hot", np.full(512, 1, np.int64))  # 4 KiB: offered
+    one = a.stats()["used_bytes"]
+    last = 300
+
+    def write() -> None:
+        for v in range(2, last + 1):
+            a.put("hot", np.full(512, v, np.int64))
+
+    writing, out = in_thread(write)
+    seen = [0]
+    while seen[-1] < last:
+        item = b.get("hot", timeout=10)
+        values = item.numpy()
+        assert (values == item.version).all(), f"version {item.version} torn"
+        assert item.version >= seen[-1]
+        seen.append(item.version)
+        del item, values
+    writing.join(30)
+    assert out == [None], out
+    assert len(set(seen)) > 2, seen  # (it read versions as they came)
+    assert wait_until(lambda: a.stats()["used_bytes"] == one, 5), a.stats()["used_bytes"]
+    assert _figures(a)["offered"] == 1 and _figures(b)["offers_held"] == 1
+    a.delete("hot")
+    assert wait_until(lambda: a.stats()["used_bytes"] == 0 and _figures(a)["offered"] == 0, 5)
+    assert wait_until(lambda: b.stats()["used_bytes"] == 0 and _figures(b)["offers_held"] == 0, 5)
 
 
 def test_a_key_deleted_on_another_node_is_gone_everywhere(clients: dict[str, tb.Client]) -> None:
@@ -454,10 +492,6 @@ def test_pulls_leave_no_memory_held(own: dict[str, tb.Client]) -> None:
     assert wait_until(lambda: not b.keys(), 5), b.keys()  # the replicas went with the keys
     assert wait_until(lambda: b.stats()["used_bytes"] == 0, 5)
     assert wait_until(lambda: a.stats()["used_bytes"] == 0, 5)
-
-
-def _figures(c: tb.Client) -> dict[str, Any]:
-    return dict(c.stats()["cluster"])
 
 
 def test_a_small_version_is_read_from_the_offer_sent_with_it_and_given_back_once_replaced(
