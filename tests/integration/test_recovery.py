@@ -107,6 +107,32 @@ def test_an_item_given_back_is_in_its_queue_after_a_kill(crashable: tb.BrokerPro
             pq.get(timeout=0.2)
 
 
+def test_an_item_kept_for_a_get_given_up_goes_back_to_a_broker_that_restarted(
+    crashable: tb.BrokerProcess,
+) -> None:
+    """The broker dies between a get given up and its client's close: the item kept for the
+    client's next get is given back to the broker that came back, and handed out once."""
+    with tb.connect(crashable.address) as p:
+        pq = p.queue("back-later", maxsize=4)
+        consumer = tb.connect(crashable.address)
+        q = consumer.queue("back-later")
+
+        def answer_then_give_up() -> None:
+            pq.put(np.full(4, 7.0))
+            assert wait_until(lambda: len(pq) == 0, 5)
+            raise GaveUp
+
+        with interrupt_after(0.3, answer_then_give_up), pytest.raises(GaveUp):
+            q.get(timeout=10)
+        crash(crashable)
+        crashable.restart()
+        consumer.close()
+        assert wait_until(lambda: len(pq) == 1, 5), len(pq)
+        assert pq.get(timeout=5).numpy().tolist() == [7.0] * 4
+        with pytest.raises(tb.Timeout):
+            pq.get(timeout=0.2)
+
+
 def test_a_parked_get_resumes_on_the_new_broker(crashable: tb.BrokerProcess) -> None:
     with tb.connect(crashable.address) as c, tb.connect(crashable.address) as writer:
         got: list[Any] = []
