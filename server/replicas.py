@@ -12,7 +12,6 @@ replica from a put of this node's.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -116,9 +115,9 @@ class Replicas:
         """Send what this loop left for after its replies: announcements, loans returned,
         offers read or given back (Note [offers])."""
         self.lending.flush()
-        for node, offers in self.held.due.items():
-            self.links.send(node, {"op": "offers_back", "offers": offers})
-        self.held.due.clear()
+        if self.held.give_back_in(time.monotonic()) == 0.0:
+            for node, offers in self.held.take_due().items():
+                self.links.send(node, {"op": "offers_back", "offers": offers})
         later, self._later = self._later, []
         for node, message in later:
             self.links.send(node, message)
@@ -214,7 +213,7 @@ class Replicas:
             mine and (here.version, self.node) > (version, node)  # type: ignore[union-attr]
         ):
             if offer is not None:  # a version that lost here: its offer is not wanted
-                self.held.due.setdefault(node, []).append([key, version])
+                self.held.refuse(node, key, version)
             return
         self.index[key] = Remote(node, version, size)
         if offer is not None:
@@ -263,8 +262,10 @@ class Replicas:
 
     @property
     def poll_in(self) -> float:
-        """Seconds until the reads under way are polled again (poll_due)."""
-        now, due = time.monotonic(), math.inf
+        """Seconds until the reads under way are polled again (poll_due), or the offers due
+        are given back."""
+        now = time.monotonic()
+        due = self.held.give_back_in(now)
         for p in self.pulls.values():
             if p.handle is not None:
                 due = min(due, poll_due(self.transfers.ends(p.read_at, p.size), now))

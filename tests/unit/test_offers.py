@@ -3,6 +3,8 @@ owner's pin goes, when a peer gives an offer back, and a read from an offer that
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,7 +14,7 @@ import pytest
 from tensorbroker.common.protocol import Request
 from tensorbroker.server.arena import Arena
 from tensorbroker.server.objects import Objects
-from tensorbroker.server.offers import OFFER_MAX, Held, Lent
+from tensorbroker.server.offers import GIVE_BACK_EVERY, GIVE_BACK_MAX, OFFER_MAX, Held, Lent
 from tensorbroker.server.parking import ParkingLot
 from tensorbroker.server.records import Session
 from tensorbroker.server.registry import Registry
@@ -73,8 +75,7 @@ def test_an_offer_replaced_is_given_back_at_once_or_once_its_read_is_over() -> N
     held = Held()
     held.keep("a", "k", 1, {})
     held.keep("a", "k", 2, {})  # version 2 listed: version 1 goes back
-    assert held.due == {"a": [["k", 1]]}
-    held.due.clear()
+    assert held.take_due() == {"a": [["k", 1]]}
     offer = held.of("k", "a", 2)
     assert offer is not None and held.of("k", "a", 1) is None
     offer.reading = True
@@ -82,6 +83,21 @@ def test_an_offer_replaced_is_given_back_at_once_or_once_its_read_is_over() -> N
     assert held.due == {}
     held.read("k", offer)
     assert held.due == {"a": [["k", 2]]}
+
+
+def test_offers_due_are_given_back_together_after_a_while_or_once_many() -> None:
+    held = Held()
+    assert held.give_back_in(time.monotonic()) == math.inf
+    held.keep("a", "k", 1, {})
+    held.drop("k")
+    now = time.monotonic()
+    assert 0 < held.give_back_in(now) <= GIVE_BACK_EVERY
+    assert held.give_back_in(now + GIVE_BACK_EVERY) == 0
+    for v in range(GIVE_BACK_MAX):
+        held.refuse("b", "j", v)
+    assert held.give_back_in(now) == 0  # many: at once
+    assert len(held.take_due()["b"]) == GIVE_BACK_MAX
+    assert held.give_back_in(now) == math.inf
 
 
 def test_the_offers_of_a_node_that_went_down_are_void_and_not_given_back() -> None:
@@ -140,6 +156,8 @@ def test_a_read_from_an_offer_that_fails_asks_its_owner_to_lend_it(registry: Reg
     assert replicas.get(Session("reader" * 4, None), b"route", get)
     replicas.flush()
     assert ("a", {"op": "lend", "pull": 1, "key": "k"}) in links.sent  # asked instead
+    time.sleep(GIVE_BACK_EVERY)
+    replicas.flush()
     assert ("a", {"op": "offers_back", "offers": [["k", 1]]}) in links.sent
     assert len(replicas.held) == 0  # and the block it began for the read is given back:
     assert registry.arena.used_bytes == 0 and "k" not in registry.objects
