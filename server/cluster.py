@@ -39,6 +39,7 @@ qremove, qleft, qhas): Note [queues across nodes] in queue_links.py. Not yet: GP
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Container
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ log = logging.getLogger(__name__)
 
 BEAT = 0.5  # seconds between beats (and hellos to a peer not up)
 DOWN_AFTER = 2.0  # a peer not heard from for this long is down (at most 3 s, says issue 33)
+FRESH = DOWN_AFTER - 2 * BEAT  # a peer answered within this long holds this node up (`fresh`)
 MAX_MESSAGE = 64 * 2**20  # a peer's message (a welcome lists its keys): at most this
 
 
@@ -132,6 +134,11 @@ class Cluster:
         self.replicas = Replicas(node, objects, lot, transfers, self)
         self.queues = QueueLinks(node, queues, transfers, self, self.replicas.session)
         self._routes: dict[bytes, str] = {}  # a peer's route to this ROUTER -> its node
+        self._answered: dict[str, float] = {}  # node -> when this loop last answered its beat
+        # A broker's incarnation (new at each start) tells a peer that restarted from one that
+        # said hello on a second link, or again.
+        self.incarnation = int.from_bytes(os.urandom(8), "big") >> 1
+        self._incarnations: dict[str, int] = {}  # node -> its incarnation, as last heard
         self._next_beat = 0.0
 
     @classmethod
@@ -200,7 +207,8 @@ class Cluster:
                 for peer in self.peers:
                     if peer.up and now - peer.heard > DOWN_AFTER:
                         self._down(peer)
-                    self._send(peer, self._hello() if not peer.up else {"op": "beat"})
+                    beat = {"op": "beat"}
+                    self._send(peer, beat if peer.up else self._hello(lost=peer.node is not None))
                 self.queues.beat()
             self.replicas.poll(now)
             self.queues.poll()
@@ -223,16 +231,23 @@ class Cluster:
             if op == "hello":
                 node = str(m["node"])
                 self.transfers.add_peer(node, bytes(m["agent"]))
-                self._forget_node(node)  # its loans and route before: a broker that restarted
+                same = self._same(node, m)
+                if m.get("lost", True) or not same:  # restarted, or took this one for down:
+                    self._forget_node(node)  # its loans, offers and routes before go
                 self._routes[route] = node
                 self._reply(route, self._hello("welcome"))
+                self._answered[node] = time.monotonic()
                 self._meet(str(m.get("address", "")))
                 return
             node = self._routes.get(route, "")
-            if not node:
-                self._reply(route, {"op": "hello_first"})  # this broker restarted: say hello
+            if not node:  # this broker restarted (or forgot the peer): say hello first
+                first: dict[str, Any] = {"op": "hello_first"}
+                if op == "key" and isinstance(m.get("offer"), dict):  # not kept: not pinned
+                    first["unoffered"] = [[m["key"], m["version"]]]
+                self._reply(route, first)
             elif op == "beat":
                 self._reply(route, {"op": "beat"})
+                self._answered[node] = time.monotonic()
             elif op == "key":
                 offer = m.get("offer")
                 offer = offer if isinstance(offer, dict) else None
@@ -279,10 +294,22 @@ class Cluster:
         elif op == "qhas":
             links.has(node, name, int(m["left"]))
 
-    def _hello(self, op: str = "hello") -> dict[str, Any]:
-        """This broker, its address, its agent, and the keys it holds (not its replicas)."""
+    def _hello(self, op: str = "hello", lost: bool = False) -> dict[str, Any]:
+        """This broker, its address, its agent, and the keys it holds (not its replicas);
+        `lost`: on a link that knew its peer (which must then forget what it lent it)."""
         agent, keys = self.transfers.metadata, self.replicas.own()
-        return {"op": op, "node": self.node, "address": self.address, "agent": agent, "keys": keys}
+        return {
+            "op": op, "node": self.node, "address": self.address, "agent": agent, "keys": keys,
+            "incarnation": self.incarnation, "lost": lost,
+        }  # fmt: skip
+
+    def _same(self, node: str, m: dict[str, Any]) -> bool:
+        """Whether `node`'s hello or welcome `m` comes from the broker heard before (not one
+        that restarted since): then what it lent or offered this one still holds."""
+        incarnation, known = m.get("incarnation"), self._incarnations.get(node)
+        if isinstance(incarnation, int):
+            self._incarnations[node] = incarnation
+        return known is not None and known == incarnation
 
     def _meet(self, address: str) -> None:
         """A broker said hello from `address`: link to it too, if this one has no link there
@@ -317,6 +344,9 @@ class Cluster:
             if op == "welcome":
                 node = str(m["node"])
                 self.transfers.add_peer(node, bytes(m["agent"]))
+                heard = node in self._incarnations
+                if not self._same(node, m) and heard:  # it restarted, and said so here first
+                    self._forget_node(node)
                 peer.node, peer.up = node, True
                 self.replicas.welcome(node, m["keys"])
                 # What this node holds now, again: a put sealed while the peer was not up
@@ -325,7 +355,9 @@ class Cluster:
                 self.queues.node_up(node)
                 log.info("cluster: node %r at %s is up", node, peer.address)
             elif op == "hello_first":
-                self._send(peer, self._hello())
+                if peer.node is not None and m.get("unoffered"):  # an announcement it dropped
+                    self.replicas.lending.offers_back(peer.node, m["unoffered"])
+                self._send(peer, self._hello(lost=True))
             elif op == "lent":
                 self.replicas.lent(m)
         except (KeyError, TypeError, ValueError, BrokerError, OSError) as exc:
@@ -345,6 +377,14 @@ class Cluster:
         peer = self._peer(node)
         return peer is not None and peer.up
 
+    def fresh(self, node: str) -> bool:
+        """Whether `node` surely holds this node up: this loop answered its beat (or hello)
+        within FRESH seconds. A node takes a peer whose answers stopped DOWN_AFTER ago for
+        down, and lets go what it offered it (Note [offers]): a broker whose loop stalled that
+        long (a long pause, say) must not read from those offers before it hears again."""
+        answered = self._answered.get(node)
+        return answered is not None and time.monotonic() - answered < FRESH and self.up(node)
+
     def send(self, node: str, message: dict[str, Any]) -> bool:
         peer = self._peer(node)
         return peer is not None and self._send(peer, message)
@@ -362,7 +402,7 @@ class Cluster:
 
     def nodes(self) -> list[str]:
         """The peers' node names (those that answered once)."""
-        return [p.node for p in self.peers if p.node is not None]
+        return list(dict.fromkeys(p.node for p in self.peers if p.node is not None))
 
     def _peer(self, node: str) -> Peer | None:
         return next((p for p in self.peers if p.node == node), None)

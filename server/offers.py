@@ -70,9 +70,12 @@ class Lent:
 
     def pin(self, obj: StoredObject, nodes: set[str]) -> None:
         """`obj` was offered to `nodes` (those its announcement reached): held for them."""
-        if nodes:
+        out = self._out.get((obj.key, obj.version))
+        if out is not None:  # offered again (announced twice): the one pin holds for all
+            out[1].update(nodes)
+        elif nodes:
             self.registry.pin(obj)
-            self._out[obj.key, obj.version] = (obj, nodes)
+            self._out[obj.key, obj.version] = (obj, set(nodes))
 
     def size(self, node: str, key: str, version: int) -> int:
         """The bytes of the version of `key` offered to `node` (0 if it was not)."""
@@ -123,6 +126,10 @@ class Held:
         return due
 
     def keep(self, node: str, key: str, version: int, fields: dict[str, Any]) -> None:
+        known = self.offers.get(key)
+        if known is not None and (known.node, known.version) == (node, version):
+            known.fields = fields  # offered again: the owner holds one pin for this node
+            return
         self.drop(key)
         self.offers[key] = Offer(node, version, fields)
 

@@ -13,7 +13,7 @@ replica from a put of this node's.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
@@ -49,6 +49,7 @@ class Links(Protocol):
     def answer(self, node: str, message: dict[str, Any]) -> None: ...
     def everyone(self, message: dict[str, Any]) -> None: ...
     def up(self, node: str) -> bool: ...
+    def fresh(self, node: str) -> bool: ...
     def nodes(self) -> list[str]: ...
 
 
@@ -144,8 +145,11 @@ class Replicas:
         wait = None if timeout is None else max(timeout, PULL_WAIT)
         message = f"the pull of {key!r} from node {remote.node!r} did not end within {wait}s"
         w = self.lot.park(session, route, req, wait, ("get", key), message)
-        pull = self._pulling.get(key) or self._ask(key, remote.node)
-        pull.waiters.append(w)
+        pull = self._pulling.get(key)
+        if pull is None:
+            self._ask(key, remote.node, [w])
+        else:
+            pull.waiters.append(w)
         return True
 
     def keys(self) -> list[str]:
@@ -231,8 +235,11 @@ class Replicas:
         line = self.lot.line(("get", key))
         waiting = [w for w in line if w.request.fields.get("after", 0) < version]
         if (waiting or (here is not None and stale)) and self.links.up(node):
-            pull = self._pulling.get(key) or self._ask(key, node)
-            pull.waiters.extend(w for w in waiting if w not in pull.waiters)
+            pull = self._pulling.get(key)
+            if pull is None:
+                self._ask(key, node, waiting)
+            else:
+                pull.waiters.extend(w for w in waiting if w not in pull.waiters)
 
     def _forget(self, key: str) -> None:
         """`key` is no other node's now: its replica here goes too, as a delete (its watchers
@@ -271,13 +278,20 @@ class Replicas:
                 due = min(due, poll_due(self.transfers.ends(p.read_at, p.size), now))
         return due
 
-    def _ask(self, key: str, node: str) -> Pull:
-        """Pull `key` from `node`: read at once if it offered the version listed, else asked
-        to lend it."""
+    def _ask(
+        self, key: str, node: str, waiters: Sequence[Waiter], lends: Sequence[tuple[str, int]] = ()
+    ) -> Pull:
+        """Pull `key` from `node` for `waiters` (and `lends`, pulls of other nodes sent here):
+        read at once if it offered the version listed (so they are its before, in case it
+        fails at once: no room here, say), else asked to lend it."""
         self._ids += 1
         pull = Pull(self._ids, key, node, self.index[key].version, time.monotonic(), node)
+        pull.waiters, pull.lends = list(waiters), list(lends)
         self.pulls[pull.id] = self._pulling[key] = pull
         offer = self.held.of(key, node, pull.seen)
+        if offer is not None and not self.links.fresh(node):  # it may have let it go
+            self.held.drop(key)
+            offer = None
         if offer is None:
             self.links.send(node, {"op": "lend", "pull": pull.id, "key": key})
         else:
@@ -316,8 +330,8 @@ class Replicas:
         self._end(pull)
         remote = self.index.get(pull.key)
         if remote is not None and self.links.up(remote.node):
-            again = self._ask(pull.key, remote.node)
-            again.waiters, again.lends, pull.lends = pull.waiters, pull.lends, []
+            self._ask(pull.key, remote.node, pull.waiters, pull.lends)
+            pull.lends = []
         else:
             self._fail(pull, error)
 

@@ -528,6 +528,35 @@ def test_a_small_version_is_read_from_the_offer_sent_with_it_and_given_back_once
     brokers["b"].restart()
 
 
+def test_a_broker_that_stalled_past_down_after_reads_no_offer_its_owner_let_go(
+    brokers: dict[str, tb.BrokerProcess], own: dict[str, tb.Client]
+) -> None:
+    """b's loop stalls (a long pause): a takes it for down and lets go what it offered it,
+    and the memory goes to other puts. b's get, handled before b hears from a again, must
+    not read that memory as version 1 (it may fail, PeerUnavailable: b finds a silent for
+    longer than DOWN_AFTER too as it wakes)."""
+    a, b = own["a"], own["b"]
+    a.put("k", np.full(1024, 1, np.float32))
+    assert wait_until(lambda: _figures(b)["offers_held"] == 1, 5)
+    brokers["b"].send_signal(signal.SIGSTOP)
+    try:
+        assert wait_until(lambda: _figures(a)["peers"]["b"]["state"] == "down", 5)
+        a.put("k", np.full(1024, 2, np.float32))  # version 1 is no one's now
+        for i in range(200):  # and its block goes to other puts
+            a.put(f"other{i}", np.full(1024, 99, np.float32))
+        getting, out = in_thread(lambda: b.get("k", timeout=10))
+        time.sleep(0.3)  # the get waits in b's socket
+    finally:
+        brokers["b"].send_signal(signal.SIGCONT)
+    getting.join(15)
+    assert out, "the get was not answered"
+    if isinstance(out[0], tb.PeerUnavailable):  # b took a for down too, as it woke: fair
+        return
+    got = out[0]
+    assert (got.version, set(np.unique(got.numpy()))) in [(1, {1.0}), (2, {2.0})], "torn"
+    del got, out[:]
+
+
 LOOPBACK = ["--node", "a", "--cluster", "tcp://127.0.0.1:1", "--insecure-tcp"]
 
 

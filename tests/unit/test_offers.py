@@ -53,6 +53,18 @@ def test_an_offered_version_stays_until_every_peer_gave_it_back(registry: Regist
     assert v1.freed and len(lent) == 0
 
 
+def test_a_version_offered_twice_is_pinned_once(registry: Registry) -> None:
+    lent = Lent(registry)
+    v1 = _sealed(registry, "k")
+    lent.pin(v1, {"b"})
+    lent.pin(v1, {"b", "c"})
+    registry.delete("k")
+    lent.back("b", "k", 1)
+    assert not v1.freed
+    lent.back("c", "k", 1)
+    assert v1.freed
+
+
 def test_what_no_peer_was_told_of_is_not_pinned(registry: Registry) -> None:
     lent = Lent(registry)
     v1 = _sealed(registry, "k")
@@ -100,6 +112,13 @@ def test_offers_due_are_given_back_together_after_a_while_or_once_many() -> None
     assert held.give_back_in(now) == math.inf
 
 
+def test_an_offer_sent_twice_is_kept_once_and_not_given_back() -> None:
+    held = Held()
+    held.keep("a", "k", 1, {})
+    held.keep("a", "k", 1, {"address": 2})
+    assert held.due == {} and len(held) == 1
+
+
 def test_the_offers_of_a_node_that_went_down_are_void_and_not_given_back() -> None:
     held = Held()
     held.keep("a", "k", 1, {})
@@ -116,8 +135,9 @@ def test_the_offers_of_a_node_that_went_down_are_void_and_not_given_back() -> No
 
 
 class Links:
-    def __init__(self) -> None:
+    def __init__(self, fresh: bool = True) -> None:
         self.sent: list[tuple[str, dict[str, Any]]] = []
+        self._fresh = fresh
 
     def send(self, node: str, message: dict[str, Any]) -> bool:
         self.sent.append((node, message))
@@ -131,6 +151,9 @@ class Links:
 
     def up(self, node: str) -> bool:
         return True
+
+    def fresh(self, node: str) -> bool:
+        return self._fresh
 
     def nodes(self) -> list[str]:
         return ["a"]
@@ -162,3 +185,48 @@ def test_a_read_from_an_offer_that_fails_asks_its_owner_to_lend_it(registry: Reg
     assert len(replicas.held) == 0  # and the block it began for the read is given back:
     assert registry.arena.used_bytes == 0 and "k" not in registry.objects
     assert len(replicas.pulls) == 1  # the get still waits, for the loan now
+
+
+class Reading(FailingTransfers):
+    def take(self, node: str, offer: dict[str, Any], obj: Any) -> tuple[Any, int]:
+        return "read", int(offer["size"])
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_an_offer_is_read_only_while_its_owner_surely_holds_this_node_up(
+    registry: Registry, fresh: bool
+) -> None:
+    """A broker whose loop stalled past the time its peers take it for down must not read
+    what they offered it before (they let it go): it asks them to lend it instead."""
+    lot, links = ParkingLot(), Links(fresh)
+    objects = Objects(registry, lot, lambda route, payload, last=False: None)
+    replicas = Replicas("b", objects, lot, Reading(), links)  # type: ignore[arg-type]
+    offer = {"specs": [["", "uint8", [4096]]], "bundle": False, "size": 4096, "address": 1}
+    replicas.listed("a", "k", 1, 4096, offer)
+    get = Request("get", 7, {"key": "k", "timeout": 5.0}, [])
+    assert replicas.get(Session("reader" * 4, None), b"route", get)
+    (pull,) = replicas.pulls.values()
+    assert (pull.handle is not None) == fresh  # read at once from the offer, or not
+    lend = ("a", {"op": "lend", "pull": 1, "key": "k"})
+    assert (lend in links.sent) == (not fresh)
+    assert len(replicas.held) == (1 if fresh else 0)  # (given back, if not read)
+
+
+def test_a_get_whose_read_from_an_offer_cannot_begin_is_answered(registry: Registry) -> None:
+    """No room here for the replica: the get is told so at once (it waited for good)."""
+    s = Session("filler" * 4, None)
+    while registry.arena.used_bytes + MiB <= 16 * MiB:  # (the arena: 16 MiB)
+        put, _ = registry.begin_put(
+            s, f"fill{registry.arena.used_bytes}", [("", "uint8", (MiB,))], False
+        )
+        registry.seal(s, put, keep=False)
+    answers: list[bytes] = []
+    lot = ParkingLot()
+    objects = Objects(registry, lot, lambda route, payload, last=False: answers.append(payload))
+    replicas = Replicas("b", objects, lot, Reading(), Links())  # type: ignore[arg-type]
+    offer = {"specs": [["", "uint8", [2 * MiB]]], "bundle": False, "size": 2 * MiB, "address": 1}
+    replicas.listed("a", "k", 1, 2 * MiB, offer)
+    get = Request("get", 7, {"key": "k", "timeout": None}, [])
+    assert replicas.get(Session("reader" * 4, None), b"route", get)
+    assert len(answers) == 1 and b"capacity" in answers[0]
+    assert not lot.line(("get", "k")) and not replicas.pulls
