@@ -244,6 +244,8 @@ class Cluster:
                 first: dict[str, Any] = {"op": "hello_first"}
                 if op == "key" and isinstance(m.get("offer"), dict):  # not kept: not pinned
                     first["unoffered"] = [[m["key"], m["version"]]]
+                elif op == "lend":  # asked again after the hello, else its get waits it out
+                    first["again"] = {k: m[k] for k in ("op", "pull", "key", "direct") if k in m}
                 self._reply(route, first)
             elif op == "beat":
                 self._reply(route, {"op": "beat"})
@@ -358,6 +360,8 @@ class Cluster:
                 if peer.node is not None and m.get("unoffered"):  # an announcement it dropped
                     self.replicas.lending.offers_back(peer.node, m["unoffered"])
                 self._send(peer, self._hello(lost=True))
+                if isinstance(m.get("again"), dict) and m["again"].get("op") == "lend":
+                    self._send(peer, m["again"])  # (after the hello, on the same link)
             elif op == "lent":
                 self.replicas.lent(m)
         except (KeyError, TypeError, ValueError, BrokerError, OSError) as exc:

@@ -30,6 +30,7 @@ from .transfers import Transfers
 PULL_WAIT = 30.0  # a get that pulls waits this long at least, whatever its own timeout
 SPIN = 0.002  # seconds a read is polled without sleeping, from when it may be over (poll_due)
 POLL = 0.001  # and then every POLL seconds
+ASK_AGAIN = 0.01  # a lend that could not go out (its link not connected) is sent again so often
 
 
 def poll_due(ends: float, now: float) -> float:
@@ -78,6 +79,7 @@ class Pull:
     read_at: float = 0.0  # when the read started
     size: int = 0
     offer: Offer | None = None  # read from the offer its announcement carried (offers.py)
+    asked: bool = True  # its lend went out (else sent again as the loop polls: not connected)
     waiters: list[Waiter] = field(default_factory=list)
     lends: list[tuple[str, int]] = field(default_factory=list)  # (node, its pull id)
 
@@ -276,6 +278,8 @@ class Replicas:
         for p in self.pulls.values():
             if p.handle is not None:
                 due = min(due, poll_due(self.transfers.ends(p.read_at, p.size), now))
+            elif not p.asked:
+                due = min(due, ASK_AGAIN)
         return due
 
     def _ask(
@@ -293,7 +297,7 @@ class Replicas:
             self.held.drop(key)
             offer = None
         if offer is None:
-            self.links.send(node, {"op": "lend", "pull": pull.id, "key": key})
+            pull.asked = self.links.send(node, {"op": "lend", "pull": pull.id, "key": key})
         else:
             offer.reading, pull.offer = True, offer
             self._take(pull, offer.fields, offer.version)
@@ -312,7 +316,7 @@ class Replicas:
             self._fail(pull, PeerUnavailable(f"the pull of {pull.key!r} failed: {exc}"))
             return
         pull.started = time.monotonic()
-        self.links.send(pull.node, {"op": "lend", "pull": pull.id, "key": pull.key})
+        pull.asked = self.links.send(pull.node, {"op": "lend", "pull": pull.id, "key": pull.key})
 
     def _ask_at(self, pull: Pull, source: str, direct: bool = False) -> None:
         """Ask `source` to lend `pull`'s key instead (the owner sent it there; or, `direct`,
@@ -321,7 +325,8 @@ class Replicas:
         message = {"op": "lend", "pull": pull.id, "key": pull.key}
         if direct:
             message["direct"] = True
-        if not self.links.send(source, message) and source != pull.node:
+        pull.asked = self.links.send(source, message)
+        if not pull.asked and source != pull.node:
             self._ask_at(pull, pull.node, direct=True)
 
     def _again(self, pull: Pull, error: BrokerError) -> None:
@@ -380,6 +385,9 @@ class Replicas:
         for pull in list(self.pulls.values()):
             if pull.handle is not None:
                 self._poll(pull)
+            elif not pull.asked:  # its link was not connected (its owner restarting, say)
+                again = {"op": "lend", "pull": pull.id, "key": pull.key}
+                pull.asked = self.links.send(pull.source, again)
             elif now - pull.started > PULL_WAIT:
                 self._fail(pull, PeerUnavailable(f"node {pull.node!r} did not lend {pull.key!r}"))
 

@@ -557,6 +557,79 @@ def test_a_broker_that_stalled_past_down_after_reads_no_offer_its_owner_let_go(
     del got, out[:]
 
 
+def test_an_owner_restarted_before_it_was_seen_down_lends_what_it_offered(
+    brokers: dict[str, tb.BrokerProcess], own: dict[str, tb.Client]
+) -> None:
+    """a restarts on its state within DOWN_AFTER: b drops a's offers (their addresses are
+    the old process's) and its gets pull each key whole; a lend sent while b's link to a
+    was not connected yet goes out once it is."""
+    a, b = own["a"], own["b"]
+    for i in range(5):
+        a.put(f"k{i}", np.full(1024, i, np.float32))
+    assert wait_until(lambda: _figures(b)["offers_held"] == 5, 5)
+    crash(brokers["a"])
+    brokers["a"].restart()
+    assert wait_until(lambda: _figures(b)["offers_held"] == 0, 5)
+    for i in range(5):
+        assert set(np.unique(b.get(f"k{i}", timeout=10).numpy())) == {float(i)}
+
+
+def test_offers_to_a_peer_that_restarted_while_the_owner_put_are_all_given_back(
+    brokers: dict[str, tb.BrokerProcess], own: dict[str, tb.Client]
+) -> None:
+    """Announcements with offers that reach a restarted peer before it knows the owner's
+    link (hello_first) are not kept there, and not pinned on the owner either."""
+    a = own["a"]
+    stop, keys = threading.Event(), []
+
+    def put() -> None:
+        with tb.connect(brokers["a"].address) as c:
+            while not stop.is_set():
+                keys.append(f"p{len(keys)}")
+                c.put(keys[-1], np.full(1024, len(keys), np.float32))
+                time.sleep(0.002)
+
+    putting, out = in_thread(put)
+    time.sleep(0.2)
+    crash(brokers["b"])
+    brokers["b"].restart()
+    time.sleep(1.0)
+    stop.set()
+    putting.join(10)
+    assert out == [None], out
+    with tb.connect(brokers["b"].address) as b:
+        assert wait_until(lambda: _all_up(b) and _all_up(a), 10)
+    for key in keys:
+        a.delete(key)
+    assert wait_until(lambda: _figures(a)["offered"] == 0 and a.stats()["used_bytes"] == 0, 5), (
+        _figures(a)["offered"], a.stats()["used_bytes"],
+    )  # fmt: skip
+
+
+def test_a_peer_linked_twice_keeps_both_links_and_what_it_was_offered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """a knows b as localhost, b says it is 127.0.0.1: a links to it twice. Neither hello
+    makes either broker forget the other's link (or its offers)."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    pa, pb = free_port(), free_port()
+    with contextlib.ExitStack() as stack:
+        for node, port, peer in (("a", pa, f"localhost:{pb}"), ("b", pb, f"127.0.0.1:{pa}")):
+            options = ["--node", node, "--cluster", f"tcp://127.0.0.1:{port}",
+                       "--peers", f"tcp://{peer}", "--insecure-tcp"]  # fmt: skip
+            broker = stack.enter_context(tb.start_broker(memory="64MiB", options=options))
+            if node == "a":
+                a = stack.enter_context(tb.connect(broker.address))
+            else:
+                b = stack.enter_context(tb.connect(broker.address))
+        assert wait_until(lambda: _all_up(a) and _all_up(b), 10)
+        a.put("k", np.full(1024, 1, np.float32))
+        assert wait_until(lambda: b.exists("k") and _figures(b)["offers_held"] == 1, 5)
+        time.sleep(1.0)  # beats and hellos on both links
+        assert _figures(a)["offered"] == 1 and _figures(b)["offers_held"] == 1
+        assert set(np.unique(b.get("k", timeout=5).numpy())) == {1.0}
+
+
 LOOPBACK = ["--node", "a", "--cluster", "tcp://127.0.0.1:1", "--insecure-tcp"]
 
 
