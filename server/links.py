@@ -1,0 +1,199 @@
+"""The links between the brokers of a cluster (Note [cluster] in cluster.py): this broker's
+ROUTER, where the peers' requests come in, and a DEALER to each peer, where their answers
+come back; which peers are up, the routes back to each, and sending. ZeroMQ carries msgpack
+only, never pickle. What the messages mean is cluster.py's."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import zmq
+
+from ..common.errors import InvalidRequest
+from .joining import Joining, loopback, tcp_host
+
+log = logging.getLogger(__name__)
+
+BEAT = 0.5  # seconds between beats (and hellos to a peer not up)
+DOWN_AFTER = 2.0  # a peer not heard from for this long is down (at most 3 s, says issue 33)
+FRESH = DOWN_AFTER - 2 * BEAT  # a peer answered within this long holds this node up (`fresh`)
+MAX_MESSAGE = 64 * 2**20  # a peer's message (a welcome lists its keys): at most this
+
+
+@dataclass(slots=True)
+class Peer:
+    """A broker this one links to at `address`; `node` once it answered."""
+
+    address: str
+    socket: zmq.Socket[bytes]
+    node: str | None = None
+    up: bool = False
+    heard: float = 0.0  # when it last answered (monotonic)
+
+
+def _pack(message: dict[str, Any]) -> bytes:
+    packed: bytes = msgpack.packb(message, use_bin_type=True)
+    return packed
+
+
+def _unpack(data: bytes) -> dict[str, Any] | None:
+    try:  # (ZeroMQ refused messages over MAX_MESSAGE already)
+        message = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception:  # whatever a peer sent that is not msgpack: dropped
+        return None
+    return message if isinstance(message, dict) and isinstance(message.get("op"), str) else None
+
+
+class Links:
+    """The sockets to the peers (the broker registers `sockets` in its poller), and what is
+    known of each: its routes to this ROUTER, its incarnation, when this loop last answered
+    its beat. The Links of replicas.py and queue_links.py."""
+
+    def __init__(self, joining: Joining, poller: zmq.Poller) -> None:
+        self.address, self._keys, self._poller = joining.address, joining.keys, poller
+        self._ctx = zmq.Context()
+        self._authenticator: Any = None
+        self.router = self._ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+        keys = joining.keys
+        if keys is not None:
+            keys.apply(self.router)
+            if keys.clients is not None:  # ZeroMQ asks this thread about each peer
+                from zmq.auth.thread import ThreadAuthenticator
+
+                self._authenticator = ThreadAuthenticator(self._ctx, log=log)
+                self._authenticator.start()
+                self._authenticator.configure_curve(domain="*", location=keys.clients)
+        self.router.bind(self.address)
+        self.peers = [self._link(a) for a in joining.peers if a != self.address]
+        self.sockets = {self.router, *(p.socket for p in self.peers)}
+        for s in self.sockets:
+            poller.register(s, zmq.POLLIN)
+        self.routes: dict[bytes, str] = {}  # a peer's route to this ROUTER -> its node
+        self.answered: dict[str, float] = {}  # node -> when this loop last answered its beat
+        # A broker's incarnation (new at each start) tells a peer that restarted from one that
+        # said hello on a second link, or again.
+        self.incarnation = int.from_bytes(os.urandom(8), "big") >> 1
+        self._incarnations: dict[str, int] = {}  # node -> its incarnation, as last heard
+
+    def _link(self, address: str) -> Peer:
+        socket = self._ctx.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+        socket.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued for a peer not connected
+        if self._keys is not None:  # the pair every broker of the cluster serves
+            socket.curve_serverkey = self._keys.public
+            socket.curve_publickey = self._keys.public
+            socket.curve_secretkey = self._keys.secret
+        socket.connect(address)
+        return Peer(address, socket)
+
+    def meet(self, address: str) -> None:
+        """A broker said hello from `address`: link to it too, if this one has no link there
+        (it joined later than this broker's --peers were resolved: a new node, say)."""
+        if address == self.address or any(p.address == address for p in self.peers):
+            return
+        try:
+            host = tcp_host(address, "a peer's address")
+        except InvalidRequest:
+            return
+        if self._keys is None and not loopback(host):
+            return  # without keys, loopback only
+        peer = self._link(address)
+        self.peers.append(peer)
+        self.sockets.add(peer.socket)
+        self._poller.register(peer.socket, zmq.POLLIN)
+        log.info("cluster: a broker at %s joined; linked to it", address)
+
+    def read(self, socket: Any) -> Iterator[tuple[bytes | None, Peer | None, dict[str, Any]]]:
+        """The messages `socket` has: (route, None, request) off the ROUTER, (None, peer,
+        answer) off a peer's DEALER; what is not msgpack with an op is dropped."""
+        while socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames = socket.recv_multipart()
+            if socket is self.router:
+                message = _unpack(frames[1]) if len(frames) == 2 else None
+                if message is not None:
+                    yield frames[0], None, message
+                continue
+            message = _unpack(frames[0]) if len(frames) == 1 else None
+            peer = next((p for p in self.peers if p.socket is socket), None)
+            if message is not None and peer is not None:
+                yield None, peer, message
+
+    def same(self, node: str, m: dict[str, Any]) -> bool:
+        """Whether `node`'s hello or welcome `m` comes from the broker heard before (not one
+        that restarted since): then what it lent or offered this one still holds."""
+        incarnation, known = m.get("incarnation"), self._incarnations.get(node)
+        if isinstance(incarnation, int):
+            self._incarnations[node] = incarnation
+        return known is not None and known == incarnation
+
+    def heard_of(self, node: str) -> bool:
+        return node in self._incarnations
+
+    def forget_routes(self, node: str) -> None:
+        for route in [r for r, n in self.routes.items() if n == node]:
+            del self.routes[route]
+
+    # -- what the rooms ask (the Links of replicas.py) --------------------------------------------
+
+    def up(self, node: str) -> bool:
+        peer = self.peer(node)
+        return peer is not None and peer.up
+
+    def fresh(self, node: str) -> bool:
+        """Whether `node` surely holds this node up: this loop answered its beat (or hello)
+        within FRESH seconds. A node takes a peer whose answers stopped DOWN_AFTER ago for
+        down, and lets go what it offered it (Note [offers]): a broker whose loop stalled that
+        long (a long pause, say) must not read from those offers before it hears again."""
+        answered = self.answered.get(node)
+        return answered is not None and time.monotonic() - answered < FRESH and self.up(node)
+
+    def send(self, node: str, message: dict[str, Any]) -> bool:
+        peer = self.peer(node)
+        return peer is not None and self.send_to(peer, message)
+
+    def answer(self, node: str, message: dict[str, Any]) -> None:
+        """Answer a request of `node`'s (on the link it opened to this broker)."""
+        route = next((r for r, n in self.routes.items() if n == node), None)
+        if route is not None:
+            self.reply(route, message)
+
+    def everyone(self, message: dict[str, Any]) -> None:
+        for peer in self.peers:
+            if peer.up:
+                self.send_to(peer, message)
+
+    def nodes(self) -> list[str]:
+        """The peers' node names (those that answered once), each once."""
+        return list(dict.fromkeys(p.node for p in self.peers if p.node is not None))
+
+    def peer(self, node: str) -> Peer | None:
+        return next((p for p in self.peers if p.node == node), None)
+
+    def send_to(self, peer: Peer, message: dict[str, Any]) -> bool:
+        try:
+            peer.socket.send(_pack(message), zmq.NOBLOCK)
+        except zmq.Again:  # not connected (IMMEDIATE), or its queue is full: beats retry
+            return False
+        return True
+
+    def reply(self, route: bytes, message: dict[str, Any]) -> None:
+        try:
+            self.router.send_multipart([route, _pack(message)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("a cluster reply to %r was dropped: %s", self.routes.get(route), exc)
+
+    def close(self) -> None:
+        for s in self.sockets:
+            s.close(0)
+        if self._authenticator is not None:
+            self._authenticator.stop()
+        self._ctx.term()
