@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..common.errors import BrokerError
+from .pulls import POLL, Links, poll_due
 from .queue_state import BrokerQueue
 from .queues import Queues
 from .records import Session, StoredObject
-from .replicas import POLL, Links, poll_due
 from .transfers import Transfers
 
 

@@ -113,7 +113,7 @@ class Cluster:
     @property
     def wake_in(self) -> float:
         """Seconds until the loop must look again: reads under way are polled (Replicas)."""
-        return min(self.replicas.poll_in, self.queues.poll_in, BEAT)
+        return min(self.replicas.pulls.poll_in, self.queues.poll_in, BEAT)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -144,7 +144,7 @@ class Cluster:
                     hello = self._hello(lost=peer.node is not None)
                     self.links.send_to(peer, beat if peer.up else hello)
                 self.queues.beat()
-            self.replicas.poll(now)
+            self.replicas.pulls.poll(now)
             self.queues.poll()
         except Exception:
             log.exception("cluster: the beat or a pull failed")
@@ -271,7 +271,7 @@ class Cluster:
                 if isinstance(m.get("again"), dict) and m["again"].get("op") == "lend":
                     self.links.send_to(peer, m["again"])  # (after the hello, on the same link)
             elif op == "lent":
-                self.replicas.lent(m)
+                self.replicas.pulls.lent(m)
         except (KeyError, TypeError, ValueError, BrokerError, OSError) as exc:
             log.warning("a cluster answer %r from %s could not be used: %s", op, peer.address, exc)
 
@@ -299,11 +299,11 @@ class Cluster:
         return {
             "node": self.node, "address": self.address, "peers": peers,
             "bytes_sent": r.lending.bytes_sent + self.queues.bytes_sent,
-            "bytes_received": r.bytes_received + self.queues.bytes_received,
-            "pulls": len(r.pulls), "loans": len(r.lending.loans),
+            "bytes_received": r.pulls.bytes_received + self.queues.bytes_received,
+            "pulls": len(r.pulls.pulls), "loans": len(r.lending.loans),
             "items_lent": len(self.queues.loans),
             "offered": len(r.lending.offered), "offers_held": len(r.held),
-            "pulled": dict(r.pulled),
+            "pulled": dict(r.pulls.done),
         }  # fmt: skip
 
     def close(self) -> None:

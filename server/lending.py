@@ -12,15 +12,13 @@ it directly. So the owner's node sends a version's bytes FANOUT times, however m
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .offers import Lent
+from .pulls import Links, Pull, Remote
 from .records import StoredObject
 from .registry import Registry
 from .transfers import Transfers
-
-if TYPE_CHECKING:
-    from .replicas import Links, Pull, Remote
 
 FANOUT = 2  # the nodes a version's owner lends it to itself; later pullers go to theirs
 

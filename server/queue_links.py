@@ -64,10 +64,10 @@ from dataclasses import dataclass, field
 from ..common.errors import QueueClosed
 from ..common.protocol import reply_error
 from .arrivals import Arrival, Arrivals
+from .pulls import Links
 from .queue_state import BrokerQueue
 from .queues import Queues
 from .records import Session, StoredObject
-from .replicas import Links
 from .transfers import Transfers
 
 REPASS = 5.0  # seconds without a consumer asking before items that arrived here are lent on

@@ -184,7 +184,7 @@ def test_a_read_from_an_offer_that_fails_asks_its_owner_to_lend_it(registry: Reg
     assert ("a", {"op": "offers_back", "offers": [["k", 1]]}) in links.sent
     assert len(replicas.held) == 0  # and the block it began for the read is given back:
     assert registry.arena.used_bytes == 0 and "k" not in registry.objects
-    assert len(replicas.pulls) == 1  # the get still waits, for the loan now
+    assert len(replicas.pulls.pulls) == 1  # the get still waits, for the loan now
 
 
 class Reading(FailingTransfers):
@@ -205,7 +205,7 @@ def test_an_offer_is_read_only_while_its_owner_surely_holds_this_node_up(
     replicas.listed("a", "k", 1, 4096, offer)
     get = Request("get", 7, {"key": "k", "timeout": 5.0}, [])
     assert replicas.get(Session("reader" * 4, None), b"route", get)
-    (pull,) = replicas.pulls.values()
+    (pull,) = replicas.pulls.pulls.values()
     assert (pull.handle is not None) == fresh  # read at once from the offer, or not
     lend = ("a", {"op": "lend", "pull": 1, "key": "k"})
     assert (lend in links.sent) == (not fresh)
@@ -229,4 +229,4 @@ def test_a_get_whose_read_from_an_offer_cannot_begin_is_answered(registry: Regis
     get = Request("get", 7, {"key": "k", "timeout": None}, [])
     assert replicas.get(Session("reader" * 4, None), b"route", get)
     assert len(answers) == 1 and b"capacity" in answers[0]
-    assert not lot.line(("get", "k")) and not replicas.pulls
+    assert not lot.line(("get", "k")) and not replicas.pulls.pulls
