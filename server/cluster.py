@@ -268,10 +268,12 @@ class Cluster:
                 if peer.node is not None and m.get("unoffered"):  # an announcement it dropped
                     self.replicas.lending.offers_back(peer.node, m["unoffered"])
                 self.links.send_to(peer, self._hello(lost=True))
-                if isinstance(m.get("again"), dict) and m["again"].get("op") == "lend":
-                    self.links.send_to(peer, m["again"])  # (after the hello, on the same link)
+                again = m.get("again")
+                if isinstance(again, dict) and peer.node is not None and again.get("op") == "lend":
+                    if self.replicas.pulls.waits_for(peer.node, int(again["pull"])):
+                        self.links.send_to(peer, again)  # (after the hello, on the same link)
             elif op == "lent":
-                self.replicas.pulls.lent(m)
+                self.replicas.pulls.lent(peer.node or "", m)
         except (KeyError, TypeError, ValueError, BrokerError, OSError) as exc:
             log.warning("a cluster answer %r from %s could not be used: %s", op, peer.address, exc)
 

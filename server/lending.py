@@ -99,10 +99,13 @@ class Lending:
         self.links.answer(node, self.loan(node, pull, obj))
 
     def loan(self, node: str, pull: int, obj: StoredObject) -> dict[str, Any]:
-        """Pin `obj` for `node`'s pull `pull`: its `lent` answer."""
-        self.registry.pin(obj)
-        self.loans[node, pull] = obj
-        self.bytes_sent += obj.nbytes
+        """Pin `obj` for `node`'s pull `pull` (once, if it asked twice): its `lent` answer."""
+        if self.loans.get((node, pull)) is not obj:
+            if (node, pull) in self.loans:
+                self.registry.unpin(self.loans[node, pull])
+            self.registry.pin(obj)
+            self.loans[node, pull] = obj
+            self.bytes_sent += obj.nbytes
         return {"op": "lent", "pull": pull, "version": obj.version, **self.transfers.offer(obj)}
 
     def returned(self, node: str, pull: int) -> None:

@@ -184,9 +184,17 @@ class Pulls:
         else:
             self._fail(pull, error)
 
-    def lent(self, m: dict[str, Any]) -> None:
+    def waits_for(self, node: str, pull_id: int) -> bool:
+        """Whether pull `pull_id` still waits for `node` to lend it (a lend to ask again)."""
+        pull = self.pulls.get(pull_id)
+        return pull is not None and pull.source == node and pull.handle is None and not pull.version
+
+    def lent(self, node: str, m: dict[str, Any]) -> None:
+        """`node`'s answer to a lend: where the bytes are, or where to ask, or an error."""
         pull = self.pulls.get(int(m["pull"]))
-        if pull is None:
+        if pull is None or pull.handle is not None or pull.version:  # over, or lent already:
+            if "version" in m and pull is None:  # (a lend asked twice) its pin goes back
+                self.later.append((node, {"op": "returned", "pull": int(m["pull"])}))
             return
         if "redirect" in m:  # its owner lent it enough: one of those borrowers lends it
             to = str(m["redirect"])
