@@ -32,12 +32,15 @@ lender's agent metadata of now: NIXL learns a peer's registered memory from its 
 only, and a segment may be newer than the welcome (an arena grows; a broker that restarted
 adopts segments after it joined).
 
-A hello carries the broker's incarnation (new at each start) and whether its link knew the
-peer before (`lost`): the peer forgets what it lent that broker, and what that broker offered
-it, only if the broker restarted or took it for down, not when a second link (two addresses
-of one broker) says hello. A `hello_first` names the offer it did not keep (its owner unpins
-it) or the lend it did not answer (asked again behind the hello). The sockets, routes and
-incarnations are links.py's.
+A hello, welcome or beat answer carries the broker's incarnation (new at each start) and how
+often it forgot the peer (took it for down, or found it restarted): the peer forgets what it
+lent that broker, and what that broker offered it, once for each (and the broker, the same
+of the peer's), not when a second link (two addresses of one broker) says hello. A node is
+down once no link to it is up. A beat's answer also says how long ago its sender last heard
+this broker: until when it will not take it for down, so not let go what it offered
+(`Links.fresh`, Note [offers]). A `hello_first` names the offer it did not keep (its owner
+unpins it) or the lend it did not answer (asked again behind the hello). The sockets, routes,
+incarnations and counts are links.py's.
 
 Queues across nodes have messages of their own (want, subs, qitem, qtaken, qback, qclose,
 qremove, qleft, qhas): Note [queues across nodes] in queue_links.py. Not yet: GPU replicas.
@@ -140,9 +143,8 @@ class Cluster:
                 for peer in self.peers:
                     if peer.up and now - peer.heard > DOWN_AFTER:
                         self._down(peer)
-                    beat = {"op": "beat"}
-                    hello = self._hello(lost=peer.node is not None)
-                    self.links.send_to(peer, beat if peer.up else hello)
+                    beat = {"op": "beat", "t": now}
+                    self.links.send_to(peer, beat if peer.up else self._hello(to=peer.node))
                 self.queues.beat()
             self.replicas.pulls.poll(now)
             self.queues.poll()
@@ -165,12 +167,10 @@ class Cluster:
             if op == "hello":
                 node = str(m["node"])
                 self.transfers.add_peer(node, bytes(m["agent"]))
-                same = links.same(node, m)
-                if m.get("lost", True) or not same:  # restarted, or took this one for down:
-                    self._forget_node(node)  # its loans, offers and routes before go
+                if not links.same(node, m):  # restarted, or forgot this one: forgotten too
+                    self._forget_node(node, mutual=True)
                 links.routes[route] = node
-                links.reply(route, self._hello("welcome"))
-                links.answered[node] = time.monotonic()
+                links.reply(route, self._hello("welcome", to=node))
                 links.meet(str(m.get("address", "")))
                 return
             node = links.routes.get(route, "")
@@ -181,9 +181,10 @@ class Cluster:
                 elif op == "lend":  # asked again after the hello, else its get waits it out
                     first["again"] = {k: m[k] for k in ("op", "pull", "key", "direct") if k in m}
                 links.reply(route, first)
-            elif op == "beat":
-                links.reply(route, {"op": "beat"})
-                links.answered[node] = time.monotonic()
+            elif op == "beat":  # its answer: when this broker last heard it (links.py, `kept`)
+                heard, forgot = links.heard_ago(node), links.forgot.get(node, 0)
+                answer = {"op": "beat", "t": m.get("t"), "heard_ago": heard, "forgot": forgot}
+                links.reply(route, {**answer, "incarnation": links.incarnation})
             elif op == "key":
                 offer = m.get("offer")
                 offer = offer if isinstance(offer, dict) else None
@@ -230,20 +231,25 @@ class Cluster:
         elif op == "qhas":
             links.has(node, name, int(m["left"]))
 
-    def _hello(self, op: str = "hello", lost: bool = False) -> dict[str, Any]:
+    def _hello(self, op: str = "hello", to: str | None = None) -> dict[str, Any]:
         """This broker, its address, its agent, and the keys it holds (not its replicas);
-        `lost`: on a link that knew its peer (which must then forget what it lent it)."""
-        agent, keys = self.transfers.metadata, self.replicas.own()
+        its incarnation, and how often it forgot node `to` (the node forgets it as often)."""
+        agent, keys, links = self.transfers.metadata, self.replicas.own(), self.links
+        forgot = 0 if to is None else links.forgot.get(to, 0)
         return {
             "op": op, "node": self.node, "address": self.address, "agent": agent, "keys": keys,
-            "incarnation": self.links.incarnation, "lost": lost,
+            "incarnation": links.incarnation, "forgot": forgot,
         }  # fmt: skip
 
-    def _forget_node(self, node: str) -> None:
-        """Unpin what `node` was lent (it will not return it), and forget its route."""
+    def _forget_node(self, node: str, mutual: bool = False) -> None:
+        """Unpin what `node` was lent or offered (it will not return it), drop what it
+        offered, and forget its routes. Unless `mutual` (it forgot this one first), it is
+        told, and forgets this one too."""
         self.replicas.let_go(node)
         self.queues.let_go(node)
         self.links.forget_routes(node)
+        if not mutual:
+            self.links.forgetting(node)
 
     # -- answers from peers (on our DEALERs) ---------------------------------------------------
 
@@ -255,8 +261,8 @@ class Cluster:
                 node = str(m["node"])
                 self.transfers.add_peer(node, bytes(m["agent"]))
                 heard = self.links.heard_of(node)
-                if not self.links.same(node, m) and heard:  # it restarted, said so here first
-                    self._forget_node(node)
+                if not self.links.same(node, m) and heard:  # it restarted, or forgot this one
+                    self._forget_node(node, mutual=True)
                 peer.node, peer.up = node, True
                 self.replicas.welcome(node, m["keys"])
                 # What this node holds now, again: a put sealed while the peer was not up
@@ -267,20 +273,26 @@ class Cluster:
             elif op == "hello_first":
                 if peer.node is not None and m.get("unoffered"):  # an announcement it dropped
                     self.replicas.lending.offers_back(peer.node, m["unoffered"])
-                self.links.send_to(peer, self._hello(lost=True))
+                self.links.send_to(peer, self._hello(to=peer.node))
                 again = m.get("again")
                 if isinstance(again, dict) and peer.node is not None and again.get("op") == "lend":
                     if self.replicas.pulls.waits_for(peer.node, int(again["pull"])):
                         self.links.send_to(peer, again)  # (after the hello, on the same link)
             elif op == "lent":
                 self.replicas.pulls.lent(peer.node or "", m)
+            elif op == "beat" and peer.node is not None:
+                if not self.links.same(peer.node, m):  # it forgot this one: forgotten too
+                    self._forget_node(peer.node, mutual=True)
+                else:
+                    self.links.kept(peer.node, m.get("t"), m.get("heard_ago"))
         except (KeyError, TypeError, ValueError, BrokerError, OSError) as exc:
             log.warning("a cluster answer %r from %s could not be used: %s", op, peer.address, exc)
 
     def _down(self, peer: Peer) -> None:
+        """A link whose peer stopped answering: its node is down once no link to it is up."""
         peer.up = False
         log.warning("cluster: node %r at %s is down", peer.node, peer.address)
-        if peer.node is not None:
+        if peer.node is not None and not self.links.up(peer.node):
             self.replicas.node_down(peer.node)
             self.queues.node_down(peer.node)
             self._forget_node(peer.node)
@@ -294,6 +306,7 @@ class Cluster:
                 "address": p.address,
                 "state": "up" if p.up else "down",
                 "heard_s_ago": round(now - p.heard, 3) if p.heard else None,
+                "fresh": p.node is not None and self.links.fresh(p.node),  # (offers readable)
                 "keys": sum(1 for k in index.values() if k.node == p.node),
             }  # fmt: skip
             for p in self.peers

@@ -22,7 +22,6 @@ log = logging.getLogger(__name__)
 
 BEAT = 0.5  # seconds between beats (and hellos to a peer not up)
 DOWN_AFTER = 2.0  # a peer not heard from for this long is down (at most 3 s, says issue 33)
-FRESH = DOWN_AFTER - 2 * BEAT  # a peer answered within this long holds this node up (`fresh`)
 MAX_MESSAGE = 64 * 2**20  # a peer's message (a welcome lists its keys): at most this
 
 
@@ -52,8 +51,8 @@ def _unpack(data: bytes) -> dict[str, Any] | None:
 
 class Links:
     """The sockets to the peers (the broker registers `sockets` in its poller), and what is
-    known of each: its routes to this ROUTER, its incarnation, when this loop last answered
-    its beat. The Links of replicas.py and queue_links.py."""
+    known of each node: its routes to this ROUTER, its incarnation, how often each of the two
+    forgot the other, and until when it surely holds this broker up. The Links of pulls.py."""
 
     def __init__(self, joining: Joining, poller: zmq.Poller) -> None:
         self.address, self._keys, self._poller = joining.address, joining.keys, poller
@@ -77,11 +76,15 @@ class Links:
         for s in self.sockets:
             poller.register(s, zmq.POLLIN)
         self.routes: dict[bytes, str] = {}  # a peer's route to this ROUTER -> its node
-        self.answered: dict[str, float] = {}  # node -> when this loop last answered its beat
         # A broker's incarnation (new at each start) tells a peer that restarted from one that
-        # said hello on a second link, or again.
+        # said hello on a second link, or again; `forgot` counts the times this broker forgot
+        # a node (took it for down, or found it restarted), and `seen_forgot` the times the
+        # node said it forgot this one: each time, this one forgets it too, once.
         self.incarnation = int.from_bytes(os.urandom(8), "big") >> 1
         self._incarnations: dict[str, int] = {}  # node -> its incarnation, as last heard
+        self.forgot: dict[str, int] = {}
+        self.seen_forgot: dict[str, int] = {}
+        self._safe_until: dict[str, float] = {}  # node -> until when it holds this one up
 
     def _link(self, address: str) -> Peer:
         socket = self._ctx.socket(zmq.DEALER)
@@ -128,12 +131,41 @@ class Links:
                 yield None, peer, message
 
     def same(self, node: str, m: dict[str, Any]) -> bool:
-        """Whether `node`'s hello or welcome `m` comes from the broker heard before (not one
-        that restarted since): then what it lent or offered this one still holds."""
+        """Whether `node`'s hello, welcome or beat `m` comes from the broker heard before
+        (not one that restarted since) and that did not forget this one since: then what it
+        lent or offered this one still holds. Else this one must forget it too."""
         incarnation, known = m.get("incarnation"), self._incarnations.get(node)
+        forgot = m.get("forgot", 0) if isinstance(m.get("forgot", 0), int) else 0
+        same = known is not None and known == incarnation
         if isinstance(incarnation, int):
             self._incarnations[node] = incarnation
-        return known is not None and known == incarnation
+        if not same:
+            self.seen_forgot[node] = forgot
+            return False
+        if forgot > self.seen_forgot.get(node, 0):
+            self.seen_forgot[node] = forgot
+            return False
+        return True
+
+    def forgetting(self, node: str) -> None:
+        """This broker forgets `node` (took it for down, or found it restarted): its next
+        messages say so, and the node forgets this one once."""
+        self.forgot[node] = self.forgot.get(node, 0) + 1
+        self._safe_until.pop(node, None)
+
+    def kept(self, node: str, sent: Any, heard_ago: Any) -> None:
+        """`node` answered a beat sent at `sent` (this broker's clock), having heard from this
+        broker `heard_ago` seconds before: it will not take this one for down before sent +
+        DOWN_AFTER - heard_ago (less a beat, for the clocks' drift and the loops' delays)."""
+        if isinstance(sent, float) and isinstance(heard_ago, (int, float)):
+            until = sent + DOWN_AFTER - float(heard_ago) - BEAT
+            self._safe_until[node] = max(self._safe_until.get(node, 0.0), until)
+
+    def heard_ago(self, node: str) -> float | None:
+        """Seconds since a link of this broker's last heard `node` answer (None: none is up)."""
+        now = time.monotonic()
+        ages = [now - p.heard for p in self.peers if p.node == node and p.up]
+        return min(ages) if ages else None
 
     def heard_of(self, node: str) -> bool:
         return node in self._incarnations
@@ -149,12 +181,11 @@ class Links:
         return peer is not None and peer.up
 
     def fresh(self, node: str) -> bool:
-        """Whether `node` surely holds this node up: this loop answered its beat (or hello)
-        within FRESH seconds. A node takes a peer whose answers stopped DOWN_AFTER ago for
-        down, and lets go what it offered it (Note [offers]): a broker whose loop stalled that
-        long (a long pause, say) must not read from those offers before it hears again."""
-        answered = self.answered.get(node)
-        return answered is not None and time.monotonic() - answered < FRESH and self.up(node)
+        """Whether `node` surely holds this broker up, as its last answer to a beat said
+        (`kept`). A node takes a peer whose answers stopped DOWN_AFTER ago for down, and lets
+        go what it offered it (Note [offers]): a broker must not read from those offers then
+        (after a long pause of its loop, say, or a link that stalled one way)."""
+        return time.monotonic() < self._safe_until.get(node, 0.0) and self.up(node)
 
     def send(self, node: str, message: dict[str, Any]) -> bool:
         peer = self.peer(node)
@@ -176,7 +207,9 @@ class Links:
         return list(dict.fromkeys(p.node for p in self.peers if p.node is not None))
 
     def peer(self, node: str) -> Peer | None:
-        return next((p for p in self.peers if p.node == node), None)
+        """A link to `node`: one that is up, if one is."""
+        links = [p for p in self.peers if p.node == node]
+        return next((p for p in links if p.up), links[0] if links else None)
 
     def send_to(self, peer: Peer, message: dict[str, Any]) -> bool:
         try:

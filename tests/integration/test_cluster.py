@@ -501,6 +501,7 @@ def test_a_small_version_is_read_from_the_offer_sent_with_it_and_given_back_once
     a first get on another node reads them without asking its owner first; the owner keeps
     the version it replaced only until the other nodes gave its offer back."""
     a, b = own["a"], own["b"]
+    assert wait_until(lambda: _figures(b)["peers"]["a"]["fresh"], 5)  # (a beat answered)
     x = np.arange(1024, dtype=np.float32)  # 4 KiB
     a.put("small", x)
     one = a.stats()["used_bytes"]
@@ -772,6 +773,7 @@ def test_the_cluster_figures_are_served_as_metrics(monkeypatch: pytest.MonkeyPat
     port = free_port()
     with _cluster(("a", "b"), {"b": ["--metrics", f"127.0.0.1:{port}"]}) as started:
         with _connected(started) as cs:
+            assert wait_until(lambda: _figures(cs["b"])["peers"]["a"]["fresh"], 5)
             cs["a"].put("scraped", np.ones(1000, np.uint8))
             assert wait_until(lambda: cs["b"].exists("scraped"), 5)
             cs["b"].get("scraped")

@@ -1,0 +1,188 @@
+"""Who forgets what, and when an offer may be read, between the brokers of a cluster
+(Note [cluster] in server/cluster.py, Note [offers] in server/offers.py): Cluster objects in
+this process over real ZeroMQ on loopback, each stepped by hand like a broker's loop, with
+NIXL replaced by reads that stay under way until a test says they are over."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from tensorbroker.common.protocol import Request
+from tensorbroker.server.arena import Arena
+from tensorbroker.server.cluster import Cluster, Joining
+from tensorbroker.server.objects import Objects
+from tensorbroker.server.parking import ParkingLot
+from tensorbroker.server.queues import Queues
+from tensorbroker.server.records import Session, StoredObject
+from tensorbroker.server.registry import Registry
+from tests.support import free_port
+
+MiB = 2**20
+
+
+class Reads:
+    """NIXL as far as a cluster uses it: every read stays under way."""
+
+    metadata = b"agent"
+
+    def __init__(self) -> None:
+        self.started: list[str] = []  # the keys read
+
+    def add_peer(self, node: str, metadata: bytes) -> None: ...
+    def register(self, segment: str) -> None: ...
+    def ends(self, started: float, size: int) -> float:
+        return started
+
+    def took(self, size: int, seconds: float) -> None: ...
+    def close(self) -> None: ...
+    def done(self, handle: Any) -> bool:
+        return False
+
+    def offer(self, obj: Any, agent: bool = True) -> dict[str, Any]:
+        specs = [[t.name, t.dtype, list(t.shape)] for t in obj.tensors]
+        return {"bundle": obj.bundle, "specs": specs, "size": obj.nbytes, "address": 1}
+
+    def layout(self, node: str, offer: dict[str, Any]) -> tuple[list[Any], bool]:
+        return [(str(n), str(d), tuple(s)) for n, d, s in offer["specs"]], bool(offer["bundle"])
+
+    def take(self, node: str, offer: dict[str, Any], obj: Any) -> tuple[Any, int]:
+        self.started.append(obj.key)
+        return object(), int(offer["size"])
+
+
+class Node:
+    """A broker's cluster side, stepped by hand."""
+
+    def __init__(self, name: str, port: int, peer: int, shm: Path) -> None:
+        shm.mkdir(exist_ok=True)
+        self.arena = Arena(32 * MiB, shm_dir=str(shm), chunk_size=4 * MiB)
+        self.registry, lot = Registry(self.arena), ParkingLot()
+        objects = Objects(self.registry, lot, lambda route, payload, last=False: None)
+        self.poller, self.reads = zmq.Poller(), Reads()
+        joining = Joining(name, f"tcp://127.0.0.1:{port}", [f"tcp://127.0.0.1:{peer}"], None)
+        self.cluster = Cluster(joining, objects, Queues(objects), lot, self.reads, self.poller)  # type: ignore[arg-type]
+        objects.elsewhere, self.objects = self.cluster.replicas, objects
+        self.session = Session(name * 8, None)
+        self.closed = False
+
+    def put(self, key: str, nbytes: int) -> StoredObject:
+        put, _ = self.registry.begin_put(self.session, key, [("", "uint8", (nbytes,))], False)
+        self.objects.seal(self.session, put, False)
+        return self.registry.objects[key]
+
+    def get(self, key: str) -> bool:
+        req = Request("get", 7, {"key": key, "timeout": 10.0}, [])
+        return self.cluster.replicas.get(self.session, b"client", req)
+
+    def step(self, skip: Any = None) -> None:
+        """One turn of the loop (its ROUTER's messages left where they are, if `skip`)."""
+        events = dict(self.poller.poll(1))
+        for s in list(self.cluster.sockets):
+            if s in events and s is not skip:
+                self.cluster.ready(s)
+        self.cluster.tick(time.monotonic())
+        self.cluster.flush()
+
+    def up(self, node: str) -> bool:
+        return self.cluster.links.up(node)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.cluster.close()
+            self.arena.close()
+
+
+def run(nodes: list[Node], seconds: float, until: Callable[[], bool] | None = None) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for n in nodes:
+            n.step()
+        if until is not None and until():
+            return True
+    return until is None
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[Callable[[str], Node]]:
+    """Nodes a and b, made on demand (`make(name)`; a again: a restarted on a new process)."""
+    ports, made = {"a": free_port(), "b": free_port()}, []
+
+    def make(name: str) -> Node:
+        peer = ports["b" if name == "a" else "a"]
+        node = Node(name, ports[name], peer, tmp_path / f"{name}{len(made)}")
+        made.append(node)
+        return node
+
+    yield make
+    for node in made:
+        node.close()
+
+
+def test_loans_of_an_owner_restarted_quickly_stay_pinned_while_they_are_read(
+    pair: Callable[[str], Node],
+) -> None:
+    """a restarts within DOWN_AFTER, b's two lends went out while its link was down: both go
+    again at once, both reach the new a before it knows b's route (hello_first), and b says
+    hello again for each. Neither hello may make a forget b: it just lent b the first."""
+    a, b = pair("a"), pair("b")
+    a.put("k1", MiB)
+    a.put("k2", MiB)
+    assert run([a, b], 5, lambda: a.up("b") and b.up("a") and b.cluster.replicas.holds("k2"))
+    a.close()  # it crashed
+    run([b], 0.2)
+    assert b.up("a") and b.get("k1") and b.get("k2")
+    a = pair("a")  # on its state: the same keys
+    a.put("k1", MiB)
+    a.put("k2", MiB)
+    assert run([a, b], 3, lambda: len(b.reads.started) == 2)
+    run([a, b], 0.3)
+    assert set(a.cluster.replicas.lending.loans) == {("b", 1), ("b", 2)}
+
+
+def test_an_offer_its_owner_let_go_is_not_read_after_beats_answered_late(
+    pair: Callable[[str], Node],
+) -> None:
+    """The link a->b stalls while b->a works: a takes b for down and lets go what it offered
+    it. When the link comes back, b answers a's old beats first: that must not let b read
+    the offer (the version's memory went to other puts)."""
+    a, b = pair("a"), pair("b")
+    assert run([a, b], 5, lambda: a.up("b") and b.up("a"))
+    v1 = a.put("k", 4096)
+    assert run([a, b], 5, lambda: len(b.cluster.replicas.held) == 1)
+    router = b.cluster.links.router
+    end = time.monotonic() + 3.0
+    while time.monotonic() < end and a.up("b"):
+        a.step()
+        b.step(skip=router)  # nothing comes in from a's link
+    assert not a.up("b") and b.up("a")
+    a.put("k", 4096)
+    assert v1.freed and not b.cluster.links.fresh("a")
+    for route, _, m in b.cluster.links.read(router):  # the old beats, not yet the hello
+        if m["op"] != "beat":
+            break
+        b.cluster._request(route, m)  # type: ignore[arg-type]
+    assert b.get("k")  # a client's get, handled first in b's next turn
+    assert "k" not in b.reads.started
+
+
+def test_a_lend_sent_again_for_a_pull_that_is_over_pins_nothing(
+    pair: Callable[[str], Node],
+) -> None:
+    a, b = pair("a"), pair("b")
+    assert run([a, b], 5, lambda: a.up("b") and b.up("a"))
+    a.put("k", MiB)
+    run([a, b], 0.3)
+    peer = b.cluster.links.peer("a")
+    assert peer is not None and not b.cluster.replicas.pulls.pulls
+    again = {"op": "lend", "pull": 99, "key": "k"}  # pull 99: over, or never was
+    b.cluster._answer(peer, {"op": "hello_first", "again": again})
+    a.cluster.replicas.lending.lend("b", 99, "k")  # (a lend that reached it anyway)
+    run([a, b], 1.0)
+    assert not a.cluster.replicas.lending.loans
