@@ -59,6 +59,13 @@ def cluster(nodes: list[str], memory: str) -> Iterator[dict[str, tb.Client]]:
             if time.monotonic() > deadline:
                 raise RuntimeError("the cluster did not come up within 20 s")
             time.sleep(0.05)
+        while not all(  # each peer's offers readable (a beat answered: links.py, `fresh`)
+            all(p["fresh"] for p in c.stats()["cluster"]["peers"].values())
+            for c in clients.values()
+        ):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the cluster's beats were not answered within 20 s")
+            time.sleep(0.05)
         yield clients
 
 
