@@ -83,51 +83,39 @@ def test_objects_queues_and_versions_survive_a_kill(crashable: tb.BrokerProcess)
         assert wait_until(lambda: c.stats()["used_bytes"] == 0, 5)
 
 
-def test_an_item_given_back_is_in_its_queue_after_a_kill(crashable: tb.BrokerProcess) -> None:
+def _kept_for_a_get_given_up(crashable: tb.BrokerProcess, p: tb.Client, name: str) -> tb.Client:
+    """A consumer whose get of queue `name` was answered, then given up (Ctrl-C): the item is
+    kept for its next get. It is returned, still open."""
+    pq, consumer = p.queue(name), tb.connect(crashable.address)
+
+    def answer_then_give_up() -> None:
+        pq.put(np.full(4, 7.0))
+        assert wait_until(lambda: len(pq) == 0, 5)
+        raise GaveUp
+
+    with interrupt_after(0.3, answer_then_give_up), pytest.raises(GaveUp):
+        consumer.queue(name).get(timeout=10)
+    return consumer
+
+
+@pytest.mark.parametrize("crash_first", [False, True], ids=["close-then-kill", "kill-then-close"])
+def test_an_item_kept_for_a_get_given_up_goes_back_once_whenever_the_broker_dies(
+    crashable: tb.BrokerProcess, crash_first: bool
+) -> None:
     """The journal has an item given back untaken (a get given up, then its client closed)
-    as waiting in its queue again: the broker that comes back hands it out, once."""
+    as waiting in its queue again: the broker that comes back hands it out, once. And if
+    the broker died before the client closed, the client gives it back to the new one."""
     with tb.connect(crashable.address) as p:
         pq = p.queue("back", maxsize=4)
-        consumer = tb.connect(crashable.address)
-        q = consumer.queue("back")
-
-        def answer_then_give_up() -> None:
-            pq.put(np.full(4, 7.0))
-            assert wait_until(lambda: len(pq) == 0, 5)
-            raise GaveUp
-
-        with interrupt_after(0.3, answer_then_give_up), pytest.raises(GaveUp):
-            q.get(timeout=10)
-        consumer.close()
-        assert wait_until(lambda: len(pq) == 1, 5)
+        consumer = _kept_for_a_get_given_up(crashable, p, "back")
+        if not crash_first:
+            consumer.close()
+            assert wait_until(lambda: len(pq) == 1, 5)
         crash(crashable)
         crashable.restart()
-        assert pq.get(timeout=5).numpy().tolist() == [7.0] * 4
-        with pytest.raises(tb.Timeout):
-            pq.get(timeout=0.2)
-
-
-def test_an_item_kept_for_a_get_given_up_goes_back_to_a_broker_that_restarted(
-    crashable: tb.BrokerProcess,
-) -> None:
-    """The broker dies between a get given up and its client's close: the item kept for the
-    client's next get is given back to the broker that came back, and handed out once."""
-    with tb.connect(crashable.address) as p:
-        pq = p.queue("back-later", maxsize=4)
-        consumer = tb.connect(crashable.address)
-        q = consumer.queue("back-later")
-
-        def answer_then_give_up() -> None:
-            pq.put(np.full(4, 7.0))
-            assert wait_until(lambda: len(pq) == 0, 5)
-            raise GaveUp
-
-        with interrupt_after(0.3, answer_then_give_up), pytest.raises(GaveUp):
-            q.get(timeout=10)
-        crash(crashable)
-        crashable.restart()
-        consumer.close()
-        assert wait_until(lambda: len(pq) == 1, 5), len(pq)
+        if crash_first:
+            consumer.close()
+            assert wait_until(lambda: len(pq) == 1, 5), len(pq)
         assert pq.get(timeout=5).numpy().tolist() == [7.0] * 4
         with pytest.raises(tb.Timeout):
             pq.get(timeout=0.2)

@@ -169,14 +169,21 @@ class FailingTransfers:
         raise OSError("NIXL could not start a read: nixlNotFoundError")
 
 
-def test_a_read_from_an_offer_that_fails_asks_its_owner_to_lend_it(registry: Registry) -> None:
-    lot, links = ParkingLot(), Links()
+def _got_offered(registry: Registry, transfers: Any, links: Links) -> Replicas:
+    """Node b, offered key k by node a, and a get of k on b."""
+    lot = ParkingLot()
     objects = Objects(registry, lot, lambda route, payload, last=False: None)
-    replicas = Replicas("b", objects, lot, FailingTransfers(), links)  # type: ignore[arg-type]
+    replicas = Replicas("b", objects, lot, transfers, links)
     offer = {"specs": [["", "uint8", [4096]]], "bundle": False, "size": 4096, "address": 1}
     replicas.listed("a", "k", 1, 4096, offer)
     get = Request("get", 7, {"key": "k", "timeout": 5.0}, [])
     assert replicas.get(Session("reader" * 4, None), b"route", get)
+    return replicas
+
+
+def test_a_read_from_an_offer_that_fails_asks_its_owner_to_lend_it(registry: Registry) -> None:
+    links = Links()
+    replicas = _got_offered(registry, FailingTransfers(), links)
     replicas.flush()
     assert ("a", {"op": "lend", "pull": 1, "key": "k"}) in links.sent  # asked instead
     time.sleep(GIVE_BACK_EVERY)
@@ -198,13 +205,8 @@ def test_an_offer_is_read_only_while_its_owner_surely_holds_this_node_up(
 ) -> None:
     """A broker whose loop stalled past the time its peers take it for down must not read
     what they offered it before (they let it go): it asks them to lend it instead."""
-    lot, links = ParkingLot(), Links(fresh)
-    objects = Objects(registry, lot, lambda route, payload, last=False: None)
-    replicas = Replicas("b", objects, lot, Reading(), links)  # type: ignore[arg-type]
-    offer = {"specs": [["", "uint8", [4096]]], "bundle": False, "size": 4096, "address": 1}
-    replicas.listed("a", "k", 1, 4096, offer)
-    get = Request("get", 7, {"key": "k", "timeout": 5.0}, [])
-    assert replicas.get(Session("reader" * 4, None), b"route", get)
+    links = Links(fresh)
+    replicas = _got_offered(registry, Reading(), links)
     (pull,) = replicas.pulls.pulls.values()
     assert (pull.handle is not None) == fresh  # read at once from the offer, or not
     lend = ("a", {"op": "lend", "pull": 1, "key": "k"})
