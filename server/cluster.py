@@ -115,7 +115,10 @@ class Cluster:
 
     @property
     def wake_in(self) -> float:
-        """Seconds until the loop must look again: reads under way are polled (Replicas)."""
+        """Seconds until the loop must look again: reads under way are polled (Replicas); at
+        once if announcements wait (made after this loop's `flush`: an eviction, say)."""
+        if self.replicas.lending.announcing:
+            return 0.0
         return min(self.replicas.pulls.poll_in, self.queues.poll_in, BEAT)
 
     # -- the loop ------------------------------------------------------------------------------

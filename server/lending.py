@@ -38,7 +38,7 @@ class Lending:
         self.loans: dict[tuple[str, int], StoredObject] = {}  # (node, pull id) -> pinned
         self.offered = Lent(registry)
         self._lent_to: dict[str, tuple[int, list[str]]] = {}  # key -> (version, borrowers)
-        self._announcing: list[tuple[str, int]] = []  # sent after the loop's replies (`flush`)
+        self.announcing: list[tuple[str, int]] = []  # sent after the loop's replies (`flush`)
         self.bytes_sent = 0
 
     # -- announcements ---------------------------------------------------------------------------
@@ -46,12 +46,12 @@ class Lending:
     def announce(self, key: str, version: int) -> None:
         """`key` sealed here at `version` (0: deleted): every peer is told, once this loop's
         replies are out (a put's reply does not wait for the messages to its peers)."""
-        self._announcing.append((key, version))
+        self.announcing.append((key, version))
 
     def flush(self) -> None:
         """The announcements: a small version goes with its offer, pinned for the peers it
         reached (Note [offers])."""
-        announcing, self._announcing = self._announcing, []
+        announcing, self.announcing = self.announcing, []
         for key, version in announcing:
             obj = self.registry.objects.get(key)
             size = 0 if obj is None else int(obj.nbytes)

@@ -186,3 +186,17 @@ def test_a_lend_sent_again_for_a_pull_that_is_over_pins_nothing(
     a.cluster.replicas.lending.lend("b", 99, "k")  # (a lend that reached it anyway)
     run([a, b], 1.0)
     assert not a.cluster.replicas.lending.loans
+
+
+def test_an_announcement_made_after_the_loops_flush_wakes_the_loop_at_once(
+    pair: Callable[[str], Node],
+) -> None:
+    """A key deleted after the batch's flush (evicted as grants are topped up, say) must not
+    wait for the next beat to be told."""
+    a = pair("a")
+    a.step()
+    assert a.cluster.wake_in > 0
+    a.put("k", 4096)  # (sealed outside a batch: its announcement waits for a flush)
+    assert a.cluster.wake_in == 0
+    a.step()
+    assert a.cluster.wake_in > 0
