@@ -11,6 +11,7 @@ it directly. So the owner's node sends a version's bytes FANOUT times, however m
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,6 +20,8 @@ from .pulls import Links, Pull, Remote
 from .records import StoredObject
 from .registry import Registry
 from .transfers import Transfers
+
+log = logging.getLogger(__name__)
 
 FANOUT = 2  # the nodes a version's owner lends it to itself; later pullers go to theirs
 
@@ -56,10 +59,14 @@ class Lending:
             obj = self.registry.objects.get(key)
             size = 0 if obj is None else int(obj.nbytes)
             message = {"op": "key", "key": key, "version": version, "size": size}
-            if obj is not None and obj.version == version and self.offered.offerable(obj):
-                message["offer"] = self.transfers.offer(obj, agent=False)
-            else:
-                obj = None
+            offered = obj is not None and obj.version == version and self.offered.offerable(obj)
+            try:
+                if offered:
+                    message["offer"] = self.transfers.offer(obj, agent=False)
+            except Exception as exc:  # (its segment could not be registered): lent when asked
+                log.warning("could not offer %r with its announcement: %s", key, exc)
+                offered = False
+            obj = obj if offered else None
             nodes = [n for n in self.links.nodes() if self.links.up(n)]
             told = {n for n in nodes if self.links.send(n, message)}
             if obj is not None:
