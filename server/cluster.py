@@ -170,7 +170,10 @@ class Cluster:
             if op == "hello":
                 node = str(m["node"])
                 self.transfers.add_peer(node, bytes(m["agent"]))
-                if not links.same(node, m):  # restarted, or forgot this one: forgotten too
+                same = links.same(node, m)
+                if same is None:  # from an incarnation that a newer one replaced
+                    return
+                if not same:  # restarted, or forgot this one: forgotten too
                     self._forget_node(node, mutual=True)
                 links.routes[route] = node
                 links.reply(route, self._hello("welcome", to=node))
@@ -182,7 +185,8 @@ class Cluster:
                 if op == "key" and isinstance(m.get("offer"), dict):  # not kept: not pinned
                     first["unoffered"] = [[m["key"], m["version"]]]
                 elif op == "lend":  # asked again after the hello, else its get waits it out
-                    first["again"] = {k: m[k] for k in ("op", "pull", "key", "direct") if k in m}
+                    again = ("op", "pull", "key", "direct", "ask")
+                    first["again"] = {k: m[k] for k in again if k in m}
                 links.reply(route, first)
             elif op == "beat":  # its answer: when this broker last heard it (links.py, `kept`)
                 heard, forgot = links.heard_ago(node), links.forgot.get(node, 0)
@@ -191,6 +195,9 @@ class Cluster:
             elif op == "key":
                 offer = m.get("offer")
                 offer = offer if isinstance(offer, dict) else None
+                if offer is not None and not links.acked(node, m):  # it will let it go
+                    replicas.held.refuse(node, str(m["key"]), int(m["version"]))
+                    offer = None
                 replicas.listed(node, str(m["key"]), int(m["version"]), int(m["size"]), offer)
             elif op == "offers_back":
                 replicas.lending.offers_back(node, m["offers"])
@@ -201,10 +208,10 @@ class Cluster:
             elif op == "keys":
                 replicas.welcome(node, m["keys"])
             elif op == "lend":
-                direct = bool(m.get("direct"))
-                replicas.lending.lend(node, int(m["pull"]), str(m["key"]), direct)
+                pull, direct, ask = int(m["pull"]), bool(m.get("direct")), int(m.get("ask", 0))
+                replicas.lending.lend(node, pull, str(m["key"]), direct, ask)
             elif op == "returned":
-                replicas.lending.returned(node, int(m["pull"]))
+                replicas.lending.returned(node, int(m["pull"]), int(m.get("ask", 0)))
             elif op == "delete":
                 replicas.deleted(node, str(m["key"]))
             elif op.startswith("q") or op in ("want", "subs"):
@@ -263,8 +270,10 @@ class Cluster:
             if op == "welcome":
                 node = str(m["node"])
                 self.transfers.add_peer(node, bytes(m["agent"]))
-                heard = self.links.heard_of(node)
-                if not self.links.same(node, m) and heard:  # it restarted, or forgot this one
+                heard, same = self.links.heard_of(node), self.links.same(node, m)
+                if same is None:  # from an incarnation that a newer one replaced
+                    return
+                if not same and heard:  # it restarted, or forgot this one
                     self._forget_node(node, mutual=True)
                 peer.node, peer.up = node, True
                 self.replicas.welcome(node, m["keys"])
@@ -279,14 +288,17 @@ class Cluster:
                 self.links.send_to(peer, self._hello(to=peer.node))
                 again = m.get("again")
                 if isinstance(again, dict) and peer.node is not None and again.get("op") == "lend":
-                    if self.replicas.pulls.waits_for(peer.node, int(again["pull"])):
+                    if self.replicas.pulls.waits_for(
+                        peer.node, int(again["pull"]), again.get("ask")
+                    ):
                         self.links.send_to(peer, again)  # (after the hello, on the same link)
             elif op == "lent":
                 self.replicas.pulls.lent(peer.node or "", m)
             elif op == "beat" and peer.node is not None:
-                if not self.links.same(peer.node, m):  # it forgot this one: forgotten too
+                same = self.links.same(peer.node, m)
+                if same is False:  # it forgot this one: forgotten too
                     self._forget_node(peer.node, mutual=True)
-                else:
+                elif same:
                     self.links.kept(peer.node, m.get("t"), m.get("heard_ago"))
         except (KeyError, TypeError, ValueError, BrokerError, OSError) as exc:
             log.warning("a cluster answer %r from %s could not be used: %s", op, peer.address, exc)

@@ -38,7 +38,7 @@ class Lending:
     ) -> None:  # fmt: skip
         self.node, self.registry, self.transfers, self.links = node, registry, transfers, links
         self.index, self.pulling = index, pulling
-        self.loans: dict[tuple[str, int], StoredObject] = {}  # (node, pull id) -> pinned
+        self.loans: dict[tuple[str, int, int], StoredObject] = {}  # (node, pull, ask) -> pinned
         self.offered = Lent(registry)
         self._lent_to: dict[str, tuple[int, list[str]]] = {}  # key -> (version, borrowers)
         self.announcing: list[tuple[str, int]] = []  # sent after the loop's replies (`flush`)
@@ -68,24 +68,28 @@ class Lending:
                 offered = False
             obj = obj if offered else None
             nodes = [n for n in self.links.nodes() if self.links.up(n)]
-            told = {n for n in nodes if self.links.send(n, message)}
+            # Each offer says how often this broker knows its receiver forgot it (`acked`).
+            ack = self.links.seen_forgot
+            told = {n for n in nodes if self.links.send(n, {**message, "ack": ack.get(n, 0)})}
             if obj is not None:
                 self.offered.pin(obj, told)
 
     # -- loans -----------------------------------------------------------------------------------
 
-    def lend(self, node: str, pull: int, key: str, direct: bool = False) -> None:
+    def lend(self, node: str, pull: int, key: str, direct: bool = False, ask: int = 0) -> None:
         """Answer `node`'s pull of `key`: pin its version here and say where its bytes are;
         or, the owner of a version it lent FANOUT times already, send it to one of those
         borrowers (unless `direct`: one of them failed it); or, pulling it, lend it once
-        the pull is done."""
+        the pull is done. `ask`: which of the pull's lends this is (the answer says, and
+        only the last one asked is read)."""
         pulling = self.pulling.get(key)
         if pulling is not None and key in self.index:
-            pulling.lends.append((node, pull))
+            pulling.lends.append((node, pull, ask))
             return
         obj = self.registry.objects.get(key)
         if obj is None or obj.device != "cpu":
-            answer = {"op": "lent", "pull": pull, "error": f"node {self.node!r} has no {key!r}"}
+            error = f"node {self.node!r} has no {key!r}"
+            answer = {"op": "lent", "pull": pull, "ask": ask, "error": error}
             remote = self.index.get(key)
             if remote is not None:  # another node's version won here: the puller may not know yet
                 answer["at"] = [remote.node, remote.version, remote.size]
@@ -99,24 +103,27 @@ class Lending:
             others = [b for b in borrowers if b != node and self.links.up(b)]
             if len(borrowers) >= FANOUT and others and not direct:
                 to = others[pull % len(others)]
-                self.links.answer(node, {"op": "lent", "pull": pull, "redirect": to})
+                self.links.answer(node, {"op": "lent", "pull": pull, "ask": ask, "redirect": to})
                 return
             if node not in borrowers:
                 borrowers.append(node)
-        self.links.answer(node, self.loan(node, pull, obj))
+        self.links.answer(node, self.loan(node, pull, obj, ask))
 
-    def loan(self, node: str, pull: int, obj: StoredObject) -> dict[str, Any]:
-        """Pin `obj` for `node`'s pull `pull` (once, if it asked twice): its `lent` answer."""
-        if self.loans.get((node, pull)) is not obj:
-            if (node, pull) in self.loans:
-                self.registry.unpin(self.loans[node, pull])
+    def loan(self, node: str, pull: int, obj: StoredObject, ask: int = 0) -> dict[str, Any]:
+        """Pin `obj` for lend `ask` of `node`'s pull `pull` (once, if it came twice): its
+        `lent` answer, which says how often this broker knows `node` forgot it (`ack`)."""
+        if (node, pull, ask) not in self.loans:
             self.registry.pin(obj)
-            self.loans[node, pull] = obj
+            self.loans[node, pull, ask] = obj
             self.bytes_sent += obj.nbytes
-        return {"op": "lent", "pull": pull, "version": obj.version, **self.transfers.offer(obj)}
+        ack = self.links.seen_forgot.get(node, 0)  # (as an offer's, Links.acked)
+        return {
+            "op": "lent", "pull": pull, "ask": ask, "version": obj.version, "ack": ack,
+            **self.transfers.offer(obj),
+        }  # fmt: skip
 
-    def returned(self, node: str, pull: int) -> None:
-        obj = self.loans.pop((node, pull), None)
+    def returned(self, node: str, pull: int, ask: int = 0) -> None:
+        obj = self.loans.pop((node, pull, ask), None)
         if obj is not None:
             self.registry.unpin(obj)
 

@@ -84,6 +84,7 @@ class Links:
         self._incarnations: dict[str, int] = {}  # node -> its incarnation, as last heard
         self.forgot: dict[str, int] = {}
         self.seen_forgot: dict[str, int] = {}
+        self._dead: dict[str, set[int]] = {}  # node -> its incarnations replaced by a newer one
         self._safe_until: dict[str, float] = {}  # node -> until when it holds this one up
 
     def _link(self, address: str) -> Peer:
@@ -130,14 +131,20 @@ class Links:
             if message is not None and peer is not None:
                 yield None, peer, message
 
-    def same(self, node: str, m: dict[str, Any]) -> bool:
+    def same(self, node: str, m: dict[str, Any]) -> bool | None:
         """Whether `node`'s hello, welcome or beat `m` comes from the broker heard before
         (not one that restarted since) and that did not forget this one since: then what it
-        lent or offered this one still holds. Else this one must forget it too."""
+        lent or offered this one still holds. Else (False) this one must forget it too. None:
+        `m` comes from an incarnation that a newer one replaced (late, off a dead link): it
+        is to be ignored."""
         incarnation, known = m.get("incarnation"), self._incarnations.get(node)
+        if incarnation in self._dead.get(node, ()):
+            return None
         forgot = m.get("forgot", 0) if isinstance(m.get("forgot", 0), int) else 0
         same = known is not None and known == incarnation
         if isinstance(incarnation, int):
+            if known is not None and not same:
+                self._dead.setdefault(node, set()).add(known)
             self._incarnations[node] = incarnation
         if not same:
             self.seen_forgot[node] = forgot
@@ -146,6 +153,13 @@ class Links:
             self.seen_forgot[node] = forgot
             return False
         return True
+
+    def acked(self, node: str, m: dict[str, Any]) -> bool:
+        """Whether `node` sent `m` (an offer or a loan) knowing every time this broker forgot
+        it (`ack`: its seen_forgot of this one). If not, it forgets this one once it knows,
+        and lets go what `m` pinned: it must not be read."""
+        ack = m.get("ack", 0)
+        return isinstance(ack, int) and ack >= self.forgot.get(node, 0)
 
     def forgetting(self, node: str) -> None:
         """This broker forgets `node` (took it for down, or found it restarted): its next

@@ -43,6 +43,9 @@ class Links(Protocol):
     def everyone(self, message: dict[str, Any]) -> None: ...
     def up(self, node: str) -> bool: ...
     def fresh(self, node: str) -> bool: ...
+    def acked(self, node: str, m: dict[str, Any]) -> bool: ...
+    @property
+    def seen_forgot(self) -> dict[str, int]: ...
     def nodes(self) -> list[str]: ...
 
 
@@ -71,9 +74,12 @@ class Pull:
     read_at: float = 0.0  # when the read started
     size: int = 0
     offer: Offer | None = None  # read from the offer its announcement carried (offers.py)
-    asked: bool = True  # its lend went out (else sent again as the loop polls: not connected)
+    asked: bool = True  # its lend went out (else sent again once its source is `fresh`)
+    ask: int = 0  # its lends so far: only the last one's answer is read
+    direct: bool = False  # its last lend said so (the owner itself lends it)
+    suspect: bool = False  # its source forgot this node while it was read: not sealed
     waiters: list[Waiter] = field(default_factory=list)
-    lends: list[tuple[str, int]] = field(default_factory=list)  # (node, its pull id)
+    lends: list[tuple[str, int, int]] = field(default_factory=list)  # (node, pull id, ask)
 
 
 class Pulls:
@@ -85,7 +91,7 @@ class Pulls:
     def __init__(
         self, node: str, objects: Objects, transfers: Transfers, links: Links,
         index: Mapping[str, Remote], held: Held, listed: Callable[[str, str, int, int], None],
-        loan: Callable[[str, int, StoredObject], dict[str, Any]],
+        loan: Callable[[str, int, StoredObject, int], dict[str, Any]],
     ) -> None:  # fmt: skip
         self.node, self.objects, self.registry = node, objects, objects.registry
         self.transfers, self.links, self.index, self.held = transfers, links, index, held
@@ -127,7 +133,11 @@ class Pulls:
         return due
 
     def ask(
-        self, key: str, node: str, waiters: Sequence[Waiter], lends: Sequence[tuple[str, int]] = ()
+        self,
+        key: str,
+        node: str,
+        waiters: Sequence[Waiter],
+        lends: Sequence[tuple[str, int, int]] = (),
     ) -> Pull:
         """Pull `key` from `node` for `waiters` (and `lends`, pulls of other nodes sent here):
         read at once if it offered the version listed (so they are its before, in case it
@@ -141,15 +151,16 @@ class Pulls:
             self.held.drop(key)
             offer = None
         if offer is None:
-            pull.asked = self.links.send(node, {"op": "lend", "pull": pull.id, "key": key})
+            self._lend(pull)
         else:
             offer.reading, pull.offer = True, offer
             self._take(pull, offer.fields, offer.version)
         return pull
 
     def _unoffered(self, pull: Pull, exc: Exception) -> None:
-        """A read from an offer failed (a segment of its owner's that this node's NIXL does
-        not know yet, say): the offer is given back, and its owner asked to lend it instead."""
+        """A read that cannot be used: from an offer, that failed (a segment of its owner's
+        that this node's NIXL does not know yet, say), or from a source that forgot this node
+        meanwhile. The offer is given back, and the owner asked to lend the key instead."""
         offer, pull.offer = pull.offer, None
         if offer is not None:
             self.held.read(pull.key, offer, failed=True)
@@ -159,17 +170,32 @@ class Pulls:
         if not self.links.up(pull.node):
             self._fail(pull, PeerUnavailable(f"the pull of {pull.key!r} failed: {exc}"))
             return
-        pull.started = time.monotonic()
-        pull.asked = self.links.send(pull.node, {"op": "lend", "pull": pull.id, "key": pull.key})
+        self._lend(pull, pull.node)
+
+    def _lend(self, pull: Pull, source: str | None = None, direct: bool = False) -> None:
+        """Ask `source` (else the pull's) to lend its key: lend number `ask`, the only one
+        whose answer is read."""
+        pull.source = pull.source if source is None else source
+        pull.ask, pull.direct, pull.started = pull.ask + 1, direct, time.monotonic()
+        message = {"op": "lend", "pull": pull.id, "key": pull.key, "ask": pull.ask}
+        if direct:
+            message["direct"] = True
+        pull.asked = self.links.send(pull.source, message)
+
+    def forget(self, node: str) -> None:
+        """`node` forgot this one, or this one it: what it lent or offered may be let go
+        already. A read of it under way is not sealed; a lend not answered yet is asked
+        again, once `node` is fresh."""
+        for pull in self.pulls.values():
+            if pull.source == node and pull.handle is not None:
+                pull.suspect = True
+            elif pull.source == node and not pull.version:
+                pull.asked = False
 
     def _ask_at(self, pull: Pull, source: str, direct: bool = False) -> None:
         """Ask `source` to lend `pull`'s key instead (the owner sent it there; or, `direct`,
         the owner again, after `source` failed it)."""
-        pull.source, pull.started = source, time.monotonic()
-        message = {"op": "lend", "pull": pull.id, "key": pull.key}
-        if direct:
-            message["direct"] = True
-        pull.asked = self.links.send(source, message)
+        self._lend(pull, source, direct)
         if not pull.asked and source != pull.node:
             self._ask_at(pull, pull.node, direct=True)
 
@@ -184,17 +210,26 @@ class Pulls:
         else:
             self._fail(pull, error)
 
-    def waits_for(self, node: str, pull_id: int) -> bool:
-        """Whether pull `pull_id` still waits for `node` to lend it (a lend to ask again)."""
+    def waits_for(self, node: str, pull_id: int, ask: Any = None) -> bool:
+        """Whether pull `pull_id` still waits for `node` to answer its lend `ask` (the last)."""
         pull = self.pulls.get(pull_id)
-        return pull is not None and pull.source == node and pull.handle is None and not pull.version
+        if pull is None or pull.source != node or pull.handle is not None or pull.version:
+            return False
+        return ask is None or ask == pull.ask
 
     def lent(self, node: str, m: dict[str, Any]) -> None:
-        """`node`'s answer to a lend: where the bytes are, or where to ask, or an error."""
-        pull = self.pulls.get(int(m["pull"]))
-        if pull is None or pull.handle is not None or pull.version:  # over, or lent already:
-            if "version" in m and pull is None:  # (a lend asked twice) its pin goes back
-                self.later.append((node, {"op": "returned", "pull": int(m["pull"])}))
+        """`node`'s answer to a lend: where the bytes are, or where to ask, or an error. A
+        loan no pull takes goes back; so does one `node` may have let go already (it took
+        this broker for down, or forgot it: not `fresh`, or not `acked`), asked again."""
+        pull_id, ask = int(m["pull"]), m.get("ask")
+        pull = self.pulls.get(pull_id)
+        if pull is None or not self.waits_for(node, pull_id, ask):
+            if "version" in m:
+                self.later.append((node, {"op": "returned", "pull": pull_id, "ask": ask or 0}))
+            return
+        if "version" in m and not (self.links.fresh(node) and self.links.acked(node, m)):
+            self.later.append((node, {"op": "returned", "pull": pull_id, "ask": ask or 0}))
+            pull.asked = False  # asked again once fresh
             return
         if "redirect" in m:  # its owner lent it enough: one of those borrowers lends it
             to = str(m["redirect"])
@@ -237,11 +272,10 @@ class Pulls:
         for pull in list(self.pulls.values()):
             if pull.handle is not None:
                 self._poll(pull)
-            elif not pull.asked:  # its link was not connected (its owner restarting, say)
-                again = {"op": "lend", "pull": pull.id, "key": pull.key}
-                pull.asked = self.links.send(pull.source, again)
             elif now - pull.started > PULL_WAIT:
                 self._fail(pull, PeerUnavailable(f"node {pull.node!r} did not lend {pull.key!r}"))
+            elif not pull.asked and self.links.fresh(pull.source):  # (not connected, say)
+                self._lend(pull, direct=pull.direct)
 
     def _poll(self, pull: Pull) -> None:
         try:
@@ -255,6 +289,10 @@ class Pulls:
                 self._fail(pull, PeerUnavailable(f"the pull of {pull.key!r} failed: {exc}"))
             return
         pull.handle = None
+        if pull.suspect:  # its source forgot this node meanwhile: what was read may be torn
+            pull.suspect = False
+            self._unoffered(pull, OSError("its source forgot this node during the read"))
+            return
         self.transfers.took(pull.size, time.monotonic() - pull.read_at)
         self.bytes_received += pull.size
         self.done["lent" if pull.offer is None else "offered"] += 1
@@ -266,9 +304,9 @@ class Pulls:
             self.objects.seal(self.session, pull.put, False, version=pull.version)
             self._end(pull)
             obj = self.registry.objects.get(pull.key)
-            for node, their in pull.lends:  # pulls sent here meanwhile: lent the replica
+            for node, their, ask in pull.lends:  # pulls sent here meanwhile: lent the replica
                 if obj is not None:
-                    self.links.answer(node, self.loan(node, their, obj))
+                    self.links.answer(node, self.loan(node, their, obj, ask))
             return
         self.registry.abort(self.session, pull.put, False)  # deleted, or another version won
         pull.put = 0
@@ -278,9 +316,9 @@ class Pulls:
         if pull.handle is not None:  # still reading: its block must outlive the read
             return
         self._end(pull)
-        for node, their in pull.lends:  # sent here: their owner lends it to them instead
+        for node, their, ask in pull.lends:  # sent here: their owner lends it to them instead
             gone = f"node {self.node!r} could not pull {pull.key!r}"
-            self.links.answer(node, {"op": "lent", "pull": their, "error": gone})
+            self.links.answer(node, {"op": "lent", "pull": their, "ask": ask, "error": gone})
         if pull.put:
             self.registry.abort(self.session, pull.put, False)
         for w in pull.waiters:
@@ -296,4 +334,5 @@ class Pulls:
         if pull.offer is not None:
             self.held.read(pull.key, pull.offer)
         elif pull.version:
-            self.later.append((pull.source, {"op": "returned", "pull": pull.id}))
+            returned = {"op": "returned", "pull": pull.id, "ask": pull.ask}
+            self.later.append((pull.source, returned))

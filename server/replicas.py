@@ -41,7 +41,7 @@ class Replicas:
         self.held = Held()  # the offers of other nodes' versions (Note [offers] in offers.py)
         self.pulls = Pulls(
             node, objects, transfers, links, self.index, self.held, self.listed,
-            lambda node, pull, obj: self.lending.loan(node, pull, obj),
+            lambda node, pull, obj, ask: self.lending.loan(node, pull, obj, ask),
         )  # fmt: skip
         self.session, self._pulling = self.pulls.session, self.pulls.pulling
         self.lending = Lending(node, self.registry, transfers, links, self.index, self._pulling)
@@ -197,3 +197,4 @@ class Replicas:
         say), and what it offered is void (its addresses are new, if it restarted)."""
         self.lending.let_go(node)
         self.held.forget(node)
+        self.pulls.forget(node)

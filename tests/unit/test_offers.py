@@ -155,6 +155,11 @@ class Links:
     def fresh(self, node: str) -> bool:
         return self._fresh
 
+    seen_forgot: dict[str, int] = {}
+
+    def acked(self, node: str, m: dict[str, Any]) -> bool:
+        return True
+
     def nodes(self) -> list[str]:
         return ["a"]
 
@@ -185,7 +190,7 @@ def test_a_read_from_an_offer_that_fails_asks_its_owner_to_lend_it(registry: Reg
     links = Links()
     replicas = _got_offered(registry, FailingTransfers(), links)
     replicas.flush()
-    assert ("a", {"op": "lend", "pull": 1, "key": "k"}) in links.sent  # asked instead
+    assert ("a", {"op": "lend", "pull": 1, "key": "k", "ask": 1}) in links.sent  # asked instead
     time.sleep(GIVE_BACK_EVERY)
     replicas.flush()
     assert ("a", {"op": "offers_back", "offers": [["k", 1]]}) in links.sent
@@ -209,7 +214,7 @@ def test_an_offer_is_read_only_while_its_owner_surely_holds_this_node_up(
     replicas = _got_offered(registry, Reading(), links)
     (pull,) = replicas.pulls.pulls.values()
     assert (pull.handle is not None) == fresh  # read at once from the offer, or not
-    lend = ("a", {"op": "lend", "pull": 1, "key": "k"})
+    lend = ("a", {"op": "lend", "pull": 1, "key": "k", "ask": 1})
     assert (lend in links.sent) == (not fresh)
     assert len(replicas.held) == (1 if fresh else 0)  # (given back, if not read)
 
