@@ -280,6 +280,9 @@ class Cluster:
                 # What this node holds now, again: a put sealed while the peer was not up
                 # yet here was announced to the others only (its hello went before it).
                 self.links.send_to(peer, {"op": "keys", "keys": self.replicas.own()})
+                # A beat at once: its answer makes the node `fresh` (its offers readable)
+                # now, not a beat from now.
+                self.links.send_to(peer, {"op": "beat", "t": time.monotonic()})
                 self.queues.node_up(node)
                 log.info("cluster: node %r at %s is up", node, peer.address)
             elif op == "hello_first":

@@ -183,6 +183,7 @@ def test_small_versions_replaced_fast_are_never_read_torn_and_leave_nothing_pinn
     """Offers given back while their reads are under way, and reads of versions replaced
     meanwhile: every version read is whole, and the owner holds the last one alone."""
     a, b = own["a"], own["b"]
+    assert wait_until(lambda: _figures(b)["peers"]["a"]["fresh"], 5)  # (offers readable)
     a.put("hot", np.full(512, 1, np.int64))  # 4 KiB: offered
     one = a.stats()["used_bytes"]
     last = 300
