@@ -264,8 +264,10 @@ class Cluster:
     # -- answers from peers (on our DEALERs) ---------------------------------------------------
 
     def _answer(self, peer: Peer, m: dict[str, Any]) -> None:
-        peer.heard = time.monotonic()
         op = m["op"]
+        if op in ("welcome", "beat") and self._stale(peer, m):
+            return  # from an older incarnation of the node: it says nothing of the link now
+        peer.heard = time.monotonic()
         try:
             if op == "welcome":
                 node = str(m["node"])
@@ -305,6 +307,12 @@ class Cluster:
                     self.links.kept(peer.node, m.get("t"), m.get("heard_ago"))
         except (KeyError, TypeError, ValueError, BrokerError, OSError) as exc:
             log.warning("a cluster answer %r from %s could not be used: %s", op, peer.address, exc)
+
+    def _stale(self, peer: Peer, m: dict[str, Any]) -> bool:
+        """Whether welcome or beat answer `m` comes from an older incarnation of its node
+        than one heard already."""
+        node, incarnation = m.get("node", peer.node), m.get("incarnation")
+        return self.links.older(str(node), incarnation) if node is not None else False
 
     def _down(self, peer: Peer) -> None:
         """A link whose peer stopped answering: its node is down once no link to it is up."""

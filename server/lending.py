@@ -144,3 +144,5 @@ class Lending:
         for loan in [loan for loan in self.loans if loan[0] == node]:
             self.registry.unpin(self.loans.pop(loan))
         self.offered.let_go(node)
+        for pull in self.pulling.values():  # its pulls waiting here for a replica: forgotten
+            pull.lends = [lend for lend in pull.lends if lend[0] != node]

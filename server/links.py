@@ -76,15 +76,17 @@ class Links:
         for s in self.sockets:
             poller.register(s, zmq.POLLIN)
         self.routes: dict[bytes, str] = {}  # a peer's route to this ROUTER -> its node
-        # A broker's incarnation (new at each start) tells a peer that restarted from one that
-        # said hello on a second link, or again; `forgot` counts the times this broker forgot
-        # a node (took it for down, or found it restarted), and `seen_forgot` the times the
-        # node said it forgot this one: each time, this one forgets it too, once.
-        self.incarnation = int.from_bytes(os.urandom(8), "big") >> 1
+        # A broker's incarnation (new at each start, and larger than its last one's: the
+        # microseconds since the epoch, then random bits) tells a peer that restarted from one
+        # that said hello on a second link, or again, and its late messages from the new
+        # one's. `forgot` counts the times this broker forgot a node (took it for down, or
+        # found it restarted), and `seen_forgot` the times the node said it forgot this one:
+        # each time, this one forgets it too, once.
+        micros, noise = time.time_ns() // 1000, int.from_bytes(os.urandom(2), "big") >> 6
+        self.incarnation = micros << 10 | noise
         self._incarnations: dict[str, int] = {}  # node -> its incarnation, as last heard
         self.forgot: dict[str, int] = {}
         self.seen_forgot: dict[str, int] = {}
-        self._dead: dict[str, set[int]] = {}  # node -> its incarnations replaced by a newer one
         self._safe_until: dict[str, float] = {}  # node -> until when it holds this one up
 
     def _link(self, address: str) -> Peer:
@@ -135,16 +137,14 @@ class Links:
         """Whether `node`'s hello, welcome or beat `m` comes from the broker heard before
         (not one that restarted since) and that did not forget this one since: then what it
         lent or offered this one still holds. Else (False) this one must forget it too. None:
-        `m` comes from an incarnation that a newer one replaced (late, off a dead link): it
-        is to be ignored."""
+        `m` comes from an older incarnation than one heard already (late, off a dead link):
+        it is to be ignored."""
         incarnation, known = m.get("incarnation"), self._incarnations.get(node)
-        if incarnation in self._dead.get(node, ()):
+        if isinstance(incarnation, int) and known is not None and incarnation < known:
             return None
         forgot = m.get("forgot", 0) if isinstance(m.get("forgot", 0), int) else 0
         same = known is not None and known == incarnation
         if isinstance(incarnation, int):
-            if known is not None and not same:
-                self._dead.setdefault(node, set()).add(known)
             self._incarnations[node] = incarnation
         if not same:
             self.seen_forgot[node] = forgot
@@ -153,6 +153,11 @@ class Links:
             self.seen_forgot[node] = forgot
             return False
         return True
+
+    def older(self, node: str, incarnation: Any) -> bool:
+        """Whether `incarnation` is older than the one of `node`'s heard already."""
+        known = self._incarnations.get(node)
+        return isinstance(incarnation, int) and known is not None and incarnation < known
 
     def acked(self, node: str, m: dict[str, Any]) -> bool:
         """Whether `node` sent `m` (an offer or a loan) knowing every time this broker forgot
@@ -176,10 +181,13 @@ class Links:
             self._safe_until[node] = max(self._safe_until.get(node, 0.0), until)
 
     def heard_ago(self, node: str) -> float | None:
-        """Seconds since a link of this broker's last heard `node` answer (None: none is up)."""
+        """Seconds since a link of this broker's last heard `node` answer; 0 if no link to it
+        was ever up (this broker cannot take it for down before DOWN_AFTER from now); None if
+        links to it were up and none is now (it took it for down: no bound)."""
         now = time.monotonic()
-        ages = [now - p.heard for p in self.peers if p.node == node and p.up]
-        return min(ages) if ages else None
+        links = [p for p in self.peers if p.node == node]
+        ages = [now - p.heard for p in links if p.up]
+        return min(ages) if ages else (None if links else 0.0)
 
     def heard_of(self, node: str) -> bool:
         return node in self._incarnations

@@ -100,7 +100,7 @@ class Pulls:
         self.pulls: dict[int, Pull] = {}  # pull id -> pull
         self.pulling: dict[str, Pull] = {}  # key -> its pull under way
         self.later: list[tuple[str, dict[str, Any]]] = []  # (node, message), sent after replies
-        self._ids = 0
+        self._ids = time.time_ns()  # (ids of a restarted broker's pulls are new to its peers)
         self.bytes_received = 0
         self.done = {"offered": 0, "lent": 0}  # pulls done: read from an offer, or lent
 
@@ -128,7 +128,7 @@ class Pulls:
         for p in self.pulls.values():
             if p.handle is not None:
                 due = min(due, poll_due(self.transfers.ends(p.read_at, p.size), now))
-            elif not p.asked:
+            elif not p.asked and self.links.fresh(p.source):  # (a beat answer wakes the loop)
                 due = min(due, ASK_AGAIN)
         return due
 
@@ -170,13 +170,14 @@ class Pulls:
         if not self.links.up(pull.node):
             self._fail(pull, PeerUnavailable(f"the pull of {pull.key!r} failed: {exc}"))
             return
+        pull.started = time.monotonic()
         self._lend(pull, pull.node)
 
     def _lend(self, pull: Pull, source: str | None = None, direct: bool = False) -> None:
         """Ask `source` (else the pull's) to lend its key: lend number `ask`, the only one
         whose answer is read."""
         pull.source = pull.source if source is None else source
-        pull.ask, pull.direct, pull.started = pull.ask + 1, direct, time.monotonic()
+        pull.ask, pull.direct = pull.ask + 1, direct
         message = {"op": "lend", "pull": pull.id, "key": pull.key, "ask": pull.ask}
         if direct:
             message["direct"] = True
@@ -190,11 +191,12 @@ class Pulls:
             if pull.source == node and pull.handle is not None:
                 pull.suspect = True
             elif pull.source == node and not pull.version:
-                pull.asked = False
+                pull.ask, pull.asked = pull.ask + 1, False  # (an answer to the last: not read)
 
     def _ask_at(self, pull: Pull, source: str, direct: bool = False) -> None:
         """Ask `source` to lend `pull`'s key instead (the owner sent it there; or, `direct`,
         the owner again, after `source` failed it)."""
+        pull.started = time.monotonic()  # (PULL_WAIT for each node asked)
         self._lend(pull, source, direct)
         if not pull.asked and source != pull.node:
             self._ask_at(pull, pull.node, direct=True)
