@@ -175,7 +175,7 @@ class Cluster:
                     return
                 if not same:  # restarted, or forgot this one: forgotten too
                     self._forget_node(node, mutual=True)
-                links.routes[route] = node
+                links.route(route, node)
                 links.reply(route, self._hello("welcome", to=node))
                 links.meet(str(m.get("address", "")))
                 return

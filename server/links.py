@@ -61,6 +61,7 @@ class Links:
         self.router = self._ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a dead route raises: `answer`
         keys = joining.keys
         if keys is not None:
             keys.apply(self.router)
@@ -180,14 +181,14 @@ class Links:
             until = sent + DOWN_AFTER - float(heard_ago) - BEAT
             self._safe_until[node] = max(self._safe_until.get(node, 0.0), until)
 
-    def heard_ago(self, node: str) -> float | None:
-        """Seconds since a link of this broker's last heard `node` answer; 0 if no link to it
-        was ever up (this broker cannot take it for down before DOWN_AFTER from now); None if
-        links to it were up and none is now (it took it for down: no bound)."""
+    def heard_ago(self, node: str) -> float:
+        """Seconds since a link of this broker's last heard `node` answer; 0 if none is up:
+        this broker cannot take it for down before DOWN_AFTER from now (a link must be up,
+        then silent), and if it took it for down already, its `forgot` count, in the same
+        answer, says so first (the node then forgets it, and reads nothing it offered)."""
         now = time.monotonic()
-        links = [p for p in self.peers if p.node == node]
-        ages = [now - p.heard for p in links if p.up]
-        return min(ages) if ages else (None if links else 0.0)
+        ages = [now - p.heard for p in self.peers if p.node == node and p.up]
+        return min(ages) if ages else 0.0
 
     def heard_of(self, node: str) -> bool:
         return node in self._incarnations
@@ -213,11 +214,23 @@ class Links:
         peer = self.peer(node)
         return peer is not None and self.send_to(peer, message)
 
+    def route(self, route: bytes, node: str) -> None:
+        """`node` said hello on `route`: the newest of its routes (answers go there first)."""
+        self.routes.pop(route, None)
+        self.routes[route] = node
+
     def answer(self, node: str, message: dict[str, Any]) -> None:
-        """Answer a request of `node`'s (on the link it opened to this broker)."""
-        route = next((r for r, n in self.routes.items() if n == node), None)
-        if route is not None:
-            self.reply(route, message)
+        """Answer a request of `node`'s, on the newest link it opened to this broker that
+        is still there (a link that reconnected has a new route; the old one is dropped)."""
+        for route in [r for r, n in reversed(self.routes.items()) if n == node]:
+            try:
+                self.router.send_multipart([route, _pack(message)], zmq.NOBLOCK)
+                return
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    log.warning("a cluster answer to %r was dropped: %s", node, exc)
+                    return
+                del self.routes[route]
 
     def everyone(self, message: dict[str, Any]) -> None:
         for peer in self.peers:

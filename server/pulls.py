@@ -291,8 +291,8 @@ class Pulls:
                 self._fail(pull, PeerUnavailable(f"the pull of {pull.key!r} failed: {exc}"))
             return
         pull.handle = None
-        if pull.suspect:  # its source forgot this node meanwhile: what was read may be torn
-            pull.suspect = False
+        if pull.suspect or not self.links.fresh(pull.source):  # its source forgot this node,
+            pull.suspect = False  # or may have: what was read may be torn, so asked again
             self._unoffered(pull, OSError("its source forgot this node during the read"))
             return
         self.transfers.took(pull.size, time.monotonic() - pull.read_at)

@@ -300,3 +300,20 @@ def test_a_loan_is_read_from_a_peer_whose_link_back_never_came_up(
     assert run([a, b], 5, lambda: a.up("b") and a.cluster.replicas.holds("k"))
     assert not b.up("a") and a.get("k")
     assert run([a, b], 3, lambda: "k" in a.reads.started)
+
+
+def test_answers_go_to_the_link_a_peer_reconnected_on(pair: Callable[[str], Node]) -> None:
+    """b's link to a reconnects (a TCP reset, say) in less than DOWN_AFTER: a knows b by a
+    new route. Its answers must go there, not to the dead one (a loan pinned, never read)."""
+    a, b = pair("a"), pair("b")
+    a.put("k1", MiB)
+    a.put("k2", MiB)
+    assert run([a, b], 5, lambda: b.cluster.replicas.holds("k2") and b.cluster.links.fresh("a"))
+    assert b.get("k1")
+    assert run([a, b], 3, lambda: "k1" in b.reads.started)
+    link = b.cluster.links.peers[0]
+    link.socket.disconnect(link.address)
+    link.socket.connect(link.address)
+    run([a, b], 1.5)
+    assert b.get("k2")
+    assert run([a, b], 3, lambda: "k2" in b.reads.started)
