@@ -55,7 +55,9 @@ class Lending:
         """The announcements: a small version goes with its offer, pinned for the peers it
         reached (Note [offers])."""
         announcing, self.announcing = self.announcing, []
-        for key, version in announcing:
+        nodes = [n for n in self.links.nodes() if self.links.up(n)] if announcing else []
+        ack = self.links.seen_forgot  # each offer says how often this broker knows its
+        for key, version in announcing:  # receiver forgot it (Links.acked)
             obj = self.registry.objects.get(key)
             size = 0 if obj is None else int(obj.nbytes)
             message = {"op": "key", "key": key, "version": version, "size": size}
@@ -67,9 +69,6 @@ class Lending:
                 log.warning("could not offer %r with its announcement: %s", key, exc)
                 offered = False
             obj = obj if offered else None
-            nodes = [n for n in self.links.nodes() if self.links.up(n)]
-            # Each offer says how often this broker knows its receiver forgot it (`acked`).
-            ack = self.links.seen_forgot
             told = {n for n in nodes if self.links.send(n, {**message, "ack": ack.get(n, 0)})}
             if obj is not None:
                 self.offered.pin(obj, told)

@@ -157,7 +157,7 @@ class Pulls:
             self._take(pull, offer.fields, offer.version)
         return pull
 
-    def _unoffered(self, pull: Pull, exc: Exception) -> None:
+    def _read_again(self, pull: Pull, exc: Exception) -> None:
         """A read that cannot be used: from an offer, that failed (a segment of its owner's
         that this node's NIXL does not know yet, say), or from a source that forgot this node
         meanwhile. The offer is given back, and the owner asked to lend the key instead."""
@@ -227,10 +227,10 @@ class Pulls:
         pull = self.pulls.get(pull_id)
         if pull is None or not self.waits_for(node, pull_id, ask):
             if "version" in m:
-                self.later.append((node, {"op": "returned", "pull": pull_id, "ask": ask or 0}))
+                self._return(node, pull_id, ask or 0)
             return
         if "version" in m and not (self.links.fresh(node) and self.links.acked(node, m)):
-            self.later.append((node, {"op": "returned", "pull": pull_id, "ask": ask or 0}))
+            self._return(node, pull_id, ask or 0)
             pull.asked = False  # asked again once fresh
             return
         if "redirect" in m:  # its owner lent it enough: one of those borrowers lends it
@@ -265,7 +265,7 @@ class Pulls:
             self._fail(pull, exc)
         except (OSError, KeyError, TypeError, ValueError) as exc:
             if pull.offer is not None:
-                self._unoffered(pull, exc)
+                self._read_again(pull, exc)
             else:
                 self._fail(pull, PeerUnavailable(f"the pull of {pull.key!r} failed: {exc}"))
 
@@ -286,14 +286,14 @@ class Pulls:
         except OSError as exc:
             pull.handle = None
             if pull.offer is not None:
-                self._unoffered(pull, exc)
+                self._read_again(pull, exc)
             else:
                 self._fail(pull, PeerUnavailable(f"the pull of {pull.key!r} failed: {exc}"))
             return
         pull.handle = None
         if pull.suspect or not self.links.fresh(pull.source):  # its source forgot this node,
             pull.suspect = False  # or may have: what was read may be torn, so asked again
-            self._unoffered(pull, OSError("its source forgot this node during the read"))
+            self._read_again(pull, OSError("its source forgot this node during the read"))
             return
         self.transfers.took(pull.size, time.monotonic() - pull.read_at)
         self.bytes_received += pull.size
@@ -336,5 +336,8 @@ class Pulls:
         if pull.offer is not None:
             self.held.read(pull.key, pull.offer)
         elif pull.version:
-            returned = {"op": "returned", "pull": pull.id, "ask": pull.ask}
-            self.later.append((pull.source, returned))
+            self._return(pull.source, pull.id, pull.ask)
+
+    def _return(self, node: str, pull: int, ask: int) -> None:
+        """Say to `node` that the loan of lend `ask` of `pull` is through (after the replies)."""
+        self.later.append((node, {"op": "returned", "pull": pull, "ask": ask}))
