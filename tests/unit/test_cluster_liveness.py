@@ -1,128 +1,16 @@
 """Who forgets what, and when an offer may be read, between the brokers of a cluster
-(Note [cluster] in server/cluster.py, Note [offers] in server/offers.py): Cluster objects in
-this process over real ZeroMQ on loopback, each stepped by hand like a broker's loop, with
-NIXL replaced by reads that stay under way until a test says they are over."""
+(Note [cluster] in server/cluster.py, Note [offers] in server/offers.py): Cluster objects
+stepped by hand in this process (tests/nodes.py)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-import pytest
-import zmq
+from tests.nodes import MiB, Node, pair, run
 
-from tensorbroker.common.protocol import Request
-from tensorbroker.server.arena import Arena
-from tensorbroker.server.cluster import Cluster, Joining
-from tensorbroker.server.objects import Objects
-from tensorbroker.server.parking import ParkingLot
-from tensorbroker.server.queues import Queues
-from tensorbroker.server.records import Session, StoredObject
-from tensorbroker.server.registry import Registry
-from tests.support import free_port
-
-MiB = 2**20
-
-
-class Reads:
-    """NIXL as far as a cluster uses it: every read stays under way."""
-
-    metadata = b"agent"
-
-    def __init__(self) -> None:
-        self.started: list[str] = []  # the keys read
-
-    def add_peer(self, node: str, metadata: bytes) -> None: ...
-    def register(self, segment: str) -> None: ...
-    def ends(self, started: float, size: int) -> float:
-        return started
-
-    def took(self, size: int, seconds: float) -> None: ...
-    def close(self) -> None: ...
-    def done(self, handle: Any) -> bool:
-        return False
-
-    def offer(self, obj: Any, agent: bool = True) -> dict[str, Any]:
-        specs = [[t.name, t.dtype, list(t.shape)] for t in obj.tensors]
-        return {"bundle": obj.bundle, "specs": specs, "size": obj.nbytes, "address": 1}
-
-    def layout(self, node: str, offer: dict[str, Any]) -> tuple[list[Any], bool]:
-        return [(str(n), str(d), tuple(s)) for n, d, s in offer["specs"]], bool(offer["bundle"])
-
-    def take(self, node: str, offer: dict[str, Any], obj: Any) -> tuple[Any, int]:
-        self.started.append(obj.key)
-        return object(), int(offer["size"])
-
-
-class Node:
-    """A broker's cluster side, stepped by hand."""
-
-    def __init__(self, name: str, port: int, peer: int, shm: Path) -> None:
-        shm.mkdir(exist_ok=True)
-        self.arena = Arena(32 * MiB, shm_dir=str(shm), chunk_size=4 * MiB)
-        self.registry, lot = Registry(self.arena), ParkingLot()
-        objects = Objects(self.registry, lot, lambda route, payload, last=False: None)
-        self.poller, self.reads = zmq.Poller(), Reads()
-        joining = Joining(name, f"tcp://127.0.0.1:{port}", [f"tcp://127.0.0.1:{peer}"], None)
-        self.cluster = Cluster(joining, objects, Queues(objects), lot, self.reads, self.poller)  # type: ignore[arg-type]
-        objects.elsewhere, self.objects = self.cluster.replicas, objects
-        self.session = Session(name * 8, None)
-        self.closed = False
-
-    def put(self, key: str, nbytes: int) -> StoredObject:
-        put, _ = self.registry.begin_put(self.session, key, [("", "uint8", (nbytes,))], False)
-        self.objects.seal(self.session, put, False)
-        return self.registry.objects[key]
-
-    def get(self, key: str) -> bool:
-        req = Request("get", 7, {"key": key, "timeout": 10.0}, [])
-        return self.cluster.replicas.get(self.session, b"client", req)
-
-    def step(self, skip: Any = None) -> None:
-        """One turn of the loop (its ROUTER's messages left where they are, if `skip`)."""
-        events = dict(self.poller.poll(1))
-        for s in list(self.cluster.sockets):
-            if s in events and s is not skip:
-                self.cluster.ready(s)
-        self.cluster.tick(time.monotonic())
-        self.cluster.flush()
-
-    def up(self, node: str) -> bool:
-        return self.cluster.links.up(node)
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.cluster.close()
-            self.arena.close()
-
-
-def run(nodes: list[Node], seconds: float, until: Callable[[], bool] | None = None) -> bool:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        for n in nodes:
-            n.step()
-        if until is not None and until():
-            return True
-    return until is None
-
-
-@pytest.fixture
-def pair(tmp_path: Path) -> Iterator[Callable[[str], Node]]:
-    """Nodes a and b, made on demand (`make(name)`; a again: a restarted on a new process)."""
-    ports, made = {"a": free_port(), "b": free_port()}, []
-
-    def make(name: str) -> Node:
-        peer = ports["b" if name == "a" else "a"]
-        node = Node(name, ports[name], peer, tmp_path / f"{name}{len(made)}")
-        made.append(node)
-        return node
-
-    yield make
-    for node in made:
-        node.close()
+__all__ = ["pair"]  # the fixture
 
 
 def test_loans_of_an_owner_restarted_quickly_stay_pinned_while_they_are_read(

@@ -1,0 +1,184 @@
+"""Brokers' cluster sides in one process, for unit tests (test_cluster_liveness.py,
+test_queue_links.py): Cluster objects over real ZeroMQ on loopback, each stepped by hand like
+a broker's loop (a journal transaction around each turn's messages, then the flush), with
+NIXL replaced by reads that stay under way until a test says they are over."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from tensorbroker.common.protocol import Request
+from tensorbroker.server.arena import Arena
+from tensorbroker.server.cluster import Cluster, Joining
+from tensorbroker.server.journal import Journal
+from tensorbroker.server.objects import Objects
+from tensorbroker.server.parking import ParkingLot
+from tensorbroker.server.queue_state import BrokerQueue
+from tensorbroker.server.queues import Queues
+from tensorbroker.server.records import Session, StoredObject
+from tensorbroker.server.registry import Registry
+from tests.support import free_port
+
+MiB = 2**20
+
+
+class Reads:
+    """NIXL as far as a cluster uses it: every read stays under way (until `over`)."""
+
+    metadata = b"agent"
+
+    def __init__(self) -> None:
+        self.started: list[str] = []  # the keys read
+        self.over = False  # reads end
+
+    def add_peer(self, node: str, metadata: bytes) -> None: ...
+    def register(self, segment: str) -> None: ...
+    def ends(self, started: float, size: int) -> float:
+        return started
+
+    def took(self, size: int, seconds: float) -> None: ...
+    def close(self) -> None: ...
+    def done(self, handle: Any) -> bool:
+        return self.over
+
+    def offer(self, obj: Any, agent: bool = True) -> dict[str, Any]:
+        specs = [[t.name, t.dtype, list(t.shape)] for t in obj.tensors]
+        return {"bundle": obj.bundle, "specs": specs, "size": obj.nbytes, "address": 1}
+
+    def layout(self, node: str, offer: dict[str, Any]) -> tuple[list[Any], bool]:
+        return [(str(n), str(d), tuple(s)) for n, d, s in offer["specs"]], bool(offer["bundle"])
+
+    def take(self, node: str, offer: dict[str, Any], obj: Any) -> tuple[Any, int]:
+        self.started.append(obj.key)
+        return object(), int(offer["size"])
+
+
+class Written(Journal):
+    """A journal that keeps, in order, what reached its file (`("sealed", key)` once its
+    transaction commits) beside the messages the broker sent (`("sent", op)`)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+        self._batch: list[tuple[str, str]] | None = None
+
+    def begin(self) -> None:
+        self._batch = []
+
+    def commit(self) -> None:
+        batch, self._batch = self._batch or [], None
+        self.events.extend(batch)
+
+    def sealed(self, obj: Any) -> None:
+        event = ("sealed", str(obj.key))
+        self.events.append(event) if self._batch is None else self._batch.append(event)
+
+
+class Node:
+    """A broker's cluster side, stepped by hand."""
+
+    def __init__(self, name: str, port: int, peers: list[int], shm: Path) -> None:
+        shm.mkdir(exist_ok=True)
+        self.arena = Arena(32 * MiB, shm_dir=str(shm), chunk_size=4 * MiB)
+        self.journal = Written()
+        self.registry, lot = Registry(self.arena, journal=self.journal), ParkingLot()
+        objects = Objects(self.registry, lot, lambda route, payload, last=False: None)
+        self.poller, self.reads = zmq.Poller(), Reads()
+        addresses = [f"tcp://127.0.0.1:{p}" for p in peers]
+        joining = Joining(name, f"tcp://127.0.0.1:{port}", addresses, None)
+        self.queues = Queues(objects)
+        self.cluster = Cluster(joining, objects, self.queues, lot, self.reads, self.poller)  # type: ignore[arg-type]
+        objects.elsewhere, self.objects = self.cluster.replicas, objects
+        self.queues.elsewhere = self.cluster.queues
+        self.session = Session(name * 8, None)
+        self.closed = False
+        links, events = self.cluster.links, self.journal.events
+        send_to = links.send_to
+
+        def sent(peer: Any, message: dict[str, Any]) -> bool:
+            events.append(("sent", str(message.get("op"))))
+            return send_to(peer, message)
+
+        links.send_to = sent  # type: ignore[method-assign]
+
+    def put(self, key: str, nbytes: int) -> StoredObject:
+        put, _ = self.registry.begin_put(self.session, key, [("", "uint8", (nbytes,))], False)
+        self.objects.seal(self.session, put, False)
+        return self.registry.objects[key]
+
+    def get(self, key: str) -> bool:
+        req = Request("get", 7, {"key": key, "timeout": 10.0}, [])
+        return self.cluster.replicas.get(self.session, b"client", req)
+
+    def queue(self, name: str) -> BrokerQueue:
+        self.queues.open(self.session, b"client", Request("queue", 1, {"name": name}, []))
+        return self.queues.by_name[name]
+
+    def queue_put(self, name: str, nbytes: int) -> None:
+        q, specs = self.queue(name), [("", "uint8", (nbytes,))]
+        put, _ = self.registry.begin_put(self.session, name, specs, False, queue=q)
+        q.in_flight += 1  # (as a client's put does)
+        q.pending += 1
+        self.queues.seal(self.session, put, False, q)
+
+    def step(self, skip: Any = None) -> None:
+        """One turn of the loop (its ROUTER's messages left where they are, if `skip`)."""
+        events = dict(self.poller.poll(1))
+        self.journal.begin()
+        for s in list(self.cluster.sockets):
+            if s in events and s is not skip:
+                self.cluster.ready(s)
+        self.cluster.tick(time.monotonic())
+        self.journal.commit()
+        self.cluster.flush()
+
+    def up(self, node: str) -> bool:
+        return self.cluster.links.up(node)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.cluster.close()
+            self.arena.close()
+
+
+def run(nodes: list[Node], seconds: float, until: Callable[[], bool] | None = None) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for n in nodes:
+            n.step()
+        if until is not None and until():
+            return True
+    return until is None
+
+
+def _made(tmp_path: Path, names: str) -> Iterator[Callable[[str], Node]]:
+    ports, made = {n: free_port() for n in names}, []
+
+    def make(name: str) -> Node:
+        others = [p for n, p in ports.items() if n != name]
+        node = Node(name, ports[name], others, tmp_path / f"{name}{len(made)}")
+        made.append(node)
+        return node
+
+    yield make
+    for node in made:
+        node.close()
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[Callable[[str], Node]]:
+    """Nodes a and b, made on demand (`make(name)`; a name made again: that node restarted
+    on a new process)."""
+    yield from _made(tmp_path, "ab")
+
+
+@pytest.fixture
+def trio(tmp_path: Path) -> Iterator[Callable[[str], Node]]:
+    """Nodes a, b and c, as `pair`."""
+    yield from _made(tmp_path, "abc")
