@@ -4,6 +4,11 @@ sealed there in the order its lender lent them, so that one producer's items kee
 order. An item for a broadcast part that holds `maxsize` items that arrived waits, unread,
 until one of those is freed: its lender keeps it pinned meanwhile, and so its producer
 waits for the slowest subscriber on any node.
+
+As a pull (Note [offers] in offers.py), an item is read only while its lender surely holds
+this node up (`fresh`): else its lender may have let it go, and its memory may hold another
+item by now. An item lent before its lender knew that this node forgot it (`ack`) is given
+back unread, and one whose read ended past the bound is given back unsealed.
 """
 
 from __future__ import annotations
@@ -64,8 +69,10 @@ class Arrivals:
         """`node` lent this node an item of its part of a queue (its `qitem`)."""
         loan, name = int(m["loan"]), str(m["queue"])
         q = self.queues.by_name.get(name)
-        if q is None or q.removed or (q.subs is not None) != bool(m.get("broadcast")):
-            self.links.send(node, {"op": "qback", "loan": loan})
+        kind = q is not None and (q.subs is not None) == bool(m.get("broadcast"))
+        if q is None or q.removed or not kind or not self.links.acked(node, m):
+            # (not acked: lent before its lender knew that this node forgot it; it lets go)
+            self.links.after(node, {"op": "qback", "loan": loan})
             return
         a = Arrival(node, loan, q, m)
         self._by_node.setdefault(node, deque()).append(a)
@@ -75,6 +82,8 @@ class Arrivals:
         """Read `a` into a new block of its part; not yet if it is for a full broadcast part,
         or waits behind one that is (its lender's items keep their order)."""
         q, m = a.q, a.message
+        if not self.links.fresh(a.node):  # its lender may have let it go: not read yet
+            return
         if q.subs is not None and (self._full(q) or self._ahead(a)):
             return
         try:
@@ -129,6 +138,8 @@ class Arrivals:
                         if self.transfers.done(a.handle):
                             a.handle = None
                             self.transfers.took(a.size, time.monotonic() - a.started)
+                            # Its lender may have let it go during the read: not sealed.
+                            a.failed = not self.links.fresh(node)
                     except OSError:
                         a.handle, a.failed = None, True
                 elif a.put == 0 and not a.failed:
@@ -142,7 +153,7 @@ class Arrivals:
         if a.failed:
             if a.put:
                 self.registry.abort(self.session, a.put, False)
-            self.links.send(a.node, {"op": "qback", "loan": a.loan})
+            self.links.after(a.node, {"op": "qback", "loan": a.loan})
         else:
             self.bytes_received += a.size
             # Not lent on from here (REPASS in queue_links.py), should it stay in the part
@@ -150,7 +161,7 @@ class Arrivals:
             # own item first).
             self.came.add(self.registry.pending[a.put].oid)
             self.queues.deliver(self.session, a.put, a.q)
-            self.links.send(a.node, {"op": "qtaken", "loan": a.loan})
+            self.links.after(a.node, {"op": "qtaken", "loan": a.loan})
         self.on_end(a, not a.failed)
 
     def node_down(self, node: str) -> None:

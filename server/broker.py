@@ -172,7 +172,8 @@ class Broker:
         self.sessions.watch_fd = lambda fd: poller.register(fd, zmq.POLLIN)
         self.sessions.unwatch_fd = poller.unregister
         if cluster is not None:
-            self.cluster = Cluster.join(cluster, self.queues, shm_dir, poller)
+            last = found.meta.get("incarnation") if found else None
+            self.cluster = Cluster.join(cluster, self.queues, shm_dir, poller, last)
         self._stopping = False
         self._started = time.monotonic()
         self._ring_scan = 0.0  # when the rings are looked at next (QueueRings.scan)

@@ -39,8 +39,12 @@ of the peer's), not when a second link (two addresses of one broker) says hello.
 down once no link to it is up. A beat's answer also says how long ago its sender last heard
 this broker: until when it will not take it for down, so not let go what it offered
 (`Links.fresh`, Note [offers]). A `hello_first` names the offer it did not keep (its owner
-unpins it) or the lend it did not answer (asked again behind the hello). The sockets, routes,
-incarnations and counts are links.py's.
+unpins it) or the lend it did not answer (asked again behind the hello). A DEALER keeps its
+route at its peer across reconnects (its routing id), so what it sends after one is still
+known. What tells a peer of a change (a queue item taken, a loan returned) goes out after
+the loop's replies, once the journal has the change (`Links.after`): else a broker killed
+in between loses it, as its peer acted on it. The sockets, routes, incarnations and counts
+are links.py's.
 
 Queues across nodes have messages of their own (want, subs, qitem, qtaken, qback, qclose,
 qremove, qleft, qhas): Note [queues across nodes] in queue_links.py. Not yet: GPU replicas.
@@ -96,11 +100,15 @@ class Cluster:
         self._next_beat = 0.0
 
     @classmethod
-    def join(cls, joining: Joining, queues: Queues, shm_dir: str, poller: zmq.Poller) -> Cluster:
-        """This broker in a cluster: its NIXL agent, its links, and Objects and Queues told."""
+    def join(
+        cls, joining: Joining, queues: Queues, shm_dir: str, poller: zmq.Poller, last: Any = None
+    ) -> Cluster:
+        """This broker in a cluster: its NIXL agent, its links, and Objects and Queues told.
+        `last`: the incarnation of the broker whose state it took over (journaled)."""
         transfers = Transfers(joining.node, shm_dir)
         objects = queues.objects
         cluster = cls(joining, objects, queues, queues.lot, transfers, poller)
+        objects.registry.journal.meta("incarnation", cluster.links.follow(last))
         for segment in objects.registry.arena.segments:
             transfers.register(segment)
         objects.elsewhere, queues.elsewhere = cluster.replicas, cluster.queues
@@ -117,7 +125,7 @@ class Cluster:
     def wake_in(self) -> float:
         """Seconds until the loop must look again: reads under way are polled (Replicas); at
         once if announcements wait (made after this loop's `flush`: an eviction, say)."""
-        if self.replicas.lending.announcing:
+        if self.replicas.lending.announcing or self.links.holding:
             return 0.0
         return min(self.replicas.pulls.poll_in, self.queues.poll_in, BEAT)
 
@@ -159,6 +167,7 @@ class Cluster:
         offers given back): off the path of the replies."""
         try:
             self.replicas.flush()
+            self.links.flush()
         except Exception:
             log.exception("cluster: the announcements could not be sent")
 
@@ -255,9 +264,9 @@ class Cluster:
         """Unpin what `node` was lent or offered (it will not return it), drop what it
         offered, and forget its routes. Unless `mutual` (it forgot this one first), it is
         told, and forgets this one too."""
+        self.links.forget_routes(node)
         self.replicas.let_go(node)
         self.queues.let_go(node)
-        self.links.forget_routes(node)
         if not mutual:
             self.links.forgetting(node)
 

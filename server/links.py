@@ -62,6 +62,7 @@ class Links:
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a dead route raises: `answer`
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a link that reconnected: its route
         keys = joining.keys
         if keys is not None:
             keys.apply(self.router)
@@ -89,12 +90,25 @@ class Links:
         self.forgot: dict[str, int] = {}
         self.seen_forgot: dict[str, int] = {}
         self._safe_until: dict[str, float] = {}  # node -> until when it holds this one up
+        self._after: list[tuple[str, dict[str, Any]]] = []  # (node, message): `after`
+        self._kept: list[tuple[str, dict[str, Any]]] = []  # refused at a flush: next one
+
+    def follow(self, last: Any) -> int:
+        """This broker took over the state of one whose incarnation was `last`: its own is
+        larger, also if the clock went back since (its peers would ignore it). Returned,
+        to be journaled."""
+        if isinstance(last, int):
+            self.incarnation = max(self.incarnation, last + 1)
+        return self.incarnation
 
     def _link(self, address: str) -> Peer:
         socket = self._ctx.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
         socket.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued for a peer not connected
+        # Its route at the peer, the same after a reconnect: what it sends then is still
+        # this broker's (a new route is unknown there until a hello: its messages dropped).
+        socket.setsockopt(zmq.ROUTING_ID, b"tb" + os.urandom(8))
         if self._keys is not None:  # the pair every broker of the cluster serves
             socket.curve_serverkey = self._keys.public
             socket.curve_publickey = self._keys.public
@@ -194,6 +208,10 @@ class Links:
         return node in self._incarnations
 
     def forget_routes(self, node: str) -> None:
+        """`node` is forgotten: its routes go, and what waits to be sent to it (it let go
+        what those messages name, or will)."""
+        self._after = [(n, m) for n, m in self._after if n != node]
+        self._kept = [(n, m) for n, m in self._kept if n != node]
         for route in [r for r, n in self.routes.items() if n == node]:
             del self.routes[route]
 
@@ -213,6 +231,37 @@ class Links:
     def send(self, node: str, message: dict[str, Any]) -> bool:
         peer = self.peer(node)
         return peer is not None and self.send_to(peer, message)
+
+    def after(self, node: str, message: dict[str, Any]) -> None:
+        """Send `message` to `node` at the loop's `flush`, after its replies, once the journal
+        has what the loop's batch changed (a peer must not act on a change that a crash of
+        this broker would undo: an item said taken, its lender frees it). In order; kept
+        while its link reconnects and the node is up; dropped once it is forgotten."""
+        self._after.append((node, message))
+
+    def everyone_after(self, message: dict[str, Any]) -> None:
+        """`after`, to each node up."""
+        for node in self.nodes():
+            if self.up(node):
+                self._after.append((node, message))
+
+    @property
+    def holding(self) -> bool:
+        """Whether messages wait for the next `flush` (not those kept after a refusal: the
+        beats try again)."""
+        return bool(self._after)
+
+    def flush(self) -> None:
+        """Send what `after` holds. Once a node's link refuses one, the rest for it are kept
+        too (in order) for the next flush."""
+        held, self._after, self._kept = self._kept + self._after, [], []
+        refused: set[str] = set()
+        for node, message in held:
+            if node not in refused and self.send(node, message):
+                continue
+            refused.add(node)
+            if self.up(node):
+                self._kept.append((node, message))
 
     def route(self, route: bytes, node: str) -> None:
         """`node` said hello on `route`: the newest of its routes (answers go there first)."""

@@ -41,6 +41,8 @@ class Links(Protocol):
     def send(self, node: str, message: dict[str, Any]) -> bool: ...
     def answer(self, node: str, message: dict[str, Any]) -> None: ...
     def everyone(self, message: dict[str, Any]) -> None: ...
+    def after(self, node: str, message: dict[str, Any]) -> None: ...
+    def everyone_after(self, message: dict[str, Any]) -> None: ...
     def up(self, node: str) -> bool: ...
     def fresh(self, node: str) -> bool: ...
     def acked(self, node: str, m: dict[str, Any]) -> bool: ...
@@ -99,7 +101,6 @@ class Pulls:
         self.session = Session(f"cluster:{node}", None)  # holds the replicas' puts
         self.pulls: dict[int, Pull] = {}  # pull id -> pull
         self.pulling: dict[str, Pull] = {}  # key -> its pull under way
-        self.later: list[tuple[str, dict[str, Any]]] = []  # (node, message), sent after replies
         self._ids = time.time_ns()  # (ids of a restarted broker's pulls are new to its peers)
         self.bytes_received = 0
         self.done = {"offered": 0, "lent": 0}  # pulls done: read from an offer, or lent
@@ -300,7 +301,7 @@ class Pulls:
         self.done["lent" if pull.offer is None else "offered"] += 1
         if pull.offer is not None:  # its owner counts the bytes it sent
             read = {"op": "offer_read", "key": pull.key, "version": pull.version}
-            self.later.append((pull.node, read))
+            self.links.after(pull.node, read)
         remote = self.index.get(pull.key)
         if remote is not None and (remote.node, remote.version) == (pull.node, pull.version):
             self.objects.seal(self.session, pull.put, False, version=pull.version)
@@ -340,4 +341,4 @@ class Pulls:
 
     def _return(self, node: str, pull: int, ask: int) -> None:
         """Say to `node` that the loan of lend `ask` of `pull` is through (after the replies)."""
-        self.later.append((node, {"op": "returned", "pull": pull, "ask": ask}))
+        self.links.after(node, {"op": "returned", "pull": pull, "ask": ask})

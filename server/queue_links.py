@@ -13,6 +13,7 @@ waiting and no consumer of its own lends them, oldest first:
                                                   qitem(q, loan, layout, address)
     c takes a block in its part of q, NIXL READs the bytes, seals the item into its part
     (to the consumer waiting there) ── qtaken(loan) ──> b frees the item: its slot opens
+    (once c's journal has the seal: Links.after)
 
 A node whose consumers are at work (one asked within REPASS) wants AHEAD items more than
 wait, less what its part holds: a stream's items come ahead of their gets, not one trip
@@ -134,7 +135,7 @@ class QueueLinks:
 
     def removed(self, name: str) -> None:
         """Queue `name` was removed here: its part on every other node goes too."""
-        self.links.everyone({"op": "qremove", "queue": name})
+        self.links.everyone_after({"op": "qremove", "queue": name})
         self.wants.pop(name, None)
         self.subs.pop(name, None)
 
@@ -155,7 +156,7 @@ class QueueLinks:
             return False
         self._asked[q.id] = Asked(up)
         for node in up:
-            self.links.send(node, {"op": "qleft", "queue": q.name})
+            self.links.after(node, {"op": "qleft", "queue": q.name})
         return True
 
     # -- wants, subscribers and loans (the lending side) ------------------------------------------
@@ -170,7 +171,7 @@ class QueueLinks:
             op, n = "want", len(q.getters) + (max(0, AHEAD - len(q.items)) if busy else 0)
         if self._said.get((op, q.name), 0) != n:
             self._said[op, q.name] = n
-            self.links.everyone({"op": op, "queue": q.name, "n": n})
+            self.links.everyone_after({"op": op, "queue": q.name, "n": n})
 
     def want(self, node: str, name: str, n: int, op: str = "want") -> None:
         """`node` has `n` consumers waiting in its part of `name` (or, op "subs", `n`
@@ -215,9 +216,9 @@ class QueueLinks:
         self._ids += 1
         self.registry.pin(obj)
         self.loans[node, self._ids] = (q, obj)
-        self.links.send(node, {
+        self.links.after(node, {
             "op": "qitem", "queue": q.name, "loan": self._ids, "broadcast": broadcast,
-            **self.transfers.offer(obj),
+            "ack": self.links.seen_forgot.get(node, 0), **self.transfers.offer(obj),
         })  # fmt: skip
         self.bytes_sent += obj.nbytes
 
@@ -250,7 +251,7 @@ class QueueLinks:
         """`node` closed its part of `name` (and lent this node all it will)."""
         q = self.queues.by_name.get(name)
         if q is None:  # no part here: nothing to lend, nothing to wait for
-            self.links.send(node, {"op": "qclose", "queue": name})
+            self.links.after(node, {"op": "qclose", "queue": name})
         elif not q.closed:
             self._closing_now(q, node)
 
@@ -263,7 +264,7 @@ class QueueLinks:
                 self.queues.objects.answer(h, reply_error(h.request.id, closed))
             up = {n for n in self.links.nodes() if self.links.up(n)}
             self._closing[q.id] = (up, time.monotonic())
-            self.links.everyone({"op": "qclose", "queue": q.name})
+            self.links.everyone_after({"op": "qclose", "queue": q.name})
         if heard is not None:
             self._closing[q.id][0].discard(heard)
         self._close_if_done(q)
@@ -281,7 +282,7 @@ class QueueLinks:
         """`node` asks what this node has left of closed queue `name`."""
         q = self.queues.by_name.get(name)
         n = 0 if q is None else len(q.items) + q.pending
-        self.links.send(node, {"op": "qhas", "queue": name, "left": n})
+        self.links.after(node, {"op": "qhas", "queue": name, "left": n})
 
     def has(self, node: str, name: str, n: int) -> None:
         """`node` has `n` items left of `name`, which this node asked about."""
@@ -359,7 +360,7 @@ class QueueLinks:
         for qid, asked in self._asked.items():
             q = self.queues.by_id.get(qid)
             if node in asked.waiting and q is not None:
-                self.links.send(node, {"op": "qleft", "queue": q.name})
+                self.links.after(node, {"op": "qleft", "queue": q.name})
 
     def node_down(self, node: str) -> None:
         """`node` is down: as `let_go`, and it is not waited for."""
@@ -381,4 +382,4 @@ class QueueLinks:
         """`node` (re)joined: it hears the wants and subscribers of this node's parts."""
         for (op, name), n in self._said.items():
             if n:
-                self.links.send(node, {"op": op, "queue": name, "n": n})
+                self.links.after(node, {"op": op, "queue": name, "n": n})

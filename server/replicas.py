@@ -58,22 +58,12 @@ class Replicas:
         self.lending.announce(key, version)
 
     def flush(self) -> None:
-        """Send what this loop left for after its replies: announcements, loans returned,
-        offers read or given back (Note [offers])."""
+        """Send what this loop left for after its replies: announcements, and offers given
+        back (Note [offers]); Links sends the rest (`after`)."""
         self.lending.flush()
         if self.held.give_back_in(time.monotonic()) == 0.0:
             for node, offers in self.held.take_due().items():
-                self._send_or_keep(node, {"op": "offers_back", "offers": offers})
-        later, self.pulls.later = self.pulls.later, []
-        for node, message in later:
-            self._send_or_keep(node, message)
-
-    def _send_or_keep(self, node: str, message: dict[str, Any]) -> None:
-        """Send what releases a pin of `node`'s (returned, offers_back...); if its link is not
-        connected (reconnecting), kept for the next flush while the node is up: once it is
-        down, it let them go itself."""
-        if not self.links.send(node, message) and self.links.up(node):
-            self.pulls.later.append((node, message))
+                self.links.after(node, {"op": "offers_back", "offers": offers})
 
     def get(self, session: Session, route: bytes, req: Request) -> bool:
         """A get of a key another node has, in a version newer than the get's `after` (a

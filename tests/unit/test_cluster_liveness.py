@@ -205,3 +205,21 @@ def test_answers_go_to_the_link_a_peer_reconnected_on(pair: Callable[[str], Node
     run([a, b], 1.5)
     assert b.get("k2")
     assert run([a, b], 3, lambda: "k2" in b.reads.started)
+
+
+def test_a_node_restarted_after_its_clock_went_back_is_heard_as_new(
+    pair: Callable[[str], Node],
+) -> None:
+    """a restarts on its state after its clock went back: its new incarnation must still be
+    larger than its last (the broker follows the one its journal names), or b ignores it as
+    a late message of the dead one and a's keys stay unreachable."""
+    a, b = pair("a"), pair("b")
+    ahead = a.cluster.links.incarnation + (3600 * 10**6 << 10)  # its clock, an hour ahead
+    a.cluster.links.incarnation = ahead
+    a.put("k", MiB)
+    assert run([a, b], 5, lambda: b.cluster.replicas.holds("k") and b.cluster.links.fresh("a"))
+    a.close()
+    a = pair("a")
+    assert a.cluster.links.follow(ahead) == ahead + 1
+    a.put("k2", MiB)
+    assert run([a, b], 5, lambda: b.cluster.replicas.holds("k2"))

@@ -146,7 +146,12 @@ class Links:
     def answer(self, node: str, message: dict[str, Any]) -> None:
         self.sent.append((node, message))
 
+    after = send  # (sent at once: these tests have no loop to flush)
+
     def everyone(self, message: dict[str, Any]) -> None:
+        pass
+
+    def everyone_after(self, message: dict[str, Any]) -> None:
         pass
 
     def up(self, node: str) -> bool:
