@@ -7,7 +7,8 @@ Note [cluster]
     broker A (node a)                                   broker B (node b)
     ROUTER at --cluster  <──── DEALER ── hello(b, agent metadata, b's keys)
                          ──── welcome(a, agent metadata, a's keys) ───>  (and beats both ways)
-    a put sealed on A  ── key(k, version) ───> every peer: B's index says k lives on a
+    a put sealed on A  ── announce(k, version) ─> every peer: B's index says k lives on a
+                          (the puts of ANNOUNCE_EVERY in one message, each key's last)
                           (and keys(all of A's) to a peer as it comes up, in case a put
                           came between A's hello and the peer's welcome)
     client of B: get k ── not listed on B ──> B: lend k? ──> A pins it: lent(version, layout,
@@ -125,9 +126,10 @@ class Cluster:
     def wake_in(self) -> float:
         """Seconds until the loop must look again: reads under way are polled (Replicas); at
         once if announcements wait (made after this loop's `flush`: an eviction, say)."""
-        if self.replicas.lending.announcing or self.links.holding:
+        if self.links.holding:
             return 0.0
-        return min(self.replicas.pulls.poll_in, self.queues.poll_in, BEAT)
+        announce = self.replicas.lending.announce_in(time.monotonic())
+        return min(self.replicas.pulls.poll_in, self.queues.poll_in, BEAT, announce)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -191,8 +193,8 @@ class Cluster:
             node = links.routes.get(route, "")
             if not node:  # this broker restarted (or forgot the peer): say hello first
                 first: dict[str, Any] = {"op": "hello_first"}
-                if op == "key" and isinstance(m.get("offer"), dict):  # not kept: not pinned
-                    first["unoffered"] = [[m["key"], m["version"]]]
+                if op == "announce":  # the offers not kept: their owner unpins them
+                    first["unoffered"] = [e[:2] for e in m["keys"] if isinstance(e[3], dict)]
                 elif op == "lend":  # asked again after the hello, else its get waits it out
                     again = ("op", "pull", "key", "direct", "ask")
                     first["again"] = {k: m[k] for k in again if k in m}
@@ -201,13 +203,14 @@ class Cluster:
                 heard, forgot = links.heard_ago(node), links.forgot.get(node, 0)
                 answer = {"op": "beat", "t": m.get("t"), "heard_ago": heard, "forgot": forgot}
                 links.reply(route, {**answer, "incarnation": links.incarnation})
-            elif op == "key":
-                offer = m.get("offer")
-                offer = offer if isinstance(offer, dict) else None
-                if offer is not None and not links.acked(node, m):  # it will let it go
-                    replicas.held.refuse(node, str(m["key"]), int(m["version"]))
-                    offer = None
-                replicas.listed(node, str(m["key"]), int(m["version"]), int(m["size"]), offer)
+            elif op == "announce":
+                acked = links.acked(node, m)
+                for key, version, size, offer in m["keys"]:
+                    offer = offer if isinstance(offer, dict) else None
+                    if offer is not None and not acked:  # it will let it go
+                        replicas.held.refuse(node, str(key), int(version))
+                        offer = None
+                    replicas.listed(node, str(key), int(version), int(size), offer)
             elif op == "offers_back":
                 replicas.lending.offers_back(node, m["offers"])
             elif op == "offer_read":

@@ -12,6 +12,8 @@ it directly. So the owner's node sends a version's bytes FANOUT times, however m
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,6 +26,7 @@ from .transfers import Transfers
 log = logging.getLogger(__name__)
 
 FANOUT = 2  # the nodes a version's owner lends it to itself; later pullers go to theirs
+ANNOUNCE_EVERY = 0.001  # seconds: announcements made sooner after the last batch wait for it
 
 
 class Lending:
@@ -42,6 +45,7 @@ class Lending:
         self.offered = Lent(registry)
         self._lent_to: dict[str, tuple[int, list[str]]] = {}  # key -> (version, borrowers)
         self.announcing: list[tuple[str, int]] = []  # sent after the loop's replies (`flush`)
+        self._announced_at = -math.inf  # when the last batch went
         self.bytes_sent = 0
 
     # -- announcements ---------------------------------------------------------------------------
@@ -51,27 +55,44 @@ class Lending:
         replies are out (a put's reply does not wait for the messages to its peers)."""
         self.announcing.append((key, version))
 
+    def announce_in(self, now: float) -> float:
+        """Seconds until the announcements waiting go out (inf: none wait)."""
+        if not self.announcing:
+            return math.inf
+        return max(0.0, self._announced_at + ANNOUNCE_EVERY - now)
+
     def flush(self) -> None:
-        """The announcements: a small version goes with its offer, pinned for the peers it
-        reached (Note [offers])."""
+        """The announcements, once ANNOUNCE_EVERY passed since the last went: one message to
+        each peer, a key's latest version only; a small version goes with its offer, pinned
+        for the peers it reached (Note [offers])."""
+        now = time.monotonic()
+        if self.announce_in(now) > 0.0:
+            return
+        self._announced_at = now
         announcing, self.announcing = self.announcing, []
-        nodes = [n for n in self.links.nodes() if self.links.up(n)] if announcing else []
-        ack = self.links.seen_forgot  # each offer says how often this broker knows its
-        for key, version in announcing:  # receiver forgot it (Links.acked)
+        latest: dict[str, int] = {}  # key -> its last version, the last put first
+        for key, version in reversed(announcing):
+            latest.setdefault(key, version)
+        entries: list[list[Any]] = []
+        offered = []
+        for key, version in reversed(latest.items()):
             obj = self.registry.objects.get(key)
             size = 0 if obj is None else int(obj.nbytes)
-            message = {"op": "key", "key": key, "version": version, "size": size}
-            offered = obj is not None and obj.version == version and self.offered.offerable(obj)
+            offer = None
             try:
-                if offered:
-                    message["offer"] = self.transfers.offer(obj, agent=False)
+                if obj is not None and obj.version == version and self.offered.offerable(obj):
+                    offer = self.transfers.offer(obj, agent=False)
+                    offered.append(obj)
             except Exception as exc:  # (its segment could not be registered): lent when asked
                 log.warning("could not offer %r with its announcement: %s", key, exc)
-                offered = False
-            obj = obj if offered else None
-            told = {n for n in nodes if self.links.send(n, {**message, "ack": ack.get(n, 0)})}
-            if obj is not None:
-                self.offered.pin(obj, told)
+            entries.append([key, version, size, offer])
+        ack = self.links.seen_forgot  # the offers say how often this broker knows its
+        told = {  # receiver forgot it (Links.acked)
+            n for n in self.links.nodes() if self.links.up(n)
+            and self.links.send(n, {"op": "announce", "keys": entries, "ack": ack.get(n, 0)})
+        }  # fmt: skip
+        for obj in offered:
+            self.offered.pin(obj, told)
 
     # -- loans -----------------------------------------------------------------------------------
 

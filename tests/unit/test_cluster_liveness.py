@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tensorbroker.server.lending import ANNOUNCE_EVERY
 from tests.nodes import MiB, Node, pair, run
 
 __all__ = ["pair"]  # the fixture
@@ -223,3 +224,26 @@ def test_a_node_restarted_after_its_clock_went_back_is_heard_as_new(
     assert a.cluster.links.follow(ahead) == ahead + 1
     a.put("k2", MiB)
     assert run([a, b], 5, lambda: b.cluster.replicas.holds("k2"))
+
+
+def test_puts_close_together_are_announced_in_one_message_with_each_keys_last_version(
+    pair: Callable[[str], Node],
+) -> None:
+    """Announcements made within ANNOUNCE_EVERY of the last batch wait for the next one: one
+    message to each peer, naming each key's last version only, and only that one offered
+    (pinned), so a burst of puts costs each peer one wake-up, not one per put."""
+    a, b = pair("a"), pair("b")
+    assert run([a, b], 5, lambda: a.up("b") and b.up("a"))
+    a.put("first", 4096)
+    a.step()  # a batch just went: the next waits up to ANNOUNCE_EVERY
+    a.put("k", 4096)
+    a.put("j", 4096)
+    a.put("k", 4096)
+    assert 0 < a.cluster.wake_in <= ANNOUNCE_EVERY
+    sent = a.journal.events.count(("sent", "announce"))
+    time.sleep(ANNOUNCE_EVERY)
+    a.step()
+    assert a.journal.events.count(("sent", "announce")) == sent + 1
+    assert len(a.cluster.replicas.lending.offered) == 3  # first, j, and k's version 2
+    assert run([a, b], 3, lambda: b.cluster.replicas.holds("j"))
+    assert b.cluster.replicas.index["k"].version == 2 and len(b.cluster.replicas.held) == 3
