@@ -265,18 +265,29 @@ class DeviceLink:
 
     # -- copying ---------------------------------------------------------------------------
 
-    def copy(self, device: int, dst: int, src: Any, dt: DType, stream: int) -> None:
-        """Enqueue a copy of `src` (a DeviceSource on `device`, or a compact host array) to
-        compact device memory at `dst`, on `stream`."""
+    def copy(self, device: int, copies: list[tuple[int, Any, DType, int]]) -> None:
+        """Enqueue copies of sources (each a DeviceSource on `device`, or a compact host
+        array) to compact device memory: (destination, source, dtype, stream) each. Compact
+        sources that lie end to end, copied on one stream to memory end to end (a flat
+        parameter buffer's tensors, say), go in one copy."""
         rt = self.runtime("copying")
-        if isinstance(src, np.ndarray):
-            rt.copy_async(device, dst, src.ctypes.data, src.nbytes, stream)
-            return
-        nbytes = dt.nbytes(src.shape)
-        if src.compact:
-            rt.copy_async(device, dst, src.ptr, nbytes, stream)
-            return
-        _strided_copy(device, dst, src, dt, stream)
+        run: list[int] = []  # the run being gathered: [destination, source, bytes, stream]
+        for dst, src, dt, stream in copies:
+            if isinstance(src, np.ndarray):
+                ptr, nbytes = src.ctypes.data, src.nbytes
+            elif src.compact:
+                ptr, nbytes = src.ptr, dt.nbytes(src.shape)
+            else:
+                _strided_copy(device, dst, src, dt, stream)
+                continue
+            if run and run[3] == stream and run[0] + run[2] == dst and run[1] + run[2] == ptr:
+                run[2] += nbytes
+                continue
+            if run:
+                rt.copy_async(device, run[0], run[1], run[2], run[3])
+            run = [dst, ptr, nbytes, stream]
+        if run:
+            rt.copy_async(device, run[0], run[1], run[2], run[3])
 
     def clear(self) -> None:
         """Forget what this client opened; each closes once no array uses it."""

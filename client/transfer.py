@@ -243,13 +243,14 @@ class Transfer:
         index, link = device_index(wires[0].device), self.devices
         chunk = link.chunk(index, wires[0].segment, reply["handle"])
         write = link.event(index, *reply["event"])
-        streams: set[int] = set()
+        copies = [
+            (chunk.address + desc.offset, src, dt,
+             STREAM_LEGACY if isinstance(src, np.ndarray) else src.stream)
+            for (_, src, dt), desc in zip(items, wires, strict=True)
+        ]  # fmt: skip
         try:
-            for (_, src, dt), desc in zip(items, wires, strict=True):
-                stream = STREAM_LEGACY if isinstance(src, np.ndarray) else src.stream
-                link.copy(index, chunk.address + desc.offset, src, dt, stream)
-                streams.add(stream)
-            stream = link.record_after(index, write, streams)
+            link.copy(index, copies)
+            stream = link.record_after(index, write, {c[3] for c in copies})
         except BaseException:
             with contextlib.suppress(Exception):  # no copy may land once the memory is reused
                 link.runtime("abort").synchronize(index)

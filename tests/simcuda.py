@@ -169,6 +169,15 @@ class SimCudaTensor:
         ctypes.memmove(self.ptr, self.values.ctypes.data, self.values.nbytes)
         self.streams: list[Any] = []
 
+    def view(self, start: int, stop: int) -> SimCudaTensor:
+        """Elements [start, stop) of this 1-D tensor, over the same memory (a flat parameter
+        buffer's tensors)."""
+        v = object.__new__(SimCudaTensor)
+        v._dlpack, v.device, v.streams = self._dlpack, self.device, []
+        v.values = self.values[start:stop]
+        v.ptr = self.ptr + start * self.values.itemsize
+        return v
+
     def __dlpack_device__(self) -> tuple[int, int]:
         return (2, self.device)
 

@@ -236,6 +236,26 @@ def test_bundle_on_a_device(sim: SimBroker, c: tb.Client) -> None:
     assert isinstance(got, dict) and {t.device for t in got.values()} == {"cuda:0"}
 
 
+def test_a_bundle_of_tensors_end_to_end_in_one_buffer_is_put_in_one_copy(
+    sim: SimBroker, c: tb.Client
+) -> None:
+    """A state_dict over a flat parameter buffer: tensors that lie end to end, and whose
+    places in the object do too, go in one cudaMemcpyAsync; a gap starts another."""
+    page = 4096 // 4  # float32 elements in a page: tensors of 64 KiB and up start on a page
+    flat = SimCudaTensor(sim.rt, 0, np.arange(20 * page, dtype=np.float32))
+    bundle = {"a": flat.view(0, 16 * page), "b": flat.view(16 * page, 20 * page)}
+    before = len(sim.rt.called("copy"))
+    c.put("flat", bundle)
+    assert [call[3] for call in sim.rt.called("copy")[before:]] == [20 * 4096]
+    b = c.get("flat")["b"]
+    got = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_float * (4 * page)).from_address(b.data_ptr))
+    np.testing.assert_array_equal(got, np.arange(16 * page, 20 * page, dtype=np.float32))
+    gap = {"a": flat.view(0, 16 * page), "b": flat.view(17 * page, 20 * page)}
+    before = len(sim.rt.called("copy"))
+    c.put("gap", gap)
+    assert len(sim.rt.called("copy")[before:]) == 2
+
+
 # -- placement and copies ---------------------------------------------------------------
 
 
