@@ -7,8 +7,11 @@ waits for the slowest subscriber on any node.
 
 As a pull (Note [offers] in offers.py), an item is read only while its lender surely holds
 this node up (`fresh`): else its lender may have let it go, and its memory may hold another
-item by now. An item lent before its lender knew that this node forgot it (`ack`) is given
-back unread, and one whose read ended past the bound is given back unsealed.
+item by now. One whose read ended past the bound is read again once the lender is fresh
+(unless a forget fails it meanwhile). An item lent to the incarnation of this node that
+this one replaced, or before its lender knew that this node forgot it (`acked`), is given
+back unread. `qtaken` and `qback` name the lender's incarnation that lent the item: loan
+ids are each incarnation's own.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from .transfers import Transfers
 @dataclass(slots=True)
 class Arrival:
     """Item `loan` of `node`, for part `q`: read into put `put` (0: not begun, waiting for a
-    slot of a full broadcast part)."""
+    slot of a full broadcast part, or for its lender to be fresh). `again`: read, but past
+    its lender's bound: read again once it is fresh."""
 
     node: str
     loan: int
@@ -42,11 +46,20 @@ class Arrival:
     size: int = 0
     started: float = 0.0
     failed: bool = False
+    again: bool = False
 
     @property
     def over(self) -> bool:
         """Read (or failed): ready to seal (or give back)."""
-        return self.handle is None and (self.put > 0 or self.failed)
+        return self.handle is None and (self.failed or (self.put > 0 and not self.again))
+
+    def answer(self, op: str) -> dict[str, Any]:
+        return answer(op, self.loan, self.message)
+
+
+def answer(op: str, loan: int, qitem: dict[str, Any]) -> dict[str, Any]:
+    """`qtaken` or `qback` of `loan`, for the lender's incarnation that lent it (`qitem`)."""
+    return {"op": op, "loan": loan, "of": qitem.get("from")}
 
 
 class Arrivals:
@@ -71,8 +84,9 @@ class Arrivals:
         q = self.queues.by_name.get(name)
         kind = q is not None and (q.subs is not None) == bool(m.get("broadcast"))
         if q is None or q.removed or not kind or not self.links.acked(node, m):
-            # (not acked: lent before its lender knew that this node forgot it; it lets go)
-            self.links.after(node, {"op": "qback", "loan": loan})
+            # (not acked: lent to the incarnation this one replaced, or before its lender
+            # knew that this node forgot it; it lets it go)
+            self.links.after(node, answer("qback", loan, m))
             return
         a = Arrival(node, loan, q, m)
         self._by_node.setdefault(node, deque()).append(a)
@@ -96,9 +110,12 @@ class Arrivals:
         q.pending += 1
         if q.subs is not None:
             self._held.setdefault(q.id, []).append(obj)
+        self._read(a, obj)
+
+    def _read(self, a: Arrival, obj: StoredObject) -> None:
         try:
-            a.handle, a.size = self.transfers.take(a.node, m, obj)
-            a.started = time.monotonic()
+            a.handle, a.size = self.transfers.take(a.node, a.message, obj)
+            a.started, a.again = time.monotonic(), False
         except (OSError, KeyError, TypeError, ValueError):
             a.failed = True
 
@@ -125,8 +142,8 @@ class Arrivals:
             for a in line:
                 if a.handle is not None:
                     due = min(due, poll_due(self.transfers.ends(a.started, a.size), now))
-                elif a.put == 0 and not a.failed:
-                    due = min(due, POLL)  # waits for a slot
+                elif (a.put == 0 or a.again) and not a.failed:
+                    due = min(due, POLL)  # waits for a slot, or for its lender to be fresh
         return due
 
     def poll(self) -> None:
@@ -138,10 +155,15 @@ class Arrivals:
                         if self.transfers.done(a.handle):
                             a.handle = None
                             self.transfers.took(a.size, time.monotonic() - a.started)
-                            # Its lender may have let it go during the read: not sealed.
-                            a.failed = not self.links.fresh(node)
+                            # Its lender may have let it go during the read (or this loop
+                            # paused): read again once it surely holds it (a later forget
+                            # fails it).
+                            a.again = not self.links.fresh(node)
                     except OSError:
                         a.handle, a.failed = None, True
+                elif a.again and not a.failed:
+                    if self.links.fresh(node):
+                        self._read(a, self.registry.pending[a.put])
                 elif a.put == 0 and not a.failed:
                     self._begin(a)
             while line and line[0].over:
@@ -153,7 +175,7 @@ class Arrivals:
         if a.failed:
             if a.put:
                 self.registry.abort(self.session, a.put, False)
-            self.links.after(a.node, {"op": "qback", "loan": a.loan})
+            self.links.after(a.node, a.answer("qback"))
         else:
             self.bytes_received += a.size
             # Not lent on from here (REPASS in queue_links.py), should it stay in the part
@@ -161,7 +183,7 @@ class Arrivals:
             # own item first).
             self.came.add(self.registry.pending[a.put].oid)
             self.queues.deliver(self.session, a.put, a.q)
-            self.links.after(a.node, {"op": "qtaken", "loan": a.loan})
+            self.links.after(a.node, a.answer("qtaken"))
         self.on_end(a, not a.failed)
 
     def node_down(self, node: str) -> None:

@@ -238,6 +238,8 @@ class Cluster:
             links.want(node, name, int(m["n"]), op)
         elif op == "qitem":
             links.arrivals.arrived(node, m)
+        elif op in ("qtaken", "qback") and m.get("of") != self.links.incarnation:
+            return  # about a loan of the broker this one replaced (loan ids are its own)
         elif op == "qtaken":
             links.taken(node, int(m["loan"]))
         elif op == "qback":

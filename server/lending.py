@@ -86,10 +86,10 @@ class Lending:
             except Exception as exc:  # (its segment could not be registered): lent when asked
                 log.warning("could not offer %r with its announcement: %s", key, exc)
             entries.append([key, version, size, offer])
-        ack = self.links.seen_forgot  # the offers say how often this broker knows its
-        told = {  # receiver forgot it (Links.acked)
-            n for n in self.links.nodes() if self.links.up(n)
-            and self.links.send(n, {"op": "announce", "keys": entries, "ack": ack.get(n, 0)})
+        links = self.links  # (the offers say which incarnation of their receiver they are
+        told = {  # for, and how often this broker knows it forgot this one: Links.acked)
+            n for n in links.nodes() if links.up(n)
+            and links.send(n, {"op": "announce", "keys": entries, **links.ack(n)})
         }  # fmt: skip
         for obj in offered:
             self.offered.pin(obj, told)
@@ -131,15 +131,14 @@ class Lending:
 
     def loan(self, node: str, pull: int, obj: StoredObject, ask: int = 0) -> dict[str, Any]:
         """Pin `obj` for lend `ask` of `node`'s pull `pull` (once, if it came twice): its
-        `lent` answer, which says how often this broker knows `node` forgot it (`ack`)."""
+        `lent` answer, for `node`'s incarnation as this broker knows it (Links.acked)."""
         if (node, pull, ask) not in self.loans:
             self.registry.pin(obj)
             self.loans[node, pull, ask] = obj
             self.bytes_sent += obj.nbytes
-        ack = self.links.seen_forgot.get(node, 0)  # (as an offer's, Links.acked)
         return {
-            "op": "lent", "pull": pull, "ask": ask, "version": obj.version, "ack": ack,
-            **self.transfers.offer(obj),
+            "op": "lent", "pull": pull, "ask": ask, "version": obj.version,
+            **self.links.ack(node), **self.transfers.offer(obj),
         }  # fmt: skip
 
     def returned(self, node: str, pull: int, ask: int = 0) -> None:

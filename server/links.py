@@ -174,12 +174,23 @@ class Links:
         known = self._incarnations.get(node)
         return isinstance(incarnation, int) and known is not None and incarnation < known
 
+    def ack(self, node: str) -> dict[str, Any]:
+        """What a message that pins something for `node` (an offer, a loan, a queue item)
+        says, for `acked` there: how often this broker knows that node forgot it (`ack`),
+        and the incarnation of the node it knows (`to`)."""
+        return {"ack": self.seen_forgot.get(node, 0), "to": self._incarnations.get(node)}
+
     def acked(self, node: str, m: dict[str, Any]) -> bool:
-        """Whether `node` sent `m` (an offer or a loan) knowing every time this broker forgot
-        it (`ack`: its seen_forgot of this one). If not, it forgets this one once it knows,
-        and lets go what `m` pinned: it must not be read."""
+        """Whether `node` sent `m` (an offer or a loan) to this broker's incarnation (not to
+        one it replaced: it lets that one's go once it hears of this one) knowing every time
+        this broker forgot it (`ack`: its seen_forgot of this one; if not, it forgets this
+        one once it knows, and lets go what `m` pinned). Else `m` must not be read."""
         ack = m.get("ack", 0)
-        return isinstance(ack, int) and ack >= self.forgot.get(node, 0)
+        return (
+            m.get("to") == self.incarnation
+            and isinstance(ack, int)
+            and ack >= self.forgot.get(node, 0)
+        )
 
     def forgetting(self, node: str) -> None:
         """This broker forgets `node` (took it for down, or found it restarted): its next

@@ -22,7 +22,9 @@ lets its offers go (and the peer drops those it held from an owner that went dow
 restarted: a restarted broker's addresses are new). So a pin holds only a version no longer
 current (a current one's memory is held anyway), for about one trip and GIVE_BACK_EVERY
 after its successor is announced. An evictable version is not offered: the pin would keep it
-from being evicted.
+from being evicted. A peer reads an offer only while the owner surely holds it up (`fresh`),
+and keeps one only if it was made for its own incarnation knowing every time it forgot the
+owner (`acked`, links.py): else the owner lets it go, or has.
 
 Every node reads an offered version from its owner: below OFFER_MAX the fan-out of
 replicas.py does not apply (64 KiB to a hundred nodes is 6.4 MB from the owner).

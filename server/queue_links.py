@@ -218,7 +218,7 @@ class QueueLinks:
         self.loans[node, self._ids] = (q, obj)
         self.links.after(node, {
             "op": "qitem", "queue": q.name, "loan": self._ids, "broadcast": broadcast,
-            "ack": self.links.seen_forgot.get(node, 0), **self.transfers.offer(obj),
+            "from": self.links.incarnation, **self.links.ack(node), **self.transfers.offer(obj),
         })  # fmt: skip
         self.bytes_sent += obj.nbytes
 

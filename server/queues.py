@@ -125,8 +125,11 @@ class Queues:
             self.registry.retire(obj)
         elif q.getters:
             self._to_first_getter(q, obj)
-        else:
-            q.items.appendleft(obj)
+        else:  # to the front, behind those given back before it that were put before it
+            items, i = q.items, 0
+            while i < len(items) and items[i].version < obj.version:
+                i += 1
+            items.insert(i, obj)
             return True
         return False
 

@@ -3,8 +3,10 @@ server/queue_links.py): Cluster objects stepped by hand in this process (tests/n
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
+from tensorbroker.common.protocol import Request
 from tests.nodes import Node, pair, run
 
 __all__ = ["pair"]  # the fixture
@@ -105,3 +107,115 @@ def test_an_item_lent_while_the_link_reconnects_goes_once_it_is_back(
     assert b.cluster.queues.loans and b.up("a")
     link.socket.connect(link.address)
     assert run([a, b], 3, lambda: bool(a.reads.started))
+
+
+def test_an_item_lent_to_a_node_restarted_before_its_lender_knew_is_not_read(
+    pair: Callable[[str], Node],
+) -> None:
+    """a restarts within DOWN_AFTER: b still holds a up, with the old a's want. b says hello
+    to the new a (a's beat said hello_first) and lends it an item before it reads the new
+    a's hello: b lets the item go once it knows, so the new a must not read it (one item in
+    two parts)."""
+    a, b = pair("a"), pair("b")
+    assert run([a, b], 5, lambda: a.up("b") and b.up("a") and a.cluster.links.fresh("b"))
+    a.cluster.queues.asked(a.queue("q"))
+    assert run([a, b], 3, lambda: bool(b.cluster.queues.wants.get("q", {}).get("a")))
+    a.close()  # it crashed
+    a = pair("a")
+    a.queue("q")
+    router, mark = b.cluster.links.router, len(b.journal.events)
+    end = time.monotonic() + 3
+    while ("sent", "hello") not in b.journal.events[mark:] and time.monotonic() < end:
+        b.step(skip=router)  # the new a's hello not read yet
+        a.step()
+    assert ("sent", "hello") in b.journal.events[mark:] and b.up("a")
+    b.queue_put("q", 4096)  # lent to a, on the old a's want
+    b.cluster.flush()
+    assert b.cluster.queues.loans
+    a.reads.over = True
+    run([a, b], 3, lambda: len(a.queue("q").items) + len(b.queue("q").items) == 2)
+    assert not a.reads.started
+    assert not b.cluster.queues.loans and len(b.queue("q").items) == 1
+
+
+def _pause(node: Node, others: list[Node], seconds: float) -> None:
+    """`node`'s loop pauses (a long request, say) while the others' run."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for n in others:
+            n.step()
+
+
+def test_items_read_just_before_a_pause_under_down_after_are_read_again_not_reversed(
+    pair: Callable[[str], Node],
+) -> None:
+    """b lends a three items of one producer; their reads end, then a's loop pauses 1.6 s
+    (b holds a up still). a's bound on b passed meanwhile: it reads them again once b is
+    fresh, and seals them in their order (given back instead, they went to the front of b's
+    part one by one: reversed)."""
+    a, b = pair("a"), pair("b")
+    assert run([a, b], 5, lambda: a.up("b") and b.up("a") and a.cluster.links.fresh("b"))
+    for _ in range(3):
+        b.queue_put("q", 4096)
+    a.cluster.queues.asked(a.queue("q"))
+    assert run([a, b], 3, lambda: len(a.reads.started) == 3)
+    a.reads.over = True
+    _pause(a, [b], 1.6)
+    assert b.up("a") and len(b.cluster.queues.loans) == 3
+    a.cluster.queues.asked(a.queue("q"))
+    assert run([a, b], 3, lambda: len(a.queue("q").items) == 3 and not b.cluster.queues.loans)
+    assert len(a.reads.started) == 6 and not b.queue("q").items  # (sealed in lent order)
+
+
+def test_items_given_back_one_by_one_keep_their_order_in_the_part(
+    pair: Callable[[str], Node],
+) -> None:
+    """Items lent and given back (each `qback` alone) go back to the front of the part in
+    the order they were put, not reversed."""
+    a, b = pair("a"), pair("b")
+    assert run([a, b], 5, lambda: a.up("b") and b.up("a"))
+    for _ in range(3):
+        b.queue_put("q", 4096)
+    q = b.queue("q")
+    put = [o.version for o in q.items]
+    lent = [q.items.popleft() for _ in range(3)]
+    for obj in lent:  # given back in the order lent: the first goes back first
+        b.queues.requeue(q, obj)
+    assert [o.version for o in q.items] == put
+
+
+def test_a_broadcast_item_read_just_before_a_pause_reaches_the_subscriber(
+    pair: Callable[[str], Node],
+) -> None:
+    """As above, for a broadcast queue: an item given back is not lent again, so a's
+    subscriber would never get it; read again, it does."""
+    a, b = pair("a"), pair("b")
+    assert run([a, b], 5, lambda: a.up("b") and b.up("a") and a.cluster.links.fresh("b"))
+    for n in (a, b):
+        n.queues.open(n.session, b"c", Request("queue", 1, {"name": "bq", "broadcast": True}, []))
+    qa = a.queues.by_name["bq"]
+    a.queues.subscribe(a.session, b"c", Request("subscribe", 2, {"queue": qa.id}, []))
+    assert run([a, b], 3, lambda: bool(b.cluster.queues.subs.get("bq", {}).get("a")))
+    qb = b.queues.by_name["bq"]
+    put, _ = b.registry.begin_put(b.session, "bq", [("", "uint8", (4096,))], False, queue=qb)
+    qb.in_flight += 1
+    qb.pending += 1
+    b.queues.seal(b.session, put, False, qb)  # published: lent to a
+    assert run([a, b], 3, lambda: len(a.reads.started) == 1)
+    a.reads.over = True
+    _pause(a, [b], 1.6)
+    assert b.up("a") and len(b.cluster.queues.loans) == 1
+    assert run([a, b], 3, lambda: qa.sealed == 1)
+
+
+def test_a_qtaken_for_a_loan_of_the_lenders_last_incarnation_is_ignored(
+    pair: Callable[[str], Node],
+) -> None:
+    """Loan ids are each incarnation's own: a late `qtaken` meant for the broker that this
+    one replaced must not free the item this one lent under the same id."""
+    a, b = _lent_to_b(pair)
+    ((node, loan),) = a.cluster.queues.loans
+    a.cluster._queue_request(node, "qtaken", {"loan": loan, "of": a.cluster.links.incarnation - 1})
+    assert a.cluster.queues.loans
+    a.cluster._queue_request(node, "qtaken", {"loan": loan, "of": a.cluster.links.incarnation})
+    assert not a.cluster.queues.loans
