@@ -153,10 +153,11 @@ class Cluster:
         try:
             if now >= self._next_beat:
                 self._next_beat = now + BEAT
+                pulls = list(self.replicas.pulls.pulls)  # (loans of others: Lending.open_pulls)
                 for peer in self.peers:
                     if peer.up and now - peer.heard > DOWN_AFTER:
                         self._down(peer)
-                    beat = {"op": "beat", "t": now}
+                    beat = {"op": "beat", "t": now, "pulls": pulls}
                     self.links.send_to(peer, beat if peer.up else self._hello(to=peer.node))
                 self.queues.beat()
             self.replicas.pulls.poll(now)
@@ -200,6 +201,7 @@ class Cluster:
                     first["again"] = {k: m[k] for k in again if k in m}
                 links.reply(route, first)
             elif op == "beat":  # its answer: when this broker last heard it (links.py, `kept`)
+                replicas.lending.open_pulls(node, m.get("pulls"))
                 heard, forgot = links.heard_ago(node), links.forgot.get(node, 0)
                 answer = {"op": "beat", "t": m.get("t"), "heard_ago": heard, "forgot": forgot}
                 links.reply(route, {**answer, "incarnation": links.incarnation})

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 FANOUT = 2  # the nodes a version's owner lends it to itself; later pullers go to theirs
 ANNOUNCE_EVERY = 0.001  # seconds: announcements made sooner after the last batch wait for it
+STALE_LOAN = 1.0  # seconds after which a loan its borrower's beat does not name is over
 
 
 class Lending:
@@ -42,6 +43,7 @@ class Lending:
         self.node, self.registry, self.transfers, self.links = node, registry, transfers, links
         self.index, self.pulling = index, pulling
         self.loans: dict[tuple[str, int, int], StoredObject] = {}  # (node, pull, ask) -> pinned
+        self._lent_at: dict[tuple[str, int, int], float] = {}  # (node, pull, ask) -> when
         self.offered = Lent(registry)
         self._lent_to: dict[str, tuple[int, list[str]]] = {}  # key -> (version, borrowers)
         self.announcing: list[tuple[str, int]] = []  # sent after the loop's replies (`flush`)
@@ -135,6 +137,7 @@ class Lending:
         if (node, pull, ask) not in self.loans:
             self.registry.pin(obj)
             self.loans[node, pull, ask] = obj
+            self._lent_at[node, pull, ask] = time.monotonic()
             self.bytes_sent += obj.nbytes
         return {
             "op": "lent", "pull": pull, "ask": ask, "version": obj.version,
@@ -142,9 +145,21 @@ class Lending:
         }  # fmt: skip
 
     def returned(self, node: str, pull: int, ask: int = 0) -> None:
+        self._lent_at.pop((node, pull, ask), None)
         obj = self.loans.pop((node, pull, ask), None)
         if obj is not None:
             self.registry.unpin(obj)
+
+    def open_pulls(self, node: str, pulls: Any) -> None:
+        """`node`'s beat names the pulls it has open: its other loans here, lent over
+        STALE_LOAN ago, are over (their `returned` was lost with a link that broke after
+        taking it), and unpinned."""
+        if not isinstance(pulls, list):
+            return
+        open_, old = set(pulls), time.monotonic() - STALE_LOAN
+        for key in [k for k in self.loans if k[0] == node and k[1] not in open_]:
+            if self._lent_at.get(key, 0.0) < old:
+                self.returned(*key)
 
     # -- offers ----------------------------------------------------------------------------------
 
@@ -161,7 +176,7 @@ class Lending:
         """`node` went down or restarted: what it was lent or offered is unpinned (it will not
         say)."""
         for loan in [loan for loan in self.loans if loan[0] == node]:
-            self.registry.unpin(self.loans.pop(loan))
+            self.returned(*loan)
         self.offered.let_go(node)
         for pull in self.pulling.values():  # its pulls waiting here for a replica: forgotten
             pull.lends = [lend for lend in pull.lends if lend[0] != node]

@@ -8,7 +8,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tensorbroker.server.lending import ANNOUNCE_EVERY
+from tensorbroker.server.lending import ANNOUNCE_EVERY, STALE_LOAN
+from tensorbroker.server.offers import OFFER_MAX
 from tests.nodes import MiB, Node, pair, run
 
 __all__ = ["pair"]  # the fixture
@@ -247,3 +248,26 @@ def test_puts_close_together_are_announced_in_one_message_with_each_keys_last_ve
     assert len(a.cluster.replicas.lending.offered) == 3  # first, j, and k's version 2
     assert run([a, b], 3, lambda: b.cluster.replicas.holds("j"))
     assert b.cluster.replicas.index["k"].version == 2 and len(b.cluster.replicas.held) == 3
+
+
+def test_a_loan_whose_returned_was_lost_is_unpinned_once_the_borrowers_beats_leave_it_out(
+    pair: Callable[[str], Node],
+) -> None:
+    """b's `returned` is lost (ZeroMQ took it, then the connection broke): a must not keep
+    the version pinned for good. b's beats name the pulls it has open; a unpins a loan they
+    leave out once it is older than STALE_LOAN."""
+    a, b = pair("a"), pair("b")
+    a.put("k", 2 * OFFER_MAX)  # (lent when asked, not offered)
+    assert run([a, b], 5, lambda: b.cluster.replicas.holds("k") and b.cluster.links.fresh("a"))
+    after = b.cluster.links.after
+
+    def losing(node: str, message: dict[str, Any]) -> None:
+        if message["op"] != "returned":
+            after(node, message)
+
+    b.cluster.links.after = losing  # type: ignore[method-assign]
+    assert b.get("k")
+    b.reads.over = True
+    assert run([a, b], 3, lambda: not b.cluster.replicas.pulls.pulls)
+    assert a.cluster.replicas.lending.loans
+    assert run([a, b], STALE_LOAN + 2, lambda: not a.cluster.replicas.lending.loans)
