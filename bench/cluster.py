@@ -5,6 +5,7 @@ run. Written to bench/results/cluster.md.
     first get of 256 MiB on another node    vs  one raw NIXL READ of 256 MiB, two processes
     first get of 4 KiB on another node      vs  one raw ZeroMQ round trip, tcp loopback
     second get of 4 KiB there (its replica) vs  a get on the node that put it
+    puts of 4 KiB on a node (its peer told)  vs  the same on a lone broker
     one 64 MiB version read on 3 nodes      vs  its size: what its owner's broker sent
     a queue item to a consumer waiting on another node, and a stream of 1 MiB items to
     another node                            vs  the same with both on one node
@@ -187,6 +188,20 @@ def repeat_get(c: tb.Client, key: str, reps: int) -> float:
     return _median(once, reps)
 
 
+def repeat_put(c: tb.Client, reps: int) -> float:
+    """Seconds per put of 4 KiB (the median), over 20 keys: small puts in a loop."""
+    x = np.ones(4096, np.uint8)
+    for i in range(20):
+        c.put(f"put-{i}", x)
+
+    def once(i: int) -> float:
+        began = time.perf_counter()
+        c.put(f"put-{i % 20}", x)
+        return time.perf_counter() - began
+
+    return _median(once, reps)
+
+
 def queue_handoff(producer: tb.Client, consumer: tb.Client, name: str, reps: int) -> float:
     """Seconds from a put of a 4 KiB item to its consumer, already waiting, having it (the
     median): a consumer parked ahead."""
@@ -271,6 +286,7 @@ def main() -> int:
         _known(b, "small")
         replica = repeat_get(b, "small", reps * 20)
         local = repeat_get(a, "small", reps * 20)
+        put_there = repeat_put(a, reps * 20)
         print("cluster bench: queues ...", flush=True)
         handoff_there = queue_handoff(a, b, "handoff-ab", reps * 3)
         handoff_here = queue_handoff(a, a, "handoff-aa", reps * 3)
@@ -278,6 +294,12 @@ def main() -> int:
         stream_here = queue_stream(a, a, "stream-aa", 200)
     print("cluster bench: fan-out ...", flush=True)
     sent = fan_out(64 * MiB)
+    lone = tb.start_broker(memory="64MiB")
+    try:
+        with tb.connect(lone.address) as c:
+            put_lone = repeat_put(c, reps * 20)
+    finally:
+        lone.stop()
     rows = [
         ("first get of 256 MiB on another node", f"{big_get * 1e3:.1f} ms",
          f"raw NIXL READ {nixl * 1e3:.1f} ms", nixl / big_get, "bandwidth, at least 0.8x"),
@@ -285,6 +307,8 @@ def main() -> int:
          f"raw ZeroMQ round trip {rtt * 1e6:.0f} us", small_get / rtt, "at most 3x"),
         ("second get of 4 KiB there (replica)", f"{replica * 1e6:.1f} us",
          f"local get {local * 1e6:.1f} us", replica / local, "at most 2x"),
+        ("put of 4 KiB on a node of the cluster (its peer told)", f"{put_there * 1e6:.0f} us",
+         f"a lone broker {put_lone * 1e6:.0f} us", put_there / put_lone, "(none)"),
         ("64 MiB read on 3 nodes at once", f"owner sent {sent:.2f}x", "its size", sent,
          "at most 2x"),
         ("queue: a 4 KiB item to a consumer waiting on another node",
