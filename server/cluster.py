@@ -197,11 +197,13 @@ class Cluster:
                 if op == "announce":  # the offers not kept: their owner unpins them
                     first["unoffered"] = [e[:2] for e in m["keys"] if isinstance(e[3], dict)]
                 elif op == "lend":  # asked again after the hello, else its get waits it out
-                    again = ("op", "pull", "key", "direct", "ask")
+                    again = ("op", "pull", "key", "direct", "ask", "t")
                     first["again"] = {k: m[k] for k in again if k in m}
+                elif op == "qitem":  # not read: its lender puts it back in its part
+                    first["qback"] = [m["loan"]]
                 links.reply(route, first)
             elif op == "beat":  # its answer: when this broker last heard it (links.py, `kept`)
-                replicas.lending.open_pulls(node, m.get("pulls"))
+                replicas.lending.open_pulls(node, m.get("pulls"), m.get("t"))
                 heard, forgot = links.heard_ago(node), links.forgot.get(node, 0)
                 answer = {"op": "beat", "t": m.get("t"), "heard_ago": heard, "forgot": forgot}
                 links.reply(route, {**answer, "incarnation": links.incarnation})
@@ -223,7 +225,7 @@ class Cluster:
                 replicas.welcome(node, m["keys"])
             elif op == "lend":
                 pull, direct, ask = int(m["pull"]), bool(m.get("direct")), int(m.get("ask", 0))
-                replicas.lending.lend(node, pull, str(m["key"]), direct, ask)
+                replicas.lending.lend(node, pull, str(m["key"]), direct, ask, m.get("t"))
             elif op == "returned":
                 replicas.lending.returned(node, int(m["pull"]), int(m.get("ask", 0)))
             elif op == "delete":
@@ -304,8 +306,10 @@ class Cluster:
                 self.queues.node_up(node)
                 log.info("cluster: node %r at %s is up", node, peer.address)
             elif op == "hello_first":
-                if peer.node is not None and m.get("unoffered"):  # an announcement it dropped
-                    self.replicas.lending.offers_back(peer.node, m["unoffered"])
+                if peer.node is not None:  # an announcement, or queue items, it dropped
+                    self.replicas.lending.offers_back(peer.node, m.get("unoffered", ()))
+                    for loan in m.get("qback", ()):
+                        self.queues.back(peer.node, int(loan))
                 self.links.send_to(peer, self._hello(to=peer.node))
                 again = m.get("again")
                 if isinstance(again, dict) and peer.node is not None and again.get("op") == "lend":

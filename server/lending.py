@@ -27,7 +27,6 @@ log = logging.getLogger(__name__)
 
 FANOUT = 2  # the nodes a version's owner lends it to itself; later pullers go to theirs
 ANNOUNCE_EVERY = 0.001  # seconds: announcements made sooner after the last batch wait for it
-STALE_LOAN = 1.0  # seconds after which a loan its borrower's beat does not name is over
 
 
 class Lending:
@@ -43,7 +42,9 @@ class Lending:
         self.node, self.registry, self.transfers, self.links = node, registry, transfers, links
         self.index, self.pulling = index, pulling
         self.loans: dict[tuple[str, int, int], StoredObject] = {}  # (node, pull, ask) -> pinned
-        self._lent_at: dict[tuple[str, int, int], float] = {}  # (node, pull, ask) -> when
+        # (node, pull, ask) -> when its borrower asked, on its clock (Lending.open_pulls):
+        self._asked_at: dict[tuple[str, int, int], float] = {}  # asked, not yet lent
+        self._lent_at: dict[tuple[str, int, int], float] = {}  # lent
         self.offered = Lent(registry)
         self._lent_to: dict[str, tuple[int, list[str]]] = {}  # key -> (version, borrowers)
         self.announcing: list[tuple[str, int]] = []  # sent after the loop's replies (`flush`)
@@ -73,11 +74,16 @@ class Lending:
         self._announced_at = now
         announcing, self.announcing = self.announcing, []
         latest: dict[str, int] = {}  # key -> its last version, the last put first
+        put: dict[str, int] = {}  # key -> its last put's version
         for key, version in reversed(announcing):
             latest.setdefault(key, version)
+            if version:
+                put.setdefault(key, version)
         entries: list[list[Any]] = []
         offered = []
         for key, version in reversed(latest.items()):
+            if not version and key in put:  # put, then deleted: both (the put replaces the
+                entries.append([key, put[key], 0, None])  # versions other nodes hold)
             obj = self.registry.objects.get(key)
             size = 0 if obj is None else int(obj.nbytes)
             offer = None
@@ -98,12 +104,16 @@ class Lending:
 
     # -- loans -----------------------------------------------------------------------------------
 
-    def lend(self, node: str, pull: int, key: str, direct: bool = False, ask: int = 0) -> None:
+    def lend(
+        self, node: str, pull: int, key: str, direct: bool = False, ask: int = 0, t: Any = None
+    ) -> None:
         """Answer `node`'s pull of `key`: pin its version here and say where its bytes are;
         or, the owner of a version it lent FANOUT times already, send it to one of those
         borrowers (unless `direct`: one of them failed it); or, pulling it, lend it once
         the pull is done. `ask`: which of the pull's lends this is (the answer says, and
-        only the last one asked is read)."""
+        only the last one asked is read); `t`: when it was asked, on `node`'s clock."""
+        if isinstance(t, float):
+            self._asked_at[node, pull, ask] = t
         pulling = self.pulling.get(key)
         if pulling is not None and key in self.index:
             pulling.lends.append((node, pull, ask))
@@ -137,8 +147,9 @@ class Lending:
         if (node, pull, ask) not in self.loans:
             self.registry.pin(obj)
             self.loans[node, pull, ask] = obj
-            self._lent_at[node, pull, ask] = time.monotonic()
+            self._lent_at[node, pull, ask] = self._asked_at.get((node, pull, ask), math.inf)
             self.bytes_sent += obj.nbytes
+        self._asked_at.pop((node, pull, ask), None)
         return {
             "op": "lent", "pull": pull, "ask": ask, "version": obj.version,
             **self.links.ack(node), **self.transfers.offer(obj),
@@ -150,16 +161,19 @@ class Lending:
         if obj is not None:
             self.registry.unpin(obj)
 
-    def open_pulls(self, node: str, pulls: Any) -> None:
-        """`node`'s beat names the pulls it has open: its other loans here, lent over
-        STALE_LOAN ago, are over (their `returned` was lost with a link that broke after
-        taking it), and unpinned."""
-        if not isinstance(pulls, list):
+    def open_pulls(self, node: str, pulls: Any, sent: Any) -> None:
+        """`node`'s beat, sent at `sent` on its clock, names the pulls it has open: its loans
+        here of pulls it does not name, asked for before that beat left, are over (their
+        `returned` was lost with a link that broke after taking it), and unpinned."""
+        if not isinstance(pulls, list) or not isinstance(sent, float):
             return
-        open_, old = set(pulls), time.monotonic() - STALE_LOAN
+        open_ = set(pulls)
         for key in [k for k in self.loans if k[0] == node and k[1] not in open_]:
-            if self._lent_at.get(key, 0.0) < old:
+            if self._lent_at.get(key, math.inf) < sent:
                 self.returned(*key)
+        for key in [k for k, t in self._asked_at.items() if k[0] == node and t < sent]:
+            if key[1] not in open_:  # (asked, and answered with no loan)
+                del self._asked_at[key]
 
     # -- offers ----------------------------------------------------------------------------------
 
@@ -177,6 +191,8 @@ class Lending:
         say)."""
         for loan in [loan for loan in self.loans if loan[0] == node]:
             self.returned(*loan)
+        for asked in [k for k in self._asked_at if k[0] == node]:
+            del self._asked_at[asked]
         self.offered.let_go(node)
         for pull in self.pulling.values():  # its pulls waiting here for a replica: forgotten
             pull.lends = [lend for lend in pull.lends if lend[0] != node]

@@ -180,7 +180,8 @@ class Pulls:
         whose answer is read."""
         pull.source = pull.source if source is None else source
         pull.ask, pull.direct = pull.ask + 1, direct
-        message = {"op": "lend", "pull": pull.id, "key": pull.key, "ask": pull.ask}
+        message = {"op": "lend", "pull": pull.id, "key": pull.key, "ask": pull.ask,
+                   "t": time.monotonic()}  # fmt: skip
         if direct:
             message["direct"] = True
         pull.asked = self.links.send(pull.source, message)

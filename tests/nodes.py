@@ -96,7 +96,7 @@ class Node:
         objects.elsewhere, self.objects = self.cluster.replicas, objects
         self.queues.elsewhere = self.cluster.queues
         self.session = Session(name * 8, None)
-        self.closed = False
+        self.name, self.closed = name, False
         links, events = self.cluster.links, self.journal.events
         send_to = links.send_to
 

@@ -8,11 +8,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tensorbroker.server.lending import ANNOUNCE_EVERY, STALE_LOAN
+from tensorbroker.common.protocol import Request
+from tensorbroker.server.lending import ANNOUNCE_EVERY
 from tensorbroker.server.offers import OFFER_MAX
-from tests.nodes import MiB, Node, pair, run
+from tests.nodes import MiB, Node, pair, run, trio
 
-__all__ = ["pair"]  # the fixture
+__all__ = ["pair", "trio"]  # the fixtures
 
 
 def test_loans_of_an_owner_restarted_quickly_stay_pinned_while_they_are_read(
@@ -254,8 +255,8 @@ def test_a_loan_whose_returned_was_lost_is_unpinned_once_the_borrowers_beats_lea
     pair: Callable[[str], Node],
 ) -> None:
     """b's `returned` is lost (ZeroMQ took it, then the connection broke): a must not keep
-    the version pinned for good. b's beats name the pulls it has open; a unpins a loan they
-    leave out once it is older than STALE_LOAN."""
+    the version pinned for good. b's beats name the pulls it has open; a unpins a loan that
+    a beat sent after its lend leaves out."""
     a, b = pair("a"), pair("b")
     a.put("k", 2 * OFFER_MAX)  # (lent when asked, not offered)
     assert run([a, b], 5, lambda: b.cluster.replicas.holds("k") and b.cluster.links.fresh("a"))
@@ -270,4 +271,55 @@ def test_a_loan_whose_returned_was_lost_is_unpinned_once_the_borrowers_beats_lea
     b.reads.over = True
     assert run([a, b], 3, lambda: not b.cluster.replicas.pulls.pulls)
     assert a.cluster.replicas.lending.loans
-    assert run([a, b], STALE_LOAN + 2, lambda: not a.cluster.replicas.lending.loans)
+    assert run([a, b], 2, lambda: not a.cluster.replicas.lending.loans)
+
+
+def test_a_beat_held_up_on_a_second_link_does_not_unpin_a_loan_being_read(
+    pair: Callable[[str], Node],
+) -> None:
+    """b has two links to a (two addresses of one broker). A beat b sent on the second just
+    before a pull began (naming no pull) is held up there (a stalled connection, under
+    DOWN_AFTER) while the lend went on the first: when it comes in, a must not take it to
+    say the pull is over (b still reads the loan)."""
+    a, b = pair("a"), pair("b")
+    port = a.cluster.address.rpartition(":")[2]
+    b.cluster.links.meet(f"tcp://localhost:{port}")
+    a.put("k", 2 * OFFER_MAX)  # (lent when asked, not offered)
+    links = b.cluster.links
+    assert run([a, b], 5, lambda: links.fresh("a") and all(p.up for p in links.peers))
+    second, held, send_to = links.peers[1], [], links.send_to
+
+    def stalled(peer: Any, message: dict[str, Any]) -> bool:
+        if peer is second and message.get("op") == "beat":
+            held.append(message)
+            return True
+        return send_to(peer, message)
+
+    links.send_to = stalled  # type: ignore[method-assign]
+    b.cluster._next_beat = 0.0
+    b.step()  # a beat on each link, no pull open; the second's held up
+    assert held and held[-1]["pulls"] == []
+    assert b.get("k")
+    assert run([a, b], 3, lambda: "k" in b.reads.started)
+    links.send_to = send_to
+    send_to(second, held[-1])  # the second link flows again: its old beat comes in
+    run([a, b], 0.3)
+    assert b.cluster.replicas.pulls.pulls and a.cluster.replicas.lending.loans
+
+
+def test_a_put_then_a_delete_in_one_batch_deletes_the_key_everywhere(
+    trio: Callable[[str], Node],
+) -> None:
+    """b holds k; a puts k (its version wins) and deletes it within one batch of
+    announcements. The put must still reach the others (it replaces b's version) before
+    the delete: else b and c keep b's version while a has none."""
+    a, b, c = trio("a"), trio("b"), trio("c")
+    nodes = [a, b, c]
+    assert run(nodes, 5, lambda: all(n.up(m) for n in nodes for m in "abc" if m != n.name))
+    b.put("k", 4096)
+    assert run(nodes, 5, lambda: a.cluster.replicas.holds("k") and c.cluster.replicas.holds("k"))
+    a.put("k", 4096)
+    a.objects.delete(a.session, b"client", Request("delete", 8, {"key": "k"}, []))
+    run(nodes, 1.0)
+    held = [n.name for n in nodes if "k" in n.registry.objects or n.cluster.replicas.holds("k")]
+    assert held == []

@@ -219,3 +219,23 @@ def test_a_qtaken_for_a_loan_of_the_lenders_last_incarnation_is_ignored(
     assert a.cluster.queues.loans
     a.cluster._queue_request(node, "qtaken", {"loan": loan, "of": a.cluster.links.incarnation})
     assert not a.cluster.queues.loans
+
+
+def test_an_item_lent_to_a_restarted_node_before_it_knew_the_lenders_route_is_not_lost(
+    pair: Callable[[str], Node],
+) -> None:
+    """b restarts; its new process says hello to a and, a consumer waiting, wants an item.
+    a lends it on its own link to b before that link said hello there (a's next beat): b
+    answers `hello_first`, not reading it. a must take it back, not keep it lent for good."""
+    a, b = pair("a"), pair("b")
+    assert run([a, b], 5, lambda: a.up("b") and b.up("a") and b.cluster.links.fresh("a"))
+    a.queue_put("q", 4096)
+    b.close()
+    b = pair("b")
+    a.cluster._next_beat = time.monotonic() + 0.5  # a just beat: its next is BEAT away
+    assert run([a, b], 3, lambda: b.up("a"))
+    b.cluster.queues.asked(b.queue("q"))
+    assert run([a, b], 1, lambda: bool(a.cluster.queues.loans))
+    b.reads.over = True
+    assert run([a, b], 3, lambda: len(b.queue("q").items) == 1 and not a.cluster.queues.loans)
+    assert not a.queue("q").items
