@@ -209,12 +209,13 @@ class Cluster:
                 links.reply(route, {**answer, "incarnation": links.incarnation})
             elif op == "announce":
                 acked = links.acked(node, m)
-                for key, version, size, offer in m["keys"]:
+                for key, version, size, offer, *gone in m["keys"]:
                     offer = offer if isinstance(offer, dict) else None
                     if offer is not None and not acked:  # it will let it go
                         replicas.held.refuse(node, str(key), int(version))
                         offer = None
-                    replicas.listed(node, str(key), int(version), int(size), offer)
+                    was = int(gone[0]) if gone else 0
+                    replicas.listed(node, str(key), int(version), int(size), offer, was)
             elif op == "offers_back":
                 replicas.lending.offers_back(node, m["offers"])
             elif op == "offer_read":

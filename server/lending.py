@@ -66,8 +66,9 @@ class Lending:
 
     def flush(self) -> None:
         """The announcements, once ANNOUNCE_EVERY passed since the last went: one message to
-        each peer, a key's latest version only; a small version goes with its offer, pinned
-        for the peers it reached (Note [offers])."""
+        each peer, [key, version, size, offer] of each key's latest version, or [key, 0, 0,
+        None, the version put and deleted since the last batch, if one was] for a delete; a
+        small version goes with its offer, pinned for the peers it reached (Note [offers])."""
         now = time.monotonic()
         if self.announce_in(now) > 0.0:
             return
@@ -82,8 +83,9 @@ class Lending:
         entries: list[list[Any]] = []
         offered = []
         for key, version in reversed(latest.items()):
-            if not version and key in put:  # put, then deleted: both (the put replaces the
-                entries.append([key, put[key], 0, None])  # versions other nodes hold)
+            if not version:  # deleted (the version it put and deleted since: it beat others')
+                entries.append([key, 0, 0, None, put.get(key, 0)])
+                continue
             obj = self.registry.objects.get(key)
             size = 0 if obj is None else int(obj.nbytes)
             offer = None
@@ -172,8 +174,11 @@ class Lending:
             if self._lent_at.get(key, math.inf) < sent:
                 self.returned(*key)
         for key in [k for k, t in self._asked_at.items() if k[0] == node and t < sent]:
-            if key[1] not in open_:  # (asked, and answered with no loan)
-                del self._asked_at[key]
+            if key[1] not in open_:  # answered with no loan, or waiting for a pull here:
+                del self._asked_at[key]  # not to be lent (its borrower gave up)
+                for pull in self.pulling.values():
+                    if key in pull.lends:
+                        pull.lends.remove(key)
 
     # -- offers ----------------------------------------------------------------------------------
 

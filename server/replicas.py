@@ -141,14 +141,24 @@ class Replicas:
             self._forget(key)
 
     def listed(
-        self, node: str, key: str, version: int, size: int, offer: dict[str, Any] | None = None
-    ) -> None:
-        """`node` holds `key` at `version` now (0: deleted there), and may offer it."""
+        self, node: str, key: str, version: int, size: int,
+        offer: dict[str, Any] | None = None, gone: int = 0,
+    ) -> None:  # fmt: skip
+        """`node` holds `key` at `version` now (0: deleted there; `gone`: the version it put
+        and deleted before announcing it, if it did), and may offer it."""
         here = self.registry.objects.get(key)
         known = self.index.get(key)
         if version == 0:
             if known is not None and known.node == node:
                 self._forget(key)
+            elif gone:  # what its put beat goes too, as if told of the put, then the delete
+                self.registry.seen_version(key, gone)
+                if known is not None and (known.version, known.node) < (gone, node):
+                    self._forget(key)
+                elif here is not None and known is None and (here.version, self.node) < (
+                    gone, node
+                ):  # fmt: skip
+                    self.objects.forget(key)
             return
         mine = here is not None and known is None  # put here (a replica's key is indexed)
         if (known is not None and (known.version, known.node) > (version, node)) or (

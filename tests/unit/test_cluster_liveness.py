@@ -8,8 +8,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tensorbroker.common.protocol import Request
-from tensorbroker.server.lending import ANNOUNCE_EVERY
+import pytest
+
+from tensorbroker.common.protocol import Request, decode
+from tensorbroker.server import lending
 from tensorbroker.server.offers import OFFER_MAX
 from tests.nodes import MiB, Node, pair, run, trio
 
@@ -229,11 +231,13 @@ def test_a_node_restarted_after_its_clock_went_back_is_heard_as_new(
 
 
 def test_puts_close_together_are_announced_in_one_message_with_each_keys_last_version(
-    pair: Callable[[str], Node],
+    pair: Callable[[str], Node], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Announcements made within ANNOUNCE_EVERY of the last batch wait for the next one: one
     message to each peer, naming each key's last version only, and only that one offered
     (pinned), so a burst of puts costs each peer one wake-up, not one per put."""
+    every = 0.2  # (this test's puts take longer than 1 ms on a loaded machine)
+    monkeypatch.setattr(lending, "ANNOUNCE_EVERY", every)
     a, b = pair("a"), pair("b")
     assert run([a, b], 5, lambda: a.up("b") and b.up("a"))
     a.put("first", 4096)
@@ -241,9 +245,11 @@ def test_puts_close_together_are_announced_in_one_message_with_each_keys_last_ve
     a.put("k", 4096)
     a.put("j", 4096)
     a.put("k", 4096)
-    assert 0 < a.cluster.wake_in <= ANNOUNCE_EVERY
+    assert 0 < a.cluster.wake_in <= every
     sent = a.journal.events.count(("sent", "announce"))
-    time.sleep(ANNOUNCE_EVERY)
+    a.step()
+    assert a.journal.events.count(("sent", "announce")) == sent  # (not yet)
+    time.sleep(every)
     a.step()
     assert a.journal.events.count(("sent", "announce")) == sent + 1
     assert len(a.cluster.replicas.lending.offered) == 3  # first, j, and k's version 2
@@ -323,3 +329,53 @@ def test_a_put_then_a_delete_in_one_batch_deletes_the_key_everywhere(
     run(nodes, 1.0)
     held = [n.name for n in nodes if "k" in n.registry.objects or n.cluster.replicas.holds("k")]
     assert held == []
+
+
+def test_a_watch_of_a_replica_sees_a_put_then_a_delete_in_one_batch_as_a_delete(
+    pair: Callable[[str], Node],
+) -> None:
+    """b holds a replica of a's k; a watch of k on b waits for a newer version (`deletes`).
+    a puts k again and deletes it within one batch of announcements: the watch is told of
+    the delete, as with a delete alone (not NotFound from a pull of the version deleted)."""
+    a, b = pair("a"), pair("b")
+    assert run([a, b], 5, lambda: b.up("a") and b.cluster.links.fresh("a"))
+    v1 = a.put("k", 2 * OFFER_MAX).version  # (lent when asked, not offered)
+    assert run([a, b], 3, lambda: b.cluster.replicas.holds("k"))
+    b.reads.over = True
+    assert b.get("k")
+    assert run([a, b], 3, lambda: "k" in b.registry.objects and not b.cluster.replicas.pulls.pulls)
+    answers: list[dict[str, Any]] = []
+    b.objects._send = lambda route, payload, last=False: answers.append(decode(payload))
+    fields = {"key": "k", "timeout": 10.0, "after": v1, "deletes": True}
+    assert b.objects.get(b.session, b"watch", Request("get", 9, fields, [])) is None  # waits
+    a.put("k", 2 * OFFER_MAX)
+    a.objects.delete(a.session, b"client", Request("delete", 8, {"key": "k"}, []))
+    assert run([a, b], 2, lambda: bool(answers))
+    assert answers[-1].get("deleted") is True, answers
+
+
+def test_a_lend_waiting_for_a_pull_is_dropped_once_its_borrower_gave_up(
+    trio: Callable[[str], Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """c pulls a's k; b's pull of k is sent to c (fan-out) and waits there, then b gives up.
+    Once b's beats leave it out, c must not lend b its replica when its read ends (nor keep
+    one pinned for a `returned` that may be lost)."""
+    monkeypatch.setattr(lending, "FANOUT", 1)
+    a, b, c = trio("a"), trio("b"), trio("c")
+    nodes = [a, b, c]
+    assert run(nodes, 5, lambda: all(n.cluster.links.fresh(m) for n in nodes for m in "abc"
+                                     if m != n.name))  # fmt: skip
+    a.put("k", 2 * OFFER_MAX)
+    assert run(nodes, 3, lambda: b.cluster.replicas.holds("k") and c.cluster.replicas.holds("k"))
+    assert c.get("k")
+    assert run(nodes, 3, lambda: "k" in c.reads.started)  # c reads; a lent it once
+    assert b.get("k")
+    assert run(nodes, 3, lambda: bool(c.cluster.replicas.pulls.pulling["k"].lends))
+    (pull,) = b.cluster.replicas.pulls.pulls.values()
+    pull.started = -1e9  # b gives up (PULL_WAIT)
+    assert run(nodes, 2, lambda: not b.cluster.replicas.pulls.pulls)
+    assert run(nodes, 2, lambda: not c.cluster.replicas.pulls.pulling["k"].lends)
+    c.reads.over = True
+    assert run(nodes, 3, lambda: "k" in c.registry.objects)
+    run(nodes, 0.3)
+    assert not c.cluster.replicas.lending.loans
