@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 from ..common.errors import BrokerError, NotFound, PeerUnavailable
-from ..common.protocol import reply_error
+from ..common.protocol import reply_error, reply_ok
 from .objects import Objects
 from .offers import Held, Offer
 from .parking import Waiter
@@ -327,7 +327,11 @@ class Pulls:
         if pull.put:
             self.registry.abort(self.session, pull.put, False)
         for w in pull.waiters:
-            if not w.done:
+            if w.done:
+                continue
+            if isinstance(error, NotFound) and w.request.fields.get("deletes"):  # a watch's
+                self.objects.answer(w, reply_ok(w.request.id, deleted=True))  # key: deleted
+            else:
                 self.objects.answer(w, reply_error(w.request.id, error))
 
     def _end(self, pull: Pull) -> None:

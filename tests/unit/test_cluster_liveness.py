@@ -379,3 +379,26 @@ def test_a_lend_waiting_for_a_pull_is_dropped_once_its_borrower_gave_up(
     assert run(nodes, 3, lambda: "k" in c.registry.objects)
     run(nodes, 0.3)
     assert not c.cluster.replicas.lending.loans
+
+
+def test_a_watch_of_a_key_deleted_while_its_new_version_is_pulled_sees_the_delete(
+    pair: Callable[[str], Node],
+) -> None:
+    """A watch of k on b (`deletes`) starts a pull of a's new version; a deletes k before
+    the pull ends (its announcement in a batch of its own): the watch is told of the delete,
+    not NotFound."""
+    a, b = pair("a"), pair("b")
+    assert run([a, b], 5, lambda: b.up("a") and b.cluster.links.fresh("a"))
+    v1 = a.put("k", 2 * OFFER_MAX).version  # (lent when asked, not offered)
+    assert run([a, b], 3, lambda: b.cluster.replicas.holds("k"))
+    answers: list[dict[str, Any]] = []
+    b.objects._send = lambda route, payload, last=False: answers.append(decode(payload))
+    fields = {"key": "k", "timeout": 10.0, "after": v1, "deletes": True}
+    assert b.objects.get(b.session, b"watch", Request("get", 9, fields, [])) is None  # waits
+    a.put("k", 2 * OFFER_MAX)
+    assert run([a, b], 3, lambda: "k" in b.reads.started)  # its pull reads version 2
+    a.objects.delete(a.session, b"client", Request("delete", 8, {"key": "k"}, []))
+    assert run([a, b], 3, lambda: not b.cluster.replicas.holds("k"))
+    b.reads.over = True
+    assert run([a, b], 2, lambda: bool(answers))
+    assert answers[-1].get("deleted") is True, answers
