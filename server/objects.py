@@ -65,14 +65,20 @@ class Objects:
         self._gone(obj.key, obj.version)
 
     def _gone(self, key: str, version: int) -> None:
-        """`key` was deleted (or evicted) at `version`: watchers of it are told (a per-key
-        `watch` parks a get with `deletes`; `watch_prefix` reads the event log)."""
+        """`key` was deleted (or evicted) here at `version`: watchers of it are told, and the
+        other nodes."""
+        self.gone(key, version)
+        if self.elsewhere is not None:
+            self.elsewhere.announce(key, 0)
+
+    def gone(self, key: str, version: int) -> None:
+        """`key` is no more at `version` (here, or on the node that had it): its watchers are
+        told (a per-key `watch` parks a get with `deletes`; `watch_prefix` reads the event
+        log)."""
         for w in self.lot.line(("get", key)):
             if not w.done and w.request.fields.get("deletes", False):
                 self.answer(w, reply_ok(w.request.id, deleted=True))
         self.events.record("delete", key, version)
-        if self.elsewhere is not None:
-            self.elsewhere.announce(key, 0)
 
     def answer(self, w: Waiter, payload: bytes, last: bool = False) -> None:
         """Answer a request that waited (`last`: as `Send`)."""

@@ -149,10 +149,11 @@ class Replicas:
         here = self.registry.objects.get(key)
         known = self.index.get(key)
         if version == 0:
+            if gone:  # as if told of the put, then of the delete: what the put beat goes too
+                self.registry.seen_version(key, gone)
             if known is not None and known.node == node:
                 self._forget(key)
-            elif gone:  # what its put beat goes too, as if told of the put, then the delete
-                self.registry.seen_version(key, gone)
+            elif gone:
                 if known is not None and (known.version, known.node) < (gone, node):
                     self._forget(key)
                 elif here is not None and known is None and (here.version, self.node) < (
@@ -193,7 +194,7 @@ class Replicas:
         if key in self.registry.objects and key not in self._pulling:
             self.objects.forget(key)
         else:
-            self.objects.events.record("delete", key, version)
+            self.objects.gone(key, version)
 
     def node_down(self, node: str) -> None:
         self.pulls.node_down(node)

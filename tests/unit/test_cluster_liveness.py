@@ -402,3 +402,42 @@ def test_a_watch_of_a_key_deleted_while_its_new_version_is_pulled_sees_the_delet
     b.reads.over = True
     assert run([a, b], 2, lambda: bool(answers))
     assert answers[-1].get("deleted") is True, answers
+
+
+def test_a_put_then_a_delete_of_a_key_indexed_from_its_node_raise_the_version_seen(
+    pair: Callable[[str], Node],
+) -> None:
+    """b indexes a's k at 1. a puts k (2) and deletes it in one batch: b must go on above 2,
+    as when told of the put then the delete; else b's next put is a second version 2, and a
+    watch on a that saw a's 2 never hears of it."""
+    a, b = pair("a"), pair("b")
+    assert run([a, b], 5, lambda: a.up("b") and b.up("a"))
+    a.put("k", 4096)
+    assert run([a, b], 3, lambda: b.cluster.replicas.holds("k"))
+    assert a.put("k", 4096).version == 2
+    a.objects.delete(a.session, b"client", Request("delete", 8, {"key": "k"}, []))
+    answers: list[dict[str, Any]] = []
+    a.objects._send = lambda route, payload, last=False: answers.append(decode(payload))
+    fields = {"key": "k", "timeout": 10.0, "after": 2}  # a reader on a saw version 2
+    assert a.objects.get(a.session, b"watch", Request("get", 9, fields, [])) is None
+    assert run([a, b], 3, lambda: not b.cluster.replicas.holds("k"))
+    assert b.put("k", 4096).version == 3
+    a.reads.over = True
+    assert run([a, b], 2, lambda: bool(answers))
+
+
+def test_a_watch_of_a_key_on_a_node_with_no_replica_of_it_hears_its_delete(
+    pair: Callable[[str], Node],
+) -> None:
+    """A watch (`deletes`) on b of a's key, which b never read: a's delete tells it."""
+    a, b = pair("a"), pair("b")
+    assert run([a, b], 5, lambda: a.up("b") and b.up("a"))
+    v1 = a.put("k", 4096).version
+    assert run([a, b], 3, lambda: b.cluster.replicas.holds("k"))
+    answers: list[dict[str, Any]] = []
+    b.objects._send = lambda route, payload, last=False: answers.append(decode(payload))
+    fields = {"key": "k", "timeout": 10.0, "after": v1, "deletes": True}
+    assert b.objects.get(b.session, b"watch", Request("get", 9, fields, [])) is None
+    a.objects.delete(a.session, b"client", Request("delete", 8, {"key": "k"}, []))
+    assert run([a, b], 2, lambda: bool(answers))
+    assert answers[-1].get("deleted") is True, answers
