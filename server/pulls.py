@@ -212,6 +212,9 @@ class Pulls:
         if remote is not None and self.links.up(remote.node):
             self.ask(pull.key, remote.node, pull.waiters, pull.lends)
             pull.lends = []
+        elif remote is not None:  # it lives on: on a node that is down
+            down = f"{pull.key!r} lives on node {remote.node!r}, which is down"
+            self._fail(pull, PeerUnavailable(f"{down}: try again once it is back"))
         else:
             self._fail(pull, error)
 

@@ -441,3 +441,29 @@ def test_a_watch_of_a_key_on_a_node_with_no_replica_of_it_hears_its_delete(
     a.objects.delete(a.session, b"client", Request("delete", 8, {"key": "k"}, []))
     assert run([a, b], 2, lambda: bool(answers))
     assert answers[-1].get("deleted") is True, answers
+
+
+def test_a_watch_whose_key_now_lives_on_a_node_down_is_not_told_it_was_deleted(
+    trio: Callable[[str], Node],
+) -> None:
+    """b's watch of k (`deletes`) pulls a's version 2; c's version 3 wins meanwhile, then c
+    goes down; the read ends. k was never deleted (it lives on c): the watch must not hear
+    that it was, but that its node is down."""
+    a, b, c = trio("a"), trio("b"), trio("c")
+    nodes = [a, b, c]
+    assert run(nodes, 5, lambda: all(x.up(y) for x in nodes for y in "abc" if y != x.name))
+    v1 = a.put("k", 2 * OFFER_MAX).version
+    assert run(nodes, 3, lambda: b.cluster.replicas.holds("k") and c.cluster.replicas.holds("k"))
+    answers: list[dict[str, Any]] = []
+    b.objects._send = lambda route, payload, last=False: answers.append(decode(payload))
+    fields = {"key": "k", "timeout": 30.0, "after": v1, "deletes": True}
+    assert b.objects.get(b.session, b"watch", Request("get", 9, fields, [])) is None
+    a.put("k", 2 * OFFER_MAX)
+    assert run(nodes, 3, lambda: "k" in b.reads.started)
+    assert c.put("k", 2 * OFFER_MAX).version == 3
+    assert run(nodes, 3, lambda: b.cluster.replicas.where()["k"][:2] == ("c", 3))
+    c.close()  # it crashed
+    assert run([a, b], 5, lambda: not b.up("c"))
+    b.reads.over = True
+    assert run([a, b], 1, lambda: bool(answers))
+    assert not answers[-1].get("deleted") and "down" in str(answers[-1]), answers
