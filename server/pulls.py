@@ -332,10 +332,22 @@ class Pulls:
         for w in pull.waiters:
             if w.done:
                 continue
-            if isinstance(error, NotFound) and w.request.fields.get("deletes"):  # a watch's
-                self.objects.answer(w, reply_ok(w.request.id, deleted=True))  # key: deleted
+            if isinstance(error, NotFound) and w.request.fields.get("timeout", 0.0) != 0.0:
+                self._get_again(w)  # its key is gone: it waits as for a key no node has
             else:
                 self.objects.answer(w, reply_error(w.request.id, error))
+
+    def _get_again(self, w: Waiter) -> None:
+        """Handle a get that may wait again, from its start (a watch with `deletes` is told
+        its key is gone; another waits up to its timeout from now)."""
+        self.objects.lot.unpark(w)
+        try:
+            reply = self.objects.get(w.session, w.route, w.request)
+        except BrokerError as exc:
+            self.objects.answer(w, reply_error(w.request.id, exc))
+        else:
+            if reply is not None:
+                self.objects.answer(w, reply_ok(w.request.id, **reply))
 
     def _end(self, pull: Pull) -> None:
         """The pull is over: the lender unpins its object (after this loop's replies); an

@@ -467,3 +467,29 @@ def test_a_watch_whose_key_now_lives_on_a_node_down_is_not_told_it_was_deleted(
     b.reads.over = True
     assert run([a, b], 1, lambda: bool(answers))
     assert not answers[-1].get("deleted") and "down" in str(answers[-1]), answers
+
+
+def test_a_get_that_may_wait_keeps_waiting_when_the_version_it_pulls_is_deleted(
+    pair: Callable[[str], Node],
+) -> None:
+    """A watch's get after it saw version 1 (no `deletes`, as `client.watch` asks once it
+    yielded None) pulls a's version 2, which a deletes before the read ends: the get waits
+    on for the next version, as on one node, not NotFound."""
+    a, b = pair("a"), pair("b")
+    assert run([a, b], 5, lambda: b.up("a") and b.cluster.links.fresh("a"))
+    v1 = a.put("k", 2 * OFFER_MAX).version
+    assert run([a, b], 3, lambda: b.cluster.replicas.holds("k"))
+    answers: list[dict[str, Any]] = []
+    b.objects._send = lambda route, payload, last=False: answers.append(decode(payload))
+    fields = {"key": "k", "timeout": 10.0, "after": v1}
+    assert b.objects.get(b.session, b"watch", Request("get", 9, fields, [])) is None
+    a.put("k", 2 * OFFER_MAX)
+    assert run([a, b], 3, lambda: "k" in b.reads.started)
+    a.objects.delete(a.session, b"client", Request("delete", 8, {"key": "k"}, []))
+    assert run([a, b], 3, lambda: not b.cluster.replicas.holds("k"))
+    b.reads.over = True
+    run([a, b], 0.5)
+    assert not answers, answers  # still waiting
+    a.put("k", 4096)  # the next version: the get has it
+    assert run([a, b], 3, lambda: bool(answers))
+    assert answers[-1].get("version", 0) > 2, answers
