@@ -329,11 +329,12 @@ class Pulls:
             self.links.answer(node, {"op": "lent", "pull": their, "ask": ask, "error": gone})
         if pull.put:
             self.registry.abort(self.session, pull.put, False)
+        deleted = isinstance(error, NotFound) and pull.key not in self.index
         for w in pull.waiters:
             if w.done:
                 continue
-            if isinstance(error, NotFound) and w.request.fields.get("timeout", 0.0) != 0.0:
-                self._get_again(w)  # its key is gone: it waits as for a key no node has
+            if deleted and w.request.fields.get("timeout", 0.0) != 0.0:
+                self._get_again(w)  # it waits as for a key no node has (no pull: no loop)
             else:
                 self.objects.answer(w, reply_error(w.request.id, error))
 

@@ -493,3 +493,19 @@ def test_a_get_that_may_wait_keeps_waiting_when_the_version_it_pulls_is_deleted(
     a.put("k", 4096)  # the next version: the get has it
     assert run([a, b], 3, lambda: bool(answers))
     assert answers[-1].get("version", 0) > 2, answers
+
+
+def test_a_timed_get_of_a_key_its_owner_will_not_lend_ends(pair: Callable[[str], Node]) -> None:
+    """a's k is announced but not lent (a device object, say: `lend` answers it has none).
+    b's get with timeout=1 ends (NotFound) and does not ask a again and again."""
+    a, b = pair("a"), pair("b")
+    assert run([a, b], 5, lambda: b.up("a") and b.cluster.links.fresh("a"))
+    obj = a.put("k", 2 * OFFER_MAX)
+    assert run([a, b], 3, lambda: b.cluster.replicas.holds("k"))
+    obj.device = "cuda:0"  # (as a GPU put's: announced, never lent)
+    answers: list[dict[str, Any]] = []
+    b.objects._send = lambda route, payload, last=False: answers.append(decode(payload))
+    fields = {"key": "k", "timeout": 1.0}
+    assert b.objects.get(b.session, b"client", Request("get", 9, fields, [])) is None
+    assert run([a, b], 3, lambda: bool(answers))
+    assert "not_found" in str(answers[0]), answers
