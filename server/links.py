@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,9 @@ class Peer:
     node: str | None = None
     up: bool = False
     heard: float = 0.0  # when it last answered (monotonic)
+
+
+Message = dict[str, Any] | Callable[[], dict[str, Any]]  # (`after`: made as it is sent)
 
 
 def _pack(message: dict[str, Any]) -> bytes:
@@ -90,8 +93,8 @@ class Links:
         self.forgot: dict[str, int] = {}
         self.seen_forgot: dict[str, int] = {}
         self._safe_until: dict[str, float] = {}  # node -> until when it holds this one up
-        self._after: list[tuple[str, dict[str, Any]]] = []  # (node, message): `after`
-        self._kept: list[tuple[str, dict[str, Any]]] = []  # refused at a flush: next one
+        self._after: list[tuple[str, Message]] = []  # (node, message): `after`
+        self._kept: list[tuple[str, Message]] = []  # refused at a flush: next one
 
     def follow(self, last: Any) -> int:
         """This broker took over the state of one whose incarnation was `last`: its own is
@@ -243,11 +246,13 @@ class Links:
         peer = self.peer(node)
         return peer is not None and self.send_to(peer, message)
 
-    def after(self, node: str, message: dict[str, Any]) -> None:
+    def after(self, node: str, message: Message) -> None:
         """Send `message` to `node` at the loop's `flush`, after its replies, once the journal
         has what the loop's batch changed (a peer must not act on a change that a crash of
         this broker would undo: an item said taken, its lender frees it). In order; kept
-        while its link reconnects and the node is up; dropped once it is forgotten."""
+        while its link reconnects and the node is up; dropped once it is forgotten. A
+        callable is made into the message as it is sent (one naming this broker's agent
+        metadata must name it as of then: a segment made meanwhile sent newer at once)."""
         self._after.append((node, message))
 
     def everyone_after(self, message: dict[str, Any]) -> None:
@@ -268,7 +273,8 @@ class Links:
         held, self._after, self._kept = self._kept + self._after, [], []
         refused: set[str] = set()
         for node, message in held:
-            if node not in refused and self.send(node, message):
+            made = message() if callable(message) else message
+            if node not in refused and self.send(node, made):
                 continue
             refused.add(node)
             if self.up(node):

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..common.errors import QueueClosed
 from ..common.protocol import reply_error
@@ -215,11 +216,16 @@ class QueueLinks:
         """Pin `obj` for `node` and say where its bytes are."""
         self._ids += 1
         self.registry.pin(obj)
-        self.loans[node, self._ids] = (q, obj)
-        self.links.after(node, {
-            "op": "qitem", "queue": q.name, "loan": self._ids, "broadcast": broadcast,
-            "from": self.links.incarnation, **self.links.ack(node), **self.transfers.offer(obj),
-        })  # fmt: skip
+        self.loans[node, loan := self._ids] = (q, obj)
+
+        def qitem() -> dict[str, Any]:  # (made as it is sent: the agent metadata of then)
+            return {
+                "op": "qitem", "queue": q.name, "loan": loan, "broadcast": broadcast,
+                "from": self.links.incarnation, **self.links.ack(node),
+                **self.transfers.offer(obj),
+            }  # fmt: skip
+
+        self.links.after(node, qitem)
         self.bytes_sent += obj.nbytes
 
     def taken(self, node: str, loan: int) -> None:

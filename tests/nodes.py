@@ -36,8 +36,11 @@ class Reads:
     def __init__(self) -> None:
         self.started: list[str] = []  # the keys read
         self.over = False  # reads end
+        self.known: dict[str, bytes] = {}  # node -> its agent metadata, as last added
 
-    def add_peer(self, node: str, metadata: bytes) -> None: ...
+    def add_peer(self, node: str, metadata: bytes) -> None:
+        self.known[node] = metadata
+
     def register(self, segment: str) -> None: ...
     def ends(self, started: float, size: int) -> float:
         return started
@@ -49,9 +52,12 @@ class Reads:
 
     def offer(self, obj: Any, agent: bool = True) -> dict[str, Any]:
         specs = [[t.name, t.dtype, list(t.shape)] for t in obj.tensors]
-        return {"bundle": obj.bundle, "specs": specs, "size": obj.nbytes, "address": 1}
+        offer = {"bundle": obj.bundle, "specs": specs, "size": obj.nbytes, "address": 1}
+        return {**offer, "agent": self.metadata} if agent else offer
 
     def layout(self, node: str, offer: dict[str, Any]) -> tuple[list[Any], bool]:
+        if "agent" in offer:  # (as Transfers.layout: the lender's metadata of then)
+            self.add_peer(node, bytes(offer["agent"]))
         return [(str(n), str(d), tuple(s)) for n, d, s in offer["specs"]], bool(offer["bundle"])
 
     def take(self, node: str, offer: dict[str, Any], obj: Any) -> tuple[Any, int]:

@@ -239,3 +239,24 @@ def test_an_item_lent_to_a_restarted_node_before_it_knew_the_lenders_route_is_no
     b.reads.over = True
     assert run([a, b], 3, lambda: len(b.queue("q").items) == 1 and not a.cluster.queues.loans)
     assert not a.queue("q").items
+
+
+def test_a_qitem_made_before_a_new_segment_does_not_bring_back_older_agent_metadata(
+    pair: Callable[[str], Node],
+) -> None:
+    """a lends b an item, then, in the same batch, makes a segment: Cluster.segment sends
+    the new agent metadata at once. The qitem goes at the flush, after it: it must not carry
+    the metadata of before (b would forget a's new segment, and offers in it fail)."""
+    a, b = pair("a"), pair("b")
+    assert run([a, b], 5, lambda: a.up("b") and b.up("a") and b.cluster.links.fresh("a"))
+    b.cluster.queues.asked(b.queue("q"))
+    assert run([a, b], 3, lambda: bool(a.cluster.queues.wants.get("q")))
+    a.journal.begin()  # one turn of a's loop:
+    a.queue_put("q", 4096)  # lent to b: the qitem waits for the flush
+    assert a.cluster.queues.loans
+    a.reads.metadata = b"agent+s2"  # type: ignore[misc]
+    a.cluster.segment("s2")  # a put later in the turn needed a new segment: said at once
+    a.journal.commit()
+    a.cluster.flush()
+    assert run([a, b], 3, lambda: len(b.reads.started) == 1)
+    assert b.reads.known["a"] == b"agent+s2"
