@@ -110,6 +110,7 @@ class Cluster:
         objects = queues.objects
         cluster = cls(joining, objects, queues, queues.lot, transfers, poller)
         objects.registry.journal.meta("incarnation", cluster.links.follow(last))
+        transfers.incarnation = cluster.links.incarnation  # (its metadata's versions)
         for segment in objects.registry.arena.segments:
             transfers.register(segment)
         objects.elsewhere, queues.elsewhere = cluster.replicas, cluster.queues
@@ -120,7 +121,7 @@ class Cluster:
         given this agent's metadata of now (an offer sent with an announcement, Note [offers]
         in offers.py, may lie in it; this message goes before any such on each link)."""
         self.transfers.register(name)
-        self.links.everyone({"op": "agent", "agent": self.transfers.metadata})
+        self.links.everyone({"op": "agent", **self.transfers.agent_fields()})
 
     @property
     def wake_in(self) -> float:
@@ -181,7 +182,7 @@ class Cluster:
         try:
             if op == "hello":
                 node = str(m["node"])
-                self.transfers.add_peer(node, bytes(m["agent"]))
+                self.transfers.add_peer(node, bytes(m["agent"]), m.get("agent_v"))
                 same = links.same(node, m)
                 if same is None:  # from an incarnation that a newer one replaced
                     return
@@ -221,7 +222,7 @@ class Cluster:
             elif op == "offer_read":
                 replicas.lending.offer_read(node, str(m["key"]), int(m["version"]))
             elif op == "agent":
-                self.transfers.add_peer(node, bytes(m["agent"]))
+                self.transfers.add_peer(node, bytes(m["agent"]), m.get("agent_v"))
             elif op == "keys":
                 replicas.welcome(node, m["keys"])
             elif op == "lend":
@@ -263,11 +264,11 @@ class Cluster:
     def _hello(self, op: str = "hello", to: str | None = None) -> dict[str, Any]:
         """This broker, its address, its agent, and the keys it holds (not its replicas);
         its incarnation, and how often it forgot node `to` (the node forgets it as often)."""
-        agent, keys, links = self.transfers.metadata, self.replicas.own(), self.links
+        keys, links = self.replicas.own(), self.links
         forgot = 0 if to is None else links.forgot.get(to, 0)
         return {
-            "op": op, "node": self.node, "address": self.address, "agent": agent, "keys": keys,
-            "incarnation": links.incarnation, "forgot": forgot,
+            "op": op, "node": self.node, "address": self.address, "keys": keys,
+            "incarnation": links.incarnation, "forgot": forgot, **self.transfers.agent_fields(),
         }  # fmt: skip
 
     def _forget_node(self, node: str, mutual: bool = False) -> None:
@@ -290,7 +291,7 @@ class Cluster:
         try:
             if op == "welcome":
                 node = str(m["node"])
-                self.transfers.add_peer(node, bytes(m["agent"]))
+                self.transfers.add_peer(node, bytes(m["agent"]), m.get("agent_v"))
                 heard, same = self.links.heard_of(node), self.links.same(node, m)
                 if same is None:  # from an incarnation that a newer one replaced
                     return

@@ -80,6 +80,9 @@ class Transfers:
         self.shm_dir = shm_dir
         self._mapped: dict[str, tuple[mmap.mmap, int]] = {}  # segment -> (mapping, address)
         self._peers: dict[str, bytes] = {}  # node -> the metadata its agent was added with
+        self._versions: dict[str, tuple[int, int]] = {}  # node -> that metadata's version
+        self.incarnation = 0  # this broker's (the cluster sets it): metadata versions
+        self._registered = 0  # segments registered so far (the other half)
         self.rate = 0.0  # bytes a second that reads went lately (0: none timed yet)
 
     # -- memory ------------------------------------------------------------------------------
@@ -98,6 +101,7 @@ class Transfers:
         address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
         self.agent.register_memory([(address, size, 0, segment)], "DRAM")
         self._mapped[segment] = (mapping, address)
+        self._registered += 1
 
     def address(self, segment: str, offset: int) -> int:
         """Where byte `offset` of a registered segment lies in this process."""
@@ -109,8 +113,23 @@ class Transfers:
     def metadata(self) -> bytes:
         return bytes(self.agent.get_agent_metadata())
 
-    def add_peer(self, node: str, metadata: bytes) -> None:
-        """Know the agent of `node` (again, if it restarted: its metadata is new)."""
+    def agent_fields(self) -> dict[str, Any]:
+        """This agent's metadata of now, for a message, with its version (`add_peer`)."""
+        return {"agent": self.metadata, "agent_v": [self.incarnation, self._registered]}
+
+    def add_peer(self, node: str, metadata: bytes, version: Any = None) -> None:
+        """Know the agent of `node` (again, if it restarted, or registered a segment since: its
+        metadata is new). Metadata older than what is known (`version`: its incarnation, then
+        its segments registered; messages on two links keep no order between them) is not
+        taken: it would make NIXL forget the newer segments."""
+        v = None
+        if isinstance(version, list) and len(version) == 2:
+            v = (int(version[0]), int(version[1]))
+        known = self._versions.get(node)
+        if v is not None and known is not None and v < known:
+            return
+        if v is not None:
+            self._versions[node] = v
         if self._peers.get(node) == metadata:
             return
         if node in self._peers:
@@ -139,14 +158,14 @@ class Transfers:
             "size": obj.nbytes, "address": self.address(block.segment, block.offset),
         }  # fmt: skip
         if agent:
-            offer["agent"] = self.metadata
+            offer.update(self.agent_fields())
         return offer
 
     def layout(self, node: str, offer: dict[str, Any]) -> tuple[list[Any], bool]:
         """The specs and bundle flag of `node`'s `offer`, for a block of its size here (its
         agent known from now on, if it sent its metadata)."""
         if "agent" in offer:
-            self.add_peer(node, bytes(offer["agent"]))
+            self.add_peer(node, bytes(offer["agent"]), offer.get("agent_v"))
         return [(str(n), str(d), tuple(s)) for n, d, s in offer["specs"]], bool(offer["bundle"])
 
     def take(self, node: str, offer: dict[str, Any], obj: Any) -> tuple[Any, int]:

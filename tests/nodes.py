@@ -38,8 +38,11 @@ class Reads:
         self.over = False  # reads end
         self.known: dict[str, bytes] = {}  # node -> its agent metadata, as last added
 
-    def add_peer(self, node: str, metadata: bytes) -> None:
+    def add_peer(self, node: str, metadata: bytes, version: Any = None) -> None:
         self.known[node] = metadata
+
+    def agent_fields(self) -> dict[str, Any]:
+        return {"agent": self.metadata}
 
     def register(self, segment: str) -> None: ...
     def ends(self, started: float, size: int) -> float:
