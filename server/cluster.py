@@ -125,8 +125,9 @@ class Cluster:
 
     @property
     def wake_in(self) -> float:
-        """Seconds until the loop must look again: reads under way are polled (Replicas); at
-        once if announcements wait (made after this loop's `flush`: an eviction, say)."""
+        """Seconds until the loop must look again: reads under way are polled (Replicas),
+        announcements go once ANNOUNCE_EVERY passed; at once if messages wait for a flush
+        (made after this loop's: an eviction, say)."""
         if self.links.holding:
             return 0.0
         announce = self.replicas.lending.announce_in(time.monotonic())

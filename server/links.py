@@ -270,6 +270,8 @@ class Links:
     def flush(self) -> None:
         """Send what `after` holds. Once a node's link refuses one, the rest for it are kept
         too (in order) for the next flush."""
+        if not self._after and not self._kept:  # (every turn of the loop)
+            return
         held, self._after, self._kept = self._kept + self._after, [], []
         refused: set[str] = set()
         for node, message in held:

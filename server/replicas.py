@@ -148,18 +148,14 @@ class Replicas:
         and deleted before announcing it, if it did), and may offer it."""
         here = self.registry.objects.get(key)
         known = self.index.get(key)
-        if version == 0:
-            if gone:  # as if told of the put, then of the delete: what the put beat goes too
+        if version == 0:  # (`gone`: as if told of that put, then of the delete)
+            if gone:
                 self.registry.seen_version(key, gone)
-            if known is not None and known.node == node:
+            put = (gone, node)  # what beat a version, or this node's own, goes too
+            if known is not None and (known.node == node or (known.version, known.node) < put):
                 self._forget(key)
-            elif gone:
-                if known is not None and (known.version, known.node) < (gone, node):
-                    self._forget(key)
-                elif here is not None and known is None and (here.version, self.node) < (
-                    gone, node
-                ):  # fmt: skip
-                    self.objects.forget(key)
+            elif here is not None and known is None and (here.version, self.node) < put:
+                self.objects.forget(key)
             return
         mine = here is not None and known is None  # put here (a replica's key is indexed)
         if (known is not None and (known.version, known.node) > (version, node)) or (
