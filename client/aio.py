@@ -29,7 +29,6 @@ to this client's credits, memory granted for a put is given back (abort).
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Generator, Sequence
@@ -39,11 +38,13 @@ import zmq
 import zmq.asyncio
 
 from ..common.cudart import parse_device
-from ..common.errors import BrokerUnavailable, QueueClosed
+from ..common.errors import BrokerUnavailable
 from ..common.protocol import Op
+from .aio_queue import AsyncQueue, _Turn
 from .aiosocket import AsyncChannel, Late, Reply
 from .client import Client
 from .connection import REQUEST_TIMEOUT
+from .qring import QueueRing, rings_wanted
 from .reads import Item
 from .tensor import Tensor
 from .transfer import WritePlan
@@ -192,8 +193,14 @@ class AsyncClient:
         """As Client.queue."""
         if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 0:
             raise ValueError(f"queue {name!r}: maxsize must be an integer >= 0, not {maxsize!r}")
-        reply = await self._call(Op.QOPEN, name=name, maxsize=maxsize)
-        return AsyncQueue(self, name, reply["queue"], reply["maxsize"])
+        more: dict[str, Any] = {}
+        if self._transfer.reads.directory is not None and rings_wanted():
+            more["ring"] = True  # it can use a queue ring (Note [queue ring])
+        reply = await self._call(Op.QOPEN, name=name, maxsize=maxsize, **more)
+        ring = None
+        if "ring" in reply:
+            ring = QueueRing(self._transfer, name, reply["queue"], reply["ring"])
+        return AsyncQueue(self, name, reply["queue"], reply["maxsize"], ring)
 
     async def delete_queue(self, name: str) -> None:
         await self._call(Op.QDELETE, name=name)
@@ -289,90 +296,6 @@ class AsyncClient:
 
     def __repr__(self) -> str:
         return f"<tb.aio.AsyncClient {self.address}{' closed' if self._closed else ''}>"
-
-
-class AsyncQueue:
-    """The asyncio face of a Queue: `await q.put(x)`, `await q.get()`, `async for item in
-    q`, `await q.close()`. Make one with `await c.queue(name)`."""
-
-    def __init__(self, client: AsyncClient, name: str, queue_id: int, maxsize: int) -> None:
-        self.name, self.maxsize = name, maxsize
-        self._client, self._id = client, queue_id
-        self._turn = client._turns.setdefault(queue_id, _Turn())
-
-    async def put(
-        self,
-        value: Any,
-        timeout: float | None = None,
-        *,
-        device: Any = None,
-        copy: bool = False,
-        wait: bool = True,
-    ) -> int | None:
-        """As Queue.put: waits for a free slot (up to `timeout` seconds) without blocking
-        the event loop; a put cancelled while it waits takes no slot."""
-        client, transfer = self._client, self._client._transfer
-        ahead = transfer.writes.ahead
-        timeout, until = waits(timeout)
-        fields = {"queue": self._id, "name": self.name, "timeout": timeout}
-        plan = transfer.plan_write(self.name, value, device, copy, fields)
-        if plan.grant is not None and ahead.must_ask_credit(self._id):
-            try:
-                reply = await client._call(
-                    Op.QCREDIT, until, Late(lambda r: ahead.add_credits(self._id, r["credits"])),
-                    queue=self._id, name=self.name, timeout=timeout,
-                )  # fmt: skip
-            except BaseException:
-                ahead.give_back(plan.grant)
-                raise
-            ahead.add_credits(self._id, reply["credits"])  # write_granted takes one
-        return await client._write(plan, Op.QPUT, until, wait)
-
-    async def get(self, timeout: float | None = None) -> Item:
-        """As Queue.get: the oldest item, waited for (up to `timeout` seconds, None: as long
-        as it takes) without blocking the event loop."""
-        transfer, turn = self._client._transfer, self._turn
-        await turn.lock.acquire()
-        late = Late(turn.kept.append, turn.lock.release)
-        try:
-            if turn.kept:
-                return transfer.reads.read(turn.kept.popleft())
-            timeout, wait = waits(timeout)
-            reply = await self._client._call(
-                Op.QGET, wait, late, queue=self._id, name=self.name, timeout=timeout
-            )
-            return transfer.reads.read(reply)
-        finally:
-            if not late.pending:  # else the turn passes once the broker has answered
-                turn.lock.release()
-
-    async def close(self) -> None:
-        """As Queue.close (this client's puts that did not wait go first)."""
-        await self._client.flush()
-        await self._client._call(Op.QCLOSE, queue=self._id, name=self.name)
-
-    async def __aiter__(self) -> AsyncIterator[Item]:
-        while True:
-            try:
-                item = await self.get()
-            except QueueClosed:
-                return
-            yield item
-            del item  # the generator frame must not keep the item's slot
-
-    def __repr__(self) -> str:
-        bound = f" maxsize={self.maxsize}" if self.maxsize else ""
-        return f"<tb.aio.AsyncQueue {self.name!r}{bound}>"
-
-
-class _Turn:
-    """The gets of one queue in one client: one at a time asks the broker, and a get given
-    up holds the turn until its fate is known; an item handed to it meanwhile is kept for
-    the next get (of any handle of the queue), so items come in the queue's order."""
-
-    def __init__(self) -> None:
-        self.lock = asyncio.Lock()
-        self.kept: collections.deque[Reply] = collections.deque()
 
 
 class _InThreads(contextlib.AbstractAsyncContextManager[Tensor]):

@@ -19,6 +19,7 @@ from ..common.errors import BrokerError, BrokerUnavailable, InvalidRequest, NotF
 from ..common.protocol import Op
 from .connection import RECONNECT_TIMEOUT, REQUEST_TIMEOUT, Connection
 from .cuda import DeviceLink
+from .qring import QueueRing, rings_wanted
 from .queue import Queue, Subscription
 from .reads import Item
 from .ring import RingView
@@ -283,8 +284,14 @@ class Client:
                 f"queue {name!r}: maxsize must be an integer >= 0, not {maxsize!r}"
             )
         more = {"broadcast": True} if broadcast else {}
+        local = self._transfer.reads.directory is not None  # it maps the broker's segments
+        if local and not broadcast and rings_wanted():
+            more["ring"] = True  # it can use a queue ring (Note [queue ring])
         reply = self._call(Op.QOPEN, name=name, maxsize=maxsize, **more)
-        return Queue(self._transfer, name, reply["queue"], reply["maxsize"])
+        ring = None
+        if "ring" in reply:
+            ring = QueueRing(self._transfer, name, reply["queue"], reply["ring"])
+        return Queue(self._transfer, name, reply["queue"], reply["maxsize"], ring)
 
     def create(
         self, key: str, shape: Sequence[int], dtype: Any, device: Any = "cpu"

@@ -16,6 +16,7 @@ from typing import Any, Literal, overload
 from ..common.errors import InvalidRequest, QueueClosed, Timeout
 from ..common.protocol import Op
 from ..common.ring import ASK, REMOVED
+from .qring import QueueRing, WouldWait
 from .ring import RingView
 from .tensor import Tensor
 from .transfer import Transfer
@@ -34,11 +35,15 @@ class Queue:
     `get` raises QueueClosed and `for item in q` ends.
     """
 
-    def __init__(self, transfer: Transfer, name: str, queue_id: int, maxsize: int) -> None:
+    def __init__(
+        self, transfer: Transfer, name: str, queue_id: int, maxsize: int,
+        ring: QueueRing | None = None,
+    ) -> None:  # fmt: skip
         self.name = name
         self.maxsize = maxsize
         self._transfer = transfer
         self._id = queue_id
+        self._ring = ring  # its items go through its ring (Note [queue ring])
 
     @overload
     def put(
@@ -79,6 +84,9 @@ class Queue:
         in the order they were put, and an error (a closed queue) is raised by the client's
         next call or `flush()`."""
         timeout, until = waits(timeout)
+        ring = self._ring
+        if ring is not None:
+            return ring.put(ring.plan(value, timeout, device, copy), timeout, until, wait)
         return self._transfer.write(
             self.name, value, Op.QPUT, until, device, copy, wait,
             queue=self._id, name=self.name, timeout=timeout,
@@ -91,6 +99,8 @@ class Queue:
         Tensor in shared memory; the item is queued when the block exits, dropped if it
         raises. Waits for a free slot like `put`."""
         timeout, wait = waits(timeout)
+        if self._ring is not None:
+            return self._ring.create(shape, dtype, device, timeout, wait)
         return self._transfer.create(
             self.name, shape, dtype, device, Op.QPUT, wait,
             queue=self._id, name=self.name, timeout=timeout,
@@ -101,6 +111,11 @@ class Queue:
         `timeout` seconds for one (None: as long as it takes; 0: Timeout at once if empty).
         QueueClosed once the queue is closed and drained."""
         timeout, wait = waits(timeout)
+        if self._ring is not None:
+            try:
+                return self._ring.get(timeout)
+            except WouldWait:
+                raise Timeout(f"queue {self.name!r} is empty") from None
         return self._transfer.reads.queue_get(timeout, wait, queue=self._id, name=self.name)
 
     def close(self) -> None:

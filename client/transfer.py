@@ -45,8 +45,8 @@ class WritePlan:
     the broker is asked for memory with `request`)."""
 
     __slots__ = (
-        "label", "items", "target", "specs", "bundle", "fields", "offsets", "grant", "raw",
-        "tails",
+        "label", "items", "target", "specs", "bundle", "fields", "offsets", "size", "grant",
+        "raw", "tails",
     )  # fmt: skip
 
     def __init__(
@@ -61,6 +61,7 @@ class WritePlan:
         self.label, self.items, self.target = label, items, target
         self.specs, self.bundle, self.fields = specs, bundle, fields
         self.offsets: list[int] = []
+        self.size = 0  # bytes of its block (on the host)
         self.grant: Grant | None = None
         self.raw = False  # its one array is stored byte for byte as it is (a plain ndarray)
         self.tails: dict[tuple[str, str], bytes] | None = None  # kept with a plan reused
@@ -125,19 +126,21 @@ class Transfer:
         return self.fill(plan, self.conn.call(op, wait=wait, **plan.request), block)
 
     def plan_write(
-        self, label: str, value: Any, device: Any, copy: bool, fields: dict[str, Any]
-    ) -> WritePlan:
+        self, label: str, value: Any, device: Any, copy: bool, fields: dict[str, Any],
+        grant: bool = True,
+    ) -> WritePlan:  # fmt: skip
         """What a put of `value` writes where, with a block granted ahead taken if it fits
-        one (then `write_granted`; else the broker is asked with `plan.request`, and `fill`
-        writes into what it answers). A plain NumPy array's plan is made once for its dtype
-        and shape (`_plans`)."""
+        one and `grant` (then `write_granted`; else the broker is asked with `plan.request`,
+        and `fill` writes into what it answers). A plain NumPy array's plan is made once for
+        its dtype and shape (`_plans`)."""
         plain = (value.dtype, value.shape) if type(value) is np.ndarray and device is None else None
         if plain is not None:
             known = self._plans.get(plain)
             if known is not None:
                 dt, specs, offsets, size, tails = known
                 plan = WritePlan(label, [("", value, dt)], "cpu", specs, False, fields)
-                plan.offsets, plan.grant = offsets, self.writes.ahead.take_grant(size)
+                plan.offsets, plan.size = offsets, size
+                plan.grant = self.writes.ahead.take_grant(size) if grant else None
                 plan.raw, plan.tails = True, tails
                 return plan
         items, bundle = entries(label, value)
@@ -146,7 +149,8 @@ class Transfer:
         plan = WritePlan(label, items, target, specs, bundle, fields)
         if target == "cpu":
             plan.offsets, size, _ = layout([(n, dt.name, tuple(src.shape)) for n, src, dt in items])
-            plan.grant = self.writes.ahead.take_grant(size)
+            plan.size = size
+            plan.grant = self.writes.ahead.take_grant(size) if grant else None
             if plain is not None and items[0][1] is value:  # stored as it is (no view, no swap)
                 if len(self._plans) >= PLAN_CACHE:
                     self._plans.clear()

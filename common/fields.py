@@ -244,7 +244,12 @@ FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
     Op.PING: {},
     Op.HEARTBEAT: {},
     Op.BYE: {"keep_leases": (_bool, False)},
-    Op.QOPEN: {"name": (check_key, True), "maxsize": (_int, False), "broadcast": (_bool, False)},
+    Op.QOPEN: {
+        "name": (check_key, True),
+        "maxsize": (_int, False),
+        "broadcast": (_bool, False),
+        "ring": (_bool, False),  # the client can use a queue ring (Note [queue ring])
+    },
     Op.QSUB: {"queue": (_int, True), "name": (check_key, False), "ring": (_bool, False)},
     Op.QUNSUB: {"queue": (_int, True), "sub": (_int, True), "name": (check_key, False)},
     # Queue ops name the queue by the id `qopen` gave; "name" only words their errors.
@@ -255,12 +260,14 @@ FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
         "bundle": (_bool, False),
         "timeout": (check_timeout, False),
         "device": (check_device, False),
+        "ring": (_int, False),  # the position in the queue's ring it was claimed for
     },
     Op.QGET: {
         "queue": (_int, True),
         "name": (check_key, False),
         "timeout": (check_timeout, False),
         "sub": (_int, False),
+        "ring": (_int, False),  # the item at this position, taken from the ring
         "mailbox": (_bool, False),  # it waits on its bell (Note [direct handoff])
     },
     Op.QCREDIT: {

@@ -69,7 +69,7 @@ class Adoption:
         old = found.meta.get("directory")
         if old in found.segments and registry.directory is not None:
             registry.directory.adopt(old)
-        ours = {*arena.segments, *segments, *queues.rings.segments}
+        ours = {*arena.segments, *segments, *queues.rings.segments, *queues.qrings.segments}
         if registry.directory is not None:
             ours.update(registry.directory.segments)
         for name in os.listdir(shm_dir):  # made but not journaled, or replaced

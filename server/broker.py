@@ -49,6 +49,7 @@ from .objects import Objects
 from .opstats import OpStats
 from .outbox import Outbox
 from .parking import ParkingLot
+from .qrings import QRing
 from .queues import Queues
 from .records import Session
 from .registry import Registry
@@ -140,7 +141,7 @@ class Broker:
             journal,
             lambda route, payload: self.endpoint.send(route, payload),
             committed=lambda: self.handoffs.committed(),
-            sent=lambda: self.queues.rings.flush(),  # Note [broadcast ring]
+            sent=self._sent,
         )
         self.lot = ParkingLot()
         self.sessions = Sessions(self.registry, self.adoption, self.lot)
@@ -152,13 +153,18 @@ class Broker:
         self.queues.rings.make = lambda slots, existing: Ring(
             shm_dir, state.prefix, journal, slots, gid, existing
         )  # fmt: skip
+        if cluster is None and gid is None:  # Note [queue ring]: one node, one user
+            self.queues.qrings.make = lambda slots, existing: QRing(
+                shm_dir, state.prefix, journal, slots, gid, existing
+            )  # fmt: skip
         self.queues.retake = self.adoption.retake
-        self.registry.on_free = self.queues.slots.item_freed  # a freed item opens its slot
+        self.registry.on_free = self.queues.item_freed  # a freed item opens its slot
         self.handoffs = self.queues.handoffs  # Note [direct handoff] in common/mailbox.py
         self.handoffs.mailboxes, self.handoffs.sessions = self.mailboxes, self.sessions.by_token
         self.sessions.mailboxes = self.mailboxes
         self.sessions.on_drop = self.queues.session_gone
-        self.sessions.holds_ring = self.queues.rings.holds
+        rings, qrings = self.queues.rings, self.queues.qrings
+        self.sessions.holds_ring = lambda s: rings.holds(s) or qrings.holds(s)
         self.sessions.ring_held = self.queues.rings.held
         sessions = self.sessions.by_token.values()
         self.inventory = Inventory(self.objects, self.queues, sessions, self.lot)
@@ -219,6 +225,11 @@ class Broker:
             except BaseException:
                 self.close(keep=True)  # left as found, for a fix and another try
                 raise
+
+    def _sent(self) -> None:
+        """The replies of a batch went: the ring writes that waited for them go."""
+        self.queues.rings.flush()  # Note [broadcast ring]
+        self.queues.qrings.flush()  # Note [queue ring]
 
     def _segment_made(self, segment: Any) -> None:  # journaled; and registered with NIXL, once
         self.state.journal.segment(segment.name, segment.size, "arena")  # type: ignore[union-attr]

@@ -135,13 +135,14 @@ def _remote_row(key: str, node: str, version: int, size: int) -> dict[str, Any]:
 
 
 def _queue_row(q: BrokerQueue) -> dict[str, Any]:
+    (depth, in_flight), (consumers, producers) = q.counts(), q.waiters()
     return {
         "name": q.name,
-        "depth": len(q.items),
+        "depth": depth,
         "maxsize": q.maxsize,
-        "in_flight": q.in_flight,
+        "in_flight": in_flight,
         "closed": q.closed,
-        "consumers": len(q.getters),
-        "producers": len(q.putters),
+        "consumers": consumers,
+        "producers": producers,
         "subscribers": None if q.subs is None else len(q.subs),
     }

@@ -280,6 +280,8 @@ class JournalFile(Journal):
         if q.ring is not None and subs is not None:  # ended; their items held until they exit
             subs += [[None, s.token, bit, 0] for bit, s in q.ring.parted.items()]
         ring = None if q.ring is None else q.ring.name
+        if q.qring is not None:
+            ring = q.qring.row()
         row = (q.id, q.name, q.maxsize, q.closed, q.sealed, q.removed, subs, ring)
         self._queues[q.id] = row
         self._put(("q", row))

@@ -9,7 +9,7 @@ import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..common.errors import QueueClosed, Timeout
 from ..common.protocol import Request
@@ -17,6 +17,9 @@ from .parking import ParkingLot, Waiter, secs
 from .records import Session, StoredObject
 from .registry import Registry
 from .rings import Ring
+
+if TYPE_CHECKING:
+    from .qrings import QRing
 
 ENDED_QUEUES = 4096  # ended queues remembered, so that a late consumer sees them closed
 
@@ -42,6 +45,7 @@ class BrokerQueue:
     removed: bool = False  # by `qdelete`: its name may start a new queue already
     producer: Any = None  # the session of the last item written: offered direct grants
     ring: Ring | None = None  # a bounded broadcast queue's (Note [broadcast ring])
+    qring: QRing | None = None  # a bounded ordinary queue's (Note [queue ring], qrings.py)
 
     @property
     def full(self) -> bool:
@@ -60,7 +64,20 @@ class BrokerQueue:
         return (
             self.closed and not self.items and self.pending == 0
             and (self.ring is None or not self.ring.posted)
+            and (self.qring is None or not self.qring.view.counts()[1])
         )  # fmt: skip
+
+    def counts(self) -> tuple[int, int]:
+        """(items waiting, items in flight), its ring's included (Note [queue ring])."""
+        if self.qring is not None:
+            return self.qring.view.counts()
+        return len(self.items), self.in_flight
+
+    def waiters(self) -> tuple[int, int]:
+        """(consumers, producers) waiting: parked here, or asleep on its ring's bells."""
+        if self.qring is not None:
+            return self.qring.view.sleepers()
+        return len(self.getters), len(self.putters)
 
     def describe(self) -> str:
         bound = f"of {self.maxsize} " if self.maxsize else ""

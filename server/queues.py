@@ -18,6 +18,7 @@ from .broadcast import QueueRings
 from .direct import DirectItems
 from .journal import PENDING, Row
 from .objects import Objects
+from .qrings import QueueRingRoom
 from .queue_state import BrokerQueue, QueueTable, park_get
 from .records import Session, StoredObject
 from .slots import QueueSlots
@@ -47,8 +48,9 @@ class Queues:
         self.objects, self.registry, self.lot = objects, objects.registry, objects.lot
         self.table = QueueTable(self.registry)
         self.rings = QueueRings(self.registry, self.table.note_if_ended)  # Note [broadcast ring]
-        self.table.on_end = self.rings.close
-        self.slots = QueueSlots(objects, self.table, self.rings)
+        self.qrings = QueueRingRoom(self.registry)  # Note [queue ring] in common/qring.py
+        self.table.on_end = self._ended
+        self.slots = QueueSlots(objects, self.table, self.rings, self.qrings)
         self.broadcasts = Broadcasts(objects, self.table, self.rings)
         self.direct = DirectItems(objects, self.table, self.slots, self.seal, self.get)
         self.handoffs = self.direct.handoffs  # Note [direct handoff]
@@ -56,6 +58,10 @@ class Queues:
         # The item a broker that died handed to this very get, sent again (adoption.py).
         self.retake: Callable[[Session, int], StoredObject | None] = lambda s, request: None
         self.elsewhere: OtherNodes | None = None  # a cluster's other nodes (queue_links.py)
+
+    def _ended(self, q: BrokerQueue) -> None:
+        self.rings.close(q)
+        self.qrings.close(q)
 
     @property
     def by_name(self) -> dict[str, BrokerQueue]:
@@ -67,11 +73,12 @@ class Queues:
 
     def open(self, session: Session, route: bytes, req: Request) -> Reply:
         name, maxsize = req.fields["name"], req.fields.get("maxsize", 0)
-        broadcast = req.fields.get("broadcast", False)
+        broadcast, ring = req.fields.get("broadcast", False), req.fields.get("ring", False)
         q = self.table.by_name.get(name)
         if q is None:
             q = BrokerQueue(name, self.table.new_id(), maxsize, subs={} if broadcast else None)
             self.table.add(q)
+            self.qrings.made(q, ring)
             self.registry.journal.queue(q)
         elif broadcast != (q.subs is not None):
             kind = "a broadcast queue" if q.subs is not None else "an ordinary queue"
@@ -87,10 +94,21 @@ class Queues:
         elif maxsize and not q.maxsize:
             q.maxsize = maxsize  # the first bound asked for holds
             self.registry.journal.queue(q)
-        return {"queue": q.id, "maxsize": q.maxsize, "closed": q.closed or q.closing}
+        reply = {"queue": q.id, "maxsize": q.maxsize, "closed": q.closed or q.closing}
+        return {**reply, **self.qrings.opened(q, session, ring)}
 
     def seal(self, session: Session, put_id: int, keep: bool, q: BrokerQueue) -> Reply:
-        """An item sealed: to the first waiting consumer, else to the back of the queue."""
+        """An item sealed: to the first waiting consumer, else to the back of the queue (or,
+        put for a position of its ring, there: Note [queue ring])."""
+        pos = self.qrings.position(session, q, put_id)
+        if pos is not None:
+            if q.removed:
+                self.registry.abort(session, put_id, keep)
+                raise QueueClosed(f"queue {q.name!r} was removed before this item was sealed")
+            obj = self.registry.seal(session, put_id, keep, version=pos + 1)
+            q.pending -= 1
+            self.qrings.sealed(q, put_id, obj)
+            return {"version": obj.version}
         if q.closed or q.closing:
             self.registry.abort(session, put_id, keep)
             raise QueueClosed(f"queue {q.name!r} was closed before this item was sealed")
@@ -169,6 +187,9 @@ class Queues:
             return self.broadcasts.get(session, route, req, q)
         if "sub" in req.fields:
             raise InvalidRequest(f"queue {q.name!r} is an ordinary queue: read it with get")
+        if "ring" in req.fields:  # an item this consumer took from the ring
+            taken = self.qrings.ask(session, q, req.fields["ring"])
+            return self.objects.describe(session, taken, req.id)
         if q.items:
             reply = self.objects.describe(session, q.items.popleft(), req.id)
             self.table.note_if_ended(q)
@@ -203,6 +224,7 @@ class Queues:
         q.closed, q.closing = True, False
         self.registry.journal.queue(q)
         self.rings.end(q)
+        self.qrings.end(q)
         self.handoffs.take_back(q)  # an item handed over already came before the close
         more = q.subs is None and self.elsewhere is not None and self.elsewhere.supplies(q)
         for w in [*q.putters, *([] if more else q.getters)]:
@@ -237,11 +259,13 @@ class Queues:
             removed = QueueClosed(f"queue {name!r} was removed")
             self.objects.answer(w, reply_error(w.request.id, removed))
         self.rings.end(q)
+        self.qrings.end(q)
         self.broadcasts.removed(q)
         if q.in_flight:
             self.registry.journal.queue(q)  # closed; gone once its last item is freed
         else:
             self.registry.journal.queue_gone(q)
+            self.qrings.close(q)
         items, q.items = list(q.items), deque()
         q.unseen.clear()
         for obj in items:
@@ -249,11 +273,12 @@ class Queues:
 
     def info(self, session: Session, route: bytes, req: Request) -> Reply:
         q = self.table.find(req)
+        waiting, in_flight = q.counts()
         return {
             "name": q.name,
-            "len": len(q.items),
+            "len": waiting,
             "maxsize": q.maxsize,
-            "in_flight": q.in_flight,
+            "in_flight": in_flight,
             "closed": q.closed or q.closing,
         }
 
@@ -263,20 +288,32 @@ class Queues:
         subscriptions end, and its credits go back to their queues."""
         self.direct.session_gone(session)
         self.broadcasts.session_gone(session, gone)
+        self.qrings.session_gone(session, gone)
         self.slots.give_back(session)
 
+    def item_freed(self, obj: StoredObject) -> None:
+        """The registry freed an item: its slot opens (in its ring too, if it has one)."""
+        self.slots.item_freed(obj)
+        self.qrings.freed(obj)
+        q = obj.queue
+        if q is not None and q.removed and not q.in_flight:
+            self.qrings.close(q)
+
     def adopt(
-        self, rows: list[tuple[int, str, int, bool, int, bool, Any, str | None]],
+        self, rows: list[tuple[int, str, int, bool, int, bool, Any, Any]],
         objects: list[Row], sessions: dict[str, Session],
     ) -> None:  # fmt: skip
         """The queues of a broker that died (Note [recovery] in state.py), each item of the
         journal holding its slot as before; `adopted` orders them once their items are in.
         A broadcast queue keeps the subscriptions of the `sessions` still alive, and its
-        ring, with their bits (Note [broadcast ring])."""
+        ring, with their bits (Note [broadcast ring]); an ordinary one its ring (a list: its
+        segment and owners), with its owners still alive (Note [queue ring])."""
         subs_seen = 0
         for qid, name, maxsize, closed, sealed, removed, subs, ring in rows:
             q = BrokerQueue(name, qid, maxsize, closed, sealed=sealed, removed=removed)
-            if ring is not None:
+            if isinstance(ring, list):
+                self.qrings.adopt(q, ring, sessions)
+            elif ring is not None:
                 self.rings.adopt(q, ring)
             if subs is not None:
                 subs_seen = max(subs_seen, self.broadcasts.adopt(q, subs, sessions))
@@ -307,15 +344,18 @@ class Queues:
         unseen = {row.oid: set(row.unseen) for row in objects if row.unseen is not None}
         for q in list(self.table.by_name.values()):
             q.items = deque(sorted(q.items, key=lambda o: o.version))
+            self.qrings.adopted(q)
             if q.subs is not None:
                 self.broadcasts.adopted(q, unseen, retire)
             self.table.note_if_ended(q)
 
     def stats(self) -> Reply:
+        for q in self.qrings.closed():  # drained through their rings since
+            self.table.note_if_ended(q)
         return {
             "queues": self.table.live,  # not ended yet
-            "queued_items": sum(len(q.items) for q in self.table.by_name.values()),
-            "queue_in_flight": sum(q.in_flight for q in self.table.by_name.values()),
+            "queued_items": sum(q.counts()[0] for q in self.table.by_name.values()),
+            "queue_in_flight": sum(q.counts()[1] for q in self.table.by_name.values()),
             "ring_items": self.rings.items,  # broadcast items posted to rings
             **self.handoffs.stats(),
         }

@@ -37,6 +37,7 @@ from ..common.protocol import Op, Request, reply_error, reply_ok
 from .broadcast import QueueRings
 from .objects import Objects
 from .parking import secs
+from .qrings import QueueRingRoom
 from .queue_state import BrokerQueue, QueueTable
 from .records import Session, StoredObject
 
@@ -51,13 +52,21 @@ class QueueSlots:
     """The slots of every queue in `table` (Note [queue slots]), and the queues that freed one
     since the last look (`admit_putters` gives them out)."""
 
-    def __init__(self, objects: Objects, table: QueueTable, rings: QueueRings) -> None:
+    def __init__(
+        self, objects: Objects, table: QueueTable, rings: QueueRings, qrings: QueueRingRoom
+    ) -> None:
         self.objects, self.registry, self.lot = objects, objects.registry, objects.lot
-        self.table, self.rings = table, rings
+        self.table, self.rings, self.qrings = table, rings, qrings
         self._roomy: set[BrokerQueue] = set()  # queues that freed a slot since the last look
 
     def put(self, session: Session, route: bytes, req: Request) -> Reply | None:
         q = self.table.find(req)
+        pos = req.fields.get("ring")
+        if pos is not None:  # its ring's slot is its slot (Note [queue ring])
+            self.qrings.put(session, q, pos)
+            return self.objects.grant_or_wait(
+                session, route, req, lambda: self._grant_ring(session, q, req, pos)
+            )
         q.check_open()
         if not q.full and not q.putters:
             return self.objects.grant_or_wait(
@@ -129,6 +138,12 @@ class QueueSlots:
     def _grant_open(self, session: Session, q: BrokerQueue, req: Request) -> Reply:
         q.check_open()  # a put that waited for device memory may find it closed
         return self._grant(session, q, req)
+
+    def _grant_ring(self, session: Session, q: BrokerQueue, req: Request, pos: int) -> Reply:
+        slot = self.qrings.put(session, q, pos)  # (a put that waited for memory: still its own?)
+        reply = self._grant(session, q, req)
+        self.qrings.begun(q, reply["put"], pos, slot, reply["oid"])
+        return reply
 
     def _grant(self, session: Session, q: BrokerQueue, req: Request) -> Reply:
         """Memory for one item of `q`: it takes a slot until the item is freed."""

@@ -1,5 +1,6 @@
 """tensorbroker's asyncio client: `tb.aio.connect()` (see client/aio.py)."""
 
-from .client.aio import AsyncClient, AsyncQueue, connect
+from .client.aio import AsyncClient, connect
+from .client.aio_queue import AsyncQueue
 
 __all__ = ["AsyncClient", "AsyncQueue", "connect"]

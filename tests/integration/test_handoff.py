@@ -29,6 +29,13 @@ def settled(c: tb.Client) -> bool:
     return s["queue_in_flight"] == 0 and s["used_bytes"] == 0 and s["direct_offered"] == 0
 
 
+@pytest.fixture(autouse=True)
+def through_the_broker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bounded queues too go through the broker here, as without a ring (a cluster, or
+    TENSORBROKER_QUEUE_RINGS=off): the handoff is that path's (Note [queue ring])."""
+    monkeypatch.setenv("TENSORBROKER_QUEUE_RINGS", "off")
+
+
 @pytest.fixture
 def c(fresh_broker: tb.BrokerProcess) -> Any:
     with tb.connect(fresh_broker.address) as client:

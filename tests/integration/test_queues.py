@@ -125,11 +125,13 @@ def test_an_item_answered_to_a_get_given_up_goes_to_the_next_get(
 
 @pytest.mark.usefixtures("transport")
 def test_an_item_answered_to_a_get_given_up_goes_back_to_the_queue_when_its_client_closes(
-    fresh_broker: tb.BrokerProcess,
+    fresh_broker: tb.BrokerProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A consumer interrupted (Ctrl-C) while a get waited, then closed, never took the item
     answered to that get: it goes back to the front of the queue for another consumer, once,
-    and its slot stays counted until that one lets go."""
+    and its slot stays counted until that one lets go. (Through the broker: a get from a
+    queue ring takes nothing until it returns, test_queue_rings.py.)"""
+    monkeypatch.setenv("TENSORBROKER_QUEUE_RINGS", "off")
     with tb.connect(fresh_broker.address) as p, tb.connect(fresh_broker.address) as other:
         pq = p.queue("handed-back", maxsize=4)
         interrupted = tb.connect(fresh_broker.address)

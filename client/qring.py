@@ -1,0 +1,289 @@
+"""A client's side of Note [queue ring] (common/qring.py): put into and take from a bounded
+queue's ring, sleep on its bells, and let go through `QueueRingLease`. An item the ring
+cannot hold goes through the broker, naming the position claimed for it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import numpy as np
+
+from ..common import _shm, host
+from ..common.descriptors import TensorDesc
+from ..common.errors import InvalidRequest, QueueClosed, Timeout
+from ..common.mailbox import item_reply
+from ..common.protocol import Op
+from ..common.qring import ASK, CLOSED, FULL, INLINE, META_TAIL, REMOVED, QueueRingView
+from .tensor import Lease, Tensor
+
+if TYPE_CHECKING:
+    from .reads import Item
+    from .transfer import Transfer
+
+RINGS_ENV = "TENSORBROKER_QUEUE_RINGS"  # "off": every queue item through the broker
+LOOK = 1.0  # seconds a sleeper sleeps before it looks at its broker
+TAILS = 64  # slot tails kept unpacked
+
+
+Planned = tuple[Any, bytes]  # a WritePlan, and its slot's tail (b"": through the broker)
+
+
+def rings_wanted() -> bool:
+    """Whether this process uses queue rings (TENSORBROKER_QUEUE_RINGS=off: no)."""
+    return os.environ.get(RINGS_ENV, "").lower() not in ("off", "0", "no", "false")
+
+
+class WouldWait(Exception):
+    """A put or get that does not wait found the ring full or empty."""
+
+
+class QueueRing:
+    """One client's use of one queue's ring (owner number `owner`)."""
+
+    def __init__(self, transfer: Transfer, name: str, queue_id: int, ring: dict[str, Any]) -> None:
+        self.transfer, self.name, self.queue_id = transfer, name, queue_id
+        self.segment = ring["name"]
+        self.mapping = transfer.segments.get(self.segment)
+        self.view = QueueRingView(self.mapping.address)
+        self.owner = int(ring["owner"])
+        self.generation = transfer.conn.generation
+        self._tails: dict[bytes, Any] = {}
+
+    # -- putting ---------------------------------------------------------------------------
+
+    def plan(self, value: Any, timeout: float | None, device: Any, copy: bool) -> Planned:
+        """Where `value` goes: its plan, and its tail if its slot can hold it (else b"")."""
+        fields: dict[str, Any] = {"queue": self.queue_id, "name": self.name, "timeout": timeout}
+        plan = self.transfer.plan_write(self.name, value, device, copy, fields, grant=False)
+        if plan.target != "cpu" or plan.size > self.view.data:
+            return plan, b""
+        tail = plan.tail(self.segment)
+        return plan, tail if len(tail) <= META_TAIL else b""
+
+    def put(
+        self, planned: Planned, claim: float | None, until: float | None, block: bool
+    ) -> int | None:
+        """Put a planned item: into its slot if the ring can hold it, else through the
+        broker, waiting up to `claim` seconds for a slot. Its version; None if not `block`
+        and it went through the broker."""
+        plan, tail = planned
+        view, owner = self.view, self.owner
+        slot, pos = self.reserve(claim, plan if tail else None)
+        if tail:
+            view.name(pos, slot, INLINE, tail)
+            view.publish(pos, slot)
+            return pos + 1
+        view.name(pos, slot, ASK, b"")
+        plan.fields["ring"] = pos
+        try:
+            reply = self.transfer.conn.call(Op.QPUT, wait=until, **plan.request)
+        except BaseException:  # the broker has no put of it: pass its position over
+            view.skip(pos, owner)
+            view.unalloc(slot, owner)
+            raise
+        return self.transfer.fill(plan, reply, block)  # (a failed fill is aborted: the broker's)
+
+    def reserve(self, timeout: float | None, plan: Any = None) -> tuple[int, int]:
+        """A slot (with `plan` copied into it) and a position claimed after it, waiting up
+        to `timeout` seconds for each."""
+        view, owner = self.view, self.owner
+        deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+        slot = self._wait(view.alloc, deadline, timeout)
+        try:
+            if plan is not None:
+                self._copy(plan, slot)
+            return slot, self._wait(view.claim, deadline, timeout)
+        except BaseException:
+            view.unalloc(slot, owner)
+            raise
+
+    def _wait(
+        self, attempt: Callable[[int], int], deadline: float | None, timeout: float | None
+    ) -> int:
+        """`attempt(owner)` (an alloc or a claim) until it is not FULL, sleeping on the
+        producers' bell."""
+        view, owner = self.view, self.owner
+        got = attempt(owner)
+        while got < 0:
+            if got != FULL:
+                raise self._ended(-got, put=True)
+            if timeout == 0:
+                raise WouldWait()
+            seen = view.producer_bell()
+            view.sleeping(True, 1)
+            try:
+                got = attempt(owner)
+                if got == FULL:
+                    view.sleep(True, seen, self._left(deadline, timeout, put=True))
+                    got = attempt(owner)
+            finally:
+                view.sleeping(True, -1)
+        return got
+
+    @contextlib.contextmanager
+    def create(
+        self, shape: Sequence[int], dtype: Any, device: Any, timeout: float | None,
+        until: float | None,
+    ) -> Iterator[Tensor]:  # fmt: skip
+        """`Queue.create`: the item is written in place through the broker, at a position
+        reserved first (passed over if the broker never had the put)."""
+        view, owner = self.view, self.owner
+        slot, pos = self.reserve(timeout)
+        view.name(pos, slot, ASK, b"")
+        made = False
+        try:
+            with self.transfer.create(
+                self.name, shape, dtype, device, Op.QPUT, until,
+                queue=self.queue_id, name=self.name, timeout=timeout, ring=pos,
+            ) as buffer:  # fmt: skip
+                made = True
+                yield buffer
+        except BaseException:
+            if not made:  # (else it was aborted: the broker's to pass over)
+                view.skip(pos, owner)
+                view.unalloc(slot, owner)
+            raise
+
+    def _copy(self, plan: Any, slot: int) -> None:
+        mapping = self.mapping
+        base = self.view.offset(slot)
+        for (_, src, dt), offset in zip(plan.items, plan.offsets, strict=True):
+            if src.flags.c_contiguous:
+                _shm.copy_in(mapping.address + base + offset, src)
+                continue
+            dst = np.frombuffer(mapping.mmap, np.dtype(dt.typestr), src.size, base + offset)
+            np.copyto(dst.reshape(src.shape), src)
+
+    # -- taking ----------------------------------------------------------------------------
+
+    def get(self, timeout: float | None) -> Item:
+        """The next item, waiting up to `timeout` seconds (0: WouldWait at once)."""
+        got = self.take(timeout)
+        return self.item(*got)
+
+    def take(self, timeout: float | None) -> tuple[int, int, int, bytes]:
+        view, owner = self.view, self.owner
+        got = view.take(owner)
+        if isinstance(got, tuple):
+            return got
+        deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+        while True:
+            if got is not None:
+                raise self._ended(-got, put=False)
+            if timeout == 0:
+                raise WouldWait()
+            seen = view.consumer_bell()
+            view.sleeping(False, 1)
+            try:
+                got = view.take(owner)
+                if isinstance(got, tuple):
+                    return got
+                if got is None:
+                    view.sleep(False, seen, self._left(deadline, timeout, put=False))
+                    got = view.take(owner)
+                    if isinstance(got, tuple):
+                        return got
+            finally:
+                view.sleeping(False, -1)
+
+    def item(self, pos: int, slot: int, flags: int, tail: bytes) -> Item:
+        """The Tensors of the item taken at `pos`, held in `slot`."""
+        if flags & ASK:
+            conn = self.transfer.conn
+            reply = conn.call(Op.QGET, queue=self.queue_id, name=self.name, ring=pos)
+            return self.transfer.reads.read(reply)
+        unpacked = self._tails.get(tail)
+        if unpacked is None:
+            if len(self._tails) >= TAILS:
+                self._tails.clear()
+            unpacked = self._tails[tail] = msgpack.unpackb(tail, raw=False)
+        lease = QueueRingLease(self.mapping, self.view, slot, self.owner)
+        try:
+            reply = item_reply(0, 0, pos + 1, 0, 0, self.view.offset(slot), unpacked)
+            descs = [TensorDesc.from_wire(w) for w in reply["tensors"]]
+        except BaseException:
+            del lease
+            raise
+        key = reply["key"]
+        if not reply["bundle"]:
+            return Tensor(key, pos + 1, descs[0], lease)
+        return {t.name: Tensor(key, pos + 1, t, lease) for t in descs}
+
+    # -- waiting ---------------------------------------------------------------------------
+
+    def wait(self, producer: bool, timeout: float | None) -> None:
+        """Sleep until a claim (`producer`) or a take may not wait, at most `timeout` seconds
+        (None: LOOK); Timeout once none is left. For callers that must not block where they
+        claim and take (asyncio)."""
+        deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+        view = self.view
+        seen = view.producer_bell() if producer else view.consumer_bell()
+        view.sleeping(producer, 1)
+        try:
+            if not view.ready(producer):
+                view.sleep(producer, seen, self._left(deadline, timeout, put=producer))
+        finally:
+            view.sleeping(producer, -1)
+
+    def _left(self, deadline: float | None, timeout: float | None, put: bool) -> float:
+        """Seconds to sleep next; Timeout once `deadline` passed. Between sleeps, a broker
+        that exited is waited for, and one that came back without this client's state has
+        no such queue any more."""
+        self.look()
+        if deadline is None:
+            return LOOK
+        left = deadline - time.monotonic()
+        if left <= 0:
+            if put:
+                ready, busy = self.view.counts()
+                raise Timeout(
+                    f"queue {self.name!r} ({ready} waiting, {busy} of {self.view.slots} in "
+                    f"flight) stayed full for {timeout:g}s: is a consumer keeping up?"
+                )
+            raise Timeout(f"queue {self.name!r} stayed empty for {timeout:g}s")
+        return min(left, LOOK)
+
+    def look(self) -> None:
+        conn = self.transfer.conn
+        conn.check_usable(settle=False, poll=False, earlier=False)
+        if conn.broker_exited():
+            conn.reconnect(conn.generation)
+        if conn.generation != self.generation:
+            if not conn.resumed:
+                raise InvalidRequest(
+                    f"queue {self.name!r} was lost with the state of a broker that restarted "
+                    "without it: open it again"
+                )
+            self.generation = conn.generation
+
+    def _ended(self, why: int, put: bool) -> QueueClosed:
+        if why == REMOVED:
+            return QueueClosed(f"queue {self.name!r} was removed")
+        assert why == CLOSED
+        if put:
+            return QueueClosed(
+                f"queue {self.name!r} is closed: it takes no more puts (a closed queue stays "
+                "closed; give a new stream a new name)"
+            )
+        return QueueClosed(f"queue {self.name!r} is closed and drained")
+
+
+class QueueRingLease(Lease):
+    """An item held in its ring slot: letting go opens the slot (no message)."""
+
+    __slots__ = ("_view", "_slot", "_owner", "_pid")
+
+    def __init__(self, mapping: Any, view: QueueRingView, slot: int, owner: int) -> None:
+        self.id, self.mapping, self._releases = None, mapping, None
+        self._view: QueueRingView | None = view
+        self._slot, self._owner, self._pid = slot, owner, host.pid()
+
+    def __del__(self) -> None:
+        view, self._view = self._view, None
+        if view is not None and host.pid() == self._pid:  # a forked child's is its parent's
+            view.release(self._slot, self._owner)

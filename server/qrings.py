@@ -1,0 +1,342 @@
+"""The broker's side of Note [queue ring] (common/qring.py): which queues have a ring, the
+clients' owner numbers in each, the items put through the broker for a position (published
+there as ASK once the journal has them, handed over when asked for), and what a client that
+goes leaves behind."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..common.errors import InvalidRequest, QueueClosed
+from ..common.qring import (
+    CLOSED,
+    FREE,
+    HELD,
+    MEMBERS,
+    QUEUED,
+    REMOVED,
+    TAKEN,
+    WRITING,
+    QueueRingView,
+    ring_bytes,
+    slot_data,
+)  # fmt: skip
+from .directory import Mapped
+from .journal import Journal
+from .queue_state import BrokerQueue
+from .records import Session, StoredObject
+from .registry import Registry
+
+RING_BUDGET = 16 << 20  # bytes of slot data in one queue's ring, at most
+RING_DATA = 64 << 10  # bytes of data in one slot, at most: a larger item is asked for
+MAX_SLOTS = 1024  # a queue of a larger maxsize goes through the broker
+
+Reply = dict[str, Any]
+
+
+class QRing(Mapped):
+    """One queue's ring: its segment, the owner number of each client of the queue, and the
+    items put through the broker for a position: put (`pending`), sealed (`asks`), and
+    handed to the consumer that took the position (`lent`)."""
+
+    def __init__(
+        self, shm_dir: str, prefix: str, journal: Journal, slots: int,
+        group: int | None = None, existing: str | None = None,
+    ) -> None:  # fmt: skip
+        data = slot_data(slots, RING_BUDGET, RING_DATA)
+        size = ring_bytes(slots, data) if existing is None else 0
+        super().__init__(shm_dir, prefix, size, journal, "qring", existing, group)
+        if existing is None:
+            QueueRingView.format(self.addr, slots, data)
+        self.view = QueueRingView(self.addr)
+        self.owners: dict[str, int] = {}  # session token -> its owner number
+        self.pending: dict[int, tuple[int, int, int]] = {}  # put id -> position, slot, oid
+        self.asks: dict[int, tuple[StoredObject, int]] = {}  # position -> item, slot
+        self.lent: dict[int, int] = {}  # oid -> slot
+        self.staged: list[int] = []  # positions of `asks` to publish after the commit
+        self.gone: set[int] = set()  # adopted: owners of clients that did not come back
+
+    def row(self) -> list[Any]:
+        """What the journal keeps of it (the queue's row)."""
+        return [self.name, sorted(self.owners.items())]
+
+    def owner(self, session: Session) -> int:
+        return self.owners.get(session.token, 0)
+
+    def join(self, session: Session) -> int:
+        """`session`'s owner number (a new one if it has none)."""
+        have = self.owners.get(session.token)
+        if have is not None:
+            return have
+        taken = set(self.owners.values())
+        for n in range(1, MEMBERS):
+            if n not in taken:
+                self.owners[session.token] = n
+                return n
+        raise InvalidRequest(
+            f"{MEMBERS - 1} clients use this queue already: close some, or use another queue"
+        )
+
+    def claimed(self, pos: int, owner: int) -> int | None:
+        """The slot position `pos` names if `owner` claimed it and has not published it."""
+        view = self.view
+        got = view.entry_words()[pos % view.entries]
+        if got[:3] != (pos, owner, WRITING) or not owner:
+            return None
+        slot = got[3]
+        if slot >= view.slots or view.slot_words()[slot][:2] != (owner, WRITING):
+            return None
+        return slot
+
+    def description(self, owner: int) -> Reply:
+        """What a client needs to use it."""
+        return {"name": self.name, "size": self.size, "owner": owner}
+
+
+class QueueRingRoom:
+    """The rings of the bounded ordinary queues. `make(slots, existing)` makes one (or maps
+    one a broker that died made); None: queues go through the broker (a cluster)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self.make: Callable[[int, str | None], QRing] | None = None
+        self._queues: dict[int, BrokerQueue] = {}  # queues with a ring, removed ones too
+        self._due: set[BrokerQueue] = set()  # with positions to publish after the commit
+
+    @property
+    def segments(self) -> list[str]:
+        return [q.qring.name for q in self._queues.values() if q.qring is not None]
+
+    def _rings(self) -> list[tuple[BrokerQueue, QRing]]:
+        return [(q, q.qring) for q in self._queues.values() if q.qring is not None]
+
+    def made(self, q: BrokerQueue, ring: bool) -> None:
+        """A new queue: bounded and ordinary, asked for by a client that can use a ring
+        (`ring`), it gets one."""
+        if ring and self.make is not None and q.subs is None and 0 < q.maxsize <= MAX_SLOTS:
+            q.qring = self.make(q.maxsize, None)
+            self._queues[q.id] = q
+
+    def opened(self, q: BrokerQueue, session: Session, ring: bool) -> Reply:
+        """The reply's ring, for a client of `q` that can use one."""
+        qring = q.qring
+        if qring is None:
+            return {}
+        if not ring:
+            raise InvalidRequest(
+                f"queue {q.name!r} is served through shared memory, and this client cannot "
+                "map it: use the same tensorbroker version on the same host"
+            )
+        known = qring.owners.get(session.token)
+        owner = qring.join(session)
+        if known is None:
+            self.registry.journal.queue(q)
+        return {"ring": qring.description(owner)}
+
+    # -- items put through the broker -------------------------------------------------------
+
+    def put(self, session: Session, q: BrokerQueue, pos: int) -> int:
+        """A put for position `pos`, which `session` must have claimed: its slot."""
+        qring = q.qring
+        if qring is None:
+            raise InvalidRequest(f"queue {q.name!r} has no ring")
+        if q.removed:
+            raise QueueClosed(f"queue {q.name!r} was removed")
+        slot = qring.claimed(pos, qring.owner(session))
+        if slot is None:
+            raise InvalidRequest(f"queue {q.name!r}: position {pos} is not this client's to write")
+        return slot
+
+    def begun(self, q: BrokerQueue, put_id: int, pos: int, slot: int, oid: int) -> None:
+        assert q.qring is not None
+        q.qring.pending[put_id] = (pos, slot, oid)
+
+    def position(self, session: Session, q: BrokerQueue, put_id: int) -> int | None:
+        """The position put `put_id` was made for (None: not a ring put). A put a broker
+        that died gave is for the first position its producer claimed and has not
+        published (it claims them in turn)."""
+        qring = q.qring
+        if qring is None:
+            return None
+        got = qring.pending.get(put_id)
+        if got is not None:
+            return got[0]
+        owner = qring.owner(session)
+        known = {p for p, _s, _o in qring.pending.values()} | set(qring.asks)
+        words = qring.view.entry_words()
+        for pos in sorted(p for p, o, st, _s in words if o == owner and st == WRITING):
+            slot = qring.claimed(pos, owner)
+            if pos not in known and slot is not None:
+                qring.pending[put_id] = (pos, slot, 0)
+                return pos
+        return None
+
+    def sealed(self, q: BrokerQueue, put_id: int, obj: StoredObject) -> None:
+        """Item `obj` (version: its position + 1) is sealed: published at its position once
+        the journal has it."""
+        qring = q.qring
+        assert qring is not None
+        pos, slot, _oid = qring.pending.pop(put_id)
+        qring.asks[pos] = (obj, slot)
+        qring.staged.append(pos)
+        self._due.add(q)
+
+    def flush(self) -> None:
+        """After the journal's commit: the items sealed since go to their positions."""
+        for q in self._due:
+            qring = q.qring
+            if qring is None:
+                continue
+            for pos in qring.staged:
+                got = qring.asks.get(pos)
+                if got is not None:
+                    qring.view.publish(pos, got[1])
+            qring.staged.clear()
+        self._due.clear()
+
+    def ask(self, session: Session, q: BrokerQueue, pos: int) -> StoredObject:
+        """The item at `pos`, which `session` took from the ring."""
+        qring = q.qring
+        got = None if qring is None else qring.asks.get(pos)
+        if qring is None or got is None:
+            raise InvalidRequest(f"queue {q.name!r}: there is no item at {pos} to ask for")
+        obj, slot = got
+        if qring.view.slot_words()[slot][:2] != (qring.owner(session), HELD):
+            raise InvalidRequest(f"queue {q.name!r}: this client holds no item at {pos}")
+        del qring.asks[pos]
+        qring.lent[obj.oid] = slot
+        return obj
+
+    def freed(self, obj: StoredObject) -> None:
+        """The registry freed item `obj`: its slot is free (a put aborted before its seal:
+        its position is passed over)."""
+        q = obj.queue
+        qring = None if q is None else q.qring
+        if qring is None:
+            return
+        slot = qring.lent.pop(obj.oid, None)
+        if slot is None and obj.version:
+            slot = qring.asks.pop(obj.version - 1, (None, None))[1]
+        if slot is None:
+            for put_id, (pos, s, oid) in list(qring.pending.items()):
+                if oid == obj.oid:
+                    del qring.pending[put_id]
+                    qring.view.skip(pos, None)
+                    slot = s
+        if slot is not None:
+            qring.view.free(slot)
+
+    # -- clients that go, and queues that end ------------------------------------------------
+
+    def session_gone(self, session: Session, gone: bool) -> None:
+        """A client closed (`gone`: its process is gone, or holds nothing): what it was
+        writing is passed over and freed, and once gone what it took or held is let go."""
+        for q, qring in self._rings():
+            owner = qring.owners.get(session.token, 0)
+            if owner:
+                self._left(qring, owner, gone)
+                if gone:
+                    del qring.owners[session.token]
+                    self.registry.journal.queue(q)
+
+    def _left(self, qring: QRing, owner: int, gone: bool) -> None:
+        view = qring.view
+        ours = {s for _p, s, _o in qring.pending.values()} | {s for _o, s in qring.asks.values()}
+        for pos, o, st, _slot in view.entry_words():
+            if o == owner and st == WRITING and pos not in qring.asks:
+                if not any(p == pos for p, _s, _o in qring.pending.values()):
+                    view.skip(pos, owner)
+        for slot, (o, st, _flags) in enumerate(view.slot_words()):
+            if o == owner and st == WRITING and slot not in ours:
+                view.free(slot)
+        if not gone:
+            return
+        for pos, o, st, slot in view.entry_words():
+            if o == owner and st == TAKEN:  # it died taking it
+                self._let_go(qring, slot)
+                view.untake(pos)
+        for slot, (o, st, _flags) in enumerate(view.slot_words()):
+            if o == owner and st == HELD:
+                self._let_go(qring, slot)
+
+    def _let_go(self, qring: QRing, slot: int) -> None:
+        """The item in `slot` goes: an item of the broker's is retired (its slot is freed
+        with it: `freed`; one lent is freed as its lease goes)."""
+        if slot in qring.lent.values():
+            return
+        for obj, s in list(qring.asks.values()):
+            if s == slot:
+                self.registry.retire(obj)  # -> freed
+                return
+        qring.view.free(slot)
+
+    def holds(self, session: Session) -> bool:
+        """Whether `session` holds ring items (its arrays live on after a bye)."""
+        for _q, qring in self._rings():
+            owner = qring.owners.get(session.token, 0)
+            if owner and any(o == owner and st == HELD for o, st, _f in qring.view.slot_words()):
+                return True
+        return False
+
+    def end(self, q: BrokerQueue) -> None:
+        """`q` was closed or removed: its ring says so (a removed queue's items go, but for
+        those consumers hold)."""
+        qring = q.qring
+        if qring is None:
+            return
+        qring.view.end(REMOVED if q.removed else CLOSED)
+        if q.removed:
+            for obj, _slot in list(qring.asks.values()):
+                self.registry.retire(obj)
+            for slot, (_o, st, _f) in enumerate(qring.view.slot_words()):
+                if st == QUEUED:
+                    qring.view.free(slot)
+
+    def closed(self) -> list[BrokerQueue]:
+        """The closed queues with a ring: each may have ended (drained) since it was looked at."""
+        return [q for q, _r in self._rings() if q.closed]
+
+    def close(self, q: BrokerQueue) -> None:
+        """`q` is forgotten: its ring goes (clients that mapped it keep their mapping)."""
+        qring, q.qring = q.qring, None
+        self._queues.pop(q.id, None)
+        if qring is not None:
+            qring.close()
+
+    # -- a broker that died ----------------------------------------------------------------
+
+    def adopt(self, q: BrokerQueue, row: list[Any], alive: dict[str, Session]) -> None:
+        """The ring of a queue of a broker that died, with the owners still alive; what
+        those gone had is passed over or let go (the items of the journal are `adopted`)."""
+        if self.make is None:
+            return
+        name, owners = row
+        q.qring = qring = self.make(0, name)
+        self._queues[q.id] = q
+        qring.owners = {token: n for token, n in owners if token in alive}
+        qring.gone = {n for token, n in owners if token not in alive}
+
+    def adopted(self, q: BrokerQueue) -> None:
+        """The items of `q` the journal has are in `q.items`: each goes back to its
+        position (published again if the broker died before it was); then what the owners
+        gone had is let go."""
+        qring = q.qring
+        if qring is None:
+            return
+        items, q.items = list(q.items), type(q.items)()
+        view = qring.view
+        entries = view.entry_words()
+        for obj in items:
+            pos = obj.version - 1
+            e_pos, _o, st, slot = entries[pos % view.entries]
+            if e_pos != pos or st == FREE or slot >= view.slots:
+                self.registry.retire(obj)  # its position was passed over
+                continue
+            qring.asks[pos] = (obj, slot)
+            if st == WRITING:
+                qring.staged.append(pos)
+                self._due.add(q)
+        for owner in qring.gone:
+            self._left(qring, owner, True)
+        qring.gone.clear()
