@@ -15,7 +15,7 @@ import numpy as np
 
 from ..common import _shm, host
 from ..common.descriptors import TensorDesc
-from ..common.errors import InvalidRequest, QueueClosed, Timeout
+from ..common.errors import BrokerError, BrokerUnavailable, InvalidRequest, QueueClosed, Timeout
 from ..common.mailbox import item_reply
 from ..common.protocol import Op
 from ..common.qring import ASK, CLOSED, FULL, INLINE, META_TAIL, REMOVED, QueueRingView
@@ -74,17 +74,22 @@ class QueueRing:
         plan, tail = planned
         view, owner = self.view, self.owner
         slot, pos = self.reserve(claim, plan if tail else None)
-        if tail:
-            view.name(pos, slot, INLINE, tail)
-            view.publish(pos, slot)
-            return pos + 1
-        view.name(pos, slot, ASK, b"")
+        try:
+            view.name(pos, slot, INLINE if tail else ASK, tail)
+            if tail:
+                view.publish(pos, slot, owner)
+                return pos + 1
+        except BaseException:  # (a signal's exception too): passed over, not left claimed
+            view.skip(pos, owner)
+            view.unalloc(slot, owner)
+            raise
         plan.fields["ring"] = pos
         try:
             reply = self.transfer.conn.call(Op.QPUT, wait=until, **plan.request)
-        except BaseException:  # the broker has no put of it: pass its position over
-            view.skip(pos, owner)
-            view.unalloc(slot, owner)
+        except BrokerError as exc:
+            if not isinstance(exc, BrokerUnavailable):  # the broker refused it: it has no put
+                view.skip(pos, owner)
+                view.unalloc(slot, owner)
             raise
         return self.transfer.fill(plan, reply, block)  # (a failed fill is aborted: the broker's)
 
@@ -136,15 +141,15 @@ class QueueRing:
         slot, pos = self.reserve(timeout)
         view.name(pos, slot, ASK, b"")
         made = False
-        try:
+        try:  # (a give-up while the broker is asked leaves the position to this client's end)
             with self.transfer.create(
                 self.name, shape, dtype, device, Op.QPUT, until,
                 queue=self.queue_id, name=self.name, timeout=timeout, ring=pos,
             ) as buffer:  # fmt: skip
                 made = True
                 yield buffer
-        except BaseException:
-            if not made:  # (else it was aborted: the broker's to pass over)
+        except BrokerError as exc:
+            if not made and not isinstance(exc, BrokerUnavailable):  # refused: no put of it
                 view.skip(pos, owner)
                 view.unalloc(slot, owner)
             raise
@@ -163,8 +168,16 @@ class QueueRing:
 
     def get(self, timeout: float | None) -> Item:
         """The next item, waiting up to `timeout` seconds (0: WouldWait at once)."""
-        got = self.take(timeout)
-        return self.item(*got)
+        pos, slot, flags, tail = self.take(timeout)
+        if flags & ASK:  # (a failed ask leaves it to the broker: freed when this client ends)
+            conn = self.transfer.conn
+            reply = conn.call(Op.QGET, queue=self.queue_id, name=self.name, ring=pos)
+            return self.transfer.reads.read(reply)
+        try:
+            return self.item(pos, slot, tail)
+        except BaseException:  # (a signal's exception too): the slot must not stay held
+            self.view.release(slot, self.owner)
+            raise
 
     def take(self, timeout: float | None) -> tuple[int, int, int, bytes]:
         view, owner = self.view, self.owner
@@ -191,24 +204,16 @@ class QueueRing:
             finally:
                 view.sleeping(False, -1)
 
-    def item(self, pos: int, slot: int, flags: int, tail: bytes) -> Item:
-        """The Tensors of the item taken at `pos`, held in `slot`."""
-        if flags & ASK:
-            conn = self.transfer.conn
-            reply = conn.call(Op.QGET, queue=self.queue_id, name=self.name, ring=pos)
-            return self.transfer.reads.read(reply)
+    def item(self, pos: int, slot: int, tail: bytes) -> Item:
+        """The Tensors of the item taken at `pos`, held in `slot` (let go with them)."""
         unpacked = self._tails.get(tail)
         if unpacked is None:
             if len(self._tails) >= TAILS:
                 self._tails.clear()
             unpacked = self._tails[tail] = msgpack.unpackb(tail, raw=False)
+        reply = item_reply(0, 0, pos + 1, 0, 0, self.view.offset(slot), unpacked)
+        descs = [TensorDesc.from_wire(w) for w in reply["tensors"]]
         lease = QueueRingLease(self.mapping, self.view, slot, self.owner)
-        try:
-            reply = item_reply(0, 0, pos + 1, 0, 0, self.view.offset(slot), unpacked)
-            descs = [TensorDesc.from_wire(w) for w in reply["tensors"]]
-        except BaseException:
-            del lease
-            raise
         key = reply["key"]
         if not reply["bundle"]:
             return Tensor(key, pos + 1, descs[0], lease)

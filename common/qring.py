@@ -12,14 +12,16 @@ through it with atomics alone (a prototype: 300k items/s, 13 us a handoff):
       header (HEADER bytes): magic; bell (u32 futex: consumers sleep on it); tail; head;
         pbell (u32 futex at 32: producers sleep on it); csleep, psleep (sleepers); slots;
         data (bytes of one slot's data); entries
-      entry e (ENTRY bytes, 2 x slots of them): word; the slot its item is in (| SKIP)
-      slot i (META bytes): word; flags | taillen << 8; tail[taillen] from 32
+      entry e (ENTRY bytes, 2 x slots of them): word; pos << 20 | the slot its item is in
+        (or SKIP)
+      slot i (META bytes): word; flags | taillen << 8; its position; tail[taillen] from 32
       data of slot i (`data` bytes, page aligned)
 
     entry word: pos << 10 | owner << 2 | FREE/WRITING/READY/TAKEN: entry pos % entries is
       FREE(pos) when position pos may be claimed in it. An item's version (its place in
       the stream) is its position + 1.
-    slot word: owner << 2 | FREE/WRITING/QUEUED/HELD. `maxsize` slots: the items in flight.
+    slot word: owner << 2 | FREE/WRITING/QUEUED/HELD (QUEUED keeps its producer, HELD its
+      consumer). `maxsize` slots: the items in flight.
     tail word: pos << 2 | CLOSED | REMOVED: the next position to claim, and the end.
 
     producer: take a FREE slot (CAS -> WRITING(me)); copy the item into its data and write
@@ -79,7 +81,8 @@ Q_MAGIC, Q_TAIL, Q_HEAD, Q_PBELL, Q_CSLEEP, Q_PSLEEP, Q_SLOTS, Q_DATA, Q_ENTRIES
 FREE, WRITING, READY, TAKEN = 0, 1, 2, 3  # an entry's
 QUEUED, HELD = 2, 3  # a slot's (FREE, WRITING as an entry's)
 INLINE, ASK = 1, 2  # a slot's flags
-SKIP = 1 << 16  # in an entry's second word: pass over it
+SKIP = 1 << 16  # in an entry's second word (position << 20 | slot): pass over it
+NAMED = (1 << 20) - 1  # that word's slot and SKIP
 CLOSED, REMOVED = 1, 2  # the tail word's low bits
 FULL = -3  # no slot (or entry) free
 
@@ -187,7 +190,8 @@ class QueueRingView:
             if w >> 10 == pos:  # claimed, the tail not moved on yet
                 cas(addr + Q_TAIL, t, t + 4)
                 continue
-            if w >> 10 > pos:  # the tail read is behind already
+            if w >> 10 > pos:  # position pos was taken already: the tail is behind
+                cas(addr + Q_TAIL, t, t + 4)
                 continue
             return FULL  # the position a lap back is being taken
 
@@ -195,13 +199,14 @@ class QueueRingView:
         """Say what position `pos` (claimed) holds: slot `slot`, with `flags` and `tail`."""
         meta = self.meta(slot)
         _shm.store(meta + 8, flags | len(tail) << 8)
+        _shm.store(meta + 16, pos)
         if tail:
             _shm.copy_in(meta + 32, tail)
-        _shm.store(self.entry(pos) + 8, slot)
+        _shm.store(self.entry(pos) + 8, pos << 20 | slot)
 
-    def publish(self, pos: int, slot: int) -> None:
-        """Position `pos`, named, is written: consumers may take it."""
-        _shm.store(self.meta(slot), QUEUED)
+    def publish(self, pos: int, slot: int, owner: int) -> None:
+        """Position `pos`, named by `owner`, is written: consumers may take it."""
+        _shm.store(self.meta(slot), owner << 2 | QUEUED)
         _shm.store(self.entry(pos), state(pos, 0, READY))
         self.wake_consumers()
 
@@ -221,16 +226,16 @@ class QueueRingView:
             if w == state(h, 0, READY):
                 if not cas(entry, w, state(h, owner, TAKEN)):
                     continue
-                slot = load(entry + 8)
-                if slot & SKIP:
+                try:
+                    slot = load(entry + 8) & NAMED
+                    if slot & SKIP:
+                        continue
+                    meta = self.meta(slot)
+                    _shm.store(meta, owner << 2 | HELD)
+                    word = load(meta + 8)
+                    return h, slot, word & 0xFF, ctypes.string_at(meta + 32, word >> 8)
+                finally:  # (an exception, a signal's, too: the entry must not stay taken)
                     self._taken(entry, h)
-                    continue
-                meta = self.meta(slot)
-                _shm.store(meta, owner << 2 | HELD)
-                word = load(meta + 8)
-                tail = ctypes.string_at(meta + 32, word >> 8)
-                self._taken(entry, h)
-                return h, slot, word & 0xFF, tail
             pos = w >> 10
             if (pos == h and w & 3 == TAKEN) or pos >= h + entries:  # taken: move the head on
                 cas(addr + Q_HEAD, h, h + 1)
@@ -260,7 +265,7 @@ class QueueRingView:
     def ready(self, producer: bool) -> bool:
         """Whether a put (`producer`) or a take might not wait now (or the queue ended)."""
         t = _shm.load(self.addr + Q_TAIL)
-        if t & 3:
+        if t & REMOVED or (t & CLOSED and (producer or _shm.load(self.addr + Q_HEAD) >= t >> 2)):
             return True
         if producer:
             pos = t >> 2
@@ -317,20 +322,23 @@ class QueueRingView:
         return t >> 2
 
     def entry_words(self) -> list[tuple[int, int, int, int]]:
-        """Each entry's (position, owner, state, slot word)."""
+        """Each entry's (position, owner, state, slot): the slot its claimant named for that
+        position (with SKIP), or NAMED if none is named yet."""
         out = []
         for e in range(self.entries):
             w = _shm.load(self.addr + HEADER + e * ENTRY)
-            slot = _shm.load(self.addr + HEADER + e * ENTRY + 8)
+            named = _shm.load(self.addr + HEADER + e * ENTRY + 8)
+            slot = named & NAMED if named >> 20 == w >> 10 else NAMED  # (NAMED: not named)
             out.append((w >> 10, (w >> 2) & 0xFF, w & 3, slot))
         return out
 
-    def slot_words(self) -> list[tuple[int, int, int]]:
-        """Each slot's (owner, state, flags)."""
+    def slot_words(self) -> list[tuple[int, int, int, int]]:
+        """Each slot's (owner, state, flags, position named)."""
         out = []
         for i in range(self.slots):
-            w = _shm.load(self.meta(i))
-            out.append(((w >> 2) & 0xFF, w & 3, _shm.load(self.meta(i) + 8) & 0xFF))
+            meta = self.meta(i)
+            w = _shm.load(meta)
+            out.append(((w >> 2) & 0xFF, w & 3, _shm.load(meta + 8) & 0xFF, _shm.load(meta + 16)))
         return out
 
     def counts(self) -> tuple[int, int]:
@@ -338,7 +346,7 @@ class QueueRingView:
         ready = sum(
             st == READY and not slot & SKIP for _pos, _o, st, slot in self.entry_words()
         )  # fmt: skip
-        busy = sum(st != FREE for _o, st, _f in self.slot_words())
+        busy = sum(st != FREE for _o, st, _f, _p in self.slot_words())
         return ready, busy
 
     def sleepers(self) -> tuple[int, int]:
@@ -352,7 +360,15 @@ class QueueRingView:
         w = _shm.load(entry)
         if w >> 10 != pos or w & 3 != WRITING or owner not in (None, (w >> 2) & 0xFF):
             return False
-        _shm.store(entry + 8, SKIP)
+        while True:  # its claimant may have died before it moved the tail on
+            t = _shm.load(self.addr + Q_TAIL)
+            if t >> 2 != pos or _shm.cas(self.addr + Q_TAIL, t, t + 4 if not t & 3 else t):
+                break
+        if t >> 2 == pos and t & 3:  # the queue ended at this position: it was never claimed
+            _shm.store(entry, state(pos, 0, FREE))
+            self.wake_consumers()
+            return True
+        _shm.store(entry + 8, pos << 20 | SKIP)
         _shm.store(entry, state(pos, 0, READY))
         if _shm.load(self.addr + Q_HEAD) == pos and _shm.cas(
             entry, state(pos, 0, READY), state(pos, 0, TAKEN)
@@ -361,10 +377,19 @@ class QueueRingView:
         self.wake_consumers()
         return True
 
-    def free(self, slot: int) -> None:
-        """Free `slot` (its holder or writer gone, or its item freed by the broker)."""
-        _shm.store(self.meta(slot), FREE)
+    def free(self, slot: int, word: int | None = None) -> None:
+        """Free `slot` (its holder or writer gone, or its item freed by the broker): if its
+        word is still `word`, when given."""
+        if word is None:
+            _shm.store(self.meta(slot), FREE)
+        elif not _shm.cas(self.meta(slot), word, FREE):
+            return
         self.wake_producers()
+
+    def release_entry(self, pos: int) -> None:
+        """Publish an entry whose claimant died after it wrote its slot (QUEUED)."""
+        _shm.store(self.entry(pos), state(pos, 0, READY))
+        self.wake_consumers()
 
     def untake(self, pos: int) -> None:
         """Finish the take of `pos` by a consumer that died in it."""

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..common.errors import InvalidRequest, QueueClosed
 from ..common.qring import (
+    ASK,
     CLOSED,
     FREE,
     HELD,
@@ -51,8 +52,9 @@ class QRing(Mapped):
             QueueRingView.format(self.addr, slots, data)
         self.view = QueueRingView(self.addr)
         self.owners: dict[str, int] = {}  # session token -> its owner number
-        self.pending: dict[int, tuple[int, int, int]] = {}  # put id -> position, slot, oid
-        self.asks: dict[int, tuple[StoredObject, int]] = {}  # position -> item, slot
+        self.pending: dict[int, tuple[int, int, int, int]] = {}  # put id -> position, slot,
+        # oid, owner
+        self.asks: dict[int, tuple[StoredObject, int, int]] = {}  # position -> item, slot, owner
         self.lent: dict[int, int] = {}  # oid -> slot
         self.staged: list[int] = []  # positions of `asks` to publish after the commit
         self.gone: set[int] = set()  # adopted: owners of clients that did not come back
@@ -85,7 +87,7 @@ class QRing(Mapped):
         if got[:3] != (pos, owner, WRITING) or not owner:
             return None
         slot = got[3]
-        if slot >= view.slots or view.slot_words()[slot][:2] != (owner, WRITING):
+        if slot >= view.slots or view.slot_words()[slot][:2] != (owner, WRITING):  # (NAMED too)
             return None
         return slot
 
@@ -148,9 +150,11 @@ class QueueRingRoom:
             raise InvalidRequest(f"queue {q.name!r}: position {pos} is not this client's to write")
         return slot
 
-    def begun(self, q: BrokerQueue, put_id: int, pos: int, slot: int, oid: int) -> None:
+    def begun(
+        self, session: Session, q: BrokerQueue, put_id: int, pos: int, slot: int, oid: int
+    ) -> None:
         assert q.qring is not None
-        q.qring.pending[put_id] = (pos, slot, oid)
+        q.qring.pending[put_id] = (pos, slot, oid, q.qring.owner(session))
 
     def position(self, session: Session, q: BrokerQueue, put_id: int) -> int | None:
         """The position put `put_id` was made for (None: not a ring put). A put a broker
@@ -163,12 +167,12 @@ class QueueRingRoom:
         if got is not None:
             return got[0]
         owner = qring.owner(session)
-        known = {p for p, _s, _o in qring.pending.values()} | set(qring.asks)
+        known = {p for p, _s, _o, _w in qring.pending.values()} | set(qring.asks)
         words = qring.view.entry_words()
         for pos in sorted(p for p, o, st, _s in words if o == owner and st == WRITING):
             slot = qring.claimed(pos, owner)
             if pos not in known and slot is not None:
-                qring.pending[put_id] = (pos, slot, 0)
+                qring.pending[put_id] = (pos, slot, 0, owner)
                 return pos
         return None
 
@@ -177,8 +181,8 @@ class QueueRingRoom:
         the journal has it."""
         qring = q.qring
         assert qring is not None
-        pos, slot, _oid = qring.pending.pop(put_id)
-        qring.asks[pos] = (obj, slot)
+        pos, slot, _oid, owner = qring.pending.pop(put_id)
+        qring.asks[pos] = (obj, slot, owner)
         qring.staged.append(pos)
         self._due.add(q)
 
@@ -191,7 +195,7 @@ class QueueRingRoom:
             for pos in qring.staged:
                 got = qring.asks.get(pos)
                 if got is not None:
-                    qring.view.publish(pos, got[1])
+                    qring.view.publish(pos, got[1], got[2])
             qring.staged.clear()
         self._due.clear()
 
@@ -201,7 +205,7 @@ class QueueRingRoom:
         got = None if qring is None else qring.asks.get(pos)
         if qring is None or got is None:
             raise InvalidRequest(f"queue {q.name!r}: there is no item at {pos} to ask for")
-        obj, slot = got
+        obj, slot, _owner = got
         if qring.view.slot_words()[slot][:2] != (qring.owner(session), HELD):
             raise InvalidRequest(f"queue {q.name!r}: this client holds no item at {pos}")
         del qring.asks[pos]
@@ -217,46 +221,51 @@ class QueueRingRoom:
             return
         slot = qring.lent.pop(obj.oid, None)
         if slot is None and obj.version:
-            slot = qring.asks.pop(obj.version - 1, (None, None))[1]
-        if slot is None:
-            for put_id, (pos, s, oid) in list(qring.pending.items()):
-                if oid == obj.oid:
-                    del qring.pending[put_id]
-                    qring.view.skip(pos, None)
-                    slot = s
+            slot = qring.asks.pop(obj.version - 1, (None, None, None))[1]
         if slot is not None:
             qring.view.free(slot)
+            return
+        for put_id, (pos, s, oid, owner) in list(qring.pending.items()):
+            if oid == obj.oid:  # aborted before its seal: passed over, its slot freed if
+                del qring.pending[put_id]  # still its producer's (it may have freed it)
+                qring.view.skip(pos, None)
+                qring.view.free(s, owner << 2 | WRITING)
 
     # -- clients that go, and queues that end ------------------------------------------------
 
     def session_gone(self, session: Session, gone: bool) -> None:
-        """A client closed (`gone`: its process is gone, or holds nothing): what it was
-        writing is passed over and freed, and once gone what it took or held is let go."""
-        for q, qring in self._rings():
-            owner = qring.owners.get(session.token, 0)
-            if owner:
-                self._left(qring, owner, gone)
-                if gone:
-                    del qring.owners[session.token]
-                    self.registry.journal.queue(q)
-
-    def _left(self, qring: QRing, owner: int, gone: bool) -> None:
-        view = qring.view
-        ours = {s for _p, s, _o in qring.pending.values()} | {s for _o, s in qring.asks.values()}
-        for pos, o, st, _slot in view.entry_words():
-            if o == owner and st == WRITING and pos not in qring.asks:
-                if not any(p == pos for p, _s, _o in qring.pending.values()):
-                    view.skip(pos, owner)
-        for slot, (o, st, _flags) in enumerate(view.slot_words()):
-            if o == owner and st == WRITING and slot not in ours:
-                view.free(slot)
+        """A client is gone (its process, or it closed holding nothing): what it was writing
+        is passed over and freed, and what it took or held is let go. One that closed and
+        holds items (`gone` False) keeps them until its process exits."""
         if not gone:
             return
+        for q, qring in self._rings():
+            owner = qring.owners.pop(session.token, 0)
+            if owner:
+                self._left(qring, owner)
+                self.registry.journal.queue(q)
+
+    def _left(self, qring: QRing, owner: int) -> None:
+        view = qring.view
+        ours = {s for _p, s, _o, _w in qring.pending.values()}
+        ours |= {s for _o, s, _w in qring.asks.values()}
+        mine = {p for p, _s, _o, _w in qring.pending.values()} | set(qring.asks)
+        slots = view.slot_words()
+        for pos, o, st, slot in view.entry_words():
+            if o == owner and st == WRITING and pos not in mine:
+                if slot < view.slots and slots[slot][:2] == (owner, QUEUED):
+                    view.release_entry(pos)  # it died publishing a whole item
+                else:
+                    view.skip(pos, owner)
+        for slot, (o, st, _flags, _pos) in enumerate(view.slot_words()):
+            if o == owner and st == WRITING and slot not in ours:
+                view.free(slot)
         for pos, o, st, slot in view.entry_words():
             if o == owner and st == TAKEN:  # it died taking it
-                self._let_go(qring, slot)
+                if slot < view.slots:
+                    self._let_go(qring, slot)
                 view.untake(pos)
-        for slot, (o, st, _flags) in enumerate(view.slot_words()):
+        for slot, (o, st, _flags, _pos) in enumerate(view.slot_words()):
             if o == owner and st == HELD:
                 self._let_go(qring, slot)
 
@@ -265,7 +274,7 @@ class QueueRingRoom:
         with it: `freed`; one lent is freed as its lease goes)."""
         if slot in qring.lent.values():
             return
-        for obj, s in list(qring.asks.values()):
+        for obj, s, _owner in list(qring.asks.values()):
             if s == slot:
                 self.registry.retire(obj)  # -> freed
                 return
@@ -275,7 +284,8 @@ class QueueRingRoom:
         """Whether `session` holds ring items (its arrays live on after a bye)."""
         for _q, qring in self._rings():
             owner = qring.owners.get(session.token, 0)
-            if owner and any(o == owner and st == HELD for o, st, _f in qring.view.slot_words()):
+            words = qring.view.slot_words()
+            if owner and any(o == owner and st == HELD for o, st, _f, _p in words):
                 return True
         return False
 
@@ -287,9 +297,9 @@ class QueueRingRoom:
             return
         qring.view.end(REMOVED if q.removed else CLOSED)
         if q.removed:
-            for obj, _slot in list(qring.asks.values()):
+            for obj, _slot, _owner in list(qring.asks.values()):
                 self.registry.retire(obj)
-            for slot, (_o, st, _f) in enumerate(qring.view.slot_words()):
+            for slot, (_o, st, _f, _p) in enumerate(qring.view.slot_words()):
                 if st == QUEUED:
                     qring.view.free(slot)
 
@@ -317,26 +327,37 @@ class QueueRingRoom:
         qring.owners = {token: n for token, n in owners if token in alive}
         qring.gone = {n for token, n in owners if token not in alive}
 
-    def adopted(self, q: BrokerQueue) -> None:
-        """The items of `q` the journal has are in `q.items`: each goes back to its
-        position (published again if the broker died before it was); then what the owners
-        gone had is let go."""
+    def adopted(self, q: BrokerQueue, objects: list[StoredObject]) -> None:
+        """The items of `q` the journal has (`objects`; the live ones are in `q.items`) go
+        back to the slots that name their positions: one not taken yet is asked for (and
+        published again if the broker died before it was), one handed over is freed with its
+        lease. Then what the owners gone had is let go."""
         qring = q.qring
         if qring is None:
             return
-        items, q.items = list(q.items), type(q.items)()
+        q.items = type(q.items)()
         view = qring.view
+        where = {
+            pos: (slot, owner)
+            for slot, (owner, st, flags, pos) in enumerate(view.slot_words())
+            if st != FREE and flags & ASK
+        }  # fmt: skip
         entries = view.entry_words()
-        for obj in items:
+        for obj in objects:
             pos = obj.version - 1
-            e_pos, _o, st, slot = entries[pos % view.entries]
-            if e_pos != pos or st == FREE or slot >= view.slots:
+            found = where.get(pos) if obj.version else None
+            if found is None:
                 self.registry.retire(obj)  # its position was passed over
                 continue
-            qring.asks[pos] = (obj, slot)
-            if st == WRITING:
+            slot, owner = found
+            if not obj.live:
+                qring.lent[obj.oid] = slot  # handed over: its consumer's lease holds it
+                continue
+            qring.asks[pos] = (obj, slot, owner)
+            e_pos, _o, st, _slot = entries[pos % view.entries]
+            if e_pos == pos and st == WRITING:
                 qring.staged.append(pos)
                 self._due.add(q)
         for owner in qring.gone:
-            self._left(qring, owner, True)
+            self._left(qring, owner)
         qring.gone.clear()

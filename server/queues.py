@@ -344,7 +344,7 @@ class Queues:
         unseen = {row.oid: set(row.unseen) for row in objects if row.unseen is not None}
         for q in list(self.table.by_name.values()):
             q.items = deque(sorted(q.items, key=lambda o: o.version))
-            self.qrings.adopted(q)
+            self.qrings.adopted(q, [o for o in adopted.values() if o.queue is q])
             if q.subs is not None:
                 self.broadcasts.adopted(q, unseen, retire)
             self.table.note_if_ended(q)

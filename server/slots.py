@@ -142,7 +142,7 @@ class QueueSlots:
     def _grant_ring(self, session: Session, q: BrokerQueue, req: Request, pos: int) -> Reply:
         slot = self.qrings.put(session, q, pos)  # (a put that waited for memory: still its own?)
         reply = self._grant(session, q, req)
-        self.qrings.begun(q, reply["put"], pos, slot, reply["oid"])
+        self.qrings.begun(session, q, reply["put"], pos, slot, reply["oid"])
         return reply
 
     def _grant(self, session: Session, q: BrokerQueue, req: Request) -> Reply:

@@ -287,7 +287,9 @@ def _pattern_consumer(conn: Connection, address: str) -> None:
         queues: dict[str, tb.Queue] = {}
 
         def get(name: str) -> Any:
-            q = queues.get(name) or queues.setdefault(name, client.queue(name))
+            q = queues.get(name)  # (not `or`: a Queue's truth is its len(), a request)
+            if q is None:
+                q = queues[name] = client.queue(name)
             return np.from_dlpack(q.get(timeout=60.0))
 
         pattern_consumer(conn, get)

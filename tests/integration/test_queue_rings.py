@@ -15,7 +15,17 @@ from support import CHILDREN, GaveUp, interrupt_after, join_all, wait_until
 from workers import shm_mapping
 
 import tensorbroker as tb
-from tensorbroker.common.qring import QueueRingView
+from tensorbroker.common import _shm
+from tensorbroker.common.qring import (
+    FREE,
+    INLINE,
+    Q_TAIL,
+    QUEUED,
+    SKIP,
+    WRITING,
+    QueueRingView,
+    state,
+)  # fmt: skip
 
 
 @pytest.fixture
@@ -81,6 +91,48 @@ def dies_holding(address: str, name: str, count: int) -> None:
         QueueRingView._taken = lambda self, entry, pos: os._exit(0)  # type: ignore[method-assign]
         q.get(timeout=10)
     os._exit(3)  # it never took the next one
+
+
+def dies_claiming(address: str, name: str) -> None:
+    """Take a slot, claim the position at the tail's entry, and die before the tail moves."""
+    with tb.connect(address) as client:
+        ring = client.queue(name)._ring
+        assert ring is not None
+        view = ring.view
+        view.alloc(ring.owner)
+        pos = _shm.load(view.addr + Q_TAIL) >> 2
+        assert _shm.cas(view.entry(pos), state(pos, 0, FREE), state(pos, ring.owner, WRITING))
+        os._exit(0)
+
+
+def dies_publishing(address: str, name: str) -> None:
+    """Write an item whole, and die before its entry says so."""
+    with tb.connect(address) as client:
+        ring = client.queue(name)._ring
+        assert ring is not None
+        planned = ring.plan(np.full(2, 9.0), None, None, False)
+        slot, pos = ring.reserve(None, planned[0])
+        ring.view.name(pos, slot, INLINE, planned[1])
+        _shm.store(ring.view.meta(slot), ring.owner << 2 | QUEUED)
+        os._exit(0)
+
+
+def dies_passing_over(address: str, name: str) -> None:
+    """Take the item at the head, then die taking the entry passed over after it."""
+    with tb.connect(address) as client:
+        q = client.queue(name)
+        first = q.get(timeout=10)
+        passed_over = QueueRingView._taken
+
+        def die_there(self: QueueRingView, entry: int, pos: int) -> None:
+            if _shm.load(entry + 8) & SKIP:
+                os._exit(0)
+            passed_over(self, entry, pos)
+
+        QueueRingView._taken = die_there  # type: ignore[method-assign]
+        del first
+        q.get(timeout=10)
+    os._exit(3)
 
 
 # -- the patterns ---------------------------------------------------------------------------
@@ -317,3 +369,34 @@ def test_asyncio_clients_use_the_ring_without_blocking_the_loop(
             return [(await aq.get(timeout=1)).numpy()[0] for _ in range(3)]
 
     assert asyncio.run(main()) == [8.0, 9.0, 10.0]
+
+
+def test_a_producer_that_dies_claiming_or_publishing_holds_nothing_up(c: tb.Client) -> None:
+    """Between its claim of a position and moving the tail on: the position is passed over
+    (the tail too). Between writing an item whole and publishing it: it is published."""
+    q = c.queue("claims", maxsize=2)
+    for child in (dies_claiming, dies_publishing):
+        dying = CHILDREN.Process(target=child, args=(c.address, "claims"))
+        dying.start()
+        join_all([dying])
+    assert q.get(timeout=5).numpy().tolist() == [9.0, 9.0]  # the one written whole
+    q.put(np.full(2, 1.0), timeout=5)
+    q.put(np.full(2, 2.0), timeout=5)
+    assert [q.get(timeout=5).numpy()[0] for _ in range(2)] == [1.0, 2.0]
+    assert wait_until(lambda: q.in_flight() == 0, 5)
+
+
+def test_a_consumer_that_dies_passing_over_a_position_holds_nothing_up(c: tb.Client) -> None:
+    q = c.queue("passing", maxsize=2)
+    ring = q._ring
+    assert ring is not None
+    q.put(np.full(2, 1.0))
+    slot, pos = ring.reserve(None)  # a position given up behind the first: passed over later
+    assert ring.view.skip(pos, ring.owner)
+    ring.view.unalloc(slot, ring.owner)
+    dying = CHILDREN.Process(target=dies_passing_over, args=(c.address, "passing"))
+    dying.start()
+    join_all([dying])
+    q.put(np.full(2, 3.0), timeout=5)
+    assert q.get(timeout=5).numpy()[0] == 3.0
+    assert wait_until(lambda: q.in_flight() == 0, 5)
