@@ -22,6 +22,7 @@ from ..common.qring import ASK, CLOSED, FULL, INLINE, META_TAIL, REMOVED, QueueR
 from .tensor import Lease, Tensor
 
 if TYPE_CHECKING:
+    from .connection import Connection
     from .reads import Item
     from .transfer import Transfer
 
@@ -31,6 +32,17 @@ TAILS = 64  # slot tails kept unpacked
 
 
 Planned = tuple[Any, bytes]  # a WritePlan, and its slot's tail (b"": through the broker)
+
+
+def follow_broker(conn: Connection, generation: int, lost: str) -> int:
+    """Between sleeps on shared memory: a broker that exited is waited for (BrokerUnavailable
+    if none comes back); InvalidRequest(`lost`) if the one that came back has not this
+    client's state. The generation of now (what was read at `generation` still holds)."""
+    if conn.broker_exited():
+        conn.reconnect(conn.generation)
+    if conn.generation != generation and not conn.resumed:
+        raise InvalidRequest(lost)
+    return conn.generation
 
 
 def rings_wanted() -> bool:
@@ -256,15 +268,11 @@ class QueueRing:
     def look(self) -> None:
         conn = self.transfer.conn
         conn.check_usable(settle=False, poll=False, earlier=False)
-        if conn.broker_exited():
-            conn.reconnect(conn.generation)
-        if conn.generation != self.generation:
-            if not conn.resumed:
-                raise InvalidRequest(
-                    f"queue {self.name!r} was lost with the state of a broker that restarted "
-                    "without it: open it again"
-                )
-            self.generation = conn.generation
+        self.generation = follow_broker(
+            conn, self.generation,
+            f"queue {self.name!r} was lost with the state of a broker that restarted without "
+            "it: open it again",
+        )  # fmt: skip
 
     def _ended(self, why: int, put: bool) -> QueueClosed:
         if why == REMOVED:

@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, overload
 
-from ..common.errors import InvalidRequest, QueueClosed, Timeout
+from ..common.errors import QueueClosed, Timeout
 from ..common.protocol import Op
 from ..common.ring import ASK, REMOVED
-from .qring import QueueRing, WouldWait
+from .qring import QueueRing, WouldWait, follow_broker
 from .ring import RingView
 from .tensor import Tensor
 from .transfer import Transfer
@@ -249,16 +249,11 @@ class Subscription:
         """Between sleeps: a broker that exited is waited for (BrokerUnavailable if none
         comes back), and one that came back without the state of the one before has no
         ring for this subscription."""
-        conn = self._transfer.conn
-        if conn.broker_exited():
-            conn.reconnect(conn.generation)
-        if conn.generation != ring.generation:
-            if not conn.resumed:
-                raise InvalidRequest(
-                    f"this client has no subscription to queue {self.name!r} (lost with this "
-                    "client's state when the broker restarted): subscribe again"
-                )
-            ring.generation = conn.generation
+        ring.generation = follow_broker(
+            self._transfer.conn, ring.generation,
+            f"this client has no subscription to queue {self.name!r} (lost with this client's "
+            "state when the broker restarted): subscribe again",
+        )  # fmt: skip
 
     def close(self) -> None:
         """End the subscription: the items waiting for it are no longer kept for it."""
