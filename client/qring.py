@@ -96,10 +96,14 @@ class QueueRing:
             view.unalloc(slot, owner)
             raise
         plan.fields["ring"] = pos
+        conn, answered = self.transfer.conn, []
         try:
-            reply = self.transfer.conn.call(Op.QPUT, wait=until, **plan.request)
-        except BrokerError as exc:
-            if not isinstance(exc, BrokerUnavailable):  # the broker refused it: it has no put
+            reply = conn.call(Op.QPUT, wait=until, late=answered.append, **plan.request)
+        except BaseException as exc:
+            if answered:  # given up, but granted: aborted, the broker passes it over
+                with contextlib.suppress(BrokerError):
+                    conn.call(Op.ABORT, put=answered[0]["put"])
+            elif not isinstance(exc, BrokerUnavailable):  # refused, or cancelled: no put
                 view.skip(pos, owner)
                 view.unalloc(slot, owner)
             raise

@@ -400,3 +400,33 @@ def test_a_consumer_that_dies_passing_over_a_position_holds_nothing_up(c: tb.Cli
     q.put(np.full(2, 3.0), timeout=5)
     assert q.get(timeout=5).numpy()[0] == 3.0
     assert wait_until(lambda: q.in_flight() == 0, 5)
+
+
+@pytest.mark.parametrize("answered", [False, True], ids=["cancelled", "answered-anyway"])
+def test_a_put_through_the_broker_given_up_holds_nothing_up(
+    c: tb.Client, monkeypatch: pytest.MonkeyPatch, answered: bool
+) -> None:
+    """A put of an item larger than a slot, given up (Ctrl-C) while the broker was asked:
+    cancelled there, its position is passed over; answered anyway, it is aborted and the
+    broker passes it over. Either way the items after it flow."""
+    q = c.queue("given-up", maxsize=2)
+    ring = q._ring
+    assert ring is not None
+    conn = c._transfer.conn
+    real = type(conn).call
+
+    def give_up(self: Any, op: str, *args: Any, **fields: Any) -> Any:
+        if op != "qput" or "ring" not in fields:
+            return real(self, op, *args, **fields)
+        if answered:
+            fields["late"](real(self, op, *args, **{**fields, "late": None}))
+        raise GaveUp
+
+    monkeypatch.setattr(type(conn), "call", give_up)
+    with pytest.raises(GaveUp):
+        q.put(np.zeros(ring.view.data // 4 + 1024, np.float32))
+    monkeypatch.undo()
+    q.put(np.full(2, 1.0), timeout=5)
+    q.put(np.full(2, 2.0), timeout=5)
+    assert [q.get(timeout=5).numpy()[0] for _ in range(2)] == [1.0, 2.0]
+    assert wait_until(lambda: q.in_flight() == 0 and c.stats()["used_bytes"] == 0, 5)
