@@ -96,7 +96,8 @@ class QueueRing:
             view.unalloc(slot, owner)
             raise
         plan.fields["ring"] = pos
-        conn, answered = self.transfer.conn, []
+        conn = self.transfer.conn
+        answered: list[dict[str, Any]] = []
         try:
             reply = conn.call(Op.QPUT, wait=until, late=answered.append, **plan.request)
         except BaseException as exc:
