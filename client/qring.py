@@ -92,8 +92,7 @@ class QueueRing:
                 view.publish(pos, slot, owner)
                 return pos + 1
         except BaseException:  # (a signal's exception too): passed over, not left claimed
-            view.skip(pos, owner)
-            view.unalloc(slot, owner)
+            view.unalloc(slot, owner, queued=view.skip(pos, owner))
             raise
         plan.fields["ring"] = pos
         conn = self.transfer.conn
@@ -232,9 +231,13 @@ class QueueRing:
         descs = [TensorDesc.from_wire(w) for w in reply["tensors"]]
         lease = QueueRingLease(self.mapping, self.view, slot, self.owner)
         key = reply["key"]
-        if not reply["bundle"]:
-            return Tensor(key, pos + 1, descs[0], lease)
-        return {t.name: Tensor(key, pos + 1, t, lease) for t in descs}
+        try:
+            if not reply["bundle"]:
+                return Tensor(key, pos + 1, descs[0], lease)
+            return {t.name: Tensor(key, pos + 1, t, lease) for t in descs}
+        except BaseException:
+            lease.disarm()  # (get lets go of the slot, once)
+            raise
 
     # -- waiting ---------------------------------------------------------------------------
 
@@ -300,6 +303,9 @@ class QueueRingLease(Lease):
         self.id, self.mapping, self._releases = None, mapping, None
         self._view: QueueRingView | None = view
         self._slot, self._owner, self._pid = slot, owner, host.pid()
+
+    def disarm(self) -> None:
+        self._view = None
 
     def __del__(self) -> None:
         view, self._view = self._view, None

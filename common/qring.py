@@ -65,7 +65,7 @@ import ctypes
 
 from . import _shm
 
-MAGIC = 0x32474E4952515400  # "TQRING2"
+MAGIC = 0x33474E4952515400  # "TQRING3"
 HEADER = 4096
 ENTRY = 16
 META = 256
@@ -160,9 +160,13 @@ class QueueRingView:
                 return slot
         return FULL
 
-    def unalloc(self, slot: int, owner: int) -> None:
-        """A slot `owner` took for a put that did not happen."""
-        if _shm.cas(self.meta(slot), owner << 2 | WRITING, FREE):
+    def unalloc(self, slot: int, owner: int, queued: bool = False) -> None:
+        """A slot `owner` took for a put that did not happen (`queued`: it may have been
+        marked QUEUED already, its position passed over since)."""
+        meta = self.meta(slot)
+        if _shm.cas(meta, owner << 2 | WRITING, FREE) or (
+            queued and _shm.cas(meta, owner << 2 | QUEUED, FREE)
+        ):
             self.wake_producers()
 
     def claim(self, owner: int) -> int:
@@ -226,6 +230,7 @@ class QueueRingView:
             if w == state(h, 0, READY):
                 if not cas(entry, w, state(h, owner, TAKEN)):
                     continue
+                slot = SKIP
                 try:
                     slot = load(entry + 8) & NAMED
                     if slot & SKIP:
@@ -234,7 +239,13 @@ class QueueRingView:
                     _shm.store(meta, owner << 2 | HELD)
                     word = load(meta + 8)
                     return h, slot, word & 0xFF, ctypes.string_at(meta + 32, word >> 8)
-                finally:  # (an exception, a signal's, too: the entry must not stay taken)
+                except BaseException:  # (a signal's): the item goes, as a consumer's that died
+                    if not slot & SKIP:
+                        _shm.store(self.meta(slot), owner << 2 | HELD)
+                        if not _shm.load(self.meta(slot) + 8) & ASK:  # (asked: the broker's)
+                            self.release(slot, owner)
+                    raise
+                finally:  # the entry must not stay taken
                     self._taken(entry, h)
             pos = w >> 10
             if (pos == h and w & 3 == TAKEN) or pos >= h + entries:  # taken: move the head on

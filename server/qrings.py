@@ -337,12 +337,14 @@ class QueueRingRoom:
             return
         q.items = type(q.items)()
         view = qring.view
+        entries = view.entry_words()
         where = {
             pos: (slot, owner)
             for slot, (owner, st, flags, pos) in enumerate(view.slot_words())
-            if st != FREE and flags & ASK
-        }  # fmt: skip
-        entries = view.entry_words()
+            if st != FREE
+            and flags & ASK
+            and (st != WRITING or entries[pos % view.entries] == (pos, owner, WRITING, slot))
+        }  # fmt: skip  (a slot WRITING names its position only once its entry names it)
         for obj in objects:
             pos = obj.version - 1
             found = where.get(pos) if obj.version else None
