@@ -49,7 +49,8 @@ class AsyncQueue:
         timeout, until = waits(timeout)
         ring = self._ring
         if ring is not None:
-            return await self._ring_put(ring, value, timeout, until, device, copy, wait)
+            version = await self._ring_put(ring, value, timeout, until, device, copy, wait)
+            return version if wait else None
         fields = {"queue": self._id, "name": self.name, "timeout": timeout}
         plan = transfer.plan_write(self.name, value, device, copy, fields)
         if plan.grant is not None and ahead.must_ask_credit(self._id):

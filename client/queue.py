@@ -86,7 +86,8 @@ class Queue:
         timeout, until = waits(timeout)
         ring = self._ring
         if ring is not None:
-            return ring.put(ring.plan(value, timeout, device, copy), timeout, until, wait)
+            version = ring.put(ring.plan(value, timeout, device, copy), timeout, until, wait)
+            return version if wait else None
         return self._transfer.write(
             self.name, value, Op.QPUT, until, device, copy, wait,
             queue=self._id, name=self.name, timeout=timeout,

@@ -216,6 +216,10 @@ def test_items_the_ring_cannot_hold_keep_their_place(c: tb.Client) -> None:
     assert ring is not None
     big = np.arange(ring.view.data // 4 + 1024, dtype=np.float32)
     q.put(np.full(4, 0.0))
+    assert q.put(big, wait=False) is None and q.put(np.zeros(1), wait=False) is None
+    assert q.get(timeout=5).version == 1 and q.get(timeout=5).numpy().size == big.size
+    assert q.get(timeout=5).version == 3
+    q.put(np.full(4, 0.0))
     q.put(big, wait=False)
     q.put({"a": np.full(3, 2.0), "b": np.full(2, 2.0)})
     with q.create((5,), "float32") as buf:
@@ -224,7 +228,7 @@ def test_items_the_ring_cannot_hold_keep_their_place(c: tb.Client) -> None:
     q.put(np.full(4, 4.0))
     got = [q.get(timeout=5) for _ in range(5)]
     versions = [g["a"].version if isinstance(g, dict) else g.version for g in got]
-    assert versions == [1, 2, 3, 4, 5]
+    assert versions == [4, 5, 6, 7, 8]
     assert got[0].numpy().tolist() == [0.0] * 4
     assert np.array_equal(got[1].numpy(), big)
     assert got[2]["a"].numpy().tolist() == [2.0] * 3 and got[2]["b"].numpy().tolist() == [2.0] * 2
