@@ -320,37 +320,27 @@ class QueueRingView:
         _shm.ring_wake(self.addr)
         _shm.ring_wake(self.addr + Q_PBELL)
 
-    # -- the broker's ----------------------------------------------------------------------
+    # -- what the slots and entries hold ----------------------------------------------------
 
-    def end(self, why: int) -> int:
-        """Close (CLOSED) or remove (REMOVED) the queue at its tail; the end position."""
-        at = self.addr + Q_TAIL
-        while True:
-            t = _shm.load(at)
-            if _shm.cas(at, t, t | why):
-                break
-        self.wake_all()
-        return t >> 2
+    def entry_word(self, pos: int) -> tuple[int, int, int, int]:
+        """The entry of `pos`: (position, owner, state, slot), the slot its claimant named for
+        that position (with SKIP), or NAMED if none is named yet."""
+        entry = self.entry(pos)
+        w, named = _shm.load(entry), _shm.load(entry + 8)
+        slot = named & NAMED if named >> 20 == w >> 10 else NAMED
+        return w >> 10, (w >> 2) & 0xFF, w & 3, slot
+
+    def slot_word(self, slot: int) -> tuple[int, int, int, int]:
+        """Slot `slot`: (owner, state, flags, position named)."""
+        meta = self.meta(slot)
+        w = _shm.load(meta)
+        return (w >> 2) & 0xFF, w & 3, _shm.load(meta + 8) & 0xFF, _shm.load(meta + 16)
 
     def entry_words(self) -> list[tuple[int, int, int, int]]:
-        """Each entry's (position, owner, state, slot): the slot its claimant named for that
-        position (with SKIP), or NAMED if none is named yet."""
-        out = []
-        for e in range(self.entries):
-            w = _shm.load(self.addr + HEADER + e * ENTRY)
-            named = _shm.load(self.addr + HEADER + e * ENTRY + 8)
-            slot = named & NAMED if named >> 20 == w >> 10 else NAMED  # (NAMED: not named)
-            out.append((w >> 10, (w >> 2) & 0xFF, w & 3, slot))
-        return out
+        return [self.entry_word(e) for e in range(self.entries)]
 
     def slot_words(self) -> list[tuple[int, int, int, int]]:
-        """Each slot's (owner, state, flags, position named)."""
-        out = []
-        for i in range(self.slots):
-            meta = self.meta(i)
-            w = _shm.load(meta)
-            out.append(((w >> 2) & 0xFF, w & 3, _shm.load(meta + 8) & 0xFF, _shm.load(meta + 16)))
-        return out
+        return [self.slot_word(i) for i in range(self.slots)]
 
     def counts(self) -> tuple[int, int]:
         """(items waiting to be taken, items in flight)."""
@@ -359,10 +349,6 @@ class QueueRingView:
         )  # fmt: skip
         busy = sum(st != FREE for _o, st, _f, _p in self.slot_words())
         return ready, busy
-
-    def sleepers(self) -> tuple[int, int]:
-        """(consumers, producers) asleep on the bells."""
-        return _shm.load(self.addr + Q_CSLEEP), _shm.load(self.addr + Q_PSLEEP)
 
     def skip(self, pos: int, owner: int | None) -> bool:
         """Publish the entry `owner` (None: whoever) claimed, and gave up or died, as one to
@@ -387,21 +373,3 @@ class QueueRingView:
             self._taken(entry, pos)
         self.wake_consumers()
         return True
-
-    def free(self, slot: int, word: int | None = None) -> None:
-        """Free `slot` (its holder or writer gone, or its item freed by the broker): if its
-        word is still `word`, when given."""
-        if word is None:
-            _shm.store(self.meta(slot), FREE)
-        elif not _shm.cas(self.meta(slot), word, FREE):
-            return
-        self.wake_producers()
-
-    def release_entry(self, pos: int) -> None:
-        """Publish an entry whose claimant died after it wrote its slot (QUEUED)."""
-        _shm.store(self.entry(pos), state(pos, 0, READY))
-        self.wake_consumers()
-
-    def untake(self, pos: int) -> None:
-        """Finish the take of `pos` by a consumer that died in it."""
-        self._taken(self.entry(pos), pos)

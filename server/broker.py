@@ -49,7 +49,7 @@ from .objects import Objects
 from .opstats import OpStats
 from .outbox import Outbox
 from .parking import ParkingLot
-from .qrings import QRing
+from .qring_state import QRing
 from .queues import Queues
 from .records import Session
 from .registry import Registry

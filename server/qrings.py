@@ -1,7 +1,7 @@
-"""The broker's side of Note [queue ring] (common/qring.py): which queues have a ring, the
-clients' owner numbers in each, the items put through the broker for a position (published
-there as ASK once the journal has them, handed over when asked for), and what a client that
-goes leaves behind."""
+"""The broker's side of Note [queue ring] (common/qring.py), queue by queue: which queues have
+a ring, the items put through the broker for a position (published there as ASK once the
+journal has them, handed over when asked for), and what a client that goes leaves behind.
+qring_state.py has each ring's segment and owner numbers."""
 
 from __future__ import annotations
 
@@ -14,86 +14,19 @@ from ..common.qring import (
     CLOSED,
     FREE,
     HELD,
-    MEMBERS,
     QUEUED,
     REMOVED,
     TAKEN,
     WRITING,
-    QueueRingView,
-    ring_bytes,
-    slot_data,
 )  # fmt: skip
-from .directory import Mapped
-from .journal import Journal
+from .qring_state import QRing
 from .queue_state import BrokerQueue
 from .records import Session, StoredObject
 from .registry import Registry
 
-RING_BUDGET = 16 << 20  # bytes of slot data in one queue's ring, at most
-RING_DATA = 64 << 10  # bytes of data in one slot, at most: a larger item is asked for
 MAX_SLOTS = 1024  # a queue of a larger maxsize goes through the broker
 
 Reply = dict[str, Any]
-
-
-class QRing(Mapped):
-    """One queue's ring: its segment, the owner number of each client of the queue, and the
-    items put through the broker for a position: put (`pending`), sealed (`asks`), and
-    handed to the consumer that took the position (`lent`)."""
-
-    def __init__(
-        self, shm_dir: str, prefix: str, journal: Journal, slots: int,
-        group: int | None = None, existing: str | None = None,
-    ) -> None:  # fmt: skip
-        data = slot_data(slots, RING_BUDGET, RING_DATA)
-        size = ring_bytes(slots, data) if existing is None else 0
-        super().__init__(shm_dir, prefix, size, journal, "qring", existing, group)
-        if existing is None:
-            QueueRingView.format(self.addr, slots, data)
-        self.view = QueueRingView(self.addr)
-        self.owners: dict[str, int] = {}  # session token -> its owner number
-        self.pending: dict[int, tuple[int, int, int, int]] = {}  # put id -> position, slot,
-        # oid, owner
-        self.asks: dict[int, tuple[StoredObject, int, int]] = {}  # position -> item, slot, owner
-        self.lent: dict[int, int] = {}  # oid -> slot
-        self.staged: list[int] = []  # positions of `asks` to publish after the commit
-        self.gone: set[int] = set()  # adopted: owners of clients that did not come back
-
-    def row(self) -> list[Any]:
-        """What the journal keeps of it (the queue's row)."""
-        return [self.name, sorted(self.owners.items())]
-
-    def owner(self, session: Session) -> int:
-        return self.owners.get(session.token, 0)
-
-    def join(self, session: Session) -> int:
-        """`session`'s owner number (a new one if it has none)."""
-        have = self.owners.get(session.token)
-        if have is not None:
-            return have
-        taken = set(self.owners.values())
-        for n in range(1, MEMBERS):
-            if n not in taken:
-                self.owners[session.token] = n
-                return n
-        raise InvalidRequest(
-            f"{MEMBERS - 1} clients use this queue already: close some, or use another queue"
-        )
-
-    def claimed(self, pos: int, owner: int) -> int | None:
-        """The slot position `pos` names if `owner` claimed it and has not published it."""
-        view = self.view
-        got = view.entry_words()[pos % view.entries]
-        if got[:3] != (pos, owner, WRITING) or not owner:
-            return None
-        slot = got[3]
-        if slot >= view.slots or view.slot_words()[slot][:2] != (owner, WRITING):  # (NAMED too)
-            return None
-        return slot
-
-    def description(self, owner: int) -> Reply:
-        """What a client needs to use it."""
-        return {"name": self.name, "size": self.size, "owner": owner}
 
 
 class QueueRingRoom:
@@ -206,7 +139,7 @@ class QueueRingRoom:
         if qring is None or got is None:
             raise InvalidRequest(f"queue {q.name!r}: there is no item at {pos} to ask for")
         obj, slot, _owner = got
-        if qring.view.slot_words()[slot][:2] != (qring.owner(session), HELD):
+        if qring.view.slot_word(slot)[:2] != (qring.owner(session), HELD):
             raise InvalidRequest(f"queue {q.name!r}: this client holds no item at {pos}")
         del qring.asks[pos]
         qring.lent[obj.oid] = slot

@@ -19,7 +19,7 @@ from .registry import Registry
 from .rings import Ring
 
 if TYPE_CHECKING:
-    from .qrings import QRing
+    from .qring_state import QRing
 
 ENDED_QUEUES = 4096  # ended queues remembered, so that a late consumer sees them closed
 
