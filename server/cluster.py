@@ -96,7 +96,7 @@ class Cluster:
         self.node, self.address, self.transfers = joining.node, joining.address, transfers
         self.links = links = Links(joining, poller)
         self.peers, self.sockets = links.peers, links.sockets
-        self.replicas = Replicas(self.node, objects, lot, transfers, links)
+        self.replicas = Replicas(self.node, objects, lot, transfers, links, joining.prefetch)
         self.queues = QueueLinks(self.node, queues, transfers, links, self.replicas.session)
         self._next_beat = 0.0
 
@@ -218,10 +218,10 @@ class Cluster:
                         offer = None
                     was = int(gone[0]) if gone else 0
                     replicas.listed(node, str(key), int(version), int(size), offer, was)
-            elif op == "offers_back":
+            elif op == "offers_back":  # (the reads first: a version read, then given back)
+                for key, version in m.get("read", ()):
+                    replicas.lending.offer_read(node, str(key), int(version))
                 replicas.lending.offers_back(node, m["offers"])
-            elif op == "offer_read":
-                replicas.lending.offer_read(node, str(m["key"]), int(m["version"]))
             elif op == "agent":
                 self.transfers.add_peer(node, bytes(m["agent"]), m.get("agent_v"))
             elif op == "keys":
@@ -367,7 +367,7 @@ class Cluster:
             "pulls": len(r.pulls.pulls), "loans": len(r.lending.loans),
             "items_lent": len(self.queues.loans),
             "offered": len(r.lending.offered), "offers_held": len(r.held),
-            "pulled": dict(r.pulls.done),
+            "pulled": dict(r.pulls.done), "prefetched": r.prefetched,
         }  # fmt: skip
 
     def close(self) -> None:

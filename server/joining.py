@@ -8,8 +8,10 @@ import ipaddress
 import socket
 from typing import NamedTuple
 
+from ..common.config import format_size, parse_size
 from ..common.curve import ServerKeys, server_keys
 from ..common.errors import InvalidRequest
+from .offers import OFFER_MAX
 
 
 class Joining(NamedTuple):
@@ -21,11 +23,12 @@ class Joining(NamedTuple):
     address: str
     peers: list[str]
     keys: ServerKeys | None
+    prefetch: int = OFFER_MAX  # versions of at most this many bytes are read as announced
 
     @classmethod
     def parse(
         cls, node: str | None, address: str | None, peers: str, insecure: bool,
-        secret: str | None = None, clients: str | None = None,
+        secret: str | None = None, clients: str | None = None, prefetch: str | None = None,
     ) -> Joining | None:  # fmt: skip
         """The options as given (None: no cluster); InvalidRequest saying what is wrong."""
         if node is None and address is None and not peers:
@@ -48,7 +51,24 @@ class Joining(NamedTuple):
                     f"--peers {wide[0]}: without keys a cluster stays on loopback; serve every "
                     "broker with the same --curve-secret (`tensorbroker keys`)"
                 )
-        return cls(node, address, found, keys)
+        return cls(node, address, found, keys, _prefetch(prefetch))
+
+
+def _prefetch(text: str | None) -> int:
+    """--prefetch SIZE, in bytes (OFFER_MAX if not given): no more than OFFER_MAX, since only
+    a version offered with its announcement is read as it is announced (Note [offers])."""
+    if text is None:
+        return OFFER_MAX
+    try:
+        size = parse_size(text)
+    except ValueError as exc:
+        raise InvalidRequest(f"--prefetch: {exc}") from None
+    if size > OFFER_MAX:
+        raise InvalidRequest(
+            f"--prefetch {text}: at most {format_size(OFFER_MAX)} (larger versions are pulled "
+            "at their first get, or as a watch on this node asks for them)"
+        )
+    return size
 
 
 def tcp_host(address: str, option: str) -> str:

@@ -278,6 +278,10 @@ def _cluster(cluster: Mapping[str, Any]) -> Iterator[Metric]:
     for how, count in sorted(cluster["pulled"].items()):
         pulled.add_metric([how], count)
     yield pulled
+    yield CounterMetricFamily(
+        "tensorbroker_cluster_prefetched", "Pulls started as a small version was announced, "
+        "for no get (serve --prefetch).", value=cluster["prefetched"],
+    )  # fmt: skip
     yield GaugeMetricFamily(
         "tensorbroker_cluster_offered", "Small versions of this node's pinned for the offers "
         "sent with their announcements, until every peer gives its offer back.",

@@ -11,9 +11,10 @@ most OFFER_MAX bytes, not evictable and in host memory, pins it as it announces 
 READs it at once.
 
     owner A: put k v2 sealed ─ key(k, v2, offer) ──> B, C: each keeps the offer (`Held`)
-             pins v2 for {B, C} (`Lent`)              B's first get of k: READ, seal, answer
-             unpins v1 once B and C gave it back <─── offers_back([k, v1], ...) (gathered for
-                                                      GIVE_BACK_EVERY, 10 ms)
+             pins v2 for {B, C} (`Lent`)              B, C: READ at once (Note [prefetch] in
+                                                      replicas.py; else at the first get), seal
+             unpins v1 once B and C gave it back <─── offers_back([k, v1], ...; read [k, v2])
+             counts v2's bytes as sent                (gathered for GIVE_BACK_EVERY, 10 ms)
 
 Each peer keeps the offer of the version its index names until another version of the key,
 or its delete, is listed there; then it gives it back, at once or, if a read of it is under
@@ -107,12 +108,14 @@ class Lent:
 
 
 class Held:
-    """The offers this node holds, by key, and those to give back (`due`, by owner)."""
+    """The offers this node holds, by key; those to give back (`due`, by owner) and those read
+    (`reads`: the owner counts their bytes as sent), said together (`take_due`)."""
 
     def __init__(self) -> None:
         self.offers: dict[str, Offer] = {}
         self.due: dict[str, list[list[Any]]] = {}  # node -> [[key, version], ...]
-        self._count, self._since = 0, 0.0  # offers due, and since when
+        self.reads: dict[str, list[list[Any]]] = {}  # node -> [[key, version], ...]
+        self._count, self._since = 0, 0.0  # offers due and reads, and since when
 
     def give_back_in(self, now: float) -> float:
         """Seconds until the offers due are to be given back (inf: none is)."""
@@ -122,10 +125,14 @@ class Held:
             return 0.0
         return max(0.0, self._since + GIVE_BACK_EVERY - now)
 
-    def take_due(self) -> dict[str, list[list[Any]]]:
-        """The offers due, by owner, to be given back now."""
-        due, self.due, self._count = self.due, {}, 0
-        return due
+    def take_due(self) -> dict[str, dict[str, list[list[Any]]]]:
+        """What to say to each owner now: {node: {"offers": given back, "read": ...}} (one
+        message each: a read of each small put by every node must not double the messages)."""
+        said = {node: {"offers": offers} for node, offers in self.due.items()}
+        for node, reads in self.reads.items():
+            said.setdefault(node, {"offers": []})["read"] = reads
+        self.due, self.reads, self._count = {}, {}, 0
+        return said
 
     def keep(self, node: str, key: str, version: int, fields: dict[str, Any]) -> None:
         known = self.offers.get(key)
@@ -167,14 +174,21 @@ class Held:
         for key in [k for k, o in self.offers.items() if o.node == node]:
             offer = self.offers.pop(key)
             offer.reading, offer.dropped = False, False
-        self._count -= len(self.due.pop(node, ()))
+        self._count -= len(self.due.pop(node, ())) + len(self.reads.pop(node, ()))
+
+    def was_read(self, node: str, key: str, version: int) -> None:
+        """`node`'s offer of `key` at `version` was read whole: its owner is told."""
+        self._add(self.reads, node, [key, version])
 
     def refuse(self, node: str, key: str, version: int) -> None:
         """An offer of a version that lost here: not kept, given back."""
+        self._add(self.due, node, [key, version])
+
+    def _add(self, to: dict[str, list[list[Any]]], node: str, entry: list[Any]) -> None:
         if not self._count:
             self._since = time.monotonic()
         self._count += 1
-        self.due.setdefault(node, []).append([key, version])
+        to.setdefault(node, []).append(entry)
 
     def _give_back(self, key: str, offer: Offer) -> None:
         self.refuse(offer.node, key, offer.version)

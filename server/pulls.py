@@ -305,8 +305,7 @@ class Pulls:
         self.bytes_received += pull.size
         self.done["lent" if pull.offer is None else "offered"] += 1
         if pull.offer is not None:  # its owner counts the bytes it sent
-            read = {"op": "offer_read", "key": pull.key, "version": pull.version}
-            self.links.after(pull.node, read)
+            self.held.was_read(pull.node, pull.key, pull.version)
         remote = self.index.get(pull.key)
         if remote is not None and (remote.node, remote.version) == (pull.node, pull.version):
             self.objects.seal(self.session, pull.put, False, version=pull.version)

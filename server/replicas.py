@@ -8,6 +8,16 @@ its readers read it as any object (microseconds); it is evictable, and dropped w
 version wins. It is never announced: the index keeps its key, which is how this room tells a
 replica from a put of this node's.
 
+Note [prefetch]
+
+A first get of another node's small version cost a read from its owner, even with the offer
+that came with its announcement (Note [offers]): 566 us for 4 KiB, ten ZeroMQ round trips,
+nearly all of it Python and NIXL calls on both brokers. So a version offered (at most
+OFFER_MAX bytes, 64 KiB) is read as soon as it is listed, while a quarter of this node's
+memory would still be free after it (prefetches do not crowd out this node's own puts): its
+first get here is then a local read.
+`serve --prefetch SIZE` lowers the bound (0: none). It costs each small put one read by every
+node, and every node the memory of the small versions: a cache, evicted as any replica.
 """
 
 from __future__ import annotations
@@ -33,10 +43,13 @@ class Replicas:
     loans out (`lending`: Lending)."""
 
     def __init__(
-        self, node: str, objects: Objects, lot: ParkingLot, transfers: Transfers, links: Links
-    ) -> None:
+        self, node: str, objects: Objects, lot: ParkingLot, transfers: Transfers, links: Links,
+        prefetch: int = 0,
+    ) -> None:  # fmt: skip
         self.node, self.objects, self.registry, self.lot = node, objects, objects.registry, lot
         self.transfers, self.links = transfers, links
+        self.prefetch = prefetch  # versions offered of at most this many bytes: read as listed
+        self.prefetched = 0  # pulls started as a version was listed, for no get
         self.index: dict[str, Remote] = {}  # key -> where it lives (other nodes only)
         self.held = Held()  # the offers of other nodes' versions (Note [offers] in offers.py)
         self.pulls = Pulls(
@@ -62,8 +75,8 @@ class Replicas:
         back (Note [offers]); Links sends the rest (`after`)."""
         self.lending.flush()
         if self.held.give_back_in(time.monotonic()) == 0.0:
-            for node, offers in self.held.take_due().items():
-                self.links.after(node, {"op": "offers_back", "offers": offers})
+            for node, said in self.held.take_due().items():
+                self.links.after(node, {"op": "offers_back", **said})
 
     def get(self, session: Session, route: bytes, req: Request) -> bool:
         """A get of a key another node has, in a version newer than the get's `after` (a
@@ -176,11 +189,21 @@ class Replicas:
         if here is not None and (mine or stale):  # a put that lost, or a replica of a loser's
             self.registry.delete(key)
         # Gets and watches waiting for a version: pulled now. So is the new version of a key
-        # read here before (a weight-sync reader does not pay the pull at its next get).
+        # read here before (a weight-sync reader does not pay the pull at its next get), and
+        # a small version offered (Note [prefetch]).
         line = self.lot.line(("get", key))
         waiting = [w for w in line if w.request.fields.get("after", 0) < version]
-        if (waiting or (here is not None and stale)) and self.links.up(node):
+        early = not waiting and offer is not None and self._room_for(size)
+        if (waiting or early or (here is not None and stale)) and self.links.up(node):
+            if early and key not in self._pulling:
+                self.prefetched += 1
             self.pulls.want(key, node, waiting)
+
+    def _room_for(self, size: int) -> bool:
+        """Whether a version of `size` bytes is prefetched: at most `prefetch` bytes, and
+        a quarter of this node's memory still free after it (a prefetch never evicts)."""
+        arena = self.registry.arena
+        return size <= self.prefetch and arena.free_bytes >= arena.capacity // 4 + size
 
     def _forget(self, key: str) -> None:
         """`key` is no other node's now: its replica here goes too, as a delete (its watchers

@@ -53,7 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         cluster = Joining.parse(
             args.node, args.cluster, args.peers, args.insecure_tcp, args.curve_secret,
-            args.curve_clients,
+            args.curve_clients, args.prefetch,
         )  # fmt: skip
         tcp = cluster is None or address.startswith("tcp://")  # the keys: clients' too?
         insecure = args.insecure_tcp and tcp
@@ -356,6 +356,11 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--peers", metavar="ADDRS", default="", help="the other brokers' --cluster addresses, "
         "comma-separated; dns:NAME:PORT stands for every address of NAME",
+    )  # fmt: skip
+    serve.add_argument(
+        "--prefetch", metavar="SIZE", help="read the other nodes' versions of at most SIZE as "
+        "they are announced, so that a first get here is local (default and most: 64KiB; 0: at "
+        "the first get)",
     )  # fmt: skip
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)

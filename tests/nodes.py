@@ -91,7 +91,10 @@ class Written(Journal):
 class Node:
     """A broker's cluster side, stepped by hand."""
 
-    def __init__(self, name: str, port: int, peers: list[int], shm: Path) -> None:
+    def __init__(
+        self, name: str, port: int, peers: list[int], shm: Path, prefetch: int = 0
+    ) -> None:
+        """`prefetch`: serve --prefetch (0 here: a test pulls by hand, with `get`)."""
         shm.mkdir(exist_ok=True)
         self.arena = Arena(32 * MiB, shm_dir=str(shm), chunk_size=4 * MiB)
         self.journal = Written()
@@ -99,7 +102,7 @@ class Node:
         objects = Objects(self.registry, lot, lambda route, payload, last=False: None)
         self.poller, self.reads = zmq.Poller(), Reads()
         addresses = [f"tcp://127.0.0.1:{p}" for p in peers]
-        joining = Joining(name, f"tcp://127.0.0.1:{port}", addresses, None)
+        joining = Joining(name, f"tcp://127.0.0.1:{port}", addresses, None, prefetch)
         self.queues = Queues(objects)
         self.cluster = Cluster(joining, objects, self.queues, lot, self.reads, self.poller)  # type: ignore[arg-type]
         objects.elsewhere, self.objects = self.cluster.replicas, objects
@@ -169,9 +172,9 @@ def run(nodes: list[Node], seconds: float, until: Callable[[], bool] | None = No
 def _made(tmp_path: Path, names: str) -> Iterator[Callable[[str], Node]]:
     ports, made = {n: free_port() for n in names}, []
 
-    def make(name: str) -> Node:
+    def make(name: str, prefetch: int = 0) -> Node:
         others = [p for n, p in ports.items() if n != name]
-        node = Node(name, ports[name], others, tmp_path / f"{name}{len(made)}")
+        node = Node(name, ports[name], others, tmp_path / f"{name}{len(made)}", prefetch)
         made.append(node)
         return node
 

@@ -61,11 +61,15 @@ def shared() -> Iterator[dict[str, tb.BrokerProcess]]:
 
 
 @pytest.fixture
-def brokers(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, tb.BrokerProcess]]:
+def brokers(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[dict[str, tb.BrokerProcess]]:
     """A cluster of this test's own, of two nodes (a broker of a cluster costs 0.4 CPU-s to
-    start, importing NIXL most of it)."""
+    start, importing NIXL most of it). Marked `lazy`: b prefetches nothing (Note [prefetch]),
+    for the tests of what a first get does."""
     monkeypatch.setenv("UCX_TLS", "tcp")
-    with _cluster(("a", "b")) as started:
+    lazy = request.node.get_closest_marker("lazy") is not None
+    with _cluster(("a", "b"), {"b": ["--prefetch", "0"]} if lazy else None) as started:
         yield started
 
 
@@ -407,7 +411,7 @@ def test_a_peer_killed_is_down_within_3s_and_rejoins_with_its_objects(
     brokers: dict[str, tb.BrokerProcess], own: dict[str, tb.Client]
 ) -> None:
     a, b = own["a"], own["b"]
-    a.put("only-on-a", np.arange(100))
+    a.put("only-on-a", np.arange(20_000))  # 160 KB: over --prefetch, so not read on b
     a.put("pulled", np.arange(50))
     assert wait_until(lambda: b.exists("pulled"), 5)
     held = b.get("pulled")
@@ -426,11 +430,29 @@ def test_a_peer_killed_is_down_within_3s_and_rejoins_with_its_objects(
     assert wait_until(lambda: b.exists("only-on-a"), 5)
     waiting.join(20)
     assert out and not isinstance(out[0], BaseException), out
-    np.testing.assert_array_equal(out[0].numpy(), np.arange(100))
-    np.testing.assert_array_equal(b.get("only-on-a").numpy(), np.arange(100))
+    np.testing.assert_array_equal(out[0].numpy(), np.arange(20_000))
+    np.testing.assert_array_equal(b.get("only-on-a").numpy(), np.arange(20_000))
     del out[:]
     assert wait_until(lambda: _loans(a) == 0, 5), "a pull left the object pinned on a"
     del held
+
+
+def test_small_versions_are_on_every_node_before_a_get_asks(
+    brokers: dict[str, tb.BrokerProcess], own: dict[str, tb.Client]
+) -> None:
+    """Note [prefetch]: a version of at most 64 KiB is read on every node as it is announced,
+    so that a first get there is local: it is read even with its owner killed."""
+    a, b = own["a"], own["b"]
+    x = np.arange(8192, dtype=np.int64)  # 64 KiB
+    a.put("small", x)
+    a.put("large", np.arange(8193, dtype=np.int64))  # over it: pulled as a get asks
+    assert wait_until(lambda: _figures(b)["prefetched"] == 1 and _received(b) == x.nbytes, 5)
+    crash(brokers["a"])
+    np.testing.assert_array_equal(b.get("small").numpy(), x)
+    assert wait_until(lambda: b.stats()["cluster"]["peers"]["a"]["state"] == "down", 3.5)
+    with pytest.raises(tb.PeerUnavailable, match="large"):
+        b.get("large")
+    np.testing.assert_array_equal(b.get("small").numpy(), x)  # a replica, cached
 
 
 def test_queue_items_on_a_node_killed_come_once_it_is_back(
@@ -496,6 +518,7 @@ def test_pulls_leave_no_memory_held(own: dict[str, tb.Client]) -> None:
     assert wait_until(lambda: a.stats()["used_bytes"] == 0, 5)
 
 
+@pytest.mark.lazy
 def test_a_small_version_is_read_from_the_offer_sent_with_it_and_given_back_once_replaced(
     brokers: dict[str, tb.BrokerProcess], own: dict[str, tb.Client]
 ) -> None:
@@ -531,6 +554,7 @@ def test_a_small_version_is_read_from_the_offer_sent_with_it_and_given_back_once
     brokers["b"].restart()
 
 
+@pytest.mark.lazy
 def test_a_broker_that_stalled_past_down_after_reads_no_offer_its_owner_let_go(
     brokers: dict[str, tb.BrokerProcess], own: dict[str, tb.Client]
 ) -> None:
@@ -560,6 +584,7 @@ def test_a_broker_that_stalled_past_down_after_reads_no_offer_its_owner_let_go(
     del got, out[:]
 
 
+@pytest.mark.lazy
 def test_an_owner_restarted_before_it_was_seen_down_lends_what_it_offered(
     brokers: dict[str, tb.BrokerProcess], own: dict[str, tb.Client]
 ) -> None:
@@ -645,6 +670,7 @@ LOOPBACK = ["--node", "a", "--cluster", "tcp://127.0.0.1:1", "--insecure-tcp"]
         (["--node", "a/b", "--cluster", "tcp://127.0.0.1:1", "--insecure-tcp"], "--node"),
         (["--node", "a", "--cluster", "127.0.0.1:1", "--insecure-tcp"], "tcp://HOST:PORT"),
         ([*LOOPBACK, "--peers", "dns:no-such-host.invalid:1"], "does not resolve"),
+        ([*LOOPBACK, "--prefetch", "1MiB"], "--prefetch 1MiB: at most 64.0 KiB"),
     ],
 )
 def test_cluster_options_that_cannot_work_are_refused_with_what_to_do(
@@ -773,7 +799,8 @@ def test_the_cluster_figures_are_served_as_metrics(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setenv("UCX_TLS", "tcp")
     port = free_port()
-    with _cluster(("a", "b"), {"b": ["--metrics", f"127.0.0.1:{port}"]}) as started:
+    more = {"b": ["--metrics", f"127.0.0.1:{port}", "--prefetch", "0"]}  # (b pulls at its get)
+    with _cluster(("a", "b"), more) as started:
         with _connected(started) as cs:
             assert wait_until(lambda: _figures(cs["b"])["peers"]["a"]["fresh"], 5)
             cs["a"].put("scraped", np.ones(1000, np.uint8))
@@ -785,6 +812,7 @@ def test_the_cluster_figures_are_served_as_metrics(monkeypatch: pytest.MonkeyPat
             assert value(figures, "tensorbroker_cluster_pulls") == 0
             assert value(figures, "tensorbroker_cluster_pulled_total", how="offered") == 1
             assert value(figures, "tensorbroker_cluster_pulled_total", how="lent") == 0
+            assert value(figures, "tensorbroker_cluster_prefetched_total") == 0  # (--prefetch 0)
             assert value(figures, "tensorbroker_cluster_offered") == 0  # b put nothing
         started["a"].stop()
         assert wait_until(

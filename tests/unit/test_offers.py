@@ -87,7 +87,7 @@ def test_an_offer_replaced_is_given_back_at_once_or_once_its_read_is_over() -> N
     held = Held()
     held.keep("a", "k", 1, {})
     held.keep("a", "k", 2, {})  # version 2 listed: version 1 goes back
-    assert held.take_due() == {"a": [["k", 1]]}
+    assert held.take_due() == {"a": {"offers": [["k", 1]]}}
     offer = held.of("k", "a", 2)
     assert offer is not None and held.of("k", "a", 1) is None
     offer.reading = True
@@ -108,8 +108,23 @@ def test_offers_due_are_given_back_together_after_a_while_or_once_many() -> None
     for v in range(GIVE_BACK_MAX):
         held.refuse("b", "j", v)
     assert held.give_back_in(now) == 0  # many: at once
-    assert len(held.take_due()["b"]) == GIVE_BACK_MAX
+    assert len(held.take_due()["b"]["offers"]) == GIVE_BACK_MAX
     assert held.give_back_in(now) == math.inf
+
+
+def test_the_reads_of_offers_are_said_with_the_offers_given_back() -> None:
+    """One message to each owner for both: a small put read by every node must not cost
+    its owner one more message from each."""
+    held = Held()
+    held.keep("a", "k", 1, {})
+    held.was_read("a", "k", 1)
+    held.was_read("b", "j", 3)  # (from another owner)
+    assert 0 < held.give_back_in(time.monotonic()) <= GIVE_BACK_EVERY
+    held.keep("a", "k", 2, {})  # version 2 listed: version 1 goes back
+    assert held.take_due() == {
+        "a": {"offers": [["k", 1]], "read": [["k", 1]]}, "b": {"offers": [], "read": [["j", 3]]},
+    }  # fmt: skip
+    assert held.give_back_in(time.monotonic()) == math.inf
 
 
 def test_an_offer_sent_twice_is_kept_once_and_not_given_back() -> None:
@@ -247,3 +262,51 @@ def test_a_get_whose_read_from_an_offer_cannot_begin_is_answered(registry: Regis
     assert replicas.get(Session("reader" * 4, None), b"route", get)
     assert len(answers) == 1 and b"capacity" in answers[0]
     assert not lot.line(("get", "k")) and not replicas.pulls.pulls
+
+
+# -- prefetch: a small version offered is read as it is listed (Note [prefetch]) ------------------
+
+
+def _listed(registry: Registry, prefetch: int, size: int = 4096, offered: bool = True) -> Replicas:
+    """Node b, told by node a of version 1 of key k (`size` bytes, with its offer or not)."""
+    lot = ParkingLot()
+    objects = Objects(registry, lot, lambda route, payload, last=False: None)
+    replicas = Replicas("b", objects, lot, Reading(), Links(), prefetch)  # type: ignore[arg-type]
+    offer = {"specs": [["", "uint8", [size]]], "bundle": False, "size": size, "address": 1}
+    replicas.listed("a", "k", 1, size, offer if offered else None)
+    return replicas
+
+
+def test_a_small_version_offered_is_read_as_it_is_listed(registry: Registry) -> None:
+    replicas = _listed(registry, prefetch=OFFER_MAX)
+    (pull,) = replicas.pulls.pulls.values()  # no get asked: read at once, from its offer
+    assert pull.handle is not None and pull.waiters == [] and replicas.prefetched == 1
+    replicas.listed("a", "k", 1, 4096)  # told again (a welcome, say): the same pull
+    assert len(replicas.pulls.pulls) == 1 and replicas.prefetched == 1
+
+
+@pytest.mark.parametrize(
+    ("prefetch", "size", "offered"),
+    [(0, 4096, True), (4096, 4097, True), (OFFER_MAX, 4096, False)],
+    ids=["prefetch-off", "over-the-bound", "not-offered"],
+)
+def test_a_version_is_not_read_until_a_get_asks_for_it(
+    registry: Registry, prefetch: int, size: int, offered: bool
+) -> None:
+    replicas = _listed(registry, prefetch, size, offered)
+    assert not replicas.pulls.pulls and replicas.prefetched == 0
+    get = Request("get", 7, {"key": "k", "timeout": 5.0}, [])
+    assert replicas.get(Session("reader" * 4, None), b"route", get)
+    assert len(replicas.pulls.pulls) == 1  # the get pulls it
+
+
+def test_a_prefetch_leaves_a_quarter_of_this_nodes_memory_free(registry: Registry) -> None:
+    s = Session("filler" * 4, None)
+    while registry.arena.free_bytes - MiB >= 4 * MiB:  # (16 MiB: 4 MiB is a quarter)
+        put, _ = registry.begin_put(
+            s, f"f{registry.arena.used_bytes}", [("", "uint8", (MiB,))], False
+        )
+        registry.seal(s, put, keep=False)
+    used = registry.arena.used_bytes
+    replicas = _listed(registry, prefetch=OFFER_MAX)  # 4 MiB + 4 KiB would be needed free
+    assert not replicas.pulls.pulls and registry.arena.used_bytes == used
