@@ -20,13 +20,22 @@ NO_GRANTS_BACKOFF = 1.0  # seconds a size class is not asked for again after a r
 
 
 class Grant(NamedTuple):
-    """A block granted ahead: its put id (a lease of this client's), object id and place."""
+    """A block granted ahead: its put id (a lease of this client's), object id and place;
+    on a device, its chunk's IPC handle and the write event to record after the copy."""
 
     put: int
     oid: int
     segment: str
     offset: int
     size: int
+    device: str = "cpu"
+    handle: bytes = b""
+    event: Any = None  # [event id, its IPC handle]
+
+    @property
+    def stock(self) -> Any:
+        """The key of its size class in `Ahead.grants`."""
+        return self.size if self.device == "cpu" else (self.device, self.size)
 
 
 class Seals(Protocol):
@@ -49,8 +58,8 @@ class Ahead:
     def __init__(self, conn: Connection, seals: Seals) -> None:
         self.conn = conn
         self.seals = seals
-        self.grants: dict[int, list[Grant]] = {}  # size class -> blocks granted ahead
-        self._refused: dict[int, float] = {}  # size class -> when grants were last refused
+        self.grants: dict[Any, list[Grant]] = {}  # size class (`Grant.stock`) -> blocks
+        self._refused: dict[Any, float] = {}  # size class -> when grants were last refused
         self.credits: dict[int, int] = {}  # queue id -> slots credited ahead
         self._unbounded: set[int] = set()  # queues that need no credits
 
@@ -76,39 +85,45 @@ class Ahead:
     # -- grants ----------------------------------------------------------------------------
 
     def add_grants(self, grants: Any) -> None:
-        for put, oid, segment, offset, size in grants:
+        """[[put, oid, segment, offset, size], ...], a device's with [device, handle, event]
+        after those (Registry.grant)."""
+        for put, oid, segment, offset, size, *device in grants:
             self.conn.leases.hold(put, oid)
-            self.grants.setdefault(size, []).append(Grant(put, oid, segment, offset, size))
+            grant = Grant(put, oid, segment, offset, size, *device)
+            self.grants.setdefault(grant.stock, []).append(grant)
 
-    def take_grant(self, size: int) -> Grant | None:
-        """A block granted ahead that holds `size` bytes, asking the broker for some if none
-        is left; None if the size has none (too big, or the broker has none to spare)."""
-        size_class = grant_class(size)
+    def take_grant(self, size: int, device: str = "cpu") -> Grant | None:
+        """A block granted ahead on `device` that holds `size` bytes, asking the broker for
+        some if none is left; None if the size has none (too big, or the broker has none to
+        spare)."""
+        size_class = grant_class(size, device != "cpu")
         if size_class is None:
             return None
         if not self.seals.current and not self.seals.renew():
             return None  # gone again: the put asks, and waits for it to be back
-        stock = self.grants.get(size_class)
+        key = size_class if device == "cpu" else (device, size_class)
+        stock = self.grants.get(key)
         if not stock:  # the top-ups on their way, and the replies still out, bring some
             self.seals.catch_up()
-            stock = self.grants.get(size_class)
+            stock = self.grants.get(key)
         if not stock:
-            if time.monotonic() - self._refused.get(size_class, -1e9) < NO_GRANTS_BACKOFF:
+            if time.monotonic() - self._refused.get(key, -1e9) < NO_GRANTS_BACKOFF:
                 return None
-            self.add_grants(self.conn.call(Op.GRANT, size=size)["grants"])
-            stock = self.grants.get(size_class)
+            where: dict[str, Any] = {} if device == "cpu" else {"device": device}
+            self.add_grants(self.conn.call(Op.GRANT, size=size, **where)["grants"])
+            stock = self.grants.get(key)
             if not stock:
-                self._refused[size_class] = time.monotonic()
+                self._refused[key] = time.monotonic()
                 return None
         try:
             return stock.pop()
         except IndexError:  # another thread took the last one
-            return self.take_grant(size)
+            return self.take_grant(size, device)
 
     def give_back(self, grant: Grant) -> None:
         """A grant taken and not written (the copy failed): kept for the next put."""
         if self.seals.current:
-            self.grants.setdefault(grant.size, []).append(grant)
+            self.grants.setdefault(grant.stock, []).append(grant)
         else:
             self.conn.leases.releases.put(grant.put)
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..common import _shm
 from ..common.cudart import STREAM_LEGACY, device_index, parse_device
-from ..common.descriptors import TensorDesc, compact_strides, layout
+from ..common.descriptors import DEVICE_ALIGN, TensorDesc, compact_strides, layout
 from ..common.dtypes import DType
 from ..common.dtypes import dtype as lookup_dtype
 from ..common.errors import BrokerError
@@ -159,6 +159,10 @@ class Transfer:
                 self._plans[plain] = (items[0][2], specs, plan.offsets, size, plan.tails)
         else:
             fields["device"] = target
+            if grant and "queue" not in fields:  # (a queue's device items ask, Note [grants])
+                shapes = [(n, dt.name, tuple(src.shape)) for n, src, dt in items]
+                plan.offsets, plan.size, _ = layout(shapes, DEVICE_ALIGN)
+                plan.grant = self.writes.ahead.take_grant(plan.size, target)
         return plan
 
     def fill(self, plan: WritePlan, reply: dict[str, Any], block: bool) -> int | None:
@@ -187,8 +191,10 @@ class Transfer:
     def write_granted(self, plan: WritePlan, wait: float | None, block: bool) -> int | None:
         """Copy into the block granted ahead and seal it in one trip (a bounded queue's item
         takes a slot credited ahead, asking for one if there is none left)."""
-        grant, items, specs, fields = plan.grant, plan.items, plan.specs, plan.fields
+        grant, items, fields = plan.grant, plan.items, plan.fields
         assert grant is not None
+        if grant.device != "cpu":
+            return self._write_granted_device(plan, grant, block)
         queue = fields.get("queue")
         handing = queue is not None and self.reads.bell is not None
         credited = False
@@ -212,17 +218,38 @@ class Transfer:
             if credited and queue is not None:
                 self.writes.ahead.return_credit(queue)
             raise
-        message = {"op": Op.WRITE, "put": grant.put, "tensors": specs, "bundle": plan.bundle}
-        for name in ("key", "queue", "name", "evictable"):
-            if name in fields:
-                message[name] = fields[name]
-        key = fields.get("key")
-        label = f"put {key!r}" if key is not None else f"put to queue {fields.get('name')!r}"
+        message, key, label = self._write_message(plan, grant)
         hand_over = None
         if handing and queue is not None:
             hand_over = functools.partial(self._hand_over, plan, grant, queue)
         sealed = self.writes.seal(message, key, label, grant.put, block, hand_over)
         return None if sealed is None else int(sealed["version"])
+
+    def _write_granted_device(self, plan: WritePlan, grant: Grant, block: bool) -> int | None:
+        """Copy into a device's block granted ahead and seal it in one message: one copy
+        and no trip before it (Note [grants] in server/grants.py)."""
+        try:
+            self.conn.check_usable(settle=False)
+            offsets = [grant.offset + o for o in plan.offsets]
+            self._copy_to_device(plan.items, grant.device, grant.segment, grant.handle,
+                                 grant.event, offsets)  # fmt: skip
+        except BaseException:  # (no copy of it runs on: _copy_to_device waited for that)
+            self.writes.ahead.give_back(grant)
+            raise
+        message, key, label = self._write_message(plan, grant)
+        sealed = self.writes.seal(message, key, label, grant.put, block)
+        return None if sealed is None else int(sealed["version"])
+
+    def _write_message(self, plan: WritePlan, grant: Grant) -> tuple[dict[str, Any], Any, str]:
+        """The `write` of a block granted ahead, its key (None: a queue item's) and label."""
+        fields = plan.fields
+        message = {"op": Op.WRITE, "put": grant.put, "tensors": plan.specs, "bundle": plan.bundle}
+        for name in ("key", "queue", "name", "evictable"):
+            if name in fields:
+                message[name] = fields[name]
+        key = fields.get("key")
+        label = f"put {key!r}" if key is not None else f"put to queue {fields.get('name')!r}"
+        return message, key, label
 
     def _hand_over(
         self, plan: WritePlan, grant: Grant, queue: int, message: dict[str, Any], last: int
@@ -244,13 +271,23 @@ class Transfer:
         object's write event after them. No host wait, except to keep a failed copy from
         running on after its memory went back to the broker."""
         wires = [TensorDesc.from_wire(w) for w in reply["tensors"]]
-        index, link = device_index(wires[0].device), self.devices
-        chunk = link.chunk(index, wires[0].segment, reply["handle"])
-        write = link.event(index, *reply["event"])
+        offsets = [desc.offset for desc in wires]
+        self._copy_to_device(items, wires[0].device, wires[0].segment, reply["handle"],
+                             reply["event"], offsets)  # fmt: skip
+
+    def _copy_to_device(
+        self, items: list[tuple[str, Source, DType]], device: str, segment: str, handle: bytes,
+        event: Any, offsets: list[int],
+    ) -> None:  # fmt: skip
+        """Copy `items` to `offsets` in a chunk of `device` (opened once from `handle`) on
+        their streams, then record write `event` after them."""
+        index, link = device_index(device), self.devices
+        chunk = link.chunk(index, segment, handle)
+        write = link.event(index, *event)
         copies = [
-            (chunk.address + desc.offset, src, dt,
+            (chunk.address + offset, src, dt,
              STREAM_LEGACY if isinstance(src, np.ndarray) else src.stream)
-            for (_, src, dt), desc in zip(items, wires, strict=True)
+            for (_, src, dt), offset in zip(items, offsets, strict=True)
         ]  # fmt: skip
         try:
             link.copy(index, copies)

@@ -10,11 +10,16 @@ from .config import round_up
 from .dtypes import DTYPES
 
 MIN_ALIGN = 64  # JAX copies silently below 64-byte alignment
+DEVICE_ALIGN = 256  # what cudaMalloc guarantees; every device tensor starts on 256 bytes
 PAGE = 4096
 PAGE_ALIGN_FROM = 64 * 1024  # tensors of this size and up start on a page
 # Blocks granted ahead (Note [grants] in server/grants.py) come in these sizes, a page to
-# 1 MiB by powers of two; larger puts ask for their block (the copy dominates there).
+# 1 MiB by powers of two; larger host puts ask for their block (the copy dominates there).
 GRANT_MIN, GRANT_MAX = PAGE, 1 << 20
+# A device's blocks are granted up to 4 GiB: a device-to-device copy is fast enough that one
+# trip more costs a 1 GiB put a fifth of its bandwidth. Above 1 MiB they come in sixteenths
+# of a power of two, so a block is at most 1/8 larger than its put (device memory is scarce).
+DEVICE_GRANT_MAX = 1 << 32
 
 
 def layout(
@@ -33,11 +38,15 @@ def layout(
     return offsets, max(end, 1), block_align
 
 
-def grant_class(size: int) -> int | None:
-    """The size of the granted blocks a block of `size` bytes is taken from (None: too big)."""
-    if size > GRANT_MAX:
+def grant_class(size: int, device: bool = False) -> int | None:
+    """The size of the granted blocks a block of `size` bytes is taken from, on the host or
+    (`device`) a GPU; None: too big."""
+    if size > (DEVICE_GRANT_MAX if device else GRANT_MAX):
         return None
-    return max(GRANT_MIN, 1 << (size - 1).bit_length())
+    whole = max(GRANT_MIN, 1 << (size - 1).bit_length())
+    if device and whole > GRANT_MAX:
+        return round_up(size, whole // 16)
+    return whole
 
 
 def compact_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

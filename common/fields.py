@@ -211,7 +211,7 @@ FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
     },
     Op.SEAL: {"put": (_int, True), "keep": (_bool, False)},
     Op.ABORT: {"put": (_int, True), "keep": (_bool, False)},
-    Op.GRANT: {"size": (_int, True)},
+    Op.GRANT: {"size": (_int, True), "device": (check_device, False)},
     Op.WRITE: {
         "put": (_int, True),
         "key": (check_key, False),

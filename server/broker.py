@@ -444,7 +444,7 @@ class Broker:
             "address": self.address,
             "state_dir": self.state.path,
             "uptime_s": time.monotonic() - self._started,
-            "devices": self.devices.stats(),
+            "devices": self.registry.grants.device_stats(),
             "cuda": self.devices.unavailable if self.devices.runtime is None else "",
             **({} if self.cluster is None else {"cluster": self.cluster.stats()}),
         }

@@ -44,7 +44,6 @@ from .arena import Arena, Block, Segment
 log = logging.getLogger(__name__)
 
 DEFAULT_FRACTION = 0.5  # of each device's free memory, when --cuda-memory names no size
-DEVICE_ALIGN = 256  # what cudaMalloc guarantees; every device tensor starts on 256 bytes
 RECLAIM_POLL = 0.001  # how often the broker looks at the events of blocks waiting for GPU work
 
 

@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ..common.errors import BrokerError
+from ..common.errors import BrokerError, InvalidRequest
 from ..common.protocol import Op, Request, reply_error, reply_ok
 from .handoff import Bound, Direct, Handoffs
 from .objects import Objects
@@ -46,6 +46,9 @@ class DirectItems:
         if "undone" in f:  # a grant it claimed and could not fill: the item comes this way
             self.handoffs.undone(session, f["undone"])
         try:
+            granted = self.registry.pending.get(put_id)
+            if "direct" in f and granted is not None and granted.device != "cpu":
+                raise InvalidRequest("write: a device's block cannot be handed over directly")
             if "direct" in f:  # handed to a consumer already (Note [direct handoff])
                 direct = self.handoffs.bind(session, f, self.table.by_id)
                 q = direct.queue
@@ -68,7 +71,7 @@ class DirectItems:
             reply = self._seal_direct(session, put_id, direct)
         else:
             reply = self._seal(session, put_id, False, q)
-        self.objects.refill_later(session, route, obj.block.size)
+        self.objects.refill_later(session, route, obj.block.size, obj.device)
         credits = self.slots.credit_ahead(session, q, 0)
         if credits:
             reply["credits"] = credits

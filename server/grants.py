@@ -17,40 +17,61 @@ next reply: refills cost no trip, and are not on the writer's path. Grants are r
 and are made only while a quarter of the arena stays free: a put that finds no grant asks
 for its block as before. A client that dies, closes, or loses its broker lets them go
 like any unsealed put.
+
+A GPU put is granted blocks of its device the same way (issue 36: a trip before the copy
+cost a 1 GiB device put a fifth of a device-to-device copy's bandwidth). A device grant
+carries its chunk's IPC handle and the write event the client records after its copy
+(Note [device handoff] in client/cuda.py); its classes reach 4 GiB, finer above 1 MiB
+(`grant_class`), and a client holds about DEVICE_AHEAD_BYTES of a class, at least one
+block. Device grants are not journaled (device memory does not outlive its broker), and a
+queue's device items still ask for their block (a direct handoff of one is refused).
 """
 
 from __future__ import annotations
 
-from ..common.descriptors import PAGE, Shapes, laid_out, layout
+from collections.abc import Callable
+from typing import Any
+
+from ..common.descriptors import DEVICE_ALIGN, MIN_ALIGN, PAGE, Shapes, laid_out, layout
 from ..common.errors import InvalidRequest
 from .arena import Arena, Block
+from .devices import DeviceMemory
 from .records import Session, StoredObject
 
 GRANT_AHEAD_BYTES = 1 << 20  # a client is granted about this much of one size class ahead,
 GRANT_DEPTH = (2, 8)  # and at least 2 blocks of it, at most 8
+DEVICE_AHEAD_BYTES = 256 << 20  # on a device: this much, at least 1 block and at most 8
 GRANT_FREE_SHARE = 4  # grants ahead only while more than 1/4 of the arena stays free
 
 
-def grant_depth(size_class: int) -> int:
-    """Blocks of `size_class` a client is granted ahead."""
+def grant_depth(size_class: int, device: bool = False) -> int:
+    """Blocks of `size_class` a client is granted ahead, on the host or a device."""
+    if device:
+        return max(1, min(GRANT_DEPTH[1], DEVICE_AHEAD_BYTES // size_class))
     return max(GRANT_DEPTH[0], min(GRANT_DEPTH[1], GRANT_AHEAD_BYTES // size_class))
 
 
 class Grants:
-    """The blocks of `arena` granted ahead: `bytes` and `blocks` out, and each session's
-    count per size class (`Session.grants`). The registry holds each block as a pending put."""
+    """The blocks of `arena` (the host's, or `device`'s) granted ahead: `bytes` and `blocks`
+    out, and each session's count per size class (`Session.grants`, by `class_key`). The
+    registry holds each block as a pending put."""
 
-    def __init__(self, arena: Arena) -> None:
-        self.arena = arena
+    def __init__(self, arena: Arena, device: str = "cpu", align: int = MIN_ALIGN) -> None:
+        self.arena, self.device, self.align = arena, device, align
         self.bytes = self.blocks = 0
+
+    def class_key(self, size_class: int) -> Any:
+        """A size class's key in `Session.grants`: the class, or (device, class)."""
+        return size_class if self.device == "cpu" else (self.device, size_class)
 
     def take(self, session: Session, size_class: int) -> list[Block]:
         """Blocks of `size_class` bytes for `session`, up to its depth (fewer, or none, once
         the arena is three quarters full)."""
-        have = session.grants.get(size_class, 0)
+        key = self.class_key(size_class)
+        have = session.grants.get(key, 0)
         out: list[Block] = []
         arena = self.arena
-        for _ in range(grant_depth(size_class) - have):
+        for _ in range(grant_depth(size_class, self.device != "cpu") - have):
             if arena.free_bytes - size_class < arena.capacity // GRANT_FREE_SHARE:
                 break
             block = arena.allocate(size_class, PAGE)
@@ -58,7 +79,7 @@ class Grants:
                 break
             out.append(block)
         if out:
-            session.grants[size_class] = have + len(out)
+            session.grants[key] = have + len(out)
             self.bytes += size_class * len(out)
             self.blocks += len(out)
         return out
@@ -66,8 +87,8 @@ class Grants:
     def carry(self, session: Session, obj: StoredObject) -> None:
         """A block a broker that died granted `session`, granted again (adoption.py)."""
         obj.granted = True
-        size = obj.block.size
-        session.grants[size] = session.grants.get(size, 0) + 1
+        size, key = obj.block.size, self.class_key(obj.block.size)
+        session.grants[key] = session.grants.get(key, 0) + 1
         self.bytes += size
         self.blocks += 1
 
@@ -87,7 +108,7 @@ class Grants:
             raise InvalidRequest(f"write {key!r}: put {put_id} is not a block granted ahead")
         if not bundle and (len(specs) != 1 or specs[0][0] != ""):
             raise InvalidRequest(f"write {key!r}: a plain object holds one unnamed tensor")
-        offsets, size, _ = layout(specs)
+        offsets, size, _ = layout(specs, self.align)
         if size > obj.block.size:
             raise InvalidRequest(
                 f"write {key!r}: its tensors take {size} bytes, and block {put_id} has "
@@ -96,12 +117,61 @@ class Grants:
         self.ungrant(session, obj)
         obj.key, obj.bundle = key, bundle
         block = obj.block
-        obj.wire = laid_out(specs, offsets, block.segment, block.offset, "cpu", shapes)
+        obj.wire = laid_out(specs, offsets, block.segment, block.offset, self.device, shapes)
 
     def ungrant(self, session: Session, obj: StoredObject) -> None:
         """`obj` is no longer a grant (written, aborted, or let go)."""
         if obj.granted:
             obj.granted = False
-            session.grants[obj.block.size] -= 1
+            session.grants[self.class_key(obj.block.size)] -= 1
             self.bytes -= obj.block.size
             self.blocks -= 1
+
+
+class GrantBook:
+    """The blocks granted ahead on the host (`host`) and on each device (`of`); `open_put`
+    makes each a pending put of its session (Registry._open_put)."""
+
+    def __init__(
+        self, arena: Arena, devices: DeviceMemory, open_put: Callable[[Session, StoredObject], int]
+    ) -> None:
+        self.host, self.devices, self._open_put = Grants(arena), devices, open_put
+        self._devices: dict[str, Grants] = {}  # device -> its blocks granted ahead
+
+    def of(self, device: str) -> Grants:
+        """The blocks granted ahead on `device` ('cpu': the host's)."""
+        if device == "cpu":
+            return self.host
+        grants = self._devices.get(device)
+        if grants is None:
+            arena = self.devices.arena(device)  # (InvalidRequest if it is not served)
+            grants = self._devices[device] = Grants(arena, device, DEVICE_ALIGN)
+        return grants
+
+    @property
+    def blocks(self) -> int:
+        return self.host.blocks + sum(g.blocks for g in self._devices.values())
+
+    def grant(self, session: Session, size_class: int, device: str = "cpu") -> list[list[Any]]:
+        """Blocks of `size_class` bytes on `device` granted ahead to `session`: [[put id,
+        object id, segment, offset, size], ...], and for a device's [..., device, its chunk's
+        IPC handle, [write event, its IPC handle]]."""
+        out = []
+        for block in self.of(device).take(session, size_class):
+            obj = StoredObject("", False, block, (), granted=True, device=device)
+            put_id = self._open_put(session, obj)
+            entry = [put_id, obj.oid, block.segment, block.offset, block.size]
+            if obj.events is not None:
+                write, arena = obj.events[0], self.devices.arena(device)
+                entry += [device, arena.handle(block.segment), [write, self.devices.handle(write)]]
+            out.append(entry)
+        return out
+
+    def device_stats(self) -> dict[str, dict[str, int]]:
+        """Each device's figures (DeviceMemory.stats), its blocks granted ahead apart."""
+        out = self.devices.stats()
+        for device, grants in self._devices.items():
+            if device in out:
+                out[device]["used_bytes"] -= grants.bytes
+                out[device]["granted_bytes"] = grants.bytes
+        return out

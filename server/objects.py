@@ -55,7 +55,7 @@ class Objects:
     def __init__(self, registry: Registry, lot: ParkingLot, send: Send) -> None:
         self.registry, self.devices, self.lot, self._send = registry, registry.devices, lot, send
         self._memory_back = False  # device memory was freed since device puts last tried
-        self.refills: list[tuple[Session, bytes, int]] = []  # grants to top up (refill_later)
+        self.refills: list[tuple[Session, bytes, int, str]] = []  # grants to top up (refill_later)
         self._waits: dict[str, set[Waiter]] = {}  # key -> waits for many keys that name it
         self.events = EventLog(lot, send)  # every put and delete, for watch_prefix
         self.eviction = Eviction(registry, self._evicted)
@@ -103,8 +103,10 @@ class Objects:
     def grant(self, session: Session, route: bytes, req: Request) -> Reply:
         """Blocks granted ahead for puts of up to `size` bytes (Note [grants] in
         grants.py); none if that size has none, or the arena is too full to spare them."""
-        size_class = grant_class(req.fields["size"])
-        return {"grants": self.registry.grant(session, size_class) if size_class else []}
+        device = req.fields.get("device", "cpu")
+        size_class = grant_class(req.fields["size"], device != "cpu")
+        grants = self.registry.grants.grant(session, size_class, device) if size_class else []
+        return {"grants": grants}
 
     def write(self, session: Session, route: bytes, req: Request) -> Reply:
         """A block granted ahead, written: sealed as the next version of its key; the reply
@@ -122,13 +124,15 @@ class Objects:
             raise
         obj.evictable = f.get("evictable", False)
         reply = self.seal(session, put_id, keep=False)
-        self.refill_later(session, route, obj.block.size)
+        self.refill_later(session, route, obj.block.size, obj.device)
         return reply
 
-    def refill_later(self, session: Session, route: bytes, size_class: int) -> None:
-        """Top up `session`'s grants of `size_class` once the replies of this batch are
-        out, in a message of their own (Seals.top_up): not on the writer's path."""
-        self.refills.append((session, route, size_class))
+    def refill_later(
+        self, session: Session, route: bytes, size_class: int, device: str = "cpu"
+    ) -> None:
+        """Top up `session`'s grants of `size_class` on `device` once the replies of this
+        batch are out, in a message of their own (Seals.top_up): not on the writer's path."""
+        self.refills.append((session, route, size_class, device))
 
     def drop_grant(self, session: Session, put_id: int) -> None:
         """A write that failed: its block goes back (whatever the reply, a write's block is

@@ -77,7 +77,7 @@ class Session:
     applied: int = 0  # the request id of its last seal applied (or refused) and journaled
     awaiting: bool = False  # adopted from a broker that died: not back yet (Note [recovery])
     came_back: bool = False  # adopted, and its hello with its leases was answered
-    grants: dict[int, int] = field(default_factory=dict)  # size class -> blocks granted ahead
+    grants: dict[Any, int] = field(default_factory=dict)  # size class -> blocks granted ahead
     credits: dict[int, int] = field(default_factory=dict)  # queue id -> slots granted ahead
     uid: int | None = None  # the kernel's word for the user it runs as (None: tcp://)
 

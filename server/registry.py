@@ -41,12 +41,12 @@ from typing import TYPE_CHECKING, Any
 
 from ..common.config import format_size
 from ..common.cudart import device_index
-from ..common.descriptors import MIN_ALIGN, Shapes, laid_out, layout
+from ..common.descriptors import DEVICE_ALIGN, MIN_ALIGN, Shapes, laid_out, layout
 from ..common.errors import CapacityError, InvalidRequest, NotFound
 from .arena import Arena, Block, ShmExhausted
-from .devices import DEVICE_ALIGN, DeviceArena, DeviceMemory
+from .devices import DeviceArena, DeviceMemory
 from .directory import Directory
-from .grants import Grants
+from .grants import GrantBook
 from .journal import ID_STEP, Journal
 from .records import Session, StoredObject
 
@@ -84,7 +84,8 @@ class Registry:
         self._id_limit = first_id  # ids below it are reserved in the journal
         self.lease_count = 0
         self.published = 0  # objects and queue items sealed by this broker
-        self.grants = Grants(arena)  # blocks granted ahead (Note [grants] in grants.py)
+        # Blocks granted ahead, on the host and each device (Note [grants] in grants.py).
+        self.grants = GrantBook(arena, self.devices, self._open_put)
 
     def new_id(self) -> int:
         """A new id, of the same series as objects' and leases' (never given before)."""
@@ -132,16 +133,6 @@ class Registry:
             self.journal.granted(obj, session.token, put_id)
         return put_id
 
-    def grant(self, session: Session, size_class: int) -> list[list[Any]]:
-        """Blocks of `size_class` bytes granted ahead to `session` (Note [grants] in
-        grants.py): [[put id, object id, segment, offset, size], ...]."""
-        out = []
-        for block in self.grants.take(session, size_class):
-            obj = StoredObject("", False, block, (), granted=True)
-            put_id = self._open_put(session, obj)
-            out.append([put_id, obj.oid, block.segment, block.offset, block.size])
-        return out
-
     def fill(
         self,
         session: Session,
@@ -154,7 +145,7 @@ class Registry:
         """A block granted ahead, written by its client: now a put of `key` (or an item of
         `queue`) laid out as `specs`, ready to seal."""
         obj = self.pending_put(session, put_id, "write")
-        self.grants.fill(session, put_id, obj, key, specs, bundle, self.shapes)
+        self.grants.of(obj.device).fill(session, put_id, obj, key, specs, bundle, self.shapes)
         obj.queue = queue
         return obj
 
@@ -162,7 +153,8 @@ class Registry:
         """A pending put ends (sealed, aborted, or let go)."""
         obj = self.pending.pop(put_id)
         session.pending.discard(put_id)
-        self.grants.ungrant(session, obj)
+        if obj.granted:
+            self.grants.of(obj.device).ungrant(session, obj)
         return obj
 
     def _allocate(self, arena: Arena, key: str, size: int, align: int) -> Block:
@@ -420,7 +412,7 @@ class Registry:
         self.pending[put_id] = obj
         session.pending.add(put_id)
         if granted:
-            self.grants.carry(session, obj)
+            self.grants.host.carry(session, obj)
         self.lease(session, obj, lease_id=put_id)
 
     def relist(self, obj: StoredObject) -> None:
@@ -438,13 +430,14 @@ class Registry:
     def stats(self) -> dict[str, int]:
         slotted = sum(self.slots.held().values()) if self.slots is not None else 0
         arena = self.arena.stats()
+        granted, host = self.grants.blocks, self.grants.host
         return {
             **arena,
-            "used_bytes": arena["used_bytes"] - self.grants.bytes,  # by objects
+            "used_bytes": arena["used_bytes"] - host.bytes,  # by objects
             "objects": len(self.objects),
-            "pending": len(self.pending) - self.grants.blocks,  # puts being written
-            "granted_bytes": self.grants.bytes,  # blocks granted ahead, not yet written
-            "leases": self.lease_count - self.grants.blocks + slotted,
+            "pending": len(self.pending) - granted,  # puts being written
+            "granted_bytes": host.bytes,  # blocks granted ahead, not yet written
+            "leases": self.lease_count - granted + slotted,
             # retired, unleased, and freed once a scan finds no lease slot holding them
             "waiting_bytes": sum(obj.block.size for obj in self._unlisted.values()),
         }

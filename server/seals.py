@@ -76,14 +76,15 @@ class Seals:
         """The grants the last batch's writes used, topped up: one message per writer's
         socket, [(route, message)], to send now that their replies are out."""
         refills, self.objects.refills = self.objects.refills, []
-        due: dict[tuple[bytes, Session], set[int]] = {}
-        for session, route, size_class in refills:
-            due.setdefault((route, session), set()).add(size_class)
+        due: dict[tuple[bytes, Session], set[tuple[str, int]]] = {}
+        for session, route, size_class, device in refills:
+            due.setdefault((route, session), set()).add((device, size_class))
         out = []
+        grant = self.registry.grants.grant
         for (route, session), classes in due.items():
             if session.closed or route not in session.routes:
                 continue
-            grants = [g for c in sorted(classes) for g in self.registry.grant(session, c)]
+            grants = [g for d, c in sorted(classes) for g in grant(session, c, d)]
             if grants:
                 out.append((route, reply_ok(0, grants=grants)))
         return out

@@ -256,6 +256,67 @@ def test_a_bundle_of_tensors_end_to_end_in_one_buffer_is_put_in_one_copy(
     assert len(sim.rt.called("copy")[before:]) == 2
 
 
+# -- blocks granted ahead (Note [grants] in server/grants.py) ----------------------------
+
+
+def _requests(c: tb.Client) -> dict[str, int]:
+    return dict(c.stats()["requests"])
+
+
+def test_device_puts_after_the_first_are_one_message_into_blocks_granted_ahead(
+    sim: SimBroker, c: tb.Client
+) -> None:
+    """A device put writes into a block the broker granted ahead and seals it with one
+    `write`: no trip for its memory first, one copy, the write event recorded after it."""
+    values = [np.full(256 * 1024, v, np.float32) for v in range(4)]  # 1 MiB each
+    c.put("w", SimCudaTensor(sim.rt, 0, values[0]))  # the first asks for grants
+    before = _requests(c)
+    for v in range(1, 4):
+        copies = len(sim.rt.called("copy"))
+        assert c.put("w", SimCudaTensor(sim.rt, 0, values[v])) == v + 1
+        assert len(sim.rt.called("copy")) == copies + 1  # one copy, on the producer's stream
+        assert sim.rt.called("copy")[-1][1:3] == (0, STREAM_LEGACY)
+        assert sim.rt.records()[-1][3] == STREAM_LEGACY  # then its write event
+    after = _requests(c)
+    assert after.get("write", 0) - before.get("write", 0) == 3
+    assert all(after.get(op, 0) == before.get(op, 0) for op in ("put", "grant", "seal")), after
+    assert not sim.rt.called("synchronize") and not sim.rt.called("stream_synchronize")
+    t = c.get("w")
+    got = np.ctypeslib.as_array(
+        (np.ctypeslib.ctypes.c_float * values[3].size).from_address(t.data_ptr)
+    )
+    np.testing.assert_array_equal(got, values[3])
+    assert device_stats(c)["granted_bytes"] > 0  # the next put's block, ahead
+    del t
+
+
+def test_device_blocks_granted_ahead_go_back_when_their_client_closes(sim: SimBroker) -> None:
+    with sim.connect() as c:
+        for i in range(3):
+            c.put(f"x{i}", SimCudaTensor(sim.rt, 0, np.ones(4096, np.float32)))
+        assert device_stats(c)["granted_bytes"] > 0
+    with sim.connect() as c:
+        for i in range(3):
+            c.delete(f"x{i}")
+        assert wait_until(lambda: device_stats(c)["used_bytes"] == 0, 5)
+        assert device_stats(c)["granted_bytes"] == 0 and c.stats()["leases"] == 0
+
+
+def test_a_device_block_granted_ahead_is_refused_for_a_direct_handoff(
+    sim: SimBroker, c: tb.Client
+) -> None:
+    from tensorbroker.common.protocol import Op
+
+    grants = c._call(Op.GRANT, size=4096, device="cuda:0")["grants"]
+    put, _, _, _, _, device, _, _ = grants[0]
+    assert device == "cuda:0"
+    q = c.queue("q")
+    with pytest.raises(tb.InvalidRequest, match="device's block cannot be handed over"):
+        c._call(Op.WRITE, put=put, queue=q._id, name="q", direct=[0, "x", 0, 0],
+                tensors=[["", "float32", [1024]]])  # fmt: skip
+    assert c.stats()["pending"] == 0  # its block went back with the refusal
+
+
 # -- placement and copies ---------------------------------------------------------------
 
 

@@ -9,9 +9,10 @@ from simcuda import SimRuntime
 import tensorbroker as tb
 from tensorbroker.common.config import parse_cuda_memory
 from tensorbroker.common.cudart import CudaUnavailable, parse_device
+from tensorbroker.common.descriptors import DEVICE_ALIGN, grant_class
 from tensorbroker.common.fields import check_device
 from tensorbroker.server.arena import Arena
-from tensorbroker.server.devices import DEVICE_ALIGN, DeviceMemory
+from tensorbroker.server.devices import DeviceMemory
 from tensorbroker.server.records import Session, StoredObject
 from tensorbroker.server.registry import Registry
 
@@ -178,3 +179,25 @@ def test_a_producer_that_dies_before_its_copy_ran_loses_the_object() -> None:
     assert devices.arenas[0].used_bytes == done.block.size  # and its memory is back
     assert ("destroy_event", 0, write) in rt.calls
     assert not registry.writing(producer)
+
+
+@pytest.mark.parametrize(
+    ("size", "host", "device"),
+    [
+        (1, 4096, 4096),
+        (5000, 8192, 8192),
+        (1 << 20, 1 << 20, 1 << 20),
+        ((1 << 20) + 1, None, (1 << 20) + (1 << 17)),  # sixteenths of 2 MiB
+        (600 * MiB, None, 640 * MiB),  # not 1 GiB: at most 1/8 more than the put
+        (1 << 30, None, 1 << 30),
+        ((1 << 32) + 1, None, None),  # too big to grant ahead: the put asks
+    ],
+)
+def test_grant_classes_on_the_host_and_on_a_device(
+    size: int, host: int | None, device: int | None
+) -> None:
+    assert grant_class(size) == host
+    got = grant_class(size, device=True)
+    assert got == device
+    if got is not None:
+        assert size <= got <= (max(4096, 2 * size) if size <= 1 << 20 else size + size // 8)
