@@ -269,25 +269,30 @@ class DeviceLink:
         """Enqueue copies of sources (each a DeviceSource on `device`, or a compact host
         array) to compact device memory: (destination, source, dtype, stream) each. Compact
         sources that lie end to end, copied on one stream to memory end to end (a flat
-        parameter buffer's tensors, say), go in one copy."""
+        parameter buffer's tensors, say), go in one copy; the others in one call into the
+        runtime (`copy_batch`), in order."""
         rt = self.runtime("copying")
-        run: list[int] = []  # the run being gathered: [destination, source, bytes, stream]
+        runs: list[list[int]] = []  # [destination, source, bytes, stream] each
         for dst, src, dt, stream in copies:
             if isinstance(src, np.ndarray):
                 ptr, nbytes = src.ctypes.data, src.nbytes
             elif src.compact:
                 ptr, nbytes = src.ptr, dt.nbytes(src.shape)
-            else:
+            else:  # (the runs before it first: copies on one stream keep their order)
+                if runs:
+                    rt.copy_batch(device, runs)
+                runs = []
                 _strided_copy(device, dst, src, dt, stream)
                 continue
+            run = runs[-1] if runs else None
             if run and run[3] == stream and run[0] + run[2] == dst and run[1] + run[2] == ptr:
                 run[2] += nbytes
                 continue
-            if run:
-                rt.copy_async(device, run[0], run[1], run[2], run[3])
-            run = [dst, ptr, nbytes, stream]
-        if run:
-            rt.copy_async(device, run[0], run[1], run[2], run[3])
+            runs.append([dst, ptr, nbytes, stream])
+        if len(runs) == 1:
+            rt.copy_async(device, *runs[0])
+        elif runs:
+            rt.copy_batch(device, runs)
 
     def clear(self) -> None:
         """Forget what this client opened; each closes once no array uses it."""

@@ -27,13 +27,16 @@ def device_of(source: Source) -> str:
     return "cpu" if isinstance(source, np.ndarray) else f"cuda:{source.device}"
 
 
-def host_array(key: str, obj: Any) -> tuple[Source, DType]:
+def host_array(
+    key: str, obj: Any, streams: dict[tuple[str, int], int] | None = None
+) -> tuple[Source, DType]:
     """A NumPy view of `obj`'s elements (bfloat16 as uint16), or a DeviceSource for a CUDA
-    tensor, and its dtype."""
+    tensor, and its dtype. `streams`: the producers' streams found so far in this put, by
+    library and device (a state_dict's hundreds of tensors ask once)."""
     if isinstance(obj, np.ndarray):
         return _from_numpy(key, obj)
     if hasattr(obj, "__dlpack__"):
-        return _from_dlpack(key, obj)
+        return _from_dlpack(key, obj, {} if streams is None else streams)
     if hasattr(obj, "__array_interface__"):
         return _from_numpy(key, np.asarray(obj))
     try:
@@ -64,7 +67,7 @@ def _from_numpy(key: str, array: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, 
     return array, dt
 
 
-def _from_dlpack(key: str, obj: Any) -> tuple[Source, DType]:
+def _from_dlpack(key: str, obj: Any, streams: dict[tuple[str, int], int]) -> tuple[Source, DType]:
     if getattr(obj, "requires_grad", False):  # a torch parameter: store its data
         obj = obj.detach()
     device_type, device_id = obj.__dlpack_device__()
@@ -74,7 +77,12 @@ def _from_dlpack(key: str, obj: Any) -> tuple[Source, DType]:
             "broker stores host and CUDA tensors: move it to the host first"
         )
     # A CUDA producer makes our copy's stream wait for its pending writes to the tensor.
-    stream = producer_stream(obj, device_id) if device_type == KDL_CUDA else None
+    stream = None
+    if device_type == KDL_CUDA:
+        library = (type(obj).__module__.partition(".")[0], device_id)
+        stream = streams.get(library)
+        if stream is None:
+            stream = streams[library] = producer_stream(obj, device_id)
     try:
         capsule = obj.__dlpack__(stream=stream, max_version=(1, 0))
     except TypeError:  # a producer older than DLPack 1.0
@@ -96,9 +104,10 @@ def entries(key: str, value: Any) -> tuple[list[tuple[str, Source, DType]], bool
         if not value:
             raise InvalidRequest(f"put {key!r}: a bundle needs at least one tensor")
         out = []
+        streams: dict[tuple[str, int], int] = {}
         for name, item in value.items():
             if not isinstance(name, str):
                 raise InvalidRequest(f"put {key!r}: bundle names must be strings, got {name!r}")
-            out.append((name, *host_array(f"{key}[{name!r}]", item)))
+            out.append((name, *host_array(f"{key}[{name!r}]", item, streams)))
         return out, True
     return [("", *host_array(key, value))], False

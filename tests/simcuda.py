@@ -146,6 +146,11 @@ class SimRuntime:
         self._log("copy", device, stream, size)
         ctypes.memmove(dst, src, size)
 
+    def copy_batch(self, device: int, copies: list[list[int]]) -> None:
+        self._log("copy_batch", device, len(copies))
+        for dst, src, size, stream in copies:
+            self.copy_async(device, dst, src, size, stream)
+
     def synchronize(self, device: int) -> None:
         self._log("synchronize", device)
 

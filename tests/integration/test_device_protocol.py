@@ -256,6 +256,33 @@ def test_a_bundle_of_tensors_end_to_end_in_one_buffer_is_put_in_one_copy(
     assert len(sim.rt.called("copy")[before:]) == 2
 
 
+def test_a_state_dict_of_tensors_apart_is_copied_in_one_call_asking_its_stream_once(
+    sim: SimBroker, c: tb.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tensors of separate allocations (a state_dict of 40): their copies go to the runtime
+    in one call, in order, and the producer's stream is looked up once for the put."""
+    from tensorbroker.client import sources
+
+    asked: list[int] = []
+    real = sources.producer_stream
+    monkeypatch.setattr(sources, "producer_stream", lambda o, d: asked.append(d) or real(o, d))
+    state = {
+        f"layer{i}": SimCudaTensor(sim.rt, 0, np.full(300 + i, i, np.float32)) for i in range(40)
+    }
+    batches, copies = len(sim.rt.called("copy_batch")), len(sim.rt.called("copy"))
+    c.put("state", state)
+    assert sim.rt.called("copy_batch")[batches:] == [("copy_batch", 0, 40)]
+    assert len(sim.rt.called("copy")) - copies == 40 and asked == [0]
+    got = c.get("state")
+    for i in (0, 17, 39):
+        t = got[f"layer{i}"]
+        values = np.ctypeslib.as_array(
+            (np.ctypeslib.ctypes.c_float * (300 + i)).from_address(t.data_ptr)
+        )
+        assert (values == i).all()
+    del got, t
+
+
 # -- blocks granted ahead (Note [grants] in server/grants.py) ----------------------------
 
 
