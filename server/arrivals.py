@@ -101,7 +101,7 @@ class Arrivals:
         if q.subs is not None and (self._full(q) or self._ahead(a)):
             return
         try:
-            specs, bundle = self.transfers.layout(a.node, m)
+            specs, bundle, _ = self.transfers.layout(a.node, m)  # (host items only)
             a.put, obj = self.registry.begin_put(self.session, q.name, specs, bundle, queue=q)
         except (BrokerError, KeyError, TypeError, ValueError):  # no room here, say
             a.failed = True

@@ -61,6 +61,7 @@ from typing import Any
 import zmq
 
 from ..common.errors import BrokerError
+from .devices import DeviceChunk
 from .joining import Joining as Joining  # (the broker takes it from here)
 from .links import BEAT, DOWN_AFTER, Links, Peer
 from .objects import Objects
@@ -113,6 +114,11 @@ class Cluster:
         transfers.incarnation = cluster.links.incarnation  # (its metadata's versions)
         for segment in objects.registry.arena.segments:
             transfers.register(segment)
+        devices = objects.registry.devices
+        for arena in devices.arenas.values():
+            for name in arena.segments:
+                cluster.chunk(arena.chunk(name))
+        devices.on_chunk = cluster.chunk
         objects.elsewhere, queues.elsewhere = cluster.replicas, cluster.queues
         return cluster
 
@@ -121,6 +127,16 @@ class Cluster:
         given this agent's metadata of now (an offer sent with an announcement, Note [offers]
         in offers.py, may lie in it; this message goes before any such on each link)."""
         self.transfers.register(name)
+        self.links.everyone({"op": "agent", **self.transfers.agent_fields()})
+
+    def chunk(self, chunk: DeviceChunk) -> None:
+        """A new device chunk: registered with NIXL as VRAM now (or its objects are not lent:
+        a NIXL built without CUDA), and the peers given this agent's metadata of now."""
+        try:
+            self.transfers.register_chunk(chunk.name, chunk.ptr, chunk.size, chunk.device)
+        except OSError as exc:
+            log.warning("%s: its objects stay on this node: %s", chunk.name, exc)
+            return
         self.links.everyone({"op": "agent", **self.transfers.agent_fields()})
 
     @property

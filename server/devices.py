@@ -91,10 +91,13 @@ class DeviceArena(Arena):
             self.runtime, self.device, f"{self._prefix}{self._chunks}", size
         )
 
-    def handle(self, name: str) -> bytes:
+    def chunk(self, name: str) -> DeviceChunk:
         chunk = self._segments[self._seg_index[name]]
         assert isinstance(chunk, DeviceChunk)
-        return chunk.handle
+        return chunk
+
+    def handle(self, name: str) -> bytes:
+        return self.chunk(name).handle
 
 
 @dataclass(eq=False, slots=True)
@@ -122,6 +125,7 @@ class DeviceMemory:
     quarantine: list[Quarantined] = field(default_factory=list)
     _count: int = 0  # devices CuPy sees
     on_free: Callable[[], None] | None = None  # told when blocks come back (puts may wait)
+    on_chunk: Callable[[DeviceChunk], None] | None = None  # told of each new chunk (NIXL)
     _dead: set[int] = field(default_factory=set)  # events whose recorder died
     _events: dict[int, tuple[int, int, bytes]] = field(
         default_factory=dict
@@ -173,8 +177,13 @@ class DeviceMemory:
             free, _ = self.runtime.mem_info(index)
             size = int(free * DEFAULT_FRACTION)
         found = self.arenas[index] = DeviceArena(self.runtime, index, size)
+        found._on_segment = self._chunk_made
         log.info("cuda:%d: up to %s", index, format_size(found.capacity))
         return found
+
+    def _chunk_made(self, chunk: Segment) -> None:
+        if self.on_chunk is not None and isinstance(chunk, DeviceChunk):
+            self.on_chunk(chunk)
 
     # -- events --------------------------------------------------------------------------
 

@@ -121,7 +121,12 @@ class Lending:
             pulling.lends.append((node, pull, ask))
             return
         obj = self.registry.objects.get(key)
-        if obj is None or obj.device != "cpu":
+        offer = None
+        try:  # (a GPU object whose chunk NIXL could not register: not lent)
+            offer = None if obj is None else self.transfers.offer(obj)
+        except OSError as exc:
+            log.warning("could not lend %r: %s", key, exc)
+        if obj is None or offer is None:
             error = f"node {self.node!r} has no {key!r}"
             answer = {"op": "lent", "pull": pull, "ask": ask, "error": error}
             remote = self.index.get(key)
@@ -141,11 +146,16 @@ class Lending:
                 return
             if node not in borrowers:
                 borrowers.append(node)
-        self.links.answer(node, self.loan(node, pull, obj, ask))
+        self.links.answer(node, self.loan(node, pull, obj, ask, offer))
 
-    def loan(self, node: str, pull: int, obj: StoredObject, ask: int = 0) -> dict[str, Any]:
+    def loan(
+        self, node: str, pull: int, obj: StoredObject, ask: int = 0, offer: Any = None
+    ) -> dict[str, Any]:
         """Pin `obj` for lend `ask` of `node`'s pull `pull` (once, if it came twice): its
-        `lent` answer, for `node`'s incarnation as this broker knows it (Links.acked)."""
+        `lent` answer (with `offer`, if made already), for `node`'s incarnation as this
+        broker knows it (Links.acked)."""
+        if offer is None:
+            offer = self.transfers.offer(obj)
         if (node, pull, ask) not in self.loans:
             self.registry.pin(obj)
             self.loans[node, pull, ask] = obj
@@ -154,7 +164,7 @@ class Lending:
         self._asked_at.pop((node, pull, ask), None)
         return {
             "op": "lent", "pull": pull, "ask": ask, "version": obj.version,
-            **self.links.ack(node), **self.transfers.offer(obj),
+            **self.links.ack(node), **offer,
         }  # fmt: skip
 
     def returned(self, node: str, pull: int, ask: int = 0) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
-from ..common.errors import BrokerError, NotFound, PeerUnavailable
+from ..common.errors import BrokerError, InvalidRequest, NotFound, PeerUnavailable
 from ..common.protocol import reply_error, reply_ok
 from .objects import Objects
 from .offers import Held, Offer
@@ -262,9 +262,15 @@ class Pulls:
         """Start reading `version`, lent or offered (`m`), into a block of a replica's."""
         pull.version = version
         try:
-            specs, bundle = self.transfers.layout(pull.source, m)
-            pull.put, obj = self.registry.begin_put(self.session, pull.key, specs, bundle)
-            obj.evictable = True  # a replica is a cache
+            specs, bundle, device = self.transfers.layout(pull.source, m)
+            try:
+                pull.put, obj = self.registry.begin_put(
+                    self.session, pull.key, specs, bundle, device=device
+                )
+            except InvalidRequest as exc:  # a device this broker does not serve
+                where = f"{pull.key!r} lives on {device} of node {pull.source!r}"
+                raise InvalidRequest(f"{where}; a replica here needs that device: {exc}") from None
+            obj.evictable = True  # a replica is a cache (of host memory: eviction.py)
             pull.handle, pull.size = self.transfers.take(pull.source, m, obj)
             pull.read_at = time.monotonic()
         except BrokerError as exc:  # no room here for it (CapacityError), say

@@ -140,7 +140,7 @@ class Replicas:
         return [
             [k, o.version, int(o.nbytes)]
             for k, o in self.registry.objects.items()
-            if o.device == "cpu" and k not in self.index and k not in self._pulling
+            if k not in self.index and k not in self._pulling
         ]
 
     def welcome(self, node: str, keys: list[Any]) -> None:

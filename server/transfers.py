@@ -7,6 +7,11 @@ and its pickled descriptors are never used, so nothing from the network is unpic
 Only the puller acts: it READs the bytes of a block its peer lent it into a block of its own
 (`read`), and polls the transfer from the broker's loop (`done`); the lender only keeps the
 block pinned until the puller says it is through.
+
+A GPU object's bytes go the same way between device chunks, registered with NIXL as VRAM
+as each chunk is made (`register_chunk`): NIXL's UCX backend moves them device to device
+(GPUDirect RDMA where the hardware has it). Its replica goes to the same device on the
+reader's node.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import mmap
 import os
 from typing import Any
 
+from ..common.cudart import device_index
 from ..common.errors import InvalidRequest
 
 PACKAGES = ("nixl_cu13", "nixl_cu12", "nixl")  # tensorbroker[cluster] installs one of these
@@ -79,6 +85,7 @@ class Transfers:
         self.agent = _paced_agent(api, node, config)
         self.shm_dir = shm_dir
         self._mapped: dict[str, tuple[mmap.mmap, int]] = {}  # segment -> (mapping, address)
+        self._chunks: dict[str, tuple[int, int]] = {}  # device chunk -> (pointer, device)
         self._peers: dict[str, bytes] = {}  # node -> the metadata its agent was added with
         self._versions: dict[str, tuple[int, int]] = {}  # node -> that metadata's version
         self.incarnation = 0  # this broker's (the cluster sets it): metadata versions
@@ -103,9 +110,33 @@ class Transfers:
         self._mapped[segment] = (mapping, address)
         self._registered += 1
 
+    def register_chunk(self, name: str, ptr: int, size: int, device: int) -> None:
+        """Register a device chunk (of the broker's, never freed before it stops) with NIXL as
+        VRAM, once. OSError if NIXL cannot (a build without CUDA, say): its objects are then
+        not lent."""
+        if name in self._chunks:
+            return
+        try:
+            self.agent.register_memory([(ptr, size, device, name)], "VRAM")
+        except Exception as exc:
+            raise OSError(f"NIXL could not register {name} as VRAM: {exc!r}") from None
+        self._chunks[name] = (ptr, device)
+        self._registered += 1
+
     def address(self, segment: str, offset: int) -> int:
         """Where byte `offset` of a registered segment lies in this process."""
         return self._mapped[segment][1] + offset
+
+    def _place(self, obj: Any) -> tuple[int, str, int]:
+        """Where a StoredObject's bytes are: address, NIXL memory type, device id."""
+        block = obj.block
+        if obj.device == "cpu":
+            self.register(block.segment)
+            return self.address(block.segment, block.offset), "DRAM", 0
+        chunk = self._chunks.get(block.segment)
+        if chunk is None:
+            raise OSError(f"{block.segment} is not registered with NIXL (no VRAM here)")
+        return chunk[0] + block.offset, "VRAM", chunk[1]
 
     # -- peers -------------------------------------------------------------------------------
 
@@ -151,40 +182,45 @@ class Transfers:
         or a `qitem`): its layout and address, and, if `agent`, this agent's metadata of now
         (it knows the segment: an adopted one, say; an offer sent with an announcement goes
         without, Note [offers])."""
-        block = obj.block
-        self.register(block.segment)
+        address, _, _ = self._place(obj)
         offer = {
             "bundle": obj.bundle, "specs": [[t.name, t.dtype, list(t.shape)] for t in obj.tensors],
-            "size": obj.nbytes, "address": self.address(block.segment, block.offset),
+            "size": obj.nbytes, "address": address,
         }  # fmt: skip
+        if obj.device != "cpu":
+            offer["device"] = obj.device
         if agent:
             offer.update(self.agent_fields())
         return offer
 
-    def layout(self, node: str, offer: dict[str, Any]) -> tuple[list[Any], bool]:
-        """The specs and bundle flag of `node`'s `offer`, for a block of its size here (its
-        agent known from now on, if it sent its metadata)."""
+    def layout(self, node: str, offer: dict[str, Any]) -> tuple[list[Any], bool, str]:
+        """The specs, bundle flag and device of `node`'s `offer`, for a block of its size
+        here (its agent known from now on, if it sent its metadata)."""
         if "agent" in offer:
             self.add_peer(node, bytes(offer["agent"]), offer.get("agent_v"))
-        return [(str(n), str(d), tuple(s)) for n, d, s in offer["specs"]], bool(offer["bundle"])
+        specs = [(str(n), str(d), tuple(s)) for n, d, s in offer["specs"]]
+        return specs, bool(offer["bundle"]), str(offer.get("device", "cpu"))
 
     def take(self, node: str, offer: dict[str, Any], obj: Any) -> tuple[Any, int]:
         """Start reading the bytes of `node`'s `offer` into StoredObject `obj`'s block: the
         read's handle, and its size."""
-        block = obj.block
         size = min(int(offer["size"]), int(obj.nbytes))
-        self.register(block.segment)
-        local = self.address(block.segment, block.offset)
-        return self.read(node, int(offer["address"]), local, size), size
+        local, mine, index = self._place(obj)
+        theirs = ("VRAM", device_index(offer["device"])) if "device" in offer else ("DRAM", 0)
+        return self.read(node, int(offer["address"]), local, size, theirs, (mine, index)), size
 
     # -- reads -------------------------------------------------------------------------------
 
-    def read(self, node: str, remote: int, local: int, size: int) -> Any:
-        """Start reading `size` bytes at `remote` in `node`'s memory into `local` in ours."""
+    def read(
+        self, node: str, remote: int, local: int, size: int,
+        far: tuple[str, int] = ("DRAM", 0), near: tuple[str, int] = ("DRAM", 0),
+    ) -> Any:  # fmt: skip
+        """Start reading `size` bytes at `remote` in `node`'s memory into `local` in ours
+        (`far`, `near`: their NIXL memory types and device ids)."""
         agent = self.agent
         try:
-            mine = agent.get_xfer_descs([(local, size, 0)], "DRAM")
-            theirs = agent.get_xfer_descs([(remote, size, 0)], "DRAM")
+            mine = agent.get_xfer_descs([(local, size, near[1])], near[0])
+            theirs = agent.get_xfer_descs([(remote, size, far[1])], far[0])
             handle = agent.initialize_xfer("READ", mine, theirs, node)
         except Exception as exc:  # NIXL's own errors (nixlNotFoundError, ...)
             raise OSError(

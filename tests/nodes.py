@@ -16,6 +16,7 @@ import zmq
 from tensorbroker.common.protocol import Request
 from tensorbroker.server.arena import Arena
 from tensorbroker.server.cluster import Cluster, Joining
+from tensorbroker.server.devices import DeviceMemory
 from tensorbroker.server.journal import Journal
 from tensorbroker.server.objects import Objects
 from tensorbroker.server.parking import ParkingLot
@@ -23,6 +24,7 @@ from tensorbroker.server.queue_state import BrokerQueue
 from tensorbroker.server.queues import Queues
 from tensorbroker.server.records import Session, StoredObject
 from tensorbroker.server.registry import Registry
+from tests.simcuda import SimRuntime
 from tests.support import free_port
 
 MiB = 2**20
@@ -37,6 +39,7 @@ class Reads:
         self.started: list[str] = []  # the keys read
         self.over = False  # reads end
         self.known: dict[str, bytes] = {}  # node -> its agent metadata, as last added
+        self.vram = True  # device objects lent (False: as a NIXL without CUDA)
 
     def add_peer(self, node: str, metadata: bytes, version: Any = None) -> None:
         self.known[node] = metadata
@@ -54,14 +57,19 @@ class Reads:
         return self.over
 
     def offer(self, obj: Any, agent: bool = True) -> dict[str, Any]:
+        if obj.device != "cpu" and not self.vram:
+            raise OSError(f"{obj.block.segment} is not registered with NIXL (no VRAM here)")
         specs = [[t.name, t.dtype, list(t.shape)] for t in obj.tensors]
         offer = {"bundle": obj.bundle, "specs": specs, "size": obj.nbytes, "address": 1}
+        if obj.device != "cpu":
+            offer["device"] = obj.device
         return {**offer, "agent": self.metadata} if agent else offer
 
-    def layout(self, node: str, offer: dict[str, Any]) -> tuple[list[Any], bool]:
+    def layout(self, node: str, offer: dict[str, Any]) -> tuple[list[Any], bool, str]:
         if "agent" in offer:  # (as Transfers.layout: the lender's metadata of then)
             self.add_peer(node, bytes(offer["agent"]))
-        return [(str(n), str(d), tuple(s)) for n, d, s in offer["specs"]], bool(offer["bundle"])
+        specs = [(str(n), str(d), tuple(s)) for n, d, s in offer["specs"]]
+        return specs, bool(offer["bundle"]), str(offer.get("device", "cpu"))
 
     def take(self, node: str, offer: dict[str, Any], obj: Any) -> tuple[Any, int]:
         self.started.append(obj.key)
@@ -92,13 +100,18 @@ class Node:
     """A broker's cluster side, stepped by hand."""
 
     def __init__(
-        self, name: str, port: int, peers: list[int], shm: Path, prefetch: int = 0
-    ) -> None:
-        """`prefetch`: serve --prefetch (0 here: a test pulls by hand, with `get`)."""
+        self, name: str, port: int, peers: list[int], shm: Path, prefetch: int = 0,
+        gpus: bool = False,
+    ) -> None:  # fmt: skip
+        """`prefetch`: serve --prefetch (0 here: a test pulls by hand, with `get`); `gpus`:
+        it serves cuda:0, 8 MiB of a simulated GPU (tests/simcuda.py)."""
         shm.mkdir(exist_ok=True)
         self.arena = Arena(32 * MiB, shm_dir=str(shm), chunk_size=4 * MiB)
         self.journal = Written()
-        self.registry, lot = Registry(self.arena, journal=self.journal), ParkingLot()
+        devices = DeviceMemory(load=SimRuntime if gpus else None, spec={0: 8 * MiB})
+        devices.start()
+        self.registry = Registry(self.arena, devices=devices, journal=self.journal)
+        lot = ParkingLot()
         objects = Objects(self.registry, lot, lambda route, payload, last=False: None)
         self.poller, self.reads = zmq.Poller(), Reads()
         addresses = [f"tcp://127.0.0.1:{p}" for p in peers]
@@ -118,8 +131,9 @@ class Node:
 
         links.send_to = sent  # type: ignore[method-assign]
 
-    def put(self, key: str, nbytes: int) -> StoredObject:
-        put, _ = self.registry.begin_put(self.session, key, [("", "uint8", (nbytes,))], False)
+    def put(self, key: str, nbytes: int, device: str = "cpu") -> StoredObject:
+        specs = [("", "uint8", (nbytes,))]
+        put, _ = self.registry.begin_put(self.session, key, specs, False, device=device)
         self.objects.seal(self.session, put, False)
         return self.registry.objects[key]
 
@@ -157,6 +171,7 @@ class Node:
             self.closed = True
             self.cluster.close()
             self.arena.close()
+            self.registry.devices.close()
 
 
 def run(nodes: list[Node], seconds: float, until: Callable[[], bool] | None = None) -> bool:
@@ -172,9 +187,9 @@ def run(nodes: list[Node], seconds: float, until: Callable[[], bool] | None = No
 def _made(tmp_path: Path, names: str) -> Iterator[Callable[[str], Node]]:
     ports, made = {n: free_port() for n in names}, []
 
-    def make(name: str, prefetch: int = 0) -> Node:
+    def make(name: str, prefetch: int = 0, gpus: bool = False) -> Node:
         others = [p for n, p in ports.items() if n != name]
-        node = Node(name, ports[name], others, tmp_path / f"{name}{len(made)}", prefetch)
+        node = Node(name, ports[name], others, tmp_path / f"{name}{len(made)}", prefetch, gpus)
         made.append(node)
         return node
 

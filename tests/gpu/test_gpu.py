@@ -127,3 +127,40 @@ def test_an_object_whose_producer_died_before_its_copy_ran_is_removed(
         for value in (4.0, 5.0):  # the memory and the events serve later puts and reads
             c.put("k", torch.full((w.N,), value, device="cuda:0"))
             assert float(c.get("k").torch().sum().item()) == value * w.N
+
+
+def test_gpu_replicas_between_two_brokers() -> None:
+    """Issue 33: a GPU object put on node a is read on node b from a replica in b's GPU
+    memory, moved by NIXL from VRAM to VRAM (two brokers on one GPU: UCX's CUDA IPC)."""
+    import importlib.util
+
+    if not any(importlib.util.find_spec(p) for p in ("nixl_cu13", "nixl_cu12", "nixl")):
+        pytest.skip("the cluster needs NIXL: pip install nixl-cu13 --no-deps (or nixl-cu12)")
+    import contextlib
+
+    import torch
+    from support import free_port
+
+    ports = {n: free_port() for n in "ab"}
+    with contextlib.ExitStack() as stack:
+        clients = {}
+        for n in "ab":
+            peers = ",".join(f"tcp://127.0.0.1:{p}" for m, p in ports.items() if m != n)
+            options = ["--node", n, "--cluster", f"tcp://127.0.0.1:{ports[n]}",
+                       "--peers", peers, "--insecure-tcp"]  # fmt: skip
+            broker = tb.start_broker(memory="64MiB", cuda_memory="0:64MiB", options=options)
+            stack.enter_context(broker)
+            clients[n] = stack.enter_context(tb.connect(broker.address))
+        a, b = clients["a"], clients["b"]
+        fresh = lambda c: all(p["fresh"] for p in c.stats()["cluster"]["peers"].values())  # noqa: E731
+        assert wait_until(lambda: fresh(a) and fresh(b), 20)
+        x = torch.arange(1 << 20, dtype=torch.float32, device="cuda:0")
+        a.put("w", x)
+        assert wait_until(lambda: b.exists("w"), 10)
+        got = b.get("w", timeout=30)
+        assert got.device == "cuda:0"
+        assert torch.equal(torch.from_dlpack(got), x)
+        figures = b.stats()
+        assert figures["cluster"]["bytes_received"] >= x.nbytes
+        assert figures["devices"]["cuda:0"]["used_bytes"] >= x.nbytes  # the replica, on b's GPU
+        del got

@@ -496,13 +496,14 @@ def test_a_get_that_may_wait_keeps_waiting_when_the_version_it_pulls_is_deleted(
 
 
 def test_a_timed_get_of_a_key_its_owner_will_not_lend_ends(pair: Callable[[str], Node]) -> None:
-    """a's k is announced but not lent (a device object, say: `lend` answers it has none).
-    b's get with timeout=1 ends (NotFound) and does not ask a again and again."""
+    """a's k is announced but not lent (a device object whose chunk a's NIXL could not
+    register: `lend` answers it has none). b's get with timeout=1 ends (NotFound) and does
+    not ask a again and again."""
     a, b = pair("a"), pair("b")
     assert run([a, b], 5, lambda: b.up("a") and b.cluster.links.fresh("a"))
     obj = a.put("k", 2 * OFFER_MAX)
     assert run([a, b], 3, lambda: b.cluster.replicas.holds("k"))
-    obj.device = "cuda:0"  # (as a GPU put's: announced, never lent)
+    obj.device, a.reads.vram = "cuda:0", False  # (announced, never lent)
     answers: list[dict[str, Any]] = []
     b.objects._send = lambda route, payload, last=False: answers.append(decode(payload))
     fields = {"key": "k", "timeout": 1.0}

@@ -187,8 +187,9 @@ class Links:
 class FailingTransfers:
     """NIXL knows no memory at the offered address (a segment made after its metadata)."""
 
-    def layout(self, node: str, offer: dict[str, Any]) -> tuple[list[Any], bool]:
-        return [(str(n), str(d), tuple(s)) for n, d, s in offer["specs"]], bool(offer["bundle"])
+    def layout(self, node: str, offer: dict[str, Any]) -> tuple[list[Any], bool, str]:
+        specs = [(str(n), str(d), tuple(s)) for n, d, s in offer["specs"]]
+        return specs, bool(offer["bundle"]), "cpu"
 
     def take(self, node: str, offer: dict[str, Any], obj: Any) -> tuple[Any, int]:
         raise OSError("NIXL could not start a read: nixlNotFoundError")
