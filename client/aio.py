@@ -260,6 +260,8 @@ class AsyncClient:
         """Finish a planned put: into its block granted ahead, else into memory the broker
         grants (waiting, for a queue's slot or device memory, without blocking the loop)."""
         transfer = self._transfer
+        if plan.grant is not None and _nbytes(plan) > INLINE_BYTES:  # (a device's: to 4 GiB)
+            return await asyncio.to_thread(transfer.write_granted, plan, wait, block)
         if plan.grant is not None:
             return transfer.write_granted(plan, wait, block)
         reply = await self._call(op, wait, Late(self._abort), **plan.request)

@@ -32,7 +32,8 @@ class Block:
 
 
 class ShmExhausted(OSError):
-    """/dev/shm (the tmpfs) could not back a new segment (ENOSPC from posix_fallocate)."""
+    """/dev/shm (the tmpfs) could not back a new segment (ENOSPC from posix_fallocate); or
+    the GPU a new device chunk (a failed cudaMalloc, devices.py)."""
 
 
 _ACL = "system.posix_acl_access"

@@ -61,7 +61,7 @@ from typing import Any
 import zmq
 
 from ..common.errors import BrokerError
-from .devices import DeviceChunk
+from .devices import RECLAIM_POLL, DeviceChunk
 from .joining import Joining as Joining  # (the broker takes it from here)
 from .links import BEAT, DOWN_AFTER, Links, Peer
 from .objects import Objects
@@ -146,8 +146,10 @@ class Cluster:
         (made after this loop's: an eviction, say)."""
         if self.links.holding:
             return 0.0
-        announce = self.replicas.lending.announce_in(time.monotonic())
-        return min(self.replicas.pulls.poll_in, self.queues.poll_in, BEAT, announce)
+        lending = self.replicas.lending
+        announce = lending.announce_in(time.monotonic())
+        unwritten = RECLAIM_POLL if lending.unwritten else BEAT  # (GPU copies still to run)
+        return min(self.replicas.pulls.poll_in, self.queues.poll_in, BEAT, announce, unwritten)
 
     # -- the loop ------------------------------------------------------------------------------
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from ..common.config import format_size
 from ..common.cudart import CHUNK_ALIGN, CudaUnavailable, Runtime, device_index
 from ..common.errors import InvalidRequest
-from .arena import Arena, Block, Segment
+from .arena import Arena, Block, Segment, ShmExhausted
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +87,14 @@ class DeviceArena(Arena):
 
     def _new_segment(self, size: int) -> Segment:
         self._chunks += 1
-        return DeviceChunk.allocate(
-            self.runtime, self.device, f"{self._prefix}{self._chunks}", size
-        )
+        try:
+            return DeviceChunk.allocate(
+                self.runtime, self.device, f"{self._prefix}{self._chunks}", size
+            )
+        except Exception as exc:  # CUDARuntimeError: the GPU's memory is taken (torch's cache?)
+            raise ShmExhausted(
+                f"cuda:{self.device} could not allocate a chunk of {format_size(size)}: {exc}"
+            ) from None
 
     def chunk(self, name: str) -> DeviceChunk:
         chunk = self._segments[self._seg_index[name]]

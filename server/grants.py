@@ -23,12 +23,17 @@ cost a 1 GiB device put a fifth of a device-to-device copy's bandwidth). A devic
 carries its chunk's IPC handle and the write event the client records after its copy
 (Note [device handoff] in client/cuda.py); its classes reach 4 GiB, finer above 1 MiB
 (`grant_class`), and a client holds about DEVICE_AHEAD_BYTES of a class, at least one
-block. Device grants are not journaled (device memory does not outlive its broker), and a
+block, and never more than an eighth of the device's arena in all (grants are memory no one
+else may use, and the broker cannot take one back: its client may be copying into it). A
+chunk that cannot be made (cudaMalloc failed) ends the grants, never the request or the
+loop. A GPU object is lent to another node only once its write event completed (lending.py).
+Device grants are not journaled (device memory does not outlive its broker), and a
 queue's device items still ask for their block (a direct handoff of one is refused).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -38,9 +43,12 @@ from .arena import Arena, Block
 from .devices import DeviceMemory
 from .records import Session, StoredObject
 
+log = logging.getLogger(__name__)
+
 GRANT_AHEAD_BYTES = 1 << 20  # a client is granted about this much of one size class ahead,
 GRANT_DEPTH = (2, 8)  # and at least 2 blocks of it, at most 8
-DEVICE_AHEAD_BYTES = 256 << 20  # on a device: this much, at least 1 block and at most 8
+DEVICE_AHEAD_BYTES = 256 << 20  # on a device: this much, at least 1 block and at most 8,
+DEVICE_GRANT_SHARE = 8  # and no client holds more than 1/8 of a device's arena in grants
 GRANT_FREE_SHARE = 4  # grants ahead only while more than 1/4 of the arena stays free
 
 
@@ -65,24 +73,46 @@ class Grants:
         return size_class if self.device == "cpu" else (self.device, size_class)
 
     def take(self, session: Session, size_class: int) -> list[Block]:
-        """Blocks of `size_class` bytes for `session`, up to its depth (fewer, or none, once
-        the arena is three quarters full)."""
+        """Blocks of `size_class` bytes for `session`, up to its depth: fewer, or none, once
+        the arena is three quarters full, once a device's would hold more than an eighth of
+        it for `session`, or once a new segment cannot be made (ShmExhausted, a failed
+        cudaMalloc: grants are a shortcut, never an error)."""
         key = self.class_key(size_class)
         have = session.grants.get(key, 0)
         out: list[Block] = []
-        arena = self.arena
-        for _ in range(grant_depth(size_class, self.device != "cpu") - have):
+        arena, device = self.arena, self.device != "cpu"
+        held = self.held(session) if device else 0
+        for _ in range(grant_depth(size_class, device) - have):
             if arena.free_bytes - size_class < arena.capacity // GRANT_FREE_SHARE:
                 break
-            block = arena.allocate(size_class, PAGE)
+            if device and held + size_class > arena.capacity // DEVICE_GRANT_SHARE:
+                break
+            try:
+                block = arena.allocate(size_class, PAGE)
+            except Exception as exc:  # (the blocks taken so far stay granted)
+                log.info("no more grants of %d bytes on %s: %s", size_class, self.device, exc)
+                break
             if block is None:
                 break
             out.append(block)
+            held += size_class
         if out:
             session.grants[key] = have + len(out)
             self.bytes += size_class * len(out)
             self.blocks += len(out)
         return out
+
+    def held(self, session: Session) -> int:
+        """The bytes of this device's blocks granted to `session`, not yet written."""
+        grants = session.grants.items()
+        return sum(k[1] * n for k, n in grants if isinstance(k, tuple) and k[0] == self.device)
+
+    def give_back(self, session: Session, block: Block) -> None:
+        """A block `take` gave that could not be made a pending put: freed, ungranted."""
+        session.grants[self.class_key(block.size)] -= 1
+        self.bytes -= block.size
+        self.blocks -= 1
+        self.arena.free(block)
 
     def carry(self, session: Session, obj: StoredObject) -> None:
         """A block a broker that died granted `session`, granted again (adoption.py)."""
@@ -156,10 +186,17 @@ class GrantBook:
         """Blocks of `size_class` bytes on `device` granted ahead to `session`: [[put id,
         object id, segment, offset, size], ...], and for a device's [..., device, its chunk's
         IPC handle, [write event, its IPC handle]]."""
-        out = []
-        for block in self.of(device).take(session, size_class):
+        out, grants = [], self.of(device)
+        blocks = grants.take(session, size_class)
+        for i, block in enumerate(blocks):
             obj = StoredObject("", False, block, (), granted=True, device=device)
-            put_id = self._open_put(session, obj)
+            try:
+                put_id = self._open_put(session, obj)
+            except Exception as exc:  # (an interprocess event that could not be made, say)
+                log.warning("no grant of %d bytes on %s: %s", block.size, device, exc)
+                for left in blocks[i:]:
+                    grants.give_back(session, left)
+                break
             entry = [put_id, obj.oid, block.segment, block.offset, block.size]
             if obj.events is not None:
                 write, arena = obj.events[0], self.devices.arena(device)

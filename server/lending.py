@@ -50,6 +50,8 @@ class Lending:
         self.announcing: list[tuple[str, int]] = []  # sent after the loop's replies (`flush`)
         self._announced_at = -math.inf  # when the last batch went
         self.bytes_sent = 0
+        # Lends of GPU objects whose copy has not run yet: (node, pull, key, direct, ask).
+        self.unwritten: list[tuple[str, int, str, bool, int]] = []
 
     # -- announcements ---------------------------------------------------------------------------
 
@@ -121,6 +123,11 @@ class Lending:
             pulling.lends.append((node, pull, ask))
             return
         obj = self.registry.objects.get(key)
+        if obj is not None and obj.events and not self.registry.devices.finished(obj.events[0]):
+            # A GPU put seals with its copy only queued on its producer's stream: lent once
+            # it ran (its write event), else a peer could read what the block held before.
+            self.unwritten.append((node, pull, key, direct, ask))
+            return
         offer = None
         try:  # (a GPU object whose chunk NIXL could not register: not lent)
             offer = None if obj is None else self.transfers.offer(obj)
@@ -147,6 +154,13 @@ class Lending:
             if node not in borrowers:
                 borrowers.append(node)
         self.links.answer(node, self.loan(node, pull, obj, ask, offer))
+
+    def lend_written(self) -> None:
+        """The lends of GPU objects whose copy has run since: answered now (`lend` again)."""
+        waiting, self.unwritten = self.unwritten, []
+        for node, pull, key, direct, ask in waiting:
+            if self.links.up(node):
+                self.lend(node, pull, key, direct, ask)
 
     def loan(
         self, node: str, pull: int, obj: StoredObject, ask: int = 0, offer: Any = None

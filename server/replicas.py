@@ -74,6 +74,8 @@ class Replicas:
         """Send what this loop left for after its replies: announcements, and offers given
         back (Note [offers]); Links sends the rest (`after`)."""
         self.lending.flush()
+        if self.lending.unwritten:
+            self.lending.lend_written()
         if self.held.give_back_in(time.monotonic()) == 0.0:
             for node, said in self.held.take_due().items():
                 self.links.after(node, {"op": "offers_back", **said})

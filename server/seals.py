@@ -7,6 +7,7 @@ given back; and the grants the batch's writes used, topped up once their replies
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ..common import protocol
@@ -16,6 +17,8 @@ from .handoff import Handoffs
 from .objects import Objects
 from .queues import Queues
 from .records import Session
+
+log = logging.getLogger(__name__)
 
 SEALS = frozenset({Op.SEAL, Op.WRITE})  # a client's seals, in order over one socket
 
@@ -84,7 +87,12 @@ class Seals:
         for (route, session), classes in due.items():
             if session.closed or route not in session.routes:
                 continue
-            grants = [g for d, c in sorted(classes) for g in grant(session, c, d)]
+            grants = []
+            for device, size_class in sorted(classes):
+                try:
+                    grants += grant(session, size_class, device)
+                except Exception:  # (outside any request: the loop must go on) no grants
+                    log.exception("could not top up the grants of %s on %s", size_class, device)
             if grants:
                 out.append((route, reply_ok(0, grants=grants)))
         return out

@@ -10,6 +10,7 @@ ordering, IPC across processes, JAX / torch / CuPy taking the capsules) is in te
 from __future__ import annotations
 
 import gc
+import os
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -337,11 +338,81 @@ def test_a_device_block_granted_ahead_is_refused_for_a_direct_handoff(
     grants = c._call(Op.GRANT, size=4096, device="cuda:0")["grants"]
     put, _, _, _, _, device, _, _ = grants[0]
     assert device == "cuda:0"
+    granted, leases = device_stats(c)["granted_bytes"], c.stats()["leases"]
     q = c.queue("q")
     with pytest.raises(tb.InvalidRequest, match="device's block cannot be handed over"):
         c._call(Op.WRITE, put=put, queue=q._id, name="q", direct=[0, "x", 0, 0],
                 tensors=[["", "float32", [1024]]])  # fmt: skip
-    assert c.stats()["pending"] == 0  # its block went back with the refusal
+    assert device_stats(c)["granted_bytes"] == granted - 4096  # it went back with the refusal
+    assert c.stats()["pending"] == 0 and c.stats()["leases"] == leases
+
+
+def test_a_client_holds_at_most_an_eighth_of_a_devices_memory_in_grants(
+    sim: SimBroker, c: tb.Client
+) -> None:
+    """Grants ahead are memory no one else can use: a client that put 20 MiB once holds no
+    idle 20 MiB block after it (the arena: 64 MiB), and another client's put still fits."""
+    c.put("a", SimCudaTensor(sim.rt, 0, np.ones(5 * MiB, np.float32)))  # 20 MiB
+    assert device_stats(c)["granted_bytes"] <= 64 * MiB // 8
+    with sim.connect() as other:
+        other.put("b", SimCudaTensor(sim.rt, 0, np.ones(10 * MiB, np.float32)))  # 40 MiB
+        assert device_stats(other)["used_bytes"] >= 60 * MiB
+
+
+def test_a_gpu_out_of_memory_ends_grants_not_the_broker(
+    sim: SimBroker, c: tb.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cudaMalloc fails (torch's cache took the GPU, say) while the broker makes a chunk for
+    the grants it tops up after a write, outside any request: it grants none, and goes on;
+    a put that needs a chunk is told why."""
+    sim.broker.registry.devices.arena("cuda:0")._chunk_size = 2 * MiB  # a chunk a top-up
+    src = SimCudaTensor(sim.rt, 0, np.ones(MiB // 4, np.float32))  # 1 MiB
+    big = SimCudaTensor(sim.rt, 0, np.ones(4 * MiB, np.float32))  # 16 MiB
+
+    def no_memory(device: int, size: int) -> int:
+        raise RuntimeError("cudaErrorMemoryAllocation: out of memory")
+
+    c.put("w0", src)  # grants of its class, in the chunks there are
+    monkeypatch.setattr(sim.rt, "malloc", no_memory)
+    stored = ["w0"]
+    for i in range(1, 12):  # writes into them, all kept; their top-ups need new chunks
+        try:
+            c.put(f"w{i}", src)
+            stored.append(f"w{i}")
+        except tb.CapacityError as exc:  # no grant left, and no chunk for an asked block
+            assert "cuda:0 could not allocate a chunk" in str(exc)
+    assert c.ping()["pid"] == os.getpid()  # (the broker is a thread of this process)
+    with pytest.raises(tb.CapacityError, match="cuda:0 could not allocate a chunk"):
+        c.put("big", big)
+    assert len(stored) > 1 and sorted(c.keys()) == sorted(stored)
+
+
+def test_asyncio_copies_a_large_granted_put_off_the_event_loop(sim: SimBroker) -> None:
+    """A host array put to a device (a pageable copy: the host waits for it) into a block
+    granted ahead: the copy runs in a worker thread, as an asked put's does."""
+    import asyncio
+    import threading
+
+    copied_on: list[str] = []
+    real = sim.rt.copy_async
+
+    def copy_async(device: int, dst: int, src: int, size: int, stream: int) -> None:
+        copied_on.append(threading.current_thread().name)
+        real(device, dst, src, size, stream)
+
+    sim.rt.copy_async = copy_async  # type: ignore[method-assign]
+
+    async def put_twice() -> str:
+        async with tb.aio.connect(sim.address) as ac:
+            ac.sync._transfer.devices._runtime = sim.rt
+            x = np.ones(MiB, np.float32)  # 4 MiB
+            for _ in range(2):  # the second into a block granted ahead
+                await ac.put("x", x, device="cuda:0", copy=True)
+            assert _requests(ac.sync).get("write", 0) >= 1
+            return threading.current_thread().name
+
+    loop_thread = asyncio.run(put_twice())
+    assert len(copied_on) == 2 and loop_thread not in copied_on, (loop_thread, copied_on)
 
 
 # -- placement and copies ---------------------------------------------------------------

@@ -50,3 +50,22 @@ def test_a_gpu_object_a_node_cannot_hold_is_refused_there_with_why(
     error = str(answers[0])
     assert "'code': 'invalid'" in error and "'w' lives on cuda:0 of node 'a'" in error, error
     assert not b.cluster.replicas.pulls.pulls and b.registry.arena.used_bytes == 0
+
+
+def test_a_gpu_object_is_lent_only_once_its_copy_has_run(pair: Callable[..., Node]) -> None:
+    """A GPU put seals with its copy still queued on its producer's stream: a peer that read
+    its block then would seal what it held before as the new version."""
+    a, b = pair("a", gpus=True), pair("b", gpus=True)
+    assert _up(a, b)
+    put = a.put("w", 4096, device="cuda:0")
+    devices = a.registry.devices
+    rt, producer = devices.runtime, 0x77
+    rt.busy(producer)  # the producer's stream is still busy, its copy queued behind ...
+    assert put.events is not None
+    rt.record(0, devices._events[put.events[0]][1], producer)  # ... then its write event
+    assert run([a, b], 3, lambda: b.cluster.replicas.holds("w"))
+    assert b.get("w")
+    assert not run([a, b], 0.5, lambda: bool(b.reads.started))  # not lent yet
+    assert put.leases == 0
+    rt.finish(producer)  # the copy ran
+    assert run([a, b], 3, lambda: b.reads.started == ["w"])
