@@ -1,6 +1,6 @@
 """GPU benchmark: the two CUDA targets, each as a ratio to a floor measured in the same run.
 
-    put bandwidth of a 1 GiB device tensor / a device-to-device copy of it    (target >= 0.8)
+    put bandwidth of a 1 GiB device tensor / a device-to-device copy of it    (target >= 0.95)
     get latency of a device object (cached handle) / a host object's get      (target <= 2)
 
 A put is timed from the call until its copy has run (the producer's stream synchronised
@@ -114,7 +114,9 @@ def main() -> int:
         return 2
     import tensorbroker as tb
 
-    with tb.start_broker(memory="512MiB", cuda_memory="0:4GiB") as b, tb.connect(b.address) as c:
+    # 16 GiB of the GPU: a client may hold an eighth of it in blocks granted ahead (Note
+    # [grants]), so the 1 GiB put takes one (a broker serving 4 GiB would grant it none).
+    with tb.start_broker(memory="512MiB", cuda_memory="0:16GiB") as b, tb.connect(b.address) as c:
         t_copy, t_put = measure_put(c, args.reps)
         torch.cuda.empty_cache()
         host, dev = measure_get(c, args.reps, args.gets)
@@ -124,8 +126,8 @@ def main() -> int:
         "|---|---|---|---|---|---|",
         f"| put 1 GiB on cuda:0 | {t_put * 1e3:.2f} ms ({GIB / t_put / 1e9:.0f} GB/s) "
         f"| D2D copy {t_copy * 1e3:.2f} ms ({GIB / t_copy / 1e9:.0f} GB/s) "
-        f"| {put_ratio:.2f} of the copy's bandwidth | >= 0.8 "
-        f"| {'yes' if put_ratio >= 0.8 else 'no'} |",
+        f"| {put_ratio:.2f} of the copy's bandwidth | >= 0.95 (issue 36) "
+        f"| {'yes' if put_ratio >= 0.95 else 'no'} |",
         f"| get 4 KiB, cached handle | {dev * 1e6:.0f} us | host get {host * 1e6:.0f} us "
         f"| {get_ratio:.2f}x | <= 2 | {'yes' if get_ratio <= 2 else 'no'} |",
         "",
