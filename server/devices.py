@@ -31,6 +31,7 @@ objects lose is in Note [a producer that dies with its copy queued] (registry.py
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 from collections.abc import Callable, Iterator
@@ -199,8 +200,15 @@ class DeviceMemory:
             event_id = pool.pop()
             return event_id, self._events[event_id][2]
         assert self.runtime is not None
-        ev = self.runtime.new_event(device, interprocess=True)
-        handle = self.runtime.event_handle(device, ev)
+        ev = None
+        try:
+            ev = self.runtime.new_event(device, interprocess=True)
+            handle = self.runtime.event_handle(device, ev)
+        except Exception as exc:  # (a CUDA error: out of resources, say) the request says so
+            if ev is not None:
+                with contextlib.suppress(Exception):
+                    self.runtime.destroy_event(device, ev)
+            raise ShmExhausted(f"cuda:{device} could not make an event: {exc}") from None
         event_id = next(self._ids)
         self._events[event_id] = (device, ev, handle)
         return event_id, handle

@@ -39,7 +39,7 @@ from typing import Any
 
 from ..common.descriptors import DEVICE_ALIGN, MIN_ALIGN, PAGE, Shapes, laid_out, layout
 from ..common.errors import InvalidRequest
-from .arena import Arena, Block
+from .arena import Arena, Block, ShmExhausted
 from .devices import DeviceMemory
 from .records import Session, StoredObject
 
@@ -192,7 +192,7 @@ class GrantBook:
             obj = StoredObject("", False, block, (), granted=True, device=device)
             try:
                 put_id = self._open_put(session, obj)
-            except Exception as exc:  # (an interprocess event that could not be made, say)
+            except ShmExhausted as exc:  # no event for it: nothing of it registered yet
                 log.warning("no grant of %d bytes on %s: %s", block.size, device, exc)
                 for left in blocks[i:]:
                     grants.give_back(session, left)

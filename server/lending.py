@@ -159,8 +159,10 @@ class Lending:
         """The lends of GPU objects whose copy has run since: answered now (`lend` again)."""
         waiting, self.unwritten = self.unwritten, []
         for node, pull, key, direct, ask in waiting:
-            if self.links.up(node):
+            try:
                 self.lend(node, pull, key, direct, ask)
+            except Exception:  # (the others still go)
+                log.exception("could not lend %r to node %r", key, node)
 
     def loan(
         self, node: str, pull: int, obj: StoredObject, ask: int = 0, offer: Any = None
@@ -203,6 +205,7 @@ class Lending:
                 for pull in self.pulling.values():
                     if key in pull.lends:
                         pull.lends.remove(key)
+                self.unwritten = [u for u in self.unwritten if (u[0], u[1], u[4]) != key]
 
     # -- offers ----------------------------------------------------------------------------------
 
@@ -222,6 +225,7 @@ class Lending:
             self.returned(*loan)
         for asked in [k for k in self._asked_at if k[0] == node]:
             del self._asked_at[asked]
+        self.unwritten = [u for u in self.unwritten if u[0] != node]
         self.offered.let_go(node)
         for pull in self.pulling.values():  # its pulls waiting here for a replica: forgotten
             pull.lends = [lend for lend in pull.lends if lend[0] != node]

@@ -119,10 +119,15 @@ class Registry:
         device = sys.intern(device)  # not a string of its own in every object
         wire = laid_out(specs, offsets, block.segment, block.offset, device, self.shapes)
         obj = StoredObject(key, bundle, block, wire, queue=queue, device=device)
-        return self._open_put(session, obj), obj
+        try:
+            return self._open_put(session, obj), obj
+        except ShmExhausted as exc:  # no event for it (nothing of it is registered yet)
+            arena.free(block)
+            raise CapacityError(f"cannot store {key!r}: {exc}") from None
 
     def _open_put(self, session: Session, obj: StoredObject) -> int:
-        """`obj` is a pending put of `session`, held by the returned lease id."""
+        """`obj` is a pending put of `session`, held by the returned lease id. ShmExhausted
+        (no event for a device object) before anything of it is registered."""
         obj.oid = self._id()
         if obj.device != "cpu":
             obj.events = [self.devices.event(device_index(obj.device))[0]]

@@ -415,6 +415,25 @@ def test_asyncio_copies_a_large_granted_put_off_the_event_loop(sim: SimBroker) -
     assert len(copied_on) == 2 and loop_thread not in copied_on, (loop_thread, copied_on)
 
 
+def test_a_gpu_out_of_events_refuses_the_put_and_keeps_no_memory(
+    sim: SimBroker, c: tb.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No interprocess event can be made for a device object (CUDA out of resources): its
+    grant and its put are refused with why, and the block it took goes back."""
+    src = SimCudaTensor(sim.rt, 0, np.ones(1024, np.float32))
+
+    def no_events(device: int, interprocess: bool) -> int:
+        raise RuntimeError("cudaErrorMemoryAllocation")
+
+    monkeypatch.setattr(sim.rt, "new_event", no_events)
+    with pytest.raises(tb.CapacityError, match="cannot store 'x': cuda:0 could not make an event"):
+        c.put("x", src)
+    assert device_stats(c)["used_bytes"] == 0 and device_stats(c)["granted_bytes"] == 0
+    assert c.stats()["leases"] == 0 and c.ping()["pid"] == os.getpid()
+    monkeypatch.undo()
+    assert c.put("x", src) == 1
+
+
 # -- placement and copies ---------------------------------------------------------------
 
 

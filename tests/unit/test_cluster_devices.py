@@ -69,3 +69,20 @@ def test_a_gpu_object_is_lent_only_once_its_copy_has_run(pair: Callable[..., Nod
     assert put.leases == 0
     rt.finish(producer)  # the copy ran
     assert run([a, b], 3, lambda: b.reads.started == ["w"])
+
+
+def test_a_lend_waiting_for_a_copy_is_dropped_with_its_borrower(pair: Callable[..., Node]) -> None:
+    a, b = pair("a", gpus=True), pair("b", gpus=True)
+    assert _up(a, b)
+    put = a.put("w", 4096, device="cuda:0")
+    devices = a.registry.devices
+    devices.runtime.busy(0x77)  # the copy never runs while this test looks
+    assert put.events is not None
+    devices.runtime.record(0, devices._events[put.events[0]][1], 0x77)
+    assert run([a, b], 3, lambda: b.cluster.replicas.holds("w"))
+    assert b.get("w")
+    lending = a.cluster.replicas.lending
+    assert run([a, b], 3, lambda: len(lending.unwritten) == 1)
+    b.close()  # the borrower goes: its lend is not answered, nothing is pinned for it
+    assert run([a], 5, lambda: not lending.unwritten)
+    assert put.leases == 0
