@@ -53,6 +53,7 @@ class Client:
     ) -> None:
         devices = DeviceLink()
         self._conn = Connection(address, timeout, devices.settle, reconnect_timeout, server_key)
+        devices.fetch = self._chunk_fd
         self._transfer = Transfer(self._conn, devices)
         self.address = self._conn.address
         self._closed = False
@@ -365,6 +366,13 @@ class Client:
         return {k: v for k, v in reply.items() if k not in ("id", "ok")}
 
     # -- plumbing --------------------------------------------------------------------------
+
+    def _chunk_fd(self, device: str, name: str) -> tuple[int, int]:
+        """A VMM chunk's size and file descriptor, passed by the broker (DeviceLink.fetch)."""
+        if self._conn is None:
+            raise BrokerUnavailable("this client is closed")
+        reply, fd = self._conn.fetch_fd(Op.CHUNK, device=device, segment=name)
+        return int(reply["size"]), fd
 
     def _call(self, op: str, wait: float | None = REQUEST_TIMEOUT, **fields: Any) -> dict[str, Any]:
         assert self._conn is not None

@@ -33,7 +33,7 @@ import zmq
 from ..common import host
 from ..common.config import check_address, default_address
 from ..common.curve import client_keys
-from ..common.errors import BrokerError, BrokerUnavailable
+from ..common.errors import BrokerError, BrokerUnavailable, ProtocolError
 from ..common.protocol import PROTOCOL_VERSION, Op
 from .cancel import cancel, given_up
 from .leases import Leases, ReleaseThread
@@ -229,6 +229,27 @@ class Connection:
             message["rel"] = releases
         with self.in_flight(message["id"]):
             return self._call(message, op, wait, fields, bell, late)
+
+    def fetch_fd(self, op: str, **fields: Any) -> tuple[dict[str, Any], int]:
+        """A request whose reply passes a file descriptor over the lane (Op.CHUNK): the reply
+        and the descriptor, the caller's to close. Not sent again if the broker exits."""
+        self.check_usable()
+        channel = self._pool.borrow() or self._fresh_channel()
+        try:
+            reply = channel.call({"op": op, "id": next(self._ids), **fields}, REQUEST_TIMEOUT)
+            fds = channel.take_fds()
+        except BrokerExited:
+            self._pool.discard(channel)
+            raise BrokerUnavailable(f"the broker at {self.address} exited during {op}") from None
+        except BaseException:
+            self._pool.discard(channel)  # (a descriptor may still be on its way)
+            raise
+        self._pool.give_back(channel)
+        for extra in fds[1:]:
+            os.close(extra)
+        if not fds:
+            raise ProtocolError(f"{op}: the broker's reply passed no file descriptor")
+        return reply, fds[0]
 
     @contextlib.contextmanager
     def in_flight(self, request_id: int) -> Iterator[None]:

@@ -18,17 +18,19 @@ never early.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ..common import cudart
-from ..common.cudart import STREAM_LEGACY, CudaUnavailable, Runtime
+from ..common.cudart import STREAM_LEGACY, VMM_HANDLE, CudaUnavailable, Runtime
 from ..common.descriptors import compact_strides
 from ..common.dtypes import DType
 from ..common.errors import InvalidRequest
@@ -42,10 +44,14 @@ class Opened:
     """A chunk's memory or an event, opened from its IPC handle in this process. Closed when
     the last holder (the cache, a lease) lets go: a live array never loses its memory."""
 
-    __slots__ = ("runtime", "device", "address", "is_event", "__weakref__")
+    __slots__ = ("runtime", "device", "address", "is_event", "size", "__weakref__")
 
-    def __init__(self, runtime: Runtime, device: int, address: int, is_event: bool) -> None:
+    def __init__(
+        self, runtime: Runtime, device: int, address: int, is_event: bool, size: int = 0
+    ) -> None:
+        """`size`: a VMM chunk's, mapped from its descriptor (0: opened by an IPC handle)."""
         self.runtime, self.device, self.address, self.is_event = runtime, device, address, is_event
+        self.size = size
 
     def __del__(self) -> None:
         if sys.is_finalizing():
@@ -55,7 +61,10 @@ class Opened:
                 self.runtime.destroy_event(self.device, self.address)
             else:  # only after its Client closed: kernels may still read the memory
                 self.runtime.synchronize(self.device)
-                self.runtime.close_mem(self.device, self.address)
+                if self.size:
+                    self.runtime.vmm_close(self.device, self.address, self.size)
+                else:
+                    self.runtime.close_mem(self.device, self.address)
         except Exception as exc:  # nothing to do about it in a finaliser but say so
             log.debug("closing an IPC %s on cuda:%d: %s", "event" if self.is_event else "handle",
                       self.device, exc)  # fmt: skip
@@ -135,6 +144,9 @@ class DeviceLink:
 
     def __init__(self, runtime: Runtime | None = None) -> None:
         self._runtime = runtime
+        # Asks the broker for a VMM chunk's descriptor: (device, name) -> (size, fd). Set by
+        # the Client (its connection), since this layer sends no requests of its own.
+        self.fetch: Callable[[str, str], tuple[int, int]] | None = None
         self._lock = threading.Lock()
         self._chunks: dict[str, Opened] = {}
         self._events: dict[tuple[int, int], Opened] = {}
@@ -158,11 +170,31 @@ class DeviceLink:
             rt = self.runtime(f"mapping {name}")
             with _OPEN_LOCK:  # one opening per process: CUDA maps a handle once per context
                 found = _OPEN_CHUNKS.get(handle)
-                if found is None:
+                if found is None and len(handle) != 64 and handle.startswith(VMM_HANDLE):
+                    found = _OPEN_CHUNKS[handle] = self._map_fd(rt, device, name)
+                elif found is None:
                     ptr = rt.open_mem(device, handle)
                     found = _OPEN_CHUNKS[handle] = Opened(rt, device, ptr, is_event=False)
             self._chunks[name] = found
         return found
+
+    def _map_fd(self, rt: Runtime, device: int, name: str) -> Opened:
+        """A VMM chunk, mapped from the descriptor its broker passes this client over its
+        lane (Note [device handles] in server/devices.py)."""
+        if self.fetch is None:
+            raise InvalidRequest(f"{name}: this client cannot ask its broker for descriptors")
+        size, fd = self.fetch(f"cuda:{device}", name)
+        try:
+            ptr = rt.vmm_open(device, fd, size)
+        except Exception as exc:
+            raise InvalidRequest(
+                f"cuda:{device} could not map {name} from the descriptor its broker passed: "
+                f"{exc} (the broker serves it with --cuda-handles vmm; a driver without VMM "
+                "here needs the broker's legacy handles)"
+            ) from None
+        finally:
+            os.close(fd)
+        return Opened(rt, device, ptr, is_event=False, size=size)
 
     def event(self, device: int, event_id: int, handle: bytes) -> Opened:
         found = self._events.get((device, event_id))

@@ -5,6 +5,7 @@ one, else a ZeroMQ DEALER. A Client keeps a small pool of them so that threads n
 
 from __future__ import annotations
 
+import array
 import math
 import os
 import select
@@ -31,6 +32,7 @@ WAIT_GRACE = 5.0  # extra time for the answer to a request that waits in the bro
 EXIT_GRACE_MS = 20  # a broker that exited may have sent a reply still on its way
 LANES_ENV = "TENSORBROKER_LANES"  # "off": ZeroMQ only
 LANE_READ_BYTES = 256 << 10
+_FDS_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize)  # descriptors a read may bring
 
 
 class BrokerExited(BrokerUnavailable):
@@ -50,6 +52,11 @@ class Channel:
     generation: int  # of the broker it says hello to (ChannelPool.renew)
     ended = False  # a look that did not wait found the broker's end closed
     rings = False  # whether a get may wait on its bell instead (only a lane: see `call`)
+
+    def take_fds(self) -> list[int]:
+        """The file descriptors the broker passed with the replies read so far (a lane's;
+        the caller closes them)."""
+        return []
 
     def send(self, message: dict[str, Any], timeout: float | None = None) -> None:
         """Send a request; NoReply if the broker takes none within `timeout` seconds (None:
@@ -194,6 +201,11 @@ class LaneChannel(Channel):
         self._unpacker = msgpack.Unpacker(
             raw=False, strict_map_key=True, max_buffer_size=MAX_REPLY_BYTES
         )
+        self._fds: list[int] = []  # passed with replies (SCM_RIGHTS), not yet taken
+
+    def take_fds(self) -> list[int]:
+        fds, self._fds = self._fds, []
+        return fds
 
     def send(self, message: dict[str, Any], timeout: float | None = None) -> None:
         try:
@@ -212,14 +224,21 @@ class LaneChannel(Channel):
                 if not isinstance(reply, dict):
                     raise ProtocolError(f"the broker sent a {type(reply).__name__}, not a map")
                 return reply
-            try:
-                data = self.socket.recv(LANE_READ_BYTES, 0 if block else socket.MSG_DONTWAIT)
+            try:  # (recvmsg: a descriptor passed with a reply would be lost to a recv)
+                data, ancillary, _, _ = self.socket.recvmsg(
+                    LANE_READ_BYTES, _FDS_SPACE, 0 if block else socket.MSG_DONTWAIT
+                )
             except BlockingIOError:  # the step passed, or nothing there
                 return None
             except OSError as exc:
                 data, why = b"", f" ({exc})"
             else:
                 why = ""
+                for level, kind, passed in ancillary:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        fds = array.array("i")
+                        fds.frombytes(passed[: len(passed) - len(passed) % fds.itemsize])
+                        self._fds.extend(fds)
             if not data:  # the end stays: a look that does not wait leaves it to a wait
                 if not block:
                     self.ended = True
@@ -228,6 +247,8 @@ class LaneChannel(Channel):
             unpacker.feed(data)
 
     def close(self) -> None:
+        for fd in self.take_fds():
+            os.close(fd)
         self.socket.close()
 
 

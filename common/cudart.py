@@ -50,6 +50,8 @@ MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from unified addressing
 NOT_READY = 600  # cudaErrorNotReady
 
 CHUNK_ALIGN = 2 * 2**20  # device chunks are whole 2 MiB pages
+VMM_HANDLE = b"vmm:"  # a chunk's handle that names a VMM chunk: a client asks for its fd
+# (a legacy IPC handle is 64 bytes; a VMM chunk's is shorter: devices.py DeviceChunk)
 _DEVICE = re.compile(r"cuda(?::(\d+))?")
 
 
@@ -103,6 +105,11 @@ class Runtime(Protocol):
     def copy_async(self, device: int, dst: int, src: int, size: int, stream: int) -> None: ...
     def copy_batch(self, device: int, copies: list[list[int]]) -> None: ...
     def synchronize(self, device: int) -> None: ...
+    # Memory a file descriptor names (common/cuvmm.py, Note [device handles] in devices.py):
+    def vmm_supported(self, device: int) -> bool: ...
+    def vmm_malloc(self, device: int, size: int) -> tuple[int, int]: ...  # address, fd
+    def vmm_open(self, device: int, fd: int, size: int) -> int: ...
+    def vmm_close(self, device: int, ptr: int, size: int) -> None: ...
     def stream_synchronize(self, device: int, stream: int) -> None: ...
 
 
@@ -125,6 +132,7 @@ class CupyRuntime:
             raise CudaUnavailable(f"CuPy finds no usable CUDA device: {exc}") from None
         if self._count == 0:
             raise CudaUnavailable("CuPy finds no CUDA device on this machine")
+        self._vmm_calls: Any = None  # common/cuvmm.py's, made at first use
 
     @contextlib.contextmanager
     def _on(self, device: int) -> Iterator[Any]:
@@ -220,6 +228,35 @@ class CupyRuntime:
     def stream_synchronize(self, device: int, stream: int) -> None:
         with self._on(device) as rt:
             rt.streamSynchronize(stream)
+
+    def _vmm(self, rt: Any) -> Any:
+        """The driver's VMM calls, with the device's primary context current (a runtime
+        call makes it so)."""
+        from .cuvmm import Vmm
+
+        rt.memGetInfo()
+        if self._vmm_calls is None:
+            self._vmm_calls = Vmm()
+        return self._vmm_calls
+
+    def vmm_supported(self, device: int) -> bool:
+        try:
+            with self._on(device) as rt:
+                return bool(self._vmm(rt).supported(device))
+        except (OSError, RuntimeError):  # no libcuda.so.1 to load, or an old driver
+            return False
+
+    def vmm_malloc(self, device: int, size: int) -> tuple[int, int]:
+        with self._on(device) as rt:
+            return self._vmm(rt).create(device, size)  # type: ignore[no-any-return]
+
+    def vmm_open(self, device: int, fd: int, size: int) -> int:
+        with self._on(device) as rt:
+            return int(self._vmm(rt).open_fd(device, fd, size))
+
+    def vmm_close(self, device: int, ptr: int, size: int) -> None:
+        with self._on(device) as rt:
+            self._vmm(rt).close(ptr, size)
 
 
 def load() -> Runtime:

@@ -242,6 +242,7 @@ FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
     Op.STATS: {},
     Op.RELEASE: {"done": (_ring_slots, False)},
     Op.PING: {},
+    Op.CHUNK: {"device": (check_device, True), "segment": (_str, True)},
     Op.HEARTBEAT: {},
     Op.BYE: {"keep_leases": (_bool, False)},
     Op.QOPEN: {

@@ -75,6 +75,8 @@ class Op:
     # nbytes, device, leases, bundle, tensors, evictable}, ...], more (keys after the last)
     QLIST = "qlist"  # -> queues [{name, depth, maxsize, in_flight, closed, ...}, ...]
     CLIENTS = "clients"  # -> clients [{pid, uid, sockets, leases, held_bytes, parked, ...}]
+    CHUNK = "chunk"  # device, segment -> size, and the VMM chunk's file descriptor passed with
+    # the reply over the lane (Note [device handles] in server/devices.py)
 
 
 NO_REPLY = frozenset({Op.RELEASE, Op.HEARTBEAT, Op.BYE})

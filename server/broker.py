@@ -39,6 +39,7 @@ from ..common.protocol import NO_REPLY, PROTOCOL_VERSION, Op, Request, reply_err
 from . import backlog
 from .adoption import Adoption
 from .arena import Arena
+from .chunks import ChunkFds
 from .cluster import Cluster, Joining, Watched
 from .devices import RECLAIM_POLL, DeviceMemory
 from .directory import Directory
@@ -139,7 +140,7 @@ class Broker:
         self.adoption = Adoption(self.registry)
         self.outbox = Outbox(  # (the rooms it names are made below)
             journal,
-            lambda route, payload: self.endpoint.send(route, payload),
+            lambda route, payload, fd: self.endpoint.send(route, payload, fd),
             committed=lambda: self.handoffs.committed(),
             sent=self._sent,
         )
@@ -215,6 +216,7 @@ class Broker:
             Op.LIST: self.inventory.objects,
             Op.QLIST: self.inventory.queue_list,
             Op.CLIENTS: self.inventory.clients,
+            Op.CHUNK: ChunkFds(self.devices, self.outbox.send, self.endpoint.is_lane).chunk,
         }
         if found is not None:
             try:

@@ -17,6 +17,22 @@ then goes back to the arena (and its events back to the pool):
 
     seal ─> live ─> retired, last lease released ─> quarantined ─events done─> free
 
+Note [device handles]
+
+A legacy IPC memory handle (`cudaIpcGetMemHandle`) is a bearer token: any process of any
+user that sees its 64 bytes can map the memory, whatever this broker's uid and group checks
+say. With `serve --cuda-handles vmm` a device's chunks are made with the driver's virtual
+memory management instead (`cuMemCreate`, a POSIX file descriptor as the shareable handle:
+common/cuvmm.py); a chunk's `handle` in replies is then only a name, and a client maps the
+chunk from its descriptor, which it asks for once per process (`chunk`, server/chunks.py)
+and which the broker passes with the reply over the client's lane (SCM_RIGHTS), so only a
+process that passed hello gets it. A device whose driver makes no such memory keeps legacy
+handles (logged; `stats()["devices"][...]["handles"]` says which). Measured on an H100 by
+issue 36's probe: a VMM chunk's descriptor maps in another uid and in other namespaces,
+where a legacy event does not open. Not yet: the ordering of a reader of another uid, which
+still needs the legacy interprocess events; and this path has not run on a GPU here (the
+default stays legacy until it has).
+
 Note [events of dead processes]
 
 An event recorded by a process that dies with the recorded work still queued never
@@ -34,11 +50,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..common.config import format_size
-from ..common.cudart import CHUNK_ALIGN, CudaUnavailable, Runtime, device_index
+from ..common.cudart import CHUNK_ALIGN, VMM_HANDLE, CudaUnavailable, Runtime, device_index
 from ..common.errors import InvalidRequest
 from .arena import Arena, Block, Segment, ShmExhausted
 
@@ -49,48 +67,63 @@ RECLAIM_POLL = 0.001  # how often the broker looks at the events of blocks waiti
 
 
 class DeviceChunk(Segment):
-    """One cudaMalloc'd chunk and its IPC handle."""
+    """One chunk of a device's memory, and what a client opens it by: a cudaMalloc'd chunk's
+    IPC handle, or (`fd` >= 0) a VMM chunk's file descriptor, passed to each client that asks
+    (Note [device handles]), its `handle` then only a name unique to it."""
 
     runtime: Runtime
     device: int = 0
     ptr: int = 0
     handle: bytes = b""
+    fd: int = -1
 
     @classmethod
-    def allocate(cls, runtime: Runtime, device: int, name: str, size: int) -> DeviceChunk:
+    def allocate(
+        cls, runtime: Runtime, device: int, name: str, size: int, vmm: bool = False
+    ) -> DeviceChunk:
         chunk = cls()
         chunk.runtime, chunk.device, chunk.name, chunk.size = runtime, device, name, size
-        chunk.ptr = runtime.malloc(device, size)
-        try:
-            chunk.handle = runtime.mem_handle(device, chunk.ptr)
-        except BaseException:
-            runtime.free(device, chunk.ptr)
-            raise
-        log.info("allocated %s on cuda:%d (%s)", name, device, format_size(size))
+        if vmm:
+            chunk.ptr, chunk.fd = runtime.vmm_malloc(device, size)
+            chunk.handle = VMM_HANDLE + os.urandom(8).hex().encode() + b":" + name.encode()
+        else:
+            chunk.ptr = runtime.malloc(device, size)
+            try:
+                chunk.handle = runtime.mem_handle(device, chunk.ptr)
+            except BaseException:
+                runtime.free(device, chunk.ptr)
+                raise
+        kind = "a VMM chunk" if vmm else "an IPC chunk"
+        log.info("allocated %s on cuda:%d (%s, %s)", name, device, format_size(size), kind)
         return chunk
 
     def unlink(self) -> None:
         if self.ptr:
             ptr, self.ptr = self.ptr, 0
-            self.runtime.free(self.device, ptr)
+            if self.fd >= 0:
+                self.runtime.vmm_close(self.device, ptr, self.size)
+                os.close(self.fd)
+                self.fd = -1
+            else:
+                self.runtime.free(self.device, ptr)
 
 
 class DeviceArena(Arena):
     """The best-fit arena over one device's chunks."""
 
-    def __init__(self, runtime: Runtime, device: int, capacity: int) -> None:
+    def __init__(self, runtime: Runtime, device: int, capacity: int, vmm: bool = False) -> None:
         capacity = capacity // CHUNK_ALIGN * CHUNK_ALIGN  # so every chunk is whole pages
         if capacity < CHUNK_ALIGN:
             raise ValueError(f"cuda:{device} needs at least 2 MiB of memory, got {capacity} B")
         super().__init__(capacity, prefix=f"cuda:{device}/")
-        self.runtime, self.device = runtime, device
+        self.runtime, self.device, self.vmm = runtime, device, vmm
         self._chunks = 0
 
     def _new_segment(self, size: int) -> Segment:
         self._chunks += 1
         try:
             return DeviceChunk.allocate(
-                self.runtime, self.device, f"{self._prefix}{self._chunks}", size
+                self.runtime, self.device, f"{self._prefix}{self._chunks}", size, self.vmm
             )
         except Exception as exc:  # CUDARuntimeError: the GPU's memory is taken (torch's cache?)
             raise ShmExhausted(
@@ -132,6 +165,7 @@ class DeviceMemory:
     _count: int = 0  # devices CuPy sees
     on_free: Callable[[], None] | None = None  # told when blocks come back (puts may wait)
     on_chunk: Callable[[DeviceChunk], None] | None = None  # told of each new chunk (NIXL)
+    handles: str = "legacy"  # or "vmm": how clients open the chunks (Note [device handles])
     _dead: set[int] = field(default_factory=set)  # events whose recorder died
     _events: dict[int, tuple[int, int, bytes]] = field(
         default_factory=dict
@@ -182,7 +216,10 @@ class DeviceMemory:
         if size == 0:
             free, _ = self.runtime.mem_info(index)
             size = int(free * DEFAULT_FRACTION)
-        found = self.arenas[index] = DeviceArena(self.runtime, index, size)
+        vmm = self.handles == "vmm" and self.runtime.vmm_supported(index)
+        if self.handles == "vmm" and not vmm:
+            log.warning("cuda:%d makes no memory a file descriptor names: IPC handles", index)
+        found = self.arenas[index] = DeviceArena(self.runtime, index, size, vmm)
         found._on_segment = self._chunk_made
         log.info("cuda:%d: up to %s", index, format_size(found.capacity))
         return found
@@ -286,11 +323,12 @@ class DeviceMemory:
             )
             return True
 
-    def stats(self) -> dict[str, dict[str, int]]:
+    def stats(self) -> dict[str, dict[str, Any]]:
         return {
             f"cuda:{i}": {
-                **a.stats(),  # its segments are cudaMalloc'd chunks
+                **a.stats(),  # its segments are its chunks
                 "waiting_bytes": sum(q.block.size for q in self.quarantine if q.device == i),
+                "handles": "vmm" if a.vmm else "legacy",  # (Note [device handles])
             }
             for i, a in self.arenas.items()
         }

@@ -215,11 +215,17 @@ class Endpoint:
             return frame_peer(frame) if self._ipc else None
         return None if self.lanes is None else self.lanes.peer(route)
 
-    def send(self, route: bytes, payload: bytes) -> None:
-        if self.lanes is not None and self.lanes.send(route, payload):
+    def send(self, route: bytes, payload: bytes, fd: int | None = None) -> None:
+        """A reply to `route`, with descriptor `fd` passed along (a lane's only: the caller
+        checked `is_lane`)."""
+        if self.lanes is not None and self.lanes.send(route, payload, fd):
             return
         if self._backlogs is not None:
             self._backlogs.send(route, payload)
+
+    def is_lane(self, route: bytes) -> bool:
+        """Whether `route` is a lane's (a Unix socket that can pass descriptors)."""
+        return self.lanes is not None and route in self.lanes.by_route
 
     def after_batch(self, now: float) -> None:
         """The loop handled a batch: lanes let go of are closed (only now may their

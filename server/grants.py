@@ -204,7 +204,7 @@ class GrantBook:
             out.append(entry)
         return out
 
-    def device_stats(self) -> dict[str, dict[str, int]]:
+    def device_stats(self) -> dict[str, dict[str, Any]]:
         """Each device's figures (DeviceMemory.stats), its blocks granted ahead apart."""
         out = self.devices.stats()
         for device, grants in self._devices.items():

@@ -23,6 +23,7 @@ mount namespace, TENSORBROKER_LANES=off); both can be used at once by one client
 
 from __future__ import annotations
 
+import array
 import contextlib
 import itertools
 import logging
@@ -52,7 +53,7 @@ Dispatch = Callable[[bytes, Any], None]  # route, one decoded message
 class Lane:
     """One client connection: its route, its unpacker and the replies not yet written."""
 
-    __slots__ = ("sock", "route", "budget", "unpacker", "out", "peer")
+    __slots__ = ("sock", "route", "budget", "unpacker", "out", "peer", "fds")
 
     def __init__(self, sock: socket.socket, route: bytes) -> None:
         self.sock, self.route = sock, route
@@ -68,6 +69,8 @@ class Lane:
             max_buffer_size=2 * MAX_MESSAGE_BYTES, **self.budget.options
         )
         self.out = bytearray()
+        # Descriptors to pass with replies still in `out`: (offset in out, fd) (Lanes.send)
+        self.fds: list[tuple[int, int]] = []
 
 
 class Lanes:
@@ -169,8 +172,10 @@ class Lanes:
             log.warning("closed a lane that sent an undecodable message: %s", exc)
             self._close(lane)
 
-    def send(self, route: bytes, payload: bytes) -> bool:
-        """Write a reply to the lane of `route`; False if `route` is not a lane's."""
+    def send(self, route: bytes, payload: bytes, fd: int | None = None) -> bool:
+        """Write a reply to the lane of `route`, passing descriptor `fd` with it if given
+        (SCM_RIGHTS: it travels with the reply's first byte); False if `route` is not a
+        lane's."""
         lane = self.by_route.get(route)
         if lane is None:
             if not route.startswith(ROUTE_PREFIX):
@@ -178,10 +183,12 @@ class Lanes:
             self._delivered(route)  # a lane that closed: the reply is dropped
             return True
         if lane.out:
+            if fd is not None:
+                lane.fds.append((len(lane.out), fd))
             lane.out += payload
         else:
             try:
-                sent = lane.sock.send(payload)
+                sent = _send(lane.sock, payload, fd)
             except BlockingIOError:
                 sent = 0
             except OSError:  # the client is gone; its read of EOF closes the lane
@@ -189,6 +196,8 @@ class Lanes:
             if sent == len(payload):
                 self._delivered(route)
                 return True
+            if fd is not None and not sent:
+                lane.fds.append((0, fd))
             lane.out += payload[sent:]
             self._watch(lane.sock.fileno(), True)
         if len(lane.out) > LANE_BACKLOG:
@@ -204,14 +213,25 @@ class Lanes:
         lane = self.by_fd.get(fd)
         if lane is None or not lane.out:  # an event of the batch before it drained
             return
-        try:
-            sent = lane.sock.send(lane.out)
-        except BlockingIOError:
-            return
-        except OSError:
-            self._close(lane)
-            return
-        del lane.out[:sent]
+        while lane.out:
+            offset, passed = lane.fds[0] if lane.fds else (len(lane.out), None)
+            passing = offset == 0 and passed is not None  # a reply that carries a descriptor
+            upto = offset  # up to the next reply that carries one, or its end
+            if passing:
+                upto = lane.fds[1][0] if len(lane.fds) > 1 else len(lane.out)
+            try:
+                sent = _send(lane.sock, lane.out[:upto], passed if passing else None)
+            except BlockingIOError:
+                return
+            except OSError:
+                self._close(lane)
+                return
+            del lane.out[:sent]
+            if passing and sent:
+                lane.fds.pop(0)
+            lane.fds = [(offset - sent, f) for offset, f in lane.fds]
+            if sent < upto:
+                return
         if not lane.out:
             self._watch(fd, False)
             self._delivered(lane.route)
@@ -244,3 +264,10 @@ class Lanes:
                     os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+
+def _send(sock: socket.socket, data: Any, fd: int | None) -> int:
+    """Bytes of `data` written, with descriptor `fd` passed alongside (if given)."""
+    if fd is None:
+        return sock.send(data)
+    return sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 
 from .journal import Journal
 
-Send = Callable[[bytes, bytes], None]  # route, payload: on the socket of that route
+Send = Callable[[bytes, bytes, "int | None"], None]  # route, payload, a descriptor with it
 
 
 class Outbox:
@@ -26,8 +26,8 @@ class Outbox:
         `sent`: when they went (Note [direct handoff], Note [broadcast ring])."""
         self._journal, self._send = journal, send
         self._committed, self._sent = committed, sent
-        self._held: list[tuple[bytes, bytes]] | None = None  # replies held for a commit
-        self._after: list[tuple[bytes, bytes]] = []  # answers that go after the held ones
+        self._held: list[tuple[bytes, bytes, int | None]] | None = None  # held for a commit
+        self._after: list[tuple[bytes, bytes, int | None]] = []  # after the held ones
 
     def begin(self) -> None:
         """What the loop handles next is one journal transaction."""
@@ -38,11 +38,11 @@ class Outbox:
         self._journal.commit()
         self._committed()
         held, self._held = self._held, None
-        for route, payload in held or ():
-            self._send(route, payload)
+        for route, payload, fd in held or ():
+            self._send(route, payload, fd)
         after, self._after = self._after, []
-        for route, payload in after:
-            self._send(route, payload)
+        for route, payload, fd in after:
+            self._send(route, payload, fd)
         self._sent()
 
     def batch(self, replies: Iterable[tuple[bytes, bytes]]) -> None:
@@ -55,12 +55,13 @@ class Outbox:
         finally:
             self.commit()
 
-    def send(self, route: bytes, payload: bytes) -> None:
-        """A reply: after the batch's commit, or now outside of one."""
+    def send(self, route: bytes, payload: bytes, fd: int | None = None) -> None:
+        """A reply (with descriptor `fd` passed along, if given): after the batch's commit,
+        or now outside of one."""
         if self._held is not None:
-            self._held.append((route, payload))
+            self._held.append((route, payload, fd))
             return
-        self._send(route, payload)
+        self._send(route, payload, fd)
 
     def answer(self, route: bytes, payload: bytes, last: bool = False) -> None:
         """The reply to a request that waited (a consumer parked on a queue, say): it goes
@@ -68,11 +69,11 @@ class Outbox:
         the work left (refilling the producer's grants) is not on the consumer's path.
         `last`: after the batch's replies instead (Note [broadcast] in subscriptions.py)."""
         if self._held is None:
-            self._send(route, payload)
+            self._send(route, payload, None)
             return
         if last:
-            self._after.append((route, payload))
+            self._after.append((route, payload, None))
             return
-        self._held.append((route, payload))
+        self._held.append((route, payload, None))
         self.commit()
         self.begin()

@@ -40,6 +40,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "CuPy finds, half of its free memory)",
     )
     p.add_argument(
+        "--cuda-handles",
+        choices=["legacy", "vmm"],
+        default="legacy",
+        help="how clients open the GPU memory: legacy IPC handles, or vmm: file descriptors "
+        "passed to each client over its Unix socket (not yet run on a GPU; see the README)",
+    )
+    p.add_argument(
         "--state-dir",
         help="where the broker keeps what a restarted broker needs to adopt its objects. "
         "Given: a clean stop (SIGTERM) keeps the objects for the next broker. Default: next "
@@ -121,7 +128,9 @@ def run(args: argparse.Namespace) -> int:
         except BrokerError as exc:  # MetricsUnavailable (no prometheus_client), or not HOST:PORT
             print(f"tensorbroker: {exc}", file=sys.stderr)
             return 2
-    devices = DeviceMemory(load=cudart.load, spec=parse_cuda_memory(args.cuda_memory))
+    devices = DeviceMemory(
+        load=cudart.load, spec=parse_cuda_memory(args.cuda_memory), handles=args.cuda_handles
+    )
     capacity = parse_size(args.memory) if args.memory else default_capacity(SHM_DIR)
     try:
         cluster = Joining.parse(

@@ -12,6 +12,8 @@ tests in tests/gpu run the same paths on a real device.
 from __future__ import annotations
 
 import ctypes
+import mmap
+import os
 import threading
 from collections import Counter
 from typing import Any
@@ -33,6 +35,7 @@ class SimRuntime:
         self._next_stream = 0x7000
         self.shared: set[int] = set()  # interprocess events (the broker's)
         self._poisoned: set[int] = set()  # events recorded by a process that died
+        self._mapped: dict[int, Any] = {}  # address -> mmap of a memfd (vmm_malloc, vmm_open)
 
     # -- test controls -----------------------------------------------------------------
 
@@ -150,6 +153,36 @@ class SimRuntime:
         self._log("copy_batch", device, len(copies))
         for dst, src, size, stream in copies:
             self.copy_async(device, dst, src, size, stream)
+
+    # Memory a file descriptor names: a memfd, mapped where the broker made it and again
+    # where a client opens the descriptor it was passed (the same pages: real sharing).
+    vmm = True  # vmm_supported; a test may say no
+
+    def vmm_supported(self, device: int) -> bool:
+        return self.vmm
+
+    def vmm_malloc(self, device: int, size: int) -> tuple[int, int]:
+        fd = os.memfd_create(f"simcuda-{device}")
+        os.ftruncate(fd, size)
+        ptr = self._map(fd, size)
+        self._log("vmm_malloc", device, size)
+        return ptr, fd
+
+    def vmm_open(self, device: int, fd: int, size: int) -> int:
+        self._log("vmm_open", device, size)
+        return self._map(fd, size)
+
+    def vmm_close(self, device: int, ptr: int, size: int) -> None:
+        self._log("vmm_close", device, ptr)
+        with self._lock:
+            self._mapped.pop(ptr).close()
+
+    def _map(self, fd: int, size: int) -> int:
+        mapping = mmap.mmap(fd, size)
+        ptr = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+        with self._lock:
+            self._mapped[ptr] = mapping
+        return ptr
 
     def synchronize(self, device: int) -> None:
         self._log("synchronize", device)

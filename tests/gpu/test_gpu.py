@@ -164,3 +164,21 @@ def test_gpu_replicas_between_two_brokers() -> None:
         assert figures["cluster"]["bytes_received"] >= x.nbytes
         assert figures["devices"]["cuda:0"]["used_bytes"] >= x.nbytes  # the replica, on b's GPU
         del got
+
+
+def test_vmm_chunks_are_read_by_another_process_from_a_passed_descriptor() -> None:
+    """Issue 36: with --cuda-handles vmm a client maps the GPU memory from a descriptor the
+    broker passed over its lane, not a legacy IPC handle."""
+    import torch
+
+    with tb.start_broker(
+        memory="64MiB", cuda_memory="0:64MiB", options=["--cuda-handles", "vmm"]
+    ) as b:
+        with tb.connect(b.address) as c:
+            c.put("x", torch.full((w.N,), 3.0, device="cuda:0"))
+            assert c.stats()["devices"]["cuda:0"]["handles"] == "vmm"
+        reader, out = _run(w.cupy_reader, b.address, "x")
+        assert "ready" in out.get(timeout=180)
+        result = out.get(timeout=120)
+        join_all([reader])
+        assert result["sum"] == 3.0 * w.N

@@ -23,7 +23,7 @@ from support import wait_until
 
 import tensorbroker as tb
 from tensorbroker.client import _dlpack
-from tensorbroker.common.cudart import STREAM_LEGACY, STREAM_PER_THREAD
+from tensorbroker.common.cudart import CHUNK_ALIGN, STREAM_LEGACY, STREAM_PER_THREAD
 from tensorbroker.server.broker import Broker
 from tensorbroker.server.devices import DeviceMemory
 
@@ -32,11 +32,13 @@ READER_STREAM = 0xBEEF  # a consumer's own stream
 
 
 class SimBroker:
-    def __init__(self, rt: SimRuntime, spec: dict[int, int] | None) -> None:
+    def __init__(
+        self, rt: SimRuntime, spec: dict[int, int] | None, handles: str = "legacy"
+    ) -> None:
         self.rt = rt
         self._dir = tempfile.TemporaryDirectory(prefix="tb-sim-")
         self.address = f"ipc://{self._dir.name}/broker.sock"
-        devices = DeviceMemory(load=lambda: rt, spec=spec)
+        devices = DeviceMemory(load=lambda: rt, spec=spec, handles=handles)
         self.broker = Broker(self.address, 16 * MiB, devices=devices)
         self.broker.bind()
         self._thread = threading.Thread(target=self.broker.serve, daemon=True)
@@ -432,6 +434,112 @@ def test_a_gpu_out_of_events_refuses_the_put_and_keeps_no_memory(
     assert c.stats()["leases"] == 0 and c.ping()["pid"] == os.getpid()
     monkeypatch.undo()
     assert c.put("x", src) == 1
+
+
+# -- chunks a file descriptor names (Note [device handles] in server/devices.py) ---------
+
+
+@pytest.fixture
+def vmm() -> Iterator[SimBroker]:
+    b = SimBroker(SimRuntime(devices=2), spec={0: 64 * MiB}, handles="vmm")
+    yield b
+    b.stop()
+
+
+def test_vmm_chunks_reach_clients_as_descriptors_not_legacy_handles(vmm: SimBroker) -> None:
+    """A client process is passed a chunk's descriptor over its lane, once, and maps it; no
+    one is given a legacy IPC handle (a bearer token any process could open)."""
+    values = np.arange(4096, dtype=np.float32)
+    with vmm.connect() as producer, vmm.connect() as consumer:
+        producer.put("x", SimCudaTensor(vmm.rt, 0, values))
+        producer.put("y", SimCudaTensor(vmm.rt, 0, values + 1))
+        t = consumer.get("x")
+        got = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_float * 4096).from_address(t.data_ptr))
+        np.testing.assert_array_equal(got, values)  # the producer's copy, through the memfd
+        consumer.get("y")
+        assert device_stats(consumer)["handles"] == "vmm"
+        assert vmm.rt.called("vmm_malloc") and not vmm.rt.called("open_mem")
+        assert all(size < CHUNK_ALIGN for _, _, size in vmm.rt.called("malloc"))  # (sources)
+        # One chunk, asked for and mapped once in this process (its clients share a mapping,
+        # as they share an opened IPC handle), not once per object.
+        assert len(vmm.rt.called("vmm_open")) == 1 and _requests(consumer)["chunk"] == 1
+        del t
+
+
+def test_a_chunk_is_refused_to_a_request_that_cannot_carry_its_descriptor(
+    vmm: SimBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tensorbroker.common.protocol import Op
+
+    with vmm.connect() as c:
+        c.put("x", SimCudaTensor(vmm.rt, 0, np.ones(16, np.float32)))
+        with pytest.raises(tb.InvalidRequest, match="cuda:0 has no chunk 'cuda:0/9'"):
+            c._conn.fetch_fd(Op.CHUNK, device="cuda:0", segment="cuda:0/9")  # type: ignore[union-attr]
+        with pytest.raises(tb.InvalidRequest, match="cannot place a tensor on cuda:1"):
+            c._conn.fetch_fd(Op.CHUNK, device="cuda:1", segment="cuda:1/1")  # type: ignore[union-attr]
+    monkeypatch.setenv("TENSORBROKER_LANES", "off")  # ZeroMQ: no descriptor can ride on it
+    with vmm.connect() as c:
+        with pytest.raises(tb.InvalidRequest, match="goes over a lane"):
+            c.get("x")
+        assert c.ping()["pid"] == os.getpid()
+
+
+def test_a_descriptor_that_does_not_map_is_an_error_that_says_so(
+    vmm: SimBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    closed: list[int] = []
+    real_close = os.close
+
+    def refuse(device: int, fd: int, size: int) -> int:
+        raise RuntimeError("cuMemImportFromShareableHandle failed: CUDA driver error 1")
+
+    with vmm.connect() as c:
+        c.put("x", SimCudaTensor(vmm.rt, 0, np.ones(16, np.float32)))
+    with vmm.connect() as c:
+        monkeypatch.setattr(vmm.rt, "vmm_open", refuse)
+        monkeypatch.setattr(os, "close", lambda fd: closed.append(fd) or real_close(fd))
+        with pytest.raises(tb.InvalidRequest, match="could not map cuda:0/1 from the descriptor"):
+            c.get("x")
+        assert len(closed) == 1  # the descriptor passed was closed, not leaked
+        monkeypatch.undo()
+        assert c.stats()["leases"] == 0
+
+
+def test_a_lane_holds_a_descriptor_behind_replies_it_could_not_write_yet() -> None:
+    """A reply that passes a descriptor, queued behind bytes the client has not read, goes
+    with its own first byte, not with the earlier replies'."""
+    import array
+    import socket
+
+    from tensorbroker.server.lanes import Lane, Lanes
+
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    lanes = Lanes.__new__(Lanes)
+    lane = Lane(ours, b"L" * 9)
+    lanes.by_fd, lanes.by_route = {ours.fileno(): lane}, {lane.route: lane}
+    lanes._watch = lanes._unwatch = lambda *a: None  # type: ignore[method-assign]
+    lanes._delivered = lambda route: None  # type: ignore[method-assign]
+    read, write = os.pipe()
+    try:
+        lane.out += b"earlier"  # (as if the socket had been full)
+        lanes.send(lane.route, b"withfd", write)
+        lanes.send(lane.route, b"after")
+        lanes.write(ours.fileno())
+        data, ancillary, _, _ = theirs.recvmsg(7, socket.CMSG_SPACE(4))
+        assert data == b"earlier" and not ancillary  # no descriptor with the earlier bytes
+        data, ancillary, _, _ = theirs.recvmsg(64, socket.CMSG_SPACE(4))
+        assert data == b"withfdafter" and len(ancillary) == 1  # (sent in one sendmsg)
+        fds = array.array("i")
+        fds.frombytes(ancillary[0][2])
+        os.write(fds[0], b"!")  # the pipe's write end, passed
+        assert os.read(read, 1) == b"!"
+        os.close(fds[0])
+    finally:
+        for fd in (read, write):
+            os.close(fd)
+        ours.close()
+        theirs.close()
 
 
 # -- placement and copies ---------------------------------------------------------------
