@@ -11,11 +11,19 @@ import contextlib
 import logging
 import os
 import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal, NamedTuple, overload
 
 from ..common.cudart import parse_device
-from ..common.errors import BrokerError, BrokerUnavailable, InvalidRequest, NotFound, Timeout
+from ..common.errors import (
+    BrokerError,
+    BrokerUnavailable,
+    InvalidRequest,
+    NotFound,
+    ProtocolError,
+    Timeout,
+)
 from ..common.protocol import Op
 from .connection import RECONNECT_TIMEOUT, REQUEST_TIMEOUT, Connection
 from .cuda import DeviceLink
@@ -53,7 +61,8 @@ class Client:
     ) -> None:
         devices = DeviceLink()
         self._conn = Connection(address, timeout, devices.settle, reconnect_timeout, server_key)
-        devices.fetch = self._chunk_fd
+        chunk_fd = weakref.WeakMethod(self._chunk_fd)  # (the release thread holds `devices`)
+        devices.fetch = lambda device, name: _alive(chunk_fd)(device, name)
         self._transfer = Transfer(self._conn, devices)
         self.address = self._conn.address
         self._closed = False
@@ -372,7 +381,11 @@ class Client:
         if self._conn is None:
             raise BrokerUnavailable("this client is closed")
         reply, fd = self._conn.fetch_fd(Op.CHUNK, device=device, segment=name)
-        return int(reply["size"]), fd
+        try:
+            return int(reply["size"]), fd
+        except (KeyError, TypeError, ValueError):
+            os.close(fd)
+            raise ProtocolError(f"chunk {name!r}: the broker's reply has no size") from None
 
     def _call(self, op: str, wait: float | None = REQUEST_TIMEOUT, **fields: Any) -> dict[str, Any]:
         assert self._conn is not None
@@ -458,3 +471,11 @@ def connect(
     BrokerUnavailable saying what may be lost). 0: a broker that exits breaks the client.
     """
     return Client(address, timeout, reconnect_timeout, server_key)
+
+
+def _alive(method: weakref.WeakMethod[Any]) -> Any:
+    """The method a WeakMethod names; BrokerUnavailable once its Client is gone."""
+    bound = method()
+    if bound is None:
+        raise BrokerUnavailable("the Client this device memory belonged to is gone")
+    return bound

@@ -148,7 +148,7 @@ class DeviceLink:
         # the Client (its connection), since this layer sends no requests of its own.
         self.fetch: Callable[[str, str], tuple[int, int]] | None = None
         self._lock = threading.Lock()
-        self._chunks: dict[str, Opened] = {}
+        self._chunks: dict[bytes, Opened] = {}  # by handle
         self._events: dict[tuple[int, int], Opened] = {}
         self._private: dict[int, int] = {}  # device -> this client's stream for joining others
         self._inflight: list[tuple[int, int, Any]] = []  # (device, local event, what to keep)
@@ -165,17 +165,22 @@ class DeviceLink:
     # -- opening ---------------------------------------------------------------------------
 
     def chunk(self, device: int, name: str, handle: bytes) -> Opened:
-        found = self._chunks.get(name)
+        """Chunk `name`, opened once (by its handle: a restarted broker's chunk of the same
+        name is another)."""
+        found = self._chunks.get(handle)
         if found is None:
             rt = self.runtime(f"mapping {name}")
+            vmm = len(handle) != 64 and handle.startswith(VMM_HANDLE)
             with _OPEN_LOCK:  # one opening per process: CUDA maps a handle once per context
                 found = _OPEN_CHUNKS.get(handle)
-                if found is None and len(handle) != 64 and handle.startswith(VMM_HANDLE):
-                    found = _OPEN_CHUNKS[handle] = self._map_fd(rt, device, name)
-                elif found is None:
+                if found is None and not vmm:
                     ptr = rt.open_mem(device, handle)
                     found = _OPEN_CHUNKS[handle] = Opened(rt, device, ptr, is_event=False)
-            self._chunks[name] = found
+            if found is None:  # its descriptor asked for outside the lock: a request
+                mapped = self._map_fd(rt, device, name)
+                with _OPEN_LOCK:  # (mapped by another thread meanwhile: ours is dropped)
+                    found = _OPEN_CHUNKS.setdefault(handle, mapped)
+            self._chunks[handle] = found
         return found
 
     def _map_fd(self, rt: Runtime, device: int, name: str) -> Opened:

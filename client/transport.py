@@ -225,9 +225,8 @@ class LaneChannel(Channel):
                     raise ProtocolError(f"the broker sent a {type(reply).__name__}, not a map")
                 return reply
             try:  # (recvmsg: a descriptor passed with a reply would be lost to a recv)
-                data, ancillary, _, _ = self.socket.recvmsg(
-                    LANE_READ_BYTES, _FDS_SPACE, 0 if block else socket.MSG_DONTWAIT
-                )
+                flags = socket.MSG_CMSG_CLOEXEC | (0 if block else socket.MSG_DONTWAIT)
+                data, ancillary, _, _ = self.socket.recvmsg(LANE_READ_BYTES, _FDS_SPACE, flags)
             except BlockingIOError:  # the step passed, or nothing there
                 return None
             except OSError as exc:

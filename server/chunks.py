@@ -29,6 +29,8 @@ class ChunkFds:
         """The descriptor of chunk `segment` of `device`, for a client that passed hello (its
         user is this broker's, or a member of its --group: Sessions.hello checked)."""
         device, name = req.fields["device"], req.fields["segment"]
+        if not device.startswith("cuda:"):
+            raise InvalidRequest(f"chunk: a chunk is a GPU's (cuda:N), not {device!r}'s")
         arena = self.devices.arena(device)  # (InvalidRequest if it is not served)
         try:
             chunk = arena.chunk(name)

@@ -191,7 +191,9 @@ class Lanes:
                 sent = _send(lane.sock, payload, fd)
             except BlockingIOError:
                 sent = 0
-            except OSError:  # the client is gone; its read of EOF closes the lane
+            except OSError as exc:  # the client is gone; its read of EOF closes the lane
+                if fd is not None:  # (or the descriptor could not go: ETOOMANYREFS, say)
+                    log.warning("could not pass a descriptor on lane %s: %s", route.hex(), exc)
                 return True
             if sent == len(payload):
                 self._delivered(route)
@@ -220,7 +222,11 @@ class Lanes:
             if passing:
                 upto = lane.fds[1][0] if len(lane.fds) > 1 else len(lane.out)
             try:
-                sent = _send(lane.sock, lane.out[:upto], passed if passing else None)
+                if not lane.fds:  # (no copy of the backlog: it may be tens of MiB)
+                    sent = lane.sock.send(lane.out)
+                else:
+                    with memoryview(lane.out) as view, view[:upto] as part:
+                        sent = _send(lane.sock, part, passed if passing else None)
             except BlockingIOError:
                 return
             except OSError:

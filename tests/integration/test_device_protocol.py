@@ -466,6 +466,34 @@ def test_vmm_chunks_reach_clients_as_descriptors_not_legacy_handles(vmm: SimBrok
         del t
 
 
+def test_a_client_dropped_without_close_is_still_freed(sim: SimBroker) -> None:
+    """Its device link asks it for descriptors through a weak reference: the release thread,
+    which holds the link, keeps no Client alive."""
+    import weakref
+
+    c = sim.connect()
+    c.put("x", SimCudaTensor(sim.rt, 0, np.ones(16, np.float32)))
+    ref = weakref.ref(c)
+    with pytest.warns(ResourceWarning, match="unclosed tensorbroker Client"):
+        del c
+        gc.collect()
+    assert ref() is None
+
+
+def test_a_restarted_brokers_chunk_of_the_same_name_is_mapped_anew(vmm: SimBroker) -> None:
+    """Chunks are known by their handle, not their name (cuda:0/1 again after a restart):
+    a client never reads a chunk of the broker before through the new one's name."""
+    with vmm.connect() as c:
+        c.put("x", SimCudaTensor(vmm.rt, 0, np.full(16, 1.0, np.float32)))
+        link = c._transfer.devices
+        first = link.chunk(0, "cuda:0/1", next(iter(link._chunks)))
+        other = link._map_fd  # the same name under another handle: mapped again
+        asked: list[str] = []
+        link._map_fd = lambda rt, device, name: asked.append(name) or other(rt, device, name)  # type: ignore[method-assign]
+        again = link.chunk(0, "cuda:0/1", b"vmm:" + bytes(16) + b":cuda:0/1")
+        assert asked == ["cuda:0/1"] and again is not first
+
+
 def test_a_chunk_is_refused_to_a_request_that_cannot_carry_its_descriptor(
     vmm: SimBroker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -475,6 +503,8 @@ def test_a_chunk_is_refused_to_a_request_that_cannot_carry_its_descriptor(
         c.put("x", SimCudaTensor(vmm.rt, 0, np.ones(16, np.float32)))
         with pytest.raises(tb.InvalidRequest, match="cuda:0 has no chunk 'cuda:0/9'"):
             c._conn.fetch_fd(Op.CHUNK, device="cuda:0", segment="cuda:0/9")  # type: ignore[union-attr]
+        with pytest.raises(tb.InvalidRequest, match="a chunk is a GPU's"):
+            c._conn.fetch_fd(Op.CHUNK, device="cpu", segment="cuda:0/1")  # type: ignore[union-attr]
         with pytest.raises(tb.InvalidRequest, match="cannot place a tensor on cuda:1"):
             c._conn.fetch_fd(Op.CHUNK, device="cuda:1", segment="cuda:1/1")  # type: ignore[union-attr]
     monkeypatch.setenv("TENSORBROKER_LANES", "off")  # ZeroMQ: no descriptor can ride on it
