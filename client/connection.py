@@ -103,6 +103,7 @@ class Connection:
         self._reconnecting = threading.Lock()
         self._pool = ChannelPool(self.address, keys)
         self.closed = False
+        self.closing = False  # stop_releasing was called: a reconnect wait ends early
         try:
             self._pool.give_back(self.new_channel(timeout))
             releaser_channel = self.new_channel(timeout)
@@ -357,7 +358,7 @@ class Connection:
                     channel = self.new_channel(HELLO_STEP, resume=True)
                     break
                 except BrokerUnavailable:
-                    if time.monotonic() >= deadline or self.closed:
+                    if time.monotonic() >= deadline or self.closed or self.closing:
                         self._broken = (
                             f"{exited} and no broker came back within {window:g}s "
                             f"(connect(reconnect_timeout=...)); start one with `tensorbroker "
@@ -409,7 +410,9 @@ class Connection:
             raise failed[0]
 
     def stop_releasing(self) -> None:
-        """Stop the release thread (the first step of closing)."""
+        """Stop the release thread (the first step of closing): a wait for a broker to come
+        back that it is in ends at its next look (`closing`), not at its window's end."""
+        self.closing = True
         if self._releaser is not None:
             self._releaser.stop()
 

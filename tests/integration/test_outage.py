@@ -135,3 +135,17 @@ def test_closing_a_client_whose_broker_is_gone_does_not_wait_for_it(
     began = time.monotonic()
     c.close()  # nothing to flush to a broker that is gone: no window of its own
     assert time.monotonic() - began < 2.5
+
+
+def test_closing_ends_a_wait_for_the_broker_that_the_release_thread_is_in(
+    broker: tb.BrokerProcess,
+) -> None:
+    """The release thread waits out a reconnect window (it saw the broker exit) when the
+    client closes: close does not wait for that window to run out."""
+    c = tb.connect(broker.address, reconnect_timeout=8.0)
+    c.put("x", np.ones(3))
+    _kill(broker)
+    time.sleep(1.5)  # the release thread's next turn sees the broker gone, and waits for one
+    began = time.monotonic()
+    c.close()
+    assert time.monotonic() - began < 2.5
