@@ -11,20 +11,13 @@ import contextlib
 import logging
 import os
 import warnings
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal, NamedTuple, overload
 
 from ..common.cudart import parse_device
-from ..common.errors import (
-    BrokerError,
-    BrokerUnavailable,
-    InvalidRequest,
-    NotFound,
-    ProtocolError,
-    Timeout,
-)
+from ..common.errors import BrokerError, BrokerUnavailable, InvalidRequest, NotFound, Timeout
 from ..common.protocol import Op
+from .admin import Admin
 from .connection import RECONNECT_TIMEOUT, REQUEST_TIMEOUT, Connection
 from .cuda import DeviceLink
 from .qring import QueueRing, rings_wanted
@@ -46,7 +39,7 @@ class KeyEvent(NamedTuple):
     version: int | None
 
 
-class Client:
+class Client(Admin):
     """A connection to one broker. Use `tb.connect()` to make one; close it, or use `with`."""
 
     _conn: Connection | None = None  # class-level default: a half-built Client can be closed
@@ -61,8 +54,7 @@ class Client:
     ) -> None:
         devices = DeviceLink()
         self._conn = Connection(address, timeout, devices.settle, reconnect_timeout, server_key)
-        chunk_fd = weakref.WeakMethod(self._chunk_fd)  # (the release thread holds `devices`)
-        devices.fetch = lambda device, name: _alive(chunk_fd)(device, name)
+        devices.ask_through(self._conn)  # for the descriptors of VMM chunks
         self._transfer = Transfer(self._conn, devices)
         self.address = self._conn.address
         self._closed = False
@@ -327,65 +319,7 @@ class Client:
     def keys(self) -> list[str]:
         return list(self._call(Op.KEYS)["keys"])
 
-    def list_objects(
-        self, prefix: str = "", largest: int | None = None, page_size: int = 10_000
-    ) -> Iterator[dict[str, Any]]:
-        """The objects under `prefix`, in key order (or the `largest` ones, largest first),
-        each a dict: key, version, nbytes, device, leases (readers holding it), bundle,
-        tensors ([name, dtype, shape] each), evictable. Asks a page (at most 10,000) at a
-        time, so a huge store is listed as it goes (keys put meanwhile may or may not show)."""
-        if largest is not None:
-            yield from self._call(Op.LIST, prefix=prefix, by="size", limit=largest)["objects"]
-            return
-        after: str | None = None
-        while True:
-            fields: dict[str, Any] = {"prefix": prefix, "limit": page_size}
-            if after is not None:
-                fields["after"] = after
-            page = self._call(Op.LIST, **fields)
-            yield from page["objects"]
-            if not page["more"] or not page["objects"]:
-                return
-            after = page["objects"][-1]["key"]
-
-    def list_queues(self) -> list[dict[str, Any]]:
-        """Every queue not yet ended, each a dict: name, depth (items waiting), maxsize,
-        in_flight, closed, consumers and producers waiting, subscribers (None: not a
-        broadcast queue)."""
-        return list(self._call(Op.QLIST)["queues"])
-
-    def delete_queue(self, name: str) -> None:
-        """Remove queue `name` now: its consumers get QueueClosed (waiting ones at once), the
-        items waiting in it are freed, and the name may start a new queue. NotFound if there
-        is none. Items consumers hold stay theirs until they let go."""
-        self._call(Op.QDELETE, name=name)
-
-    def clients(self) -> list[dict[str, Any]]:
-        """The broker's clients, each a dict: pid, uid (None where the kernel cannot say),
-        sockets, leases, held_bytes, parked (requests waiting), closed, idle_s."""
-        return list(self._call(Op.CLIENTS)["clients"])
-
-    def stats(self) -> dict[str, Any]:
-        """Broker counters: capacity_bytes, used_bytes, objects, clients, leases, ..."""
-        reply = self._call(Op.STATS)
-        return {k: v for k, v in reply.items() if k not in ("id", "ok")}
-
-    def ping(self) -> dict[str, Any]:
-        reply = self._call(Op.PING)
-        return {k: v for k, v in reply.items() if k not in ("id", "ok")}
-
     # -- plumbing --------------------------------------------------------------------------
-
-    def _chunk_fd(self, device: str, name: str) -> tuple[int, int]:
-        """A VMM chunk's size and file descriptor, passed by the broker (DeviceLink.fetch)."""
-        if self._conn is None:
-            raise BrokerUnavailable("this client is closed")
-        reply, fd = self._conn.fetch_fd(Op.CHUNK, device=device, segment=name)
-        try:
-            return int(reply["size"]), fd
-        except (KeyError, TypeError, ValueError):
-            os.close(fd)
-            raise ProtocolError(f"chunk {name!r}: the broker's reply has no size") from None
 
     def _call(self, op: str, wait: float | None = REQUEST_TIMEOUT, **fields: Any) -> dict[str, Any]:
         assert self._conn is not None
@@ -471,11 +405,3 @@ def connect(
     BrokerUnavailable saying what may be lost). 0: a broker that exits breaks the client.
     """
     return Client(address, timeout, reconnect_timeout, server_key)
-
-
-def _alive(method: weakref.WeakMethod[Any]) -> Any:
-    """The method a WeakMethod names; BrokerUnavailable once its Client is gone."""
-    bound = method()
-    if bound is None:
-        raise BrokerUnavailable("the Client this device memory belonged to is gone")
-    return bound

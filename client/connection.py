@@ -231,6 +231,15 @@ class Connection:
         with self.in_flight(message["id"]):
             return self._call(message, op, wait, fields, bell, late)
 
+    def chunk_fd(self, device: str, name: str) -> tuple[int, int]:
+        """A VMM chunk's size and file descriptor, passed by the broker (DeviceLink)."""
+        reply, fd = self.fetch_fd(Op.CHUNK, device=device, segment=name)
+        try:
+            return int(reply["size"]), fd
+        except (KeyError, TypeError, ValueError):
+            os.close(fd)
+            raise ProtocolError(f"chunk {name!r}: the broker's reply has no size") from None
+
     def fetch_fd(self, op: str, **fields: Any) -> tuple[dict[str, Any], int]:
         """A request whose reply passes a file descriptor over the lane (Op.CHUNK): the reply
         and the descriptor, the caller's to close. Not sent again if the broker exits."""

@@ -33,7 +33,7 @@ from ..common import cudart
 from ..common.cudart import STREAM_LEGACY, VMM_HANDLE, CudaUnavailable, Runtime
 from ..common.descriptors import compact_strides
 from ..common.dtypes import DType
-from ..common.errors import InvalidRequest
+from ..common.errors import BrokerUnavailable, InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -144,9 +144,9 @@ class DeviceLink:
 
     def __init__(self, runtime: Runtime | None = None) -> None:
         self._runtime = runtime
-        # Asks the broker for a VMM chunk's descriptor: (device, name) -> (size, fd). Set by
-        # the Client (its connection), since this layer sends no requests of its own.
-        self.fetch: Callable[[str, str], tuple[int, int]] | None = None
+        # The connection that asks the broker for a VMM chunk's descriptor (`ask_through`),
+        # held weakly: the release thread holds this link, and must not keep a Client alive.
+        self._asks: Callable[[], Any] = lambda: None
         self._lock = threading.Lock()
         self._chunks: dict[bytes, Opened] = {}  # by handle
         self._events: dict[tuple[int, int], Opened] = {}
@@ -183,12 +183,17 @@ class DeviceLink:
             self._chunks[handle] = found
         return found
 
+    def ask_through(self, connection: Any) -> None:
+        """Ask `connection` (Connection.chunk_fd) for the descriptors of VMM chunks."""
+        self._asks = weakref.ref(connection)
+
     def _map_fd(self, rt: Runtime, device: int, name: str) -> Opened:
         """A VMM chunk, mapped from the descriptor its broker passes this client over its
         lane (Note [device handles] in server/devices.py)."""
-        if self.fetch is None:
-            raise InvalidRequest(f"{name}: this client cannot ask its broker for descriptors")
-        size, fd = self.fetch(f"cuda:{device}", name)
+        connection = self._asks()
+        if connection is None:
+            raise BrokerUnavailable(f"{name}: the client this link belongs to is gone")
+        size, fd = connection.chunk_fd(f"cuda:{device}", name)
         try:
             ptr = rt.vmm_open(device, fd, size)
         except Exception as exc:
