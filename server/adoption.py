@@ -68,7 +68,10 @@ class Adoption:
         queues.adopted(found.objects, self.adopted, self.retire)
         old = found.meta.get("directory")
         if old in found.segments and registry.directory is not None:
-            registry.directory.adopt(old)
+            try:
+                registry.directory.adopt(old)
+            except (OSError, ValueError) as exc:  # its readers ask the broker instead
+                log.error("the directory %s of the state cannot be mapped (%s): left", old, exc)
         ours = {*arena.segments, *segments, *queues.rings.segments, *queues.qrings.segments}
         if registry.directory is not None:
             ours.update(registry.directory.segments)

@@ -85,7 +85,11 @@ class QRing(Mapped):
         super().__init__(shm_dir, prefix, size, journal, "qring", existing, group)
         if existing is None:
             QueueRingView.format(self.addr, slots, data)
-        self.view = BrokerRingView(self.addr)
+        try:
+            self.view = BrokerRingView(self.addr)
+        except ValueError:  # (an adopted segment that is no ring)
+            super().close(unlink=False)
+            raise
         self.owners: dict[str, int] = {}  # session token -> its owner number
         self.pending: dict[int, tuple[int, int, int, int]] = {}  # put id -> position, slot,
         # oid, owner

@@ -241,11 +241,16 @@ class QueueRingRoom:
         return [q for q, _r in self._rings() if q.closed]
 
     def close(self, q: BrokerQueue) -> None:
-        """`q` is forgotten: its ring goes (clients that mapped it keep their mapping)."""
+        """`q` ended (or was removed and let go of its last item): its ring goes (clients
+        that mapped it keep their mapping), and so does the ring in its journal row, or a
+        broker restarted on the journal would look for a segment that is no more."""
         qring, q.qring = q.qring, None
         self._queues.pop(q.id, None)
-        if qring is not None:
-            qring.close()
+        if qring is None:
+            return
+        qring.close()
+        if not q.removed or q.in_flight:
+            self.registry.journal.queue(q)
 
     # -- a broker that died ----------------------------------------------------------------
 

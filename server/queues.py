@@ -8,6 +8,7 @@ direct handoff (direct.py, handoff.py). A queue of a broker that died is adopted
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -23,6 +24,8 @@ from .queue_state import BrokerQueue, QueueTable, park_get
 from .records import Session, StoredObject
 from .slots import QueueSlots
 from .subscriptions import Broadcasts
+
+log = logging.getLogger(__name__)
 
 Reply = dict[str, Any]
 
@@ -311,10 +314,18 @@ class Queues:
         subs_seen = 0
         for qid, name, maxsize, closed, sealed, removed, subs, ring in rows:
             q = BrokerQueue(name, qid, maxsize, closed, sealed=sealed, removed=removed)
-            if isinstance(ring, list):
-                self.qrings.adopt(q, ring, sessions)
-            elif ring is not None:
-                self.rings.adopt(q, ring)
+            try:
+                if isinstance(ring, list):
+                    self.qrings.adopt(q, ring, sessions)
+                elif ring is not None:
+                    self.rings.adopt(q, ring)
+            except (OSError, ValueError) as exc:  # one queue lost, not the whole state
+                log.error(
+                    "queue %r of the state is dropped with its items: its ring %s cannot be "
+                    "mapped (%s)", name, ring[0] if isinstance(ring, list) else ring, exc,
+                )  # fmt: skip
+                self.registry.journal.queue_gone(q)
+                continue
             if subs is not None:
                 subs_seen = max(subs_seen, self.broadcasts.adopt(q, subs, sessions))
             self.table.add(q)  # a removed queue only until its items are adopted

@@ -56,6 +56,8 @@ from .journal import JOURNAL, LAYOUT, JournalFile, Recovered, read_journal
 
 log = logging.getLogger(__name__)
 
+REQUIRED = ("arena", "slots")  # segment kinds without which a state is refused
+
 OWNER = ".owner"  # tb-<id>.owner: Note [recovery]
 KEPT = "kept"  # the owner file's second line once a broker stopped and kept its state
 CLAIM_WAIT = 10.0  # seconds a starting broker waits for a gc holding its owner file
@@ -195,8 +197,17 @@ class State:
         return found
 
     def _check_segments(self, found: Recovered) -> None:
+        """The arena and the lease slots are the state: without one of them it is refused.
+        A part that is gone (a queue's ring, the directory, the mailboxes) is dropped with
+        what only it held, and the rest is adopted."""
         segments = found.segments
         missing = [n for n in segments if not os.path.exists(os.path.join(self.shm_dir, n))]
+        for name in [n for n in missing if segments[n][1] not in REQUIRED]:
+            log.error(
+                "the %s segment %s of the state is gone from %s: what only it held is lost",
+                segments[name][1], name, self.shm_dir,
+            )  # fmt: skip
+            missing.remove(name)
         if missing:
             raise self._unusable(
                 f"{len(missing)} of its {len(segments)} shared-memory segments are gone from "

@@ -279,6 +279,51 @@ def test_a_removed_queue_stays_removed_across_a_kill(crashable: tb.BrokerProcess
         assert c.stats()["queues"] == 1
 
 
+def test_a_broker_restarts_on_a_state_where_a_ring_queue_ended(
+    crashable: tb.BrokerProcess,
+) -> None:
+    """Issue 48, defect 1: the ring of an ended queue was unlinked while the journal kept
+    it, and the next broker exited on the missing segment, losing every object."""
+    with tb.connect(crashable.address) as c:
+        c.put("x", np.arange(10.0))
+        c.queue("run1", maxsize=4).close()  # ended at once: its ring goes
+        q = c.queue("run2", maxsize=4)
+        q.put(np.full(4, 7.0))
+        q.close()
+        assert q.get(timeout=5).numpy().tolist() == [7.0] * 4  # drained: ended
+        crash(crashable)
+        crashable.restart()
+
+        assert c.get("x", timeout=5).numpy().tolist() == list(range(10))
+        with pytest.raises(tb.QueueClosed):
+            c.queue("run1").get(timeout=5)
+        fresh = c.queue("run3", maxsize=2)
+        fresh.put(np.ones(2))
+        assert fresh.get(timeout=5).numpy().tolist() == [1.0, 1.0]
+
+
+def test_a_ring_that_cannot_be_adopted_drops_its_queue_only(crashable: tb.BrokerProcess) -> None:
+    """A part of a state that is gone (a ring segment removed by hand) is logged and dropped;
+    the rest of the state is adopted."""
+    with tb.connect(crashable.address) as c:
+        c.put("x", np.arange(10.0))
+        lost = c.queue("lost", maxsize=4)
+        lost.put(np.ones(3))
+        kept = c.queue("kept", maxsize=4)
+        kept.put(np.full(3, 2.0))
+        ring = lost._ring
+        assert ring is not None
+        crash(crashable)
+        os.unlink(f"/dev/shm/{ring.segment}")
+        crashable.restart()
+
+        assert c.get("x", timeout=5).numpy().tolist() == list(range(10))
+        assert kept.get(timeout=5).numpy().tolist() == [2.0] * 3
+        assert sorted(r["name"] for r in c.list_queues()) == ["kept"]
+        with open(crashable.log_path) as log:
+            assert "queue 'lost' of the state is dropped" in log.read()
+
+
 def test_reader_keeps_its_arrays_and_leases_across_a_kill() -> None:
     """Its arrays keep their values and the new broker does not reuse their memory while
     other clients fill it."""
@@ -397,7 +442,7 @@ def test_a_state_whose_segments_were_removed_is_refused(tmp_path: Path) -> None:
     found = read_journal(state)
     assert found is not None
     names = list(found.segments)
-    os.unlink(f"/dev/shm/{names[0]}")
+    os.unlink(f"/dev/shm/{next(n for n, (_, kind) in found.segments.items() if kind == 'arena')}")
     refused = _serve("--address", address, "--state-dir", state)
     assert refused.returncode == 2 and "removed by hand" in refused.stderr
     assert "--reset" in refused.stderr and "Traceback" not in refused.stderr
