@@ -19,6 +19,7 @@ from ..common.errors import BrokerError, BrokerUnavailable, InvalidRequest, Queu
 from ..common.mailbox import item_reply
 from ..common.protocol import Op
 from ..common.qring import ASK, CLOSED, FULL, INLINE, META_TAIL, REMOVED, QueueRingView
+from .shield import shielded
 from .tensor import Lease, Tensor
 
 if TYPE_CHECKING:
@@ -82,52 +83,95 @@ class QueueRing:
     ) -> int | None:
         """Put a planned item: into its slot if the ring can hold it, else through the
         broker, waiting up to `claim` seconds for a slot. Its version; None if not `block`
-        and it went through the broker."""
+        and it went through the broker. Interrupted (Note [shielded steps]): an item put
+        into its slot went in whole, and the interrupt's exception says so with its
+        version; one through the broker went in only if its put returned."""
         plan, tail = planned
-        view, owner = self.view, self.owner
-        slot, pos = self.reserve(claim, plan if tail else None)
-        try:
-            view.name(pos, slot, INLINE if tail else ASK, tail)
-            if tail:
-                view.publish(pos, slot, owner)
-                return pos + 1
-        except BaseException:  # (a signal's exception too): passed over, not left claimed
-            view.unalloc(slot, owner, queued=view.skip(pos, owner))
-            raise
-        plan.fields["ring"] = pos
-        conn = self.transfer.conn
+        if tail:
+            deadline = None if claim is None else time.monotonic() + max(claim, 0.0)
+            return self._wait(lambda _o: self._put_inline(plan, tail), deadline, claim)
         answered: list[dict[str, Any]] = []
+        claimed: list[int] = []
         try:
+            self.reserve(claim, claimed)
+            plan.fields["ring"] = claimed[1]
+            conn = self.transfer.conn
             reply = conn.call(Op.QPUT, wait=until, late=answered.append, **plan.request)
         except BaseException as exc:
-            if answered:  # given up, but granted: aborted, the broker passes it over
-                with contextlib.suppress(BrokerError):
-                    conn.call(Op.ABORT, put=answered[0]["put"])
-            elif not isinstance(exc, BrokerUnavailable):  # refused, or cancelled: no put
-                view.skip(pos, owner)
-                view.unalloc(slot, owner)
+            self._not_put(claimed, answered, exc)
             raise
         return self.transfer.fill(plan, reply, block)  # (a failed fill is aborted: the broker's)
 
-    def reserve(self, timeout: float | None, plan: Any = None) -> tuple[int, int]:
-        """A slot (with `plan` copied into it) and a position claimed after it, waiting up
-        to `timeout` seconds for each."""
+    def _put_inline(self, plan: Any, tail: bytes) -> int:
+        """One try of a put into a slot, shielded: its version, or FULL, -CLOSED, -REMOVED."""
+        view, owner = self.view, self.owner
+        with shielded() as step:
+            slot = view.alloc(owner)
+            if slot < 0:
+                return slot
+            try:
+                self._copy(plan, slot)
+                pos = view.claim(owner)
+            except BaseException:
+                view.unalloc(slot, owner)
+                raise
+            if pos < 0:
+                view.unalloc(slot, owner)
+                return pos
+            view.name(pos, slot, INLINE, tail)
+            view.publish(pos, slot, owner)
+            step.note = f"(the put into queue {self.name!r} went in first: version {pos + 1})"
+            return pos + 1
+
+    def reserve(self, timeout: float | None, claimed: list[int]) -> None:
+        """A slot, then a position after it named for an item put through the broker (ASK),
+        waiting up to `timeout` seconds for each; each is added to `claimed` in the step
+        that takes it (Note [shielded steps]), so that whatever interrupts, `_not_put`
+        knows what to give back."""
         view, owner = self.view, self.owner
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
-        slot = self._wait(view.alloc, deadline, timeout)
-        try:
-            if plan is not None:
-                self._copy(plan, slot)
-            return slot, self._wait(view.claim, deadline, timeout)
-        except BaseException:
-            view.unalloc(slot, owner)
-            raise
+
+        def take_slot(_owner: int) -> int:
+            with shielded():
+                got = view.alloc(owner)
+                if got >= 0:
+                    claimed.append(got)
+                return got
+
+        def take_position(_owner: int) -> int:
+            with shielded():
+                got = view.claim(owner)
+                if got >= 0:
+                    view.name(got, claimed[0], ASK, b"")
+                    claimed.append(got)
+                return got
+
+        self._wait(take_slot, deadline, timeout)
+        self._wait(take_position, deadline, timeout)
+
+    def _not_put(
+        self, claimed: list[int], answered: list[dict[str, Any]], exc: BaseException
+    ) -> None:
+        """A put through the broker that raised `exc` with `claimed` (its slot, and
+        position): aborted if the broker granted it (it then passes the position over),
+        else passed over here; left to the broker if it exited (one back with the state
+        goes on with it)."""
+        view, owner = self.view, self.owner
+        with shielded():
+            if len(claimed) == 1:
+                view.unalloc(claimed[0], owner)
+            elif answered:  # given up, but granted: aborted, the broker passes it over
+                with contextlib.suppress(BrokerError):
+                    self.transfer.conn.call(Op.ABORT, put=answered[0]["put"])
+            elif claimed and not isinstance(exc, BrokerUnavailable):  # refused or cancelled
+                view.skip(claimed[1], owner)
+                view.unalloc(claimed[0], owner)
 
     def _wait(
         self, attempt: Callable[[int], int], deadline: float | None, timeout: float | None
     ) -> int:
-        """`attempt(owner)` (an alloc or a claim) until it is not FULL, sleeping on the
-        producers' bell."""
+        """`attempt(owner)` (an alloc, a claim, or a whole put) until it is not FULL,
+        sleeping on the producers' bell."""
         view, owner = self.view, self.owner
         got = attempt(owner)
         while got < 0:
@@ -136,14 +180,11 @@ class QueueRing:
             if timeout == 0:
                 raise WouldWait()
             seen = view.producer_bell()
-            view.sleeping(True, 1)
-            try:
+            with Sleeper(self, True):
                 got = attempt(owner)
                 if got == FULL:
                     view.sleep(True, seen, self._left(deadline, timeout, put=True))
                     got = attempt(owner)
-            finally:
-                view.sleeping(True, -1)
         return got
 
     @contextlib.contextmanager
@@ -152,22 +193,21 @@ class QueueRing:
         until: float | None,
     ) -> Iterator[Tensor]:  # fmt: skip
         """`Queue.create`: the item is written in place through the broker, at a position
-        reserved first (passed over if the broker never had the put)."""
-        view, owner = self.view, self.owner
-        slot, pos = self.reserve(timeout)
-        view.name(pos, slot, ASK, b"")
+        reserved first (passed over if the broker never had the put, aborted if it did)."""
+        answered: list[dict[str, Any]] = []
+        claimed: list[int] = []
         made = False
-        try:  # (a give-up while the broker is asked leaves the position to this client's end)
+        try:
+            self.reserve(timeout, claimed)
             with self.transfer.create(
-                self.name, shape, dtype, device, Op.QPUT, until,
-                queue=self.queue_id, name=self.name, timeout=timeout, ring=pos,
+                self.name, shape, dtype, device, Op.QPUT, until, late=answered.append,
+                queue=self.queue_id, name=self.name, timeout=timeout, ring=claimed[1],
             ) as buffer:  # fmt: skip
                 made = True
                 yield buffer
-        except BrokerError as exc:
-            if not made and not isinstance(exc, BrokerUnavailable):  # refused: no put of it
-                view.skip(pos, owner)
-                view.unalloc(slot, owner)
+        except BaseException as exc:
+            if not made:  # (once made, aborted by transfer.create)
+                self._not_put(claimed, answered, exc)
             raise
 
     def _copy(self, plan: Any, slot: int) -> None:
@@ -183,45 +223,62 @@ class QueueRing:
     # -- taking ----------------------------------------------------------------------------
 
     def get(self, timeout: float | None) -> Item:
-        """The next item, waiting up to `timeout` seconds (0: WouldWait at once)."""
-        pos, slot, flags, tail = self.take(timeout)
-        if flags & ASK:  # (a failed ask leaves it to the broker: freed when this client ends)
-            conn = self.transfer.conn
-            reply = conn.call(Op.QGET, queue=self.queue_id, name=self.name, ring=pos)
+        """The next item, waiting up to `timeout` seconds (0: WouldWait at once). A get
+        interrupted before it returns leaves the item first in the queue (Note [shielded
+        steps]); one of an item put through the broker once it asks for it, the broker's."""
+        view = self.view
+        got = self._take()
+        if got is None:
+            deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+            while got is None:
+                if timeout == 0:
+                    raise WouldWait()
+                seen = view.consumer_bell()
+                with Sleeper(self, False):
+                    got = self._take()
+                    if got is None:
+                        view.sleep(False, seen, self._left(deadline, timeout, put=False))
+                        got = self._take()
+        if isinstance(got, tuple):  # taken (committed) for the broker to hand over
+            reply = self.transfer.conn.call(
+                Op.QGET, queue=self.queue_id, name=self.name, ring=got[0]
+            )  # (a failed ask leaves it to the broker: freed when this client ends)
             return self.transfer.reads.read(reply)
-        try:
-            return self.item(pos, slot, tail)
-        except BaseException:  # (a signal's exception too): the slot must not stay held
-            self.view.release(slot, self.owner)
-            raise
+        return got
 
-    def take(self, timeout: float | None) -> tuple[int, int, int, bytes]:
+    def _take(self) -> Item | tuple[int, int] | None:
+        """One try of a take, shielded: the item built, committed only if no signal came
+        meanwhile (else given back, first in the queue); (position, slot) of one to ask
+        the broker for; None if there is none yet. QueueClosed once the queue ended."""
         view, owner = self.view, self.owner
-        got = view.take(owner)
-        if isinstance(got, tuple):
-            return got
-        deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
-        while True:
-            if got is not None:
-                raise self._ended(-got, put=False)
-            if timeout == 0:
-                raise WouldWait()
-            seen = view.consumer_bell()
-            view.sleeping(False, 1)
+        with shielded() as step:
+            got = view.take(owner)
+            if not isinstance(got, tuple):
+                if got is not None:
+                    raise self._ended(-got, put=False)
+                return None
+            pos, slot, flags, tail = got
+            if flags & ASK:
+                if step.pending:
+                    view.back(pos, slot, owner)
+                    return None
+                view.commit(pos)
+                return pos, slot
             try:
-                got = view.take(owner)
-                if isinstance(got, tuple):
-                    return got
-                if got is None:
-                    view.sleep(False, seen, self._left(deadline, timeout, put=False))
-                    got = view.take(owner)
-                    if isinstance(got, tuple):
-                        return got
-            finally:
-                view.sleeping(False, -1)
+                item, lease = self.item(pos, slot, tail)
+            except BaseException:
+                view.back(pos, slot, owner)
+                raise
+            if step.pending:  # interrupted: the item stays in the queue
+                lease.disarm()
+                view.back(pos, slot, owner)
+                return None
+            view.commit(pos)
+            return item
 
-    def item(self, pos: int, slot: int, tail: bytes) -> Item:
-        """The Tensors of the item taken at `pos`, held in `slot` (let go with them)."""
+    def item(self, pos: int, slot: int, tail: bytes) -> tuple[Item, QueueRingLease]:
+        """The Tensors of the item taken at `pos`, held in `slot` (let go with them), and
+        their lease."""
         unpacked = self._tails.get(tail)
         if unpacked is None:
             if len(self._tails) >= TAILS:
@@ -233,10 +290,10 @@ class QueueRing:
         key = reply["key"]
         try:
             if not reply["bundle"]:
-                return Tensor(key, pos + 1, descs[0], lease)
-            return {t.name: Tensor(key, pos + 1, t, lease) for t in descs}
+                return Tensor(key, pos + 1, descs[0], lease), lease
+            return {t.name: Tensor(key, pos + 1, t, lease) for t in descs}, lease
         except BaseException:
-            lease.disarm()  # (get lets go of the slot, once)
+            lease.disarm()  # (the item goes back: its slot is not let go)
             raise
 
     # -- waiting ---------------------------------------------------------------------------
@@ -248,12 +305,9 @@ class QueueRing:
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
         view = self.view
         seen = view.producer_bell() if producer else view.consumer_bell()
-        view.sleeping(producer, 1)
-        try:
+        with Sleeper(self, producer):
             if not view.ready(producer):
                 view.sleep(producer, seen, self._left(deadline, timeout, put=producer))
-        finally:
-            view.sleeping(producer, -1)
 
     def _left(self, deadline: float | None, timeout: float | None, put: bool) -> float:
         """Seconds to sleep next; Timeout once `deadline` passed. Between sleeps, a broker
@@ -292,6 +346,28 @@ class QueueRing:
                 "closed; give a new stream a new name)"
             )
         return QueueClosed(f"queue {self.name!r} is closed and drained")
+
+
+class Sleeper:
+    """`with Sleeper(self, producer):` counted among a ring's sleepers while it sleeps,
+    counted in and out in shielded steps (a count left behind costs every later put or
+    release a wake-up call)."""
+
+    __slots__ = ("view", "producer", "owner", "counted")
+
+    def __init__(self, ring: QueueRing, producer: bool) -> None:
+        self.view, self.producer, self.owner, self.counted = ring.view, producer, ring.owner, False
+
+    def __enter__(self) -> None:
+        with shielded():
+            self.view.sleeping(self.producer, 1, self.owner)
+            self.counted = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self.counted:
+            with shielded():
+                self.view.sleeping(self.producer, -1, self.owner)
+                self.counted = False
 
 
 class QueueRingLease(Lease):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -315,16 +315,17 @@ class Transfer:
         device: Any,
         op: str,
         wait: float | None,
+        late: Callable[[dict[str, Any]], None] | None = None,
         **fields: Any,
     ) -> Iterator[Tensor]:
         """A writable Tensor over new memory (`op`: a put or a queue put), sealed when the
-        block exits, aborted if it raises."""
+        block exits, aborted if it raises; `late`: as `Connection.call`'s."""
         device = parse_device(device, f"create {label!r}")
         dt = lookup_dtype(dtype)
         specs = [["", dt.name, [int(d) for d in shape]]]
         if device != "cpu":
             fields["device"] = device
-        reply = self.conn.call(op, wait=wait, tensors=specs, **fields)
+        reply = self.conn.call(op, wait=wait, late=late, tensors=specs, **fields)
         desc = TensorDesc.from_wire(reply["tensors"][0])
         self.conn.leases.hold(reply["put"], reply["oid"])
         try:

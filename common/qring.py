@@ -11,7 +11,8 @@ through it with atomics alone (a prototype: 300k items/s, 13 us a handoff):
     segment (the broker's, one per queue, journaled; clients map it read-write):
       header (HEADER bytes): magic; bell (u32 futex: consumers sleep on it); tail; head;
         pbell (u32 futex at 32: producers sleep on it); csleep, psleep (sleepers); slots;
-        data (bytes of one slot's data); entries
+        data (bytes of one slot's data); entries; from 1024 and 1280, each owner's
+        consumers and producers asleep (a byte per owner)
       entry e (ENTRY bytes, 2 x slots of them): word; pos << 20 | the slot its item is in
         (or SKIP)
       slot i (META bytes): word; flags | taillen << 8; its position; tail[taillen] from 32
@@ -30,10 +31,14 @@ through it with atomics alone (a prototype: 300k items/s, 13 us a handoff):
               anyone who sees the claim helps move the tail); name the slot in the entry;
               slot QUEUED, entry READY(t): published. No free slot: the queue is full, sleep
               on pbell.
-    consumer: at head h, CAS READY(h) -> TAKEN(h, me); slot HELD(me); entry FREE(h +
-              entries); CAS head h -> h + 1 (helped likewise). Its Tensors read the slot's
-              data (zero copy); letting go of them frees the slot. Not READY(h): empty,
-              sleep on bell; head at a closed tail: QueueClosed.
+    consumer: at head h, CAS READY(h) -> TAKEN(h, me); slot HELD(me); build the item;
+              then commit: entry FREE(h + entries), CAS head h -> h + 1 (helped once the
+              entry is free). Its Tensors read the slot's data (zero copy); letting go of
+              them frees the slot. Not READY(h): empty, or TAKEN(h): being taken, sleep on
+              bell; head at a closed tail: QueueClosed. A get that does not return (a
+              signal, Note [shielded steps] in client/shield.py, or its process killed: the
+              broker does it) gives the item back: slot QUEUED, entry READY(h), the head
+              never having passed it, so it keeps its place.
 
 A CAS on the entry decides who claims and who takes each position, so each item goes to one
 consumer, in the order of the positions, and a producer's items keep their order (it claims
@@ -78,6 +83,7 @@ Q_MAGIC, Q_TAIL, Q_HEAD, Q_PBELL, Q_CSLEEP, Q_PSLEEP, Q_SLOTS, Q_DATA, Q_ENTRIES
     0, 16, 24, 24, 40, 48, 56, 64, 72,
 )  # fmt: skip
 
+Q_COWNERS, Q_POWNERS = 1024, 1280  # each owner's sleepers, a byte each (owner n at +n)
 FREE, WRITING, READY, TAKEN = 0, 1, 2, 3  # an entry's
 QUEUED, HELD = 2, 3  # a slot's (FREE, WRITING as an entry's)
 INLINE, ASK = 1, 2  # a slot's flags
@@ -85,6 +91,14 @@ SKIP = 1 << 16  # in an entry's second word (position << 20 | slot): pass over i
 NAMED = (1 << 20) - 1  # that word's slot and SKIP
 CLOSED, REMOVED = 1, 2  # the tail word's low bits
 FULL = -3  # no slot (or entry) free
+
+
+def _add(at: int, delta: int) -> None:
+    """Add `delta` to the word at `at` (mod 2**64)."""
+    while True:
+        n = _shm.load(at)
+        if _shm.cas(at, n, (n + delta) & 0xFFFFFFFFFFFFFFFF):
+            return
 
 
 def state(pos: int, owner: int, st: int) -> int:
@@ -217,9 +231,11 @@ class QueueRingView:
     # -- consumers ---------------------------------------------------------------------------
 
     def take(self, owner: int) -> tuple[int, int, int, bytes] | int | None:
-        """The item at the head, its slot HELD by `owner`: (position, slot, flags, tail);
-        None if there is none yet; -CLOSED once the head is at a closed end, -REMOVED once
-        removed."""
+        """The item at the head, taken by `owner`: (position, slot, flags, tail), its entry
+        TAKEN and its slot HELD until the taker `commit`s it (the head moves on) or gives it
+        `back`: no other consumer passes it meanwhile, so an item whose get did not return
+        keeps its place. None if there is none yet (or another consumer is taking the
+        head); -CLOSED once the head is at a closed end, -REMOVED once removed."""
         addr, load, cas, entries = self.addr, _shm.load, _shm.cas, self.entries
         while True:
             if load(addr + Q_TAIL) & REMOVED:
@@ -230,25 +246,16 @@ class QueueRingView:
             if w == state(h, 0, READY):
                 if not cas(entry, w, state(h, owner, TAKEN)):
                     continue
-                slot = SKIP
-                try:
-                    slot = load(entry + 8) & NAMED
-                    if slot & SKIP:
-                        continue
-                    meta = self.meta(slot)
-                    _shm.store(meta, owner << 2 | HELD)
-                    word = load(meta + 8)
-                    return h, slot, word & 0xFF, ctypes.string_at(meta + 32, word >> 8)
-                except BaseException:  # (a signal's): the item goes, as a consumer's that died
-                    if not slot & SKIP:
-                        _shm.store(self.meta(slot), owner << 2 | HELD)
-                        if not _shm.load(self.meta(slot) + 8) & ASK:  # (asked: the broker's)
-                            self.release(slot, owner)
-                    raise
-                finally:  # the entry must not stay taken
+                slot = load(entry + 8) & NAMED
+                if slot & SKIP:  # passed over
                     self._taken(entry, h)
+                    continue
+                meta = self.meta(slot)
+                _shm.store(meta, owner << 2 | HELD)
+                word = load(meta + 8)
+                return h, slot, word & 0xFF, ctypes.string_at(meta + 32, word >> 8)
             pos = w >> 10
-            if (pos == h and w & 3 == TAKEN) or pos >= h + entries:  # taken: move the head on
+            if pos >= h + entries:  # taken and committed: move the head on
                 cas(addr + Q_HEAD, h, h + 1)
                 continue
             if pos > h:  # the head read is behind already
@@ -258,13 +265,24 @@ class QueueRingView:
                 return -REMOVED
             if t & CLOSED and t >> 2 == h:
                 return -CLOSED
-            return None
+            return None  # empty, or being taken
+
+    def commit(self, pos: int) -> None:
+        """The item taken at `pos` is its taker's: the head moves on."""
+        self._taken(self.entry(pos), pos)
+
+    def back(self, pos: int, slot: int, owner: int) -> None:
+        """The item `owner` took at `pos` (in `slot`) goes back, first in the queue again."""
+        _shm.cas(self.meta(slot), owner << 2 | HELD, QUEUED)
+        _shm.store(self.entry(pos), state(pos, 0, READY))
+        self.wake_consumers()
 
     def _taken(self, entry: int, pos: int) -> None:
         """The entry of `pos` is read: free for the position a lap on."""
         _shm.store(entry, state(pos + self.entries, 0, FREE))
         _shm.cas(self.addr + Q_HEAD, pos, pos + 1)
         self.wake_producers()
+        self.wake_consumers()  # (those that found the head being taken)
 
     def release(self, slot: int, owner: int) -> bool:
         """`owner` lets go of the item in `slot`: the slot is free."""
@@ -284,7 +302,7 @@ class QueueRingView:
             return free and _shm.load(self.entry(pos)) >> 10 >= pos
         h = _shm.load(self.addr + Q_HEAD)
         w = _shm.load(self.entry(h))
-        return bool((w >> 10 == h and w & 3 in (READY, TAKEN)) or w >> 10 >= h + self.entries)
+        return bool((w >> 10 == h and w & 3 == READY) or w >> 10 >= h + self.entries)
 
     # -- sleeping ----------------------------------------------------------------------------
 
@@ -294,14 +312,27 @@ class QueueRingView:
     def producer_bell(self) -> int:
         return _shm.bell(self.addr + Q_PBELL)
 
-    def sleeping(self, producer: bool, count: int) -> None:
-        """Count a sleeper in (count 1, before it reads again) or out (-1)."""
-        at = self.addr + (Q_PSLEEP if producer else Q_CSLEEP)
-        while True:
-            n = _shm.load(at)
-            if _shm.cas(at, n, n + count):
-                break
+    def sleeping(self, producer: bool, count: int, owner: int) -> None:
+        """Count a sleeper of `owner` in (count 1, before it reads again) or out (-1): in
+        the total the wakers read, and in the owner's own count (a byte), which the broker
+        takes out of the total when the owner dies. In: the total first; out: the total
+        last, so a death between the two leaves the total high (a needless wake-up), never
+        low (a sleeper not woken)."""
+        total = self.addr + (Q_PSLEEP if producer else Q_CSLEEP)
+        mine = self.addr + (Q_POWNERS if producer else Q_COWNERS) + owner // 8 * 8
+        shift = owner % 8 * 8
+        if count > 0:
+            _add(total, count)
+            _add(mine, count << shift)
+        else:
+            _add(mine, count << shift)
+            _add(total, count)
         _shm.fence()
+
+    def sleeping_of(self, producer: bool, owner: int) -> int:
+        """How many sleepers of `owner` are counted in."""
+        mine = self.addr + (Q_POWNERS if producer else Q_COWNERS) + owner // 8 * 8
+        return (_shm.load(mine) >> (owner % 8 * 8)) & 0xFF
 
     def sleep(self, producer: bool, seen: int, timeout: float) -> None:
         _shm.bell_wait(self.addr + (Q_PBELL if producer else 0), seen, timeout)

@@ -180,6 +180,10 @@ class QueueRingRoom:
 
     def _left(self, qring: QRing, owner: int) -> None:
         view = qring.view
+        for producer in (False, True):  # its sleepers are counted out
+            asleep = view.sleeping_of(producer, owner)
+            if asleep:
+                view.sleeping(producer, -asleep, owner)
         ours = {s for _p, s, _o, _w in qring.pending.values()}
         ours |= {s for _o, s, _w in qring.asks.values()}
         mine = {p for p, _s, _o, _w in qring.pending.values()} | set(qring.asks)
@@ -194,10 +198,11 @@ class QueueRingRoom:
             if o == owner and st == WRITING and slot not in ours:
                 view.free(slot)
         for pos, o, st, slot in view.entry_words():
-            if o == owner and st == TAKEN:  # it died taking it
+            if o == owner and st == TAKEN:  # it died taking it: the item keeps its place
                 if slot < view.slots:
-                    self._let_go(qring, slot)
-                view.untake(pos)
+                    view.back(pos, slot, owner)
+                else:
+                    view.untake(pos)  # (passing over)
         for slot, (o, st, _flags, _pos) in enumerate(view.slot_words()):
             if o == owner and st == HELD:
                 self._let_go(qring, slot)

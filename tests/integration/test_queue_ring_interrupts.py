@@ -1,0 +1,147 @@
+"""Queue rings and interrupted calls (issue 48; Note [shielded steps] in client/shield.py):
+an interrupted put went in whole or not at all, and says which; an interrupted get leaves
+its item first in the queue; a client killed while it waits or takes leaves nothing
+counted and loses no item."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import numpy as np
+import pytest
+from support import CHILDREN, wait_until
+
+import tensorbroker as tb
+from tensorbroker.client.qring import QueueRing
+from tensorbroker.common import _shm
+
+
+@pytest.fixture
+def c(fresh_broker: tb.BrokerProcess) -> Any:
+    with tb.connect(fresh_broker.address) as client:
+        yield client
+
+
+def _sigint_after_swap(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """Ctrl-C (a real SIGINT to this process) right after the `n`-th successful
+    compare-and-swap on a ring, where the undo code used to be escaped."""
+    real, count = _shm.cas, [0]
+
+    def cas(addr: int, old: int, new: int) -> bool:
+        done = real(addr, old, new)
+        if done:
+            count[0] += 1
+            if count[0] == n:
+                os.kill(os.getpid(), signal.SIGINT)
+        return done
+
+    monkeypatch.setattr(_shm, "cas", cas)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])  # the slot, the entry, the tail
+def test_a_put_interrupted_after_any_swap_went_in_whole_or_not_at_all(
+    c: tb.Client, monkeypatch: pytest.MonkeyPatch, n: int
+) -> None:
+    """The interrupt's exception says whether the item went in; either way the queue
+    (maxsize 1: one slot held would wedge it) takes the next put."""
+    q = c.queue("interrupted-put", maxsize=1)
+    _sigint_after_swap(monkeypatch, n)
+    with pytest.raises(KeyboardInterrupt) as raised:
+        q.put(np.full(4, 1.0), timeout=2)
+    monkeypatch.undo()
+    notes = getattr(raised.value, "__notes__", [])
+    assert notes == ["(the put into queue 'interrupted-put' went in first: version 1)"]
+    assert q.get(timeout=2).numpy().tolist() == [1.0] * 4
+    q.put(np.full(4, 2.0), timeout=2)
+    assert q.get(timeout=2).numpy().tolist() == [2.0] * 4
+    assert wait_until(lambda: q.in_flight() == 0, 5)
+
+
+def test_a_get_interrupted_after_it_took_the_item_leaves_it_first_in_the_queue(
+    c: tb.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 48, defect 2: Ctrl-C right after the take's swap lost the item. (After its
+    commit, the head's swap, the item is the caller's: as after the get returned.)"""
+    q = c.queue("interrupted-get", maxsize=1)
+    q.put(np.full(4, 1.0))
+    _sigint_after_swap(monkeypatch, 1)
+    with pytest.raises(KeyboardInterrupt):
+        q.get(timeout=2)
+    monkeypatch.undo()
+    assert q.get(timeout=2).numpy().tolist() == [1.0] * 4  # not lost, and its slot let go
+    q.put(np.full(4, 2.0), timeout=2)
+    assert q.get(timeout=2).numpy().tolist() == [2.0] * 4
+
+
+def test_a_get_interrupted_while_it_builds_the_item_leaves_it_in_the_queue(
+    c: tb.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 48, defect 5: the slot was let go and the item lost."""
+    q = c.queue("interrupted-build", maxsize=2)
+    q.put(np.full(4, 1.0))
+    q.put(np.full(4, 2.0))
+    real = QueueRing.item
+
+    def interrupted(self: QueueRing, *args: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(self, *args)
+
+    monkeypatch.setattr(QueueRing, "item", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        q.get(timeout=2)
+    monkeypatch.undo()
+    assert [q.get(timeout=2).numpy()[0] for _ in range(2)] == [1.0, 2.0]
+    assert wait_until(lambda: q.in_flight() == 0, 5)
+
+
+def test_a_create_interrupted_while_the_broker_is_asked_holds_nothing_up(
+    c: tb.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 48, defect 3: only BrokerError was cleaned up, and the claimed position was
+    never published (consumers stopped there). Answered anyway: the grant is aborted."""
+    q = c.queue("interrupted-create", maxsize=2)
+    conn = c._transfer.conn
+    real = type(conn).call
+
+    def interrupted(self: Any, op: str, *args: Any, **fields: Any) -> Any:
+        if op == "qput" and "ring" in fields:
+            fields["late"](real(self, op, *args, **{**fields, "late": None}))
+            raise KeyboardInterrupt
+        return real(self, op, *args, **fields)
+
+    monkeypatch.setattr(type(conn), "call", interrupted)
+    with pytest.raises(KeyboardInterrupt), q.create((4,), "float32"):
+        pass
+    monkeypatch.undo()
+    q.put(np.full(2, 1.0), timeout=5)
+    assert q.get(timeout=5).numpy().tolist() == [1.0, 1.0]
+    assert wait_until(lambda: q.in_flight() == 0 and c.stats()["used_bytes"] == 0, 5)
+
+
+def waits_for_an_item(address: str, name: str) -> None:
+    with tb.connect(address) as client:
+        client.queue(name).get(timeout=60)
+
+
+def test_consumers_killed_while_they_wait_are_counted_out(c: tb.Client) -> None:
+    """Issue 48, defect 6: after kills the queue reported consumers waiting with none
+    alive, and every later put made a needless wake-up call."""
+    q = c.queue("watched", maxsize=2)
+
+    def waiting() -> int:
+        return next(r["consumers"] for r in c.list_queues() if r["name"] == "watched")
+
+    sleepers = [
+        CHILDREN.Process(target=waits_for_an_item, args=(c.address, "watched")) for _ in range(3)
+    ]
+    for p in sleepers:
+        p.start()
+    assert wait_until(lambda: waiting() == 3, 20), c.list_queues()
+    for p in sleepers:
+        p.kill()
+        p.join()
+    assert wait_until(lambda: waiting() == 0, 10), c.list_queues()
+    q.put(np.ones(2))
+    assert q.get(timeout=5).numpy().tolist() == [1.0, 1.0]
