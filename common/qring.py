@@ -174,13 +174,9 @@ class QueueRingView:
                 return slot
         return FULL
 
-    def unalloc(self, slot: int, owner: int, queued: bool = False) -> None:
-        """A slot `owner` took for a put that did not happen (`queued`: it may have been
-        marked QUEUED already, its position passed over since)."""
-        meta = self.meta(slot)
-        if _shm.cas(meta, owner << 2 | WRITING, FREE) or (
-            queued and _shm.cas(meta, owner << 2 | QUEUED, FREE)
-        ):
+    def unalloc(self, slot: int, owner: int) -> None:
+        """A slot `owner` took for a put that did not happen."""
+        if _shm.cas(self.meta(slot), owner << 2 | WRITING, FREE):
             self.wake_producers()
 
     def claim(self, owner: int) -> int:
