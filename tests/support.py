@@ -208,22 +208,36 @@ def free_port() -> int:
     """A port of 127.0.0.1 no one listens on now, below the kernel's ephemeral range: a port
     picked from that range (bind to port 0) can be taken before the broker binds it by any
     socket given a port by the kernel, such as those of the UCX agents of a cluster's other
-    brokers (seen: a three-node cluster whose third broker found its port in use)."""
+    brokers (seen: a three-node cluster whose third broker found its port in use).
+
+    Each pytest-xdist worker picks from its own slice of that range, in turn from a random
+    start, so no two workers (and no two picks of one worker) hand out the same port while a
+    test holds it unbound (seen: a node of one worker finding its port taken by another's)."""
+    global _next_port
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             ephemeral = int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         ephemeral = 32768
     low = max(1024, ephemeral - 12000)
-    for _ in range(100):
-        port = random.randrange(low, ephemeral)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").lstrip("gw") or 0) % workers
+    span = (ephemeral - low) // workers
+    start = low + worker * span
+    for _ in range(200):
+        if _next_port is None:
+            _next_port = random.randrange(span)
+        port, _next_port = start + _next_port % span, (_next_port + 1) % span
         with socket.socket() as probe:
             try:
                 probe.bind(("127.0.0.1", port))
             except OSError:
                 continue
         return port
-    raise RuntimeError(f"no free port of 127.0.0.1 in {low}-{ephemeral - 1}")
+    raise RuntimeError(f"no free port of 127.0.0.1 in {start}-{start + span - 1}")
+
+
+_next_port: int | None = None
 
 
 def free_tcp_address() -> str:
