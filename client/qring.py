@@ -5,6 +5,7 @@ cannot hold goes through the broker, naming the position claimed for it."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -27,9 +28,12 @@ if TYPE_CHECKING:
     from .reads import Item
     from .transfer import Transfer
 
+log = logging.getLogger(__name__)
+
 RINGS_ENV = "TENSORBROKER_QUEUE_RINGS"  # "off": every queue item through the broker
 LOOK = 1.0  # seconds a sleeper sleeps before it looks at its broker
 TAILS = 64  # slot tails kept unpacked
+BACK_WAIT = 2.0  # seconds a get that failed waits for the broker to take its item back
 
 
 Planned = tuple[Any, bytes]  # a WritePlan, and its slot's tail (b"": through the broker)
@@ -225,11 +229,11 @@ class QueueRing:
     def get(self, timeout: float | None) -> Item:
         """The next item, waiting up to `timeout` seconds (0: WouldWait at once). A get
         interrupted before it returns leaves the item first in the queue (Note [shielded
-        steps]); one of an item put through the broker once it asks for it, the broker's."""
+        steps]), one put through the broker too (`_ask`)."""
         view = self.view
-        got = self._take()
-        if got is None:
-            deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+        deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+        while True:
+            got = self._take()
             while got is None:
                 if timeout == 0:
                     raise WouldWait()
@@ -239,17 +243,63 @@ class QueueRing:
                     if got is None:
                         view.sleep(False, seen, self._left(deadline, timeout, put=False))
                         got = self._take()
-        if isinstance(got, tuple):  # taken (committed) for the broker to hand over
-            reply = self.transfer.conn.call(
-                Op.QGET, queue=self.queue_id, name=self.name, ring=got[0]
-            )  # (a failed ask leaves it to the broker: freed when this client ends)
-            return self.transfer.reads.read(reply)
-        return got
+            if isinstance(got, tuple):  # taken for the broker to hand over
+                got = self._ask(*got)
+            if got is not None:
+                return got
+
+    def _ask(self, pos: int, slot: int) -> Item | None:
+        """The item taken at `pos` (in `slot`) that was put through the broker, asked for:
+        committed once it is built and no signal came meanwhile; else given back first in
+        the queue (`_unask`) and the signal's handler run (None if it returns)."""
+        conn, answered = self.transfer.conn, list[dict[str, Any]]()
+        try:
+            reply = conn.call(
+                Op.QGET, late=answered.append, queue=self.queue_id, name=self.name, ring=pos
+            )  # fmt: skip
+        except BaseException:
+            with shielded():
+                self._unask(pos, slot, answered[0]["lease"] if answered else None)
+            raise
+        with shielded() as step:
+            try:
+                item, lease = self.transfer.reads.build(reply)
+            except BaseException:
+                self._unask(pos, slot, reply["lease"])
+                raise
+            if not step.pending:
+                self.view.commit(pos)
+                return item
+            lease.disarm()  # interrupted: the item stays in the queue
+            self._unask(pos, slot, reply["lease"])
+        return None
+
+    def _unask(self, pos: int, slot: int, lease: int | None) -> None:
+        """Give back the item taken at `pos` (in `slot`; its entry still TAKEN) that this
+        consumer asked the broker for, on `lease` if the broker answered (None: it did not,
+        or not yet). Taken back by the broker, it is first in the queue again; else (an item
+        on a device, or a broker gone) the entry is committed and the item goes with its
+        lease (this client's, as a get that returned and was dropped)."""
+        conn, view = self.transfer.conn, self.view
+        try:
+            back = conn.call(Op.QBACK, wait=BACK_WAIT, queue=self.queue_id, ring=pos)["back"]
+        except BrokerError as exc:
+            log.warning("queue %r: the item at %d taken by a get that failed is dropped, "
+                        "the broker did not take it back (%s)", self.name, pos, exc)  # fmt: skip
+            back = False
+        if back:
+            if lease is not None:
+                conn.leases.forget(lease)
+            view.back(pos, slot, self.owner)
+            return
+        view.commit(pos)
+        if lease is not None:
+            conn.leases.releases.put(lease)
 
     def _take(self) -> Item | tuple[int, int] | None:
         """One try of a take, shielded: the item built, committed only if no signal came
         meanwhile (else given back, first in the queue); (position, slot) of one to ask
-        the broker for; None if there is none yet. QueueClosed once the queue ended."""
+        the broker for, taken; None if there is none yet. QueueClosed once the queue ended."""
         view, owner = self.view, self.owner
         with shielded() as step:
             got = view.take(owner)
@@ -258,11 +308,10 @@ class QueueRing:
                     raise self._ended(-got, put=False)
                 return None
             pos, slot, flags, tail = got
-            if flags & ASK:
+            if flags & ASK:  # still TAKEN while the broker is asked for it (`_ask`)
                 if step.pending:
                     view.back(pos, slot, owner)
                     return None
-                view.commit(pos)
                 return pos, slot
             try:
                 item, lease = self.item(pos, slot, tail)

@@ -206,17 +206,28 @@ class Reads:
 
     def read(self, reply: dict[str, Any]) -> Item:
         """The Tensors of an object descriptor the broker sent, with its lease."""
-        lease_id, key, version = reply["lease"], reply["key"], reply["version"]
-        self.conn.leases.hold(lease_id, reply["oid"])
         try:
-            descs = [TensorDesc.from_wire(w) for w in reply["tensors"]]
-            lease = self.lease(lease_id, descs[0], reply, reader=True)
+            return self.build(reply)[0]
         except BaseException:
-            self.conn.leases.releases.put(lease_id)
+            self.conn.leases.releases.put(reply["lease"])
             raise
-        if not reply["bundle"]:
-            return Tensor(key, version, descs[0], lease)
-        return {t.name: Tensor(key, version, t, lease) for t in descs}
+
+    def build(self, reply: dict[str, Any]) -> tuple[Item, Lease]:
+        """`read`'s Tensors and their lease; one that fails leaves the lease to the caller
+        (a queue ring's get gives its item back on it)."""
+        lease_id, key, version = reply["lease"], reply["key"], reply["version"]
+        descs = [TensorDesc.from_wire(w) for w in reply["tensors"]]
+        lease = self.lease(lease_id, descs[0], reply, reader=True)
+        try:
+            if not reply["bundle"]:
+                item: Item = Tensor(key, version, descs[0], lease)
+            else:
+                item = {t.name: Tensor(key, version, t, lease) for t in descs}
+        except BaseException:
+            lease.disarm()
+            raise
+        self.conn.leases.hold(lease_id, reply["oid"])
+        return item, lease
 
     def move(self, key: str, result: Item, want: str | None, copy: bool) -> Item:
         """`result` on the device `want` (see placement.move)."""

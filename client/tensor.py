@@ -47,6 +47,10 @@ class Lease:
         self.mapping: Mapping | Opened | Any = mapping
         self._releases = releases
 
+    def disarm(self) -> None:
+        """Its end sends nothing: the caller gives the lease back another way."""
+        self._releases = None
+
     def __del__(self) -> None:
         releases, self._releases = self._releases, None
         if releases is not None and self.id is not None:

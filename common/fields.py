@@ -277,7 +277,7 @@ FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
         "timeout": (check_timeout, False),
     },
     Op.QCLOSE: {"queue": (_int, True), "name": (check_key, False)},
-    Op.QBACK: {"queue": (_int, True), "leases": (_ids, True)},
+    Op.QBACK: {"queue": (_int, True), "leases": (_ids, False), "ring": (_int, False)},
     Op.QINFO: {"queue": (_int, True), "name": (check_key, False)},
     Op.QDELETE: {"name": (check_key, True)},
     Op.CANCEL: {"call": (_int, True)},

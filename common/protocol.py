@@ -66,7 +66,8 @@ class Op:
     QUNSUB = "qunsub"  # queue, sub
     QCLOSE = "qclose"  # queue
     QBACK = "qback"  # queue, leases: items handed to this client that it never took (gets
-    # it gave up), back to the queue as it closes -> back (the leases given back)
+    # it gave up), back to the queue as it closes -> back (the leases given back); or queue,
+    # ring: the item a failed get took from the queue's ring at that position -> back (bool)
     QINFO = "qinfo"  # queue -> len, maxsize, in_flight, closed
     QDELETE = "qdelete"  # name: remove a queue (its consumers get QueueClosed)
     CANCEL = "cancel"  # call (the id of a request of this socket) -> cancelled: whether it

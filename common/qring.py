@@ -57,7 +57,8 @@ go. An item the ring cannot describe (on a GPU, larger than a slot's data, a bun
 tail does not fit, one written with `create`) is put through the broker as before, naming
 the position its producer claimed (its slot, flagged ASK, holds its share of `maxsize`);
 the broker publishes it once its journal has it, and the consumer that takes it asks the
-broker for it. Its slot is freed with the item.
+broker for it, committing the take once it has the item (a get that fails first gives it
+back: the broker takes back its lease). Its slot is freed with the item.
 
 A ring's queue is closed by setting CLOSED in the tail word: no claim gets past it, and
 consumers drain to it. The segment outlives a broker that dies: with --state-dir the next

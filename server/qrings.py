@@ -5,6 +5,7 @@ qring_state.py has each ring's segment and owner numbers."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -145,6 +146,27 @@ class QueueRingRoom:
         qring.lent[obj.oid] = slot
         return obj
 
+    def unask(self, session: Session, q: BrokerQueue, pos: int) -> bool:
+        """`session` took the item at `pos` from the ring (its entry still TAKEN) and its get
+        failed, maybe after asking for it: whether the broker has it for the next consumer
+        (taken back from the session's lease if it was handed over). False: the item stays
+        the session's (an item on a device, which a lease cannot give back), or is gone."""
+        qring = q.qring
+        if qring is None or q.removed:
+            return False
+        return pos in qring.asks or self._unlend(q, qring, session, pos)
+
+    def _unlend(self, q: BrokerQueue, qring: QRing, session: Session, pos: int) -> bool:
+        """The item at `pos`, handed over to `session`, back to the broker (as if never asked
+        for), if the registry can take its lease back."""
+        for lease, obj in session.leases.items():
+            if obj.queue is q and obj.version == pos + 1 and obj.oid in qring.lent:
+                if self.registry.take_back(session, lease, q) is None:
+                    return False
+                qring.asks[pos] = (obj, qring.lent.pop(obj.oid), 0)
+                return True
+        return False
+
     def freed(self, obj: StoredObject) -> None:
         """The registry freed item `obj`: its slot is free (a put aborted before its seal:
         its position is passed over)."""
@@ -175,10 +197,16 @@ class QueueRingRoom:
         for q, qring in self._rings():
             owner = qring.owners.pop(session.token, 0)
             if owner:
-                self._left(qring, owner)
+                self._left(qring, owner, functools.partial(self._unlend, q, qring, session))
                 self.registry.journal.queue(q)
 
-    def _left(self, qring: QRing, owner: int) -> None:
+    def _left(
+        self, qring: QRing, owner: int, unlend: Callable[[int], bool] = lambda pos: False
+    ) -> None:
+        """What `owner`, gone, had in the ring: its sleepers counted out, what it was writing
+        passed over and freed, what it was taking given back (an item it asked for, if
+        `unlend` takes it back from its lease; else it goes with the lease), what it held
+        let go."""
         view = qring.view
         for producer in (False, True):  # its sleepers are counted out
             asleep = view.sleeping_of(producer, owner)
@@ -199,10 +227,12 @@ class QueueRingRoom:
                 view.free(slot)
         for pos, o, st, slot in view.entry_words():
             if o == owner and st == TAKEN:  # it died taking it: the item keeps its place
-                if slot < view.slots:
+                if slot >= view.slots:
+                    view.untake(pos)  # (passing over)
+                elif slot not in qring.lent.values() or unlend(pos):
                     view.back(pos, slot, owner)
                 else:
-                    view.untake(pos)  # (passing over)
+                    view.commit(pos)  # (its slot is freed with the lease)
         for slot, (o, st, _flags, _pos) in enumerate(view.slot_words()):
             if o == owner and st == HELD:
                 self._let_go(qring, slot)

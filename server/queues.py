@@ -157,11 +157,14 @@ class Queues:
     def give_back(self, session: Session, route: bytes, req: Request) -> Reply:
         """Items of queue `queue` handed to this client that it never took (answers to gets
         it gave up), given back as it closes: to a consumer waiting, else to the front, as
-        if never handed out. Leases it does not hold so stay its own (it lets them go)."""
+        if never handed out. Leases it does not hold so stay its own (it lets them go).
+        With `ring`, the item a get that failed took from the ring there (`QueueRingRoom.unask`)."""
         q = self.table.by_id.get(req.fields["queue"])
+        if "ring" in req.fields:  # an item taken from the ring, maybe asked for
+            return {"back": q is not None and self.qrings.unask(session, q, req.fields["ring"])}
         back = []
         if q is not None and q.subs is None and not q.ended:  # (an ended one tells no one)
-            for lease in req.fields["leases"]:
+            for lease in req.fields.get("leases", []):
                 obj = self.registry.take_back(session, lease, q)
                 if obj is not None:
                     self._back_in_queue(q, obj)

@@ -145,3 +145,94 @@ def test_consumers_killed_while_they_wait_are_counted_out(c: tb.Client) -> None:
     assert wait_until(lambda: waiting() == 0, 10), c.list_queues()
     q.put(np.ones(2))
     assert q.get(timeout=5).numpy().tolist() == [1.0, 1.0]
+
+
+def _big(q: Any, value: float) -> np.ndarray:
+    """An item larger than a slot of `q`'s ring: it goes through the broker."""
+    ring = q._ring
+    assert ring is not None
+    return np.full(ring.view.data // 4 + 1024, value, np.float32)
+
+
+@pytest.mark.parametrize("when", ["before-the-ask", "answered-then-interrupted"])
+def test_a_get_of_an_item_through_the_broker_interrupted_leaves_it_first(
+    c: tb.Client, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    """Issue 48, defect 4: Ctrl-C in the get of an item larger than a slot lost it, and its
+    slot was held until the client ended. Now it stays first, before the item put after it."""
+    q = c.queue("interrupted-ask", maxsize=2)
+    q.put(_big(q, 1.0))
+    q.put(np.full(4, 2.0))
+    conn = c._transfer.conn
+    real = type(conn).call
+
+    def interrupted(self: Any, op: str, *args: Any, **fields: Any) -> Any:
+        if op == "qget" and "ring" in fields:
+            if when == "answered-then-interrupted":
+                fields["late"](real(self, op, *args, **{**fields, "late": None}))
+            raise KeyboardInterrupt
+        return real(self, op, *args, **fields)
+
+    monkeypatch.setattr(type(conn), "call", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        q.get(timeout=2)
+    monkeypatch.undo()
+    first = q.get(timeout=2)
+    assert first.version == 1 and np.array_equal(first.numpy(), _big(q, 1.0))
+    assert q.get(timeout=2).numpy().tolist() == [2.0] * 4
+    del first
+    assert wait_until(lambda: q.in_flight() == 0 and c.stats()["used_bytes"] == 0, 5)
+
+
+def test_a_get_of_an_item_through_the_broker_interrupted_while_built_leaves_it_first(
+    c: tb.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real SIGINT once the broker answered, while the item's Tensors are built: the
+    lease is given back to the broker (not released: that would free the item)."""
+    q = c.queue("interrupted-ask-build", maxsize=2)
+    q.put(_big(q, 1.0))
+    reads = c._transfer.reads
+    real = type(reads).build
+
+    def interrupted(self: Any, reply: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(self, reply)
+
+    monkeypatch.setattr(type(reads), "build", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        q.get(timeout=2)
+    monkeypatch.undo()
+    again = q.get(timeout=2)
+    assert again.version == 1 and np.array_equal(again.numpy(), _big(q, 1.0))
+    del again
+    assert wait_until(lambda: q.in_flight() == 0 and c.stats()["used_bytes"] == 0, 5)
+
+
+def dies_once_answered(address: str, name: str) -> None:
+    """Take an item put through the broker, ask for it, and die (SIGKILL) once the broker
+    answered, before the take is committed."""
+    from tensorbroker.client import reads
+
+    def killed(wire: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    reads.TensorDesc.from_wire = killed  # type: ignore[method-assign]
+    with tb.connect(address) as client:
+        client.queue(name).get(timeout=30)
+
+
+def test_an_item_through_the_broker_whose_taker_died_keeps_its_place(c: tb.Client) -> None:
+    """The broker had handed the item over on the dead consumer's lease: it takes it back
+    from the lease and the item stays first."""
+    q = c.queue("died-asking", maxsize=2)
+    q.put(_big(q, 1.0))
+    q.put(np.full(4, 2.0))
+    p = CHILDREN.Process(target=dies_once_answered, args=(c.address, "died-asking"))
+    p.start()
+    p.join(30)
+    assert p.exitcode == -signal.SIGKILL
+    first = q.get(timeout=10)
+    assert first.version == 1 and np.array_equal(first.numpy(), _big(q, 1.0))
+    assert q.get(timeout=2).numpy().tolist() == [2.0] * 4
+    del first
+    assert wait_until(lambda: q.in_flight() == 0 and c.stats()["used_bytes"] == 0, 5)
