@@ -5,10 +5,9 @@ cannot hold goes through the broker, naming the position claimed for it."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgpack
@@ -16,10 +15,10 @@ import numpy as np
 
 from ..common import _shm, host
 from ..common.descriptors import TensorDesc
-from ..common.errors import BrokerError, BrokerUnavailable, InvalidRequest, QueueClosed, Timeout
+from ..common.errors import InvalidRequest, QueueClosed, Timeout
 from ..common.mailbox import item_reply
-from ..common.protocol import Op
 from ..common.qring import ASK, CLOSED, FULL, INLINE, META_TAIL, REMOVED, QueueRingView
+from . import qring_asks as asks
 from .shield import shielded
 from .tensor import Lease, Tensor
 
@@ -28,12 +27,9 @@ if TYPE_CHECKING:
     from .reads import Item
     from .transfer import Transfer
 
-log = logging.getLogger(__name__)
-
 RINGS_ENV = "TENSORBROKER_QUEUE_RINGS"  # "off": every queue item through the broker
 LOOK = 1.0  # seconds a sleeper sleeps before it looks at its broker
 TAILS = 64  # slot tails kept unpacked
-BACK_WAIT = 2.0  # seconds a get that failed waits for the broker to take its item back
 
 
 Planned = tuple[Any, bytes]  # a WritePlan, and its slot's tail (b"": through the broker)
@@ -93,18 +89,8 @@ class QueueRing:
         plan, tail = planned
         if tail:
             deadline = None if claim is None else time.monotonic() + max(claim, 0.0)
-            return self._wait(lambda _o: self._put_inline(plan, tail), deadline, claim)
-        answered: list[dict[str, Any]] = []
-        claimed: list[int] = []
-        try:
-            self.reserve(claim, claimed)
-            plan.fields["ring"] = claimed[1]
-            conn = self.transfer.conn
-            reply = conn.call(Op.QPUT, wait=until, late=answered.append, **plan.request)
-        except BaseException as exc:
-            self._not_put(claimed, answered, exc)
-            raise
-        return self.transfer.fill(plan, reply, block)  # (a failed fill is aborted: the broker's)
+            return self.wait_for(lambda _o: self._put_inline(plan, tail), deadline, claim)
+        return asks.put(self, plan, claim, until, block)
 
     def _put_inline(self, plan: Any, tail: bytes) -> int:
         """One try of a put into a slot, shielded: its version, or FULL, -CLOSED, -REMOVED."""
@@ -127,51 +113,7 @@ class QueueRing:
             step.note = f"(the put into queue {self.name!r} went in first: version {pos + 1})"
             return pos + 1
 
-    def reserve(self, timeout: float | None, claimed: list[int]) -> None:
-        """A slot, then a position after it named for an item put through the broker (ASK),
-        waiting up to `timeout` seconds for each; each is added to `claimed` in the step
-        that takes it (Note [shielded steps]), so that whatever interrupts, `_not_put`
-        knows what to give back."""
-        view, owner = self.view, self.owner
-        deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
-
-        def take_slot(_owner: int) -> int:
-            with shielded():
-                got = view.alloc(owner)
-                if got >= 0:
-                    claimed.append(got)
-                return got
-
-        def take_position(_owner: int) -> int:
-            with shielded():
-                got = view.claim(owner)
-                if got >= 0:
-                    view.name(got, claimed[0], ASK, b"")
-                    claimed.append(got)
-                return got
-
-        self._wait(take_slot, deadline, timeout)
-        self._wait(take_position, deadline, timeout)
-
-    def _not_put(
-        self, claimed: list[int], answered: list[dict[str, Any]], exc: BaseException
-    ) -> None:
-        """A put through the broker that raised `exc` with `claimed` (its slot, and
-        position): aborted if the broker granted it (it then passes the position over),
-        else passed over here; left to the broker if it exited (one back with the state
-        goes on with it)."""
-        view, owner = self.view, self.owner
-        with shielded():
-            if len(claimed) == 1:
-                view.unalloc(claimed[0], owner)
-            elif answered:  # given up, but granted: aborted, the broker passes it over
-                with contextlib.suppress(BrokerError):
-                    self.transfer.conn.call(Op.ABORT, put=answered[0]["put"])
-            elif claimed and not isinstance(exc, BrokerUnavailable):  # refused or cancelled
-                view.skip(claimed[1], owner)
-                view.unalloc(claimed[0], owner)
-
-    def _wait(
+    def wait_for(
         self, attempt: Callable[[int], int], deadline: float | None, timeout: float | None
     ) -> int:
         """`attempt(owner)` (an alloc, a claim, or a whole put) until it is not FULL,
@@ -191,28 +133,12 @@ class QueueRing:
                     got = attempt(owner)
         return got
 
-    @contextlib.contextmanager
     def create(
         self, shape: Sequence[int], dtype: Any, device: Any, timeout: float | None,
         until: float | None,
-    ) -> Iterator[Tensor]:  # fmt: skip
-        """`Queue.create`: the item is written in place through the broker, at a position
-        reserved first (passed over if the broker never had the put, aborted if it did)."""
-        answered: list[dict[str, Any]] = []
-        claimed: list[int] = []
-        made = False
-        try:
-            self.reserve(timeout, claimed)
-            with self.transfer.create(
-                self.name, shape, dtype, device, Op.QPUT, until, late=answered.append,
-                queue=self.queue_id, name=self.name, timeout=timeout, ring=claimed[1],
-            ) as buffer:  # fmt: skip
-                made = True
-                yield buffer
-        except BaseException as exc:
-            if not made:  # (once made, aborted by transfer.create)
-                self._not_put(claimed, answered, exc)
-            raise
+    ) -> contextlib.AbstractContextManager[Tensor]:  # fmt: skip
+        """`Queue.create`: the item is written in place through the broker (asks.create)."""
+        return asks.create(self, shape, dtype, device, timeout, until)
 
     def _copy(self, plan: Any, slot: int) -> None:
         mapping = self.mapping
@@ -244,57 +170,9 @@ class QueueRing:
                         view.sleep(False, seen, self._left(deadline, timeout, put=False))
                         got = self._take()
             if isinstance(got, tuple):  # taken for the broker to hand over
-                got = self._ask(*got)
+                got = asks.ask(self, *got)
             if got is not None:
                 return got
-
-    def _ask(self, pos: int, slot: int) -> Item | None:
-        """The item taken at `pos` (in `slot`) that was put through the broker, asked for:
-        committed once it is built and no signal came meanwhile; else given back first in
-        the queue (`_unask`) and the signal's handler run (None if it returns)."""
-        conn, answered = self.transfer.conn, list[dict[str, Any]]()
-        try:
-            reply = conn.call(
-                Op.QGET, late=answered.append, queue=self.queue_id, name=self.name, ring=pos
-            )  # fmt: skip
-        except BaseException:
-            with shielded():
-                self._unask(pos, slot, answered[0]["lease"] if answered else None)
-            raise
-        with shielded() as step:
-            try:
-                item, lease = self.transfer.reads.build(reply)
-            except BaseException:
-                self._unask(pos, slot, reply["lease"])
-                raise
-            if not step.pending:
-                self.view.commit(pos)
-                return item
-            lease.disarm()  # interrupted: the item stays in the queue
-            self._unask(pos, slot, reply["lease"])
-        return None
-
-    def _unask(self, pos: int, slot: int, lease: int | None) -> None:
-        """Give back the item taken at `pos` (in `slot`; its entry still TAKEN) that this
-        consumer asked the broker for, on `lease` if the broker answered (None: it did not,
-        or not yet). Taken back by the broker, it is first in the queue again; else (an item
-        on a device, or a broker gone) the entry is committed and the item goes with its
-        lease (this client's, as a get that returned and was dropped)."""
-        conn, view = self.transfer.conn, self.view
-        try:
-            back = conn.call(Op.QBACK, wait=BACK_WAIT, queue=self.queue_id, ring=pos)["back"]
-        except BrokerError as exc:
-            log.warning("queue %r: the item at %d taken by a get that failed is dropped, "
-                        "the broker did not take it back (%s)", self.name, pos, exc)  # fmt: skip
-            back = False
-        if back:
-            if lease is not None:
-                conn.leases.forget(lease)
-            view.back(pos, slot, self.owner)
-            return
-        view.commit(pos)
-        if lease is not None:
-            conn.leases.releases.put(lease)
 
     def _take(self) -> Item | tuple[int, int] | None:
         """One try of a take, shielded: the item built, committed only if no signal came

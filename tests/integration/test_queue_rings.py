@@ -15,6 +15,7 @@ from support import CHILDREN, GaveUp, interrupt_after, join_all, wait_until
 from workers import shm_mapping
 
 import tensorbroker as tb
+from tensorbroker.client import qring_asks
 from tensorbroker.common import _shm
 from tensorbroker.common.qring import (
     FREE,
@@ -78,7 +79,7 @@ def dies_writing(address: str, name: str) -> None:
     with tb.connect(address) as client:
         ring = client.queue(name)._ring
         assert ring is not None
-        ring.reserve(None, [])
+        qring_asks.reserve(ring, None, [])
         os._exit(0)
 
 
@@ -112,7 +113,7 @@ def dies_publishing(address: str, name: str) -> None:
         assert ring is not None
         planned = ring.plan(np.full(2, 9.0), None, None, False)
         claimed: list[int] = []
-        ring.reserve(None, claimed)
+        qring_asks.reserve(ring, None, claimed)
         slot, pos = claimed
         ring._copy(planned[0], slot)
         ring.view.name(pos, slot, INLINE, planned[1])
@@ -401,7 +402,9 @@ def test_a_consumer_that_dies_passing_over_a_position_holds_nothing_up(c: tb.Cli
     assert ring is not None
     q.put(np.full(2, 1.0))
     claimed: list[int] = []
-    ring.reserve(None, claimed)  # a position given up behind the first: passed over later
+    qring_asks.reserve(
+        ring, None, claimed
+    )  # a position given up behind the first: passed over later
     slot, pos = claimed
     assert ring.view.skip(pos, ring.owner)
     ring.view.unalloc(slot, ring.owner)
