@@ -101,6 +101,7 @@ class QueueTable:
         self.by_id: dict[int, BrokerQueue] = {}
         self._ids = itertools.count(1)
         self._ended: dict[int, BrokerQueue] = {}  # ended queues, oldest first
+        self._removed: dict[int, str] = {}  # removed queues' names by id, oldest first
         self.on_end: Callable[[BrokerQueue], None] = lambda q: None
 
     def new_id(self) -> int:
@@ -116,6 +117,14 @@ class QueueTable:
         """`q` was removed: its name may start a new queue, its handles fail."""
         del self.by_name[q.name], self.by_id[q.id]
         self._ended.pop(q.id, None)
+        self._forgot(q)
+
+    def _forgot(self, q: BrokerQueue) -> None:
+        """A removed queue leaves: requests that still name it are told it was removed (for
+        the last ENDED_QUEUES of them)."""
+        self._removed[q.id] = q.name
+        while len(self._removed) > ENDED_QUEUES:
+            del self._removed[next(iter(self._removed))]
 
     def number_after_adopted(self) -> None:
         """The queues of a broker that died are in: new ids come after theirs."""
@@ -126,13 +135,18 @@ class QueueTable:
         removed = [q for q in self.by_id.values() if q.removed]
         for q in removed:
             del self.by_id[q.id]
+            self._forgot(q)
         return removed
 
     def find(self, req: Request) -> BrokerQueue:
-        """The queue a request names by id (QueueClosed if it ended and was forgotten)."""
+        """The queue a request names by id (QueueClosed if it was removed, or ended and was
+        forgotten)."""
         q = self.by_id.get(req.fields["queue"])
         if q is None:
-            name = req.fields.get("name", f"#{req.fields['queue']}")
+            qid = req.fields["queue"]
+            name = req.fields.get("name") or self._removed.get(qid, f"#{qid}")
+            if qid in self._removed:
+                raise QueueClosed(f"queue {name!r} was removed")
             raise QueueClosed(f"queue {name!r} is closed and drained")
         return q
 

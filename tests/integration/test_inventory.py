@@ -61,6 +61,18 @@ def test_clients_shows_each_process_and_what_it_reads(
         del held
 
 
+@pytest.mark.parametrize("maxsize", [0, 2], ids=["through-the-broker", "ring"])
+def test_the_handles_of_a_removed_queue_say_it_was_removed(client: tb.Client, maxsize: int) -> None:
+    """Issue 48: once the broker forgot a removed queue, its handles were told it was
+    "closed and drained", which it never was."""
+    q = client.queue(f"removed-{maxsize}", maxsize=maxsize)
+    q.put(np.ones(4))
+    client.delete_queue(f"removed-{maxsize}")
+    for call in (lambda: q.get(timeout=0), lambda: q.put(np.ones(4), timeout=0)):
+        with pytest.raises(tb.QueueClosed, match=f"queue 'removed-{maxsize}' was removed"):
+            call()
+
+
 def test_delete_queue_ends_consumers_and_producers_and_frees_its_items(
     client: tb.Client, broker: tb.BrokerProcess
 ) -> None:
@@ -88,7 +100,7 @@ def test_delete_queue_ends_consumers_and_producers_and_frees_its_items(
     # The two waiting items are freed; the one a consumer holds stays readable until let go.
     assert client.stats()["used_bytes"] == used + MiB
     assert float(held[0]) == 0.0 and float(held[-1]) == 0.0
-    with pytest.raises(tb.QueueClosed):
+    with pytest.raises(tb.QueueClosed, match="queue 'doomed' was removed"):
         q.get(timeout=0)
     del held
     assert wait_until(lambda: client.stats()["used_bytes"] == used, 5.0)
