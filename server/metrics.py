@@ -73,6 +73,16 @@ GAUGES = (
         "tensorbroker_queue_items_in_flight",
         "Queue items holding memory: being written, waiting, or taken and not yet freed.",
     ),
+    (
+        "queue_consumers",
+        "tensorbroker_queue_consumers_waiting",
+        "Consumers waiting for a queue item: parked in the broker, or asleep on a queue ring.",
+    ),
+    (
+        "queue_producers",
+        "tensorbroker_queue_producers_waiting",
+        "Producers waiting for room in a full queue: parked, or asleep on a queue ring.",
+    ),
     ("clients", "tensorbroker_clients", "Client sessions connected."),
     ("leases", "tensorbroker_leases", "Leases clients hold on objects (tensors in use)."),
     (

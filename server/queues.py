@@ -366,10 +366,14 @@ class Queues:
     def stats(self) -> Reply:
         for q in self.qrings.closed():  # drained through their rings since
             self.table.note_if_ended(q)
+        queues = self.table.by_name.values()
+        waiters = [q.waiters() for q in queues]  # parked here, or asleep on a ring
         return {
             "queues": self.table.live,  # not ended yet
-            "queued_items": sum(q.counts()[0] for q in self.table.by_name.values()),
-            "queue_in_flight": sum(q.counts()[1] for q in self.table.by_name.values()),
+            "queued_items": sum(q.counts()[0] for q in queues),
+            "queue_in_flight": sum(q.counts()[1] for q in queues),
+            "queue_consumers": sum(c for c, _p in waiters),
+            "queue_producers": sum(p for _c, p in waiters),
             "ring_items": self.rings.items,  # broadcast items posted to rings
             **self.handoffs.stats(),
         }

@@ -102,7 +102,8 @@ def _header(view: View, stats: dict[str, Any], width: int) -> _Section:
         f"objects {stats['objects']}",
         f"leases {stats['leases']}",
         f"queues {stats['queues']} ({stats['queued_items']} items, "
-        f"{stats['queue_in_flight']} in flight)",
+        f"{stats['queue_in_flight']} in flight, {stats.get('queue_consumers', 0)} consumers "
+        "waiting)",
         f"waiters {stats['waiters']}",
         f"published {stats['published']}",
         f"evicted {stats['evicted']}",

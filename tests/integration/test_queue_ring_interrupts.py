@@ -127,7 +127,7 @@ def waits_for_an_item(address: str, name: str) -> None:
 
 def test_consumers_killed_while_they_wait_are_counted_out(c: tb.Client) -> None:
     """Issue 48, defect 6: after kills the queue reported consumers waiting with none
-    alive, and every later put made a needless wake-up call."""
+    alive, and every later put made a needless wake-up call. stats() counts them too."""
     q = c.queue("watched", maxsize=2)
 
     def waiting() -> int:
@@ -139,10 +139,12 @@ def test_consumers_killed_while_they_wait_are_counted_out(c: tb.Client) -> None:
     for p in sleepers:
         p.start()
     assert wait_until(lambda: waiting() == 3, 20), c.list_queues()
+    assert c.stats()["queue_consumers"] == 3  # (asleep on the ring: no request parked)
     for p in sleepers:
         p.kill()
         p.join()
     assert wait_until(lambda: waiting() == 0, 10), c.list_queues()
+    assert c.stats()["queue_consumers"] == 0
     q.put(np.ones(2))
     assert q.get(timeout=5).numpy().tolist() == [1.0, 1.0]
 
