@@ -120,6 +120,23 @@ class Ahead:
         except IndexError:  # another thread took the last one
             return self.take_grant(size, device)
 
+    def drop_grants(self, device: str) -> int:
+        """Let go of the blocks granted ahead on `device` that no put has taken (a put the
+        broker had no room for asks again once they are freed): how many."""
+        dropped = 0
+        for key in list(self.grants):
+            if (key[0] if isinstance(key, tuple) else "cpu") != device:
+                continue
+            stock = self.grants.pop(key, [])
+            while True:  # (another thread may pop one meanwhile: each goes to one of us)
+                try:
+                    grant = stock.pop()
+                except IndexError:
+                    break
+                self.conn.leases.releases.put(grant.put)
+                dropped += 1
+        return dropped
+
     def give_back(self, grant: Grant) -> None:
         """A grant taken and not written (the copy failed): kept for the next put."""
         if self.seals.current:

@@ -39,8 +39,7 @@ def put(
     try:
         reserve(ring, claim, claimed)
         plan.fields["ring"] = claimed[1]
-        conn = ring.transfer.conn
-        reply = conn.call(Op.QPUT, wait=until, late=answered.append, **plan.request)
+        reply = ring.transfer.ask_memory(Op.QPUT, until, answered.append, **plan.request)
     except BaseException as exc:
         not_put(ring, claimed, answered, exc)
         raise

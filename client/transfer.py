@@ -22,7 +22,7 @@ from ..common.cudart import STREAM_LEGACY, device_index, parse_device
 from ..common.descriptors import DEVICE_ALIGN, TensorDesc, compact_strides, layout
 from ..common.dtypes import DType
 from ..common.dtypes import dtype as lookup_dtype
-from ..common.errors import BrokerError
+from ..common.errors import BrokerError, CapacityError
 from ..common.mailbox import Template, body_tail
 from ..common.protocol import Op
 from . import placement
@@ -123,7 +123,21 @@ class Transfer:
         plan = self.plan_write(label, value, device, copy, fields)
         if plan.grant is not None:
             return self.write_granted(plan, wait, block)
-        return self.fill(plan, self.conn.call(op, wait=wait, **plan.request), block)
+        return self.fill(plan, self.ask_memory(op, wait, **plan.request), block)
+
+    def ask_memory(
+        self, op: str, wait: float | None, late: Callable[[dict[str, Any]], None] | None = None,
+        **fields: Any,
+    ) -> dict[str, Any]:  # fmt: skip
+        """The broker's answer to `op`, a put that asks it for memory. Refused for room while
+        this client holds blocks granted ahead there, it lets them go and asks once more
+        (their releases go first, with the request: Note [grants] in server/grants.py)."""
+        try:
+            return self.conn.call(op, wait=wait, late=late, **fields)
+        except CapacityError:
+            if not self.writes.ahead.drop_grants(fields.get("device", "cpu")):
+                raise
+        return self.conn.call(op, wait=wait, late=late, **fields)
 
     def plan_write(
         self, label: str, value: Any, device: Any, copy: bool, fields: dict[str, Any],
@@ -325,7 +339,7 @@ class Transfer:
         specs = [["", dt.name, [int(d) for d in shape]]]
         if device != "cpu":
             fields["device"] = device
-        reply = self.conn.call(op, wait=wait, late=late, tensors=specs, **fields)
+        reply = self.ask_memory(op, wait, late, tensors=specs, **fields)
         desc = TensorDesc.from_wire(reply["tensors"][0])
         self.conn.leases.hold(reply["put"], reply["oid"])
         try:

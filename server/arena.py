@@ -238,8 +238,10 @@ class Arena:
 
     # -- public API --------------------------------------------------------------------------
 
-    def allocate(self, size: int, align: int = 64) -> Block | None:
+    def allocate(self, size: int, align: int = 64, high: bool = False) -> Block | None:
         """Reserve ``size`` bytes at an ``align``-aligned offset; None if capacity is exceeded.
+        ``high``: at the top of the free block it is cut from, not the bottom (blocks granted
+        ahead: freed when a large put needs their room, they leave no hole in the middle).
 
         Raises ShmExhausted when the tmpfs cannot back a needed new segment.
         """
@@ -262,6 +264,8 @@ class Arena:
         free_size, seg, free_start = found
         self._remove_free(seg, free_start, free_size)
         start = round_up(free_start, align)
+        if high:
+            start = (free_start + free_size - need) // align * align  # (>= the bottom's)
         if start > free_start:
             self._add_free(seg, free_start, start - free_start)
         tail = free_start + free_size - (start + need)

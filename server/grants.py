@@ -16,7 +16,13 @@ next reply: refills cost no trip, and are not on the writer's path. Grants are r
 (they count in `stats()["granted_bytes"]` and never let the arena go past its capacity),
 and are made only while a quarter of the arena stays free: a put that finds no grant asks
 for its block as before. A client that dies, closes, or loses its broker lets them go
-like any unsealed put.
+like any unsealed put. A put the broker has no room for is asked again once its client let
+go of the grants it holds there (client/transfer.py, `ask_memory`: the releases go first,
+with the request), and grants are cut from the top of a free block (`Arena.allocate`,
+high), so that the room they leave joins the rest: a client that made small puts then
+fills the arena with 4 MiB objects fits 128 in 512 MiB, not 126 (issue 48). Another
+client's grants are not taken back: it may be copying into one (at most GRANT_AHEAD_BYTES
+a class, and none made once three quarters of the arena is used).
 
 A GPU put is granted blocks of its device the same way (issue 36: a trip before the copy
 cost a 1 GiB device put a fifth of a device-to-device copy's bandwidth). A device grant
@@ -88,7 +94,7 @@ class Grants:
             if device and held + size_class > arena.capacity // DEVICE_GRANT_SHARE:
                 break
             try:
-                block = arena.allocate(size_class, PAGE)
+                block = arena.allocate(size_class, PAGE, high=True)
             except Exception as exc:  # (the blocks taken so far stay granted)
                 log.info("no more grants of %d bytes on %s: %s", size_class, self.device, exc)
                 break

@@ -34,6 +34,42 @@ def test_a_put_that_waits_takes_one_trip_once_granted(fresh_broker: tb.BrokerPro
         assert c.stats()["granted_bytes"] == 0 and c.stats()["pending"] == 0
 
 
+@pytest.mark.parametrize("how", ["put", "queue", "create"])
+def test_a_put_that_does_not_fit_first_takes_back_the_blocks_granted_ahead(
+    fresh_broker: tb.BrokerProcess, how: str
+) -> None:
+    """Issue 48: a client that had made small puts (so it held blocks granted ahead) filled
+    a broker with 4 MiB objects, deleted them and filled it again: 127, 127, then 128 of
+    512 MiB. Now its grants go back before a put is refused: every fill is whole."""
+    with tb.connect(fresh_broker.address) as c:
+        capacity = c.stats()["capacity_bytes"]
+        for size in (64, 1024, 8192, 65536):  # grants ahead of four size classes
+            c.put("small", np.zeros(size, np.float32))
+        c.delete("small")
+        assert c.stats()["granted_bytes"] > 0
+        q = c.queue("fill") if how == "queue" else None
+        for round_ in range(2):
+            kept: list[Any] = []
+            with pytest.raises(tb.CapacityError, match="it needs 4.0 MiB"):
+                for i in range(capacity // (4 * MiB) + 1):
+                    if how == "put":
+                        c.put(f"big{i}", np.zeros(4 * MiB, np.uint8))
+                    elif how == "queue":
+                        assert q is not None
+                        q.put(np.zeros(4 * MiB, np.uint8))
+                    else:
+                        with c.create(f"big{i}", (4 * MiB,), "uint8"):
+                            pass
+                    kept.append(i)
+            assert len(kept) == capacity // (4 * MiB), (round_, len(kept))
+            if how == "queue":
+                assert q is not None
+                for _ in kept:
+                    q.get(timeout=5)
+            else:
+                [c.delete(f"big{i}") for i in kept]
+
+
 def test_puts_of_the_same_shape_and_another_dtype_or_byte_order_keep_theirs(
     fresh_broker: tb.BrokerProcess,
 ) -> None:

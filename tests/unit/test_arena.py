@@ -89,6 +89,19 @@ def test_alignment_padding_returns_to_free_list(make_arena: Any) -> None:
     assert len(arena.segments) == 1
 
 
+def test_a_block_taken_high_leaves_the_bottom_whole_and_merges_back(make_arena: Any) -> None:
+    """Blocks granted ahead are cut from the top of a free block: a large block after them
+    takes the bottom, and once they are freed the room is one block again."""
+    arena = make_arena(capacity=2 * MiB, chunk_size=2 * MiB)
+    grant = arena.allocate(5000, 4096, high=True)
+    assert grant.offset % 4096 == 0 and grant.offset + grant.size <= 2 * MiB
+    assert grant.offset == 2 * MiB - 2 * 4096  # at the top (5056 bytes, page aligned)
+    big = arena.allocate(MiB)
+    assert big.offset == 0
+    arena.free(grant)
+    assert arena.largest_free == MiB
+
+
 def test_zero_size_gets_distinct_addresses(make_arena: Any) -> None:
     arena = make_arena()
     a, b = arena.allocate(0), arena.allocate(0)
