@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ..common.errors import BrokerError, BrokerUnavailable
 from ..common.protocol import Op
 from ..common.qring import ASK
+from .cancel import given_up
 from .shield import shielded
 from .tensor import Tensor
 
@@ -76,20 +77,35 @@ def reserve(ring: QueueRing, timeout: float | None, claimed: list[int]) -> None:
 def not_put(
     ring: QueueRing, claimed: list[int], answered: list[dict[str, Any]], exc: BaseException
 ) -> None:
-    """A put through the broker that raised `exc` with `claimed` (its slot, and
-    position): aborted if the broker granted it (it then passes the position over),
-    else passed over here; left to the broker if it exited (one back with the state
-    goes on with it)."""
+    """A put through the broker that raised `exc` with `claimed` (its slot, and position):
+    aborted if the broker granted it (it then passes the position over); passed over here
+    if the broker refused it; given up with no answer, the broker is asked whether it had
+    it (`unclaim`: one side only frees the slot); left to the broker if it exited (one back
+    with the state goes on with it)."""
     view, owner = ring.view, ring.owner
+    conn = ring.transfer.conn
     with shielded():
         if len(claimed) == 1:
             view.unalloc(claimed[0], owner)
-        elif answered:  # given up, but granted: aborted, the broker passes it over
+            return
+        if answered:  # given up, but granted: aborted, the broker passes it over
             with contextlib.suppress(BrokerError):
-                ring.transfer.conn.call(Op.ABORT, put=answered[0]["put"])
-        elif claimed and not isinstance(exc, BrokerUnavailable):  # refused or cancelled
-            view.skip(claimed[1], owner)
-            view.unalloc(claimed[0], owner)
+                conn.call(Op.ABORT, put=answered[0]["put"])
+            return
+        if not claimed or isinstance(exc, BrokerUnavailable):
+            return
+        if given_up(exc):  # (cancelled, or maybe not: the broker may have granted it)
+            try:
+                if conn.call(Op.QUNCLAIM, wait=BACK_WAIT, queue=ring.queue_id, ring=claimed[1])[
+                    "aborted"
+                ]:
+                    return
+            except BrokerError as err:
+                log.warning("queue %r: a put given up holds position %d until this client "
+                            "ends (%s)", ring.name, claimed[1], err)  # fmt: skip
+                return
+        view.skip(claimed[1], owner)
+        view.unalloc(claimed[0], owner)
 
 
 @contextlib.contextmanager

@@ -278,6 +278,7 @@ FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
     },
     Op.QCLOSE: {"queue": (_int, True), "name": (check_key, False)},
     Op.QBACK: {"queue": (_int, True), "leases": (_ids, False), "ring": (_int, False)},
+    Op.QUNCLAIM: {"queue": (_int, True), "ring": (_int, True)},
     Op.QINFO: {"queue": (_int, True), "name": (check_key, False)},
     Op.QDELETE: {"name": (check_key, True)},
     Op.CANCEL: {"call": (_int, True)},

@@ -18,7 +18,8 @@ import msgpack
 
 from .errors import BrokerError, ProtocolError
 
-PROTOCOL_VERSION = 3  # 3: mailbox bodies are a head of u64s and a tail packed once per layout
+PROTOCOL_VERSION = 4  # 4: qunclaim, qback of a ring's item; 3: mailbox bodies are a head of
+# u64s and a tail packed once per layout
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_KEY_BYTES = 1024
 MAX_NDIM = 32
@@ -68,6 +69,8 @@ class Op:
     QBACK = "qback"  # queue, leases: items handed to this client that it never took (gets
     # it gave up), back to the queue as it closes -> back (the leases given back); or queue,
     # ring: the item a failed get took from the queue's ring at that position -> back (bool)
+    QUNCLAIM = "qunclaim"  # queue, ring: a put for that position given up with no answer ->
+    # aborted (whether the broker had granted it: it is aborted; else none will be)
     QINFO = "qinfo"  # queue -> len, maxsize, in_flight, closed
     QDELETE = "qdelete"  # name: remove a queue (its consumers get QueueClosed)
     CANCEL = "cancel"  # call (the id of a request of this socket) -> cancelled: whether it

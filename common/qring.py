@@ -264,6 +264,10 @@ class QueueRingView:
                 return -CLOSED
             return None  # empty, or being taken
 
+    def head(self) -> int:
+        """The position of the next item to take."""
+        return int(_shm.load(self.addr + Q_HEAD))
+
     def commit(self, pos: int) -> None:
         """The item taken at `pos` is its taker's: the head moves on."""
         self._taken(self.entry(pos), pos)

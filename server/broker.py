@@ -210,6 +210,7 @@ class Broker:
             Op.QUNSUB: self.queues.broadcasts.unsubscribe,
             Op.QCLOSE: self.queues.close,
             Op.QBACK: self.queues.give_back,
+            Op.QUNCLAIM: self.queues.unclaim,
             Op.QINFO: self.queues.info,
             Op.QDELETE: self.queues.remove,
             Op.CANCEL: self.handoffs.cancel,

@@ -97,6 +97,7 @@ class QRing(Mapped):
         self.lent: dict[int, int] = {}  # oid -> slot
         self.staged: list[int] = []  # positions of `asks` to publish after the commit
         self.gone: set[int] = set()  # adopted: owners of clients that did not come back
+        self.given_up: set[int] = set()  # positions whose put was given up unanswered
 
     def row(self) -> list[Any]:
         """What the journal keeps of it (the queue's row)."""
@@ -120,10 +121,11 @@ class QRing(Mapped):
         )
 
     def claimed(self, pos: int, owner: int) -> int | None:
-        """The slot position `pos` names if `owner` claimed it and has not published it."""
+        """The slot position `pos` names if `owner` claimed it and has not published it
+        (nor given up its put: `QueueRingRoom.unclaim`)."""
         view = self.view
         got = view.entry_word(pos)
-        if got[:3] != (pos, owner, WRITING) or not owner:
+        if got[:3] != (pos, owner, WRITING) or not owner or pos in self.given_up:
             return None
         slot = got[3]
         if slot >= view.slots or view.slot_word(slot)[:2] != (owner, WRITING):  # (NAMED too)

@@ -110,6 +110,25 @@ class QueueRingRoom:
                 return pos
         return None
 
+    def unclaim(self, session: Session, q: BrokerQueue, pos: int) -> bool:
+        """`session` gave up its put for position `pos` with no answer (its cancel was not
+        confirmed): aborted if it was granted (True: its position is passed over and its slot
+        freed, as for any put aborted); else none is granted for `pos` from now on (False:
+        its producer passes the position over and frees the slot itself). Either way one
+        side only frees that slot, so never one the producer has taken again since."""
+        qring = q.qring
+        if qring is None:
+            return False
+        owner = qring.owner(session)
+        for put_id, (p, _slot, _oid, o) in list(qring.pending.items()):
+            if p == pos and o == owner:
+                self.registry.abort(session, put_id, False)  # -> freed
+                return True
+        head = qring.view.head()
+        qring.given_up = {p for p in qring.given_up if p >= head}
+        qring.given_up.add(pos)
+        return False
+
     def sealed(self, q: BrokerQueue, put_id: int, obj: StoredObject) -> None:
         """Item `obj` (version: its position + 1) is sealed: published at its position once
         the journal has it."""
@@ -300,11 +319,16 @@ class QueueRingRoom:
         qring.owners = {token: n for token, n in owners if token in alive}
         qring.gone = {n for token, n in owners if token not in alive}
 
-    def adopted(self, q: BrokerQueue, objects: list[StoredObject]) -> None:
-        """The items of `q` the journal has (`objects`; the live ones are in `q.items`) go
-        back to the slots that name their positions: one not taken yet is asked for (and
-        published again if the broker died before it was), one handed over is freed with its
-        lease. Then what the owners gone had is let go."""
+    def adopted(
+        self, q: BrokerQueue, objects: list[StoredObject],
+        carried: list[tuple[str, int, StoredObject]],
+    ) -> None:  # fmt: skip
+        """The items of `q` the journal has (`objects`, sealed; the live ones are in
+        `q.items`) go back to the slots that name their positions: one not taken yet is
+        asked for (and published again if the broker died before it was), one handed over is
+        freed with its lease. Puts carried over to their writers ([session token, put id,
+        item]) are for the positions each claimed and has not published, in turn, so that an
+        abort passes its position over. Then what the owners gone had is let go."""
         qring = q.qring
         if qring is None:
             return
@@ -333,6 +357,16 @@ class QueueRingRoom:
             if e_pos == pos and st == WRITING:
                 qring.staged.append(pos)
                 self._due.add(q)
+        for token, put_id, obj in sorted(carried, key=lambda c: c[1]):
+            owner = qring.owners.get(token, 0)
+            taken = {p for p, _s, _o, _w in qring.pending.values()}
+            free = sorted(
+                (pos, slot) for pos, (slot, o) in where.items()
+                if o == owner and pos not in taken
+                and entries[pos % view.entries][:3] == (pos, owner, WRITING)
+            )  # fmt: skip
+            if owner and free:
+                qring.pending[put_id] = (*free[0], obj.oid, owner)
         for owner in qring.gone:
             self._left(qring, owner)
         qring.gone.clear()

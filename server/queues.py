@@ -173,6 +173,11 @@ class Queues:
                     back.append(lease)  # handed over directly: back once its seal comes
         return {"back": back}
 
+    def unclaim(self, session: Session, route: bytes, req: Request) -> Reply:
+        """A put for a position of the queue's ring given up with no answer (QueueRingRoom)."""
+        q = self.table.by_id.get(req.fields["queue"])
+        return {"aborted": q is not None and self.qrings.unclaim(session, q, req.fields["ring"])}
+
     def _back_in_queue(self, q: BrokerQueue, obj: StoredObject) -> None:
         if self.requeue(q, obj) and self.elsewhere is not None:
             self.elsewhere.item(q)  # (the other nodes' consumers may want it)
@@ -356,9 +361,17 @@ class Queues:
                 self.registry.journal.queue_gone(q)
                 self.rings.close(q)
         unseen = {row.oid: set(row.unseen) for row in objects if row.unseen is not None}
+        carried = [
+            (row.session, row.put, adopted[row.oid])
+            for row in objects
+            if row.state == PENDING and row.oid in adopted and not adopted[row.oid].freed
+        ]  # puts whose writers are back
         for q in list(self.table.by_name.values()):
             q.items = deque(sorted(q.items, key=lambda o: o.version))
-            self.qrings.adopted(q, [o for o in adopted.values() if o.queue is q])
+            self.qrings.adopted(
+                q, [o for o in adopted.values() if o.queue is q and o.version],
+                [(token, put, o) for token, put, o in carried if o.queue is q],
+            )  # fmt: skip
             if q.subs is not None:
                 self.broadcasts.adopted(q, unseen, retire)
             self.table.note_if_ended(q)

@@ -454,3 +454,23 @@ def test_a_state_whose_segments_were_removed_is_refused(tmp_path: Path) -> None:
 def _segments() -> set[str]:
     """The files in /dev/shm of this test run's states (not another run's at the same time)."""
     return run_segments(tempfile.gettempdir())
+
+
+def test_a_ring_put_carried_over_a_restart_then_aborted_holds_nothing_up(
+    crashable: tb.BrokerProcess,
+) -> None:
+    """Issue 48: a put through the broker for a ring's position, granted, carried over a
+    broker restart and then aborted kept its position claimed: the items after it stopped
+    there."""
+    with tb.connect(crashable.address) as c:
+        q = c.queue("carried", maxsize=2)
+        q.put(np.full(2, 1.0))
+        with pytest.raises(GaveUp), q.create((4,), "float32") as buf:
+            buf.numpy()[:] = 5.0
+            crash(crashable)
+            crashable.restart()
+            raise GaveUp
+        del buf
+        q.put(np.full(2, 2.0), timeout=5)
+        assert [q.get(timeout=5).numpy()[0] for _ in range(2)] == [1.0, 2.0]
+        assert wait_until(lambda: q.in_flight() == 0 and c.stats()["used_bytes"] == 0, 5)
