@@ -296,6 +296,7 @@ class Broker:
         self.slots.close(unlink)
         self.mailboxes.close(unlink)
         self.queues.rings.close_all(unlink)
+        self.queues.qrings.close_ended()
         self.state.close(keep=self.keep_state)
         self.devices.close()
 

@@ -39,6 +39,7 @@ class QueueRingRoom:
         self.make: Callable[[int, str | None], QRing] | None = None
         self._queues: dict[int, BrokerQueue] = {}  # queues with a ring, removed ones too
         self._due: set[BrokerQueue] = set()  # with positions to publish after the commit
+        self._closing: list[QRing] = []  # rings of queues that ended, unmapped after the batch
 
     @property
     def segments(self) -> list[str]:
@@ -140,7 +141,9 @@ class QueueRingRoom:
         self._due.add(q)
 
     def flush(self) -> None:
-        """After the journal's commit: the items sealed since go to their positions."""
+        """After the journal's commit: the items sealed since go to their positions, and the
+        rings of queues that ended go."""
+        self.close_ended()
         for q in self._due:
             qring = q.qring
             if qring is None:
@@ -152,9 +155,17 @@ class QueueRingRoom:
             qring.staged.clear()
         self._due.clear()
 
+    def close_ended(self) -> None:
+        """Unmap (and unlink) the rings of the queues that ended."""
+        for qring in self._closing:
+            qring.close()
+        self._closing.clear()
+
     def ask(self, session: Session, q: BrokerQueue, pos: int) -> StoredObject:
         """The item at `pos`, which `session` took from the ring."""
         qring = q.qring
+        if q.removed:  # (it took the position as the queue was removed)
+            raise QueueClosed(f"queue {q.name!r} was removed")
         got = None if qring is None else qring.asks.get(pos)
         if qring is None or got is None:
             raise InvalidRequest(f"queue {q.name!r}: there is no item at {pos} to ask for")
@@ -284,11 +295,11 @@ class QueueRingRoom:
             return
         qring.view.end(REMOVED if q.removed else CLOSED)
         if q.removed:
-            for obj, _slot, _owner in list(qring.asks.values()):
-                self.registry.retire(obj)
             for slot, (_o, st, _f, _p) in enumerate(qring.view.slot_words()):
                 if st == QUEUED:
                     qring.view.free(slot)
+            for obj, _slot, _owner in list(qring.asks.values()):
+                self.registry.retire(obj)  # (freeing the last item closes the ring: unmapped)
 
     def closed(self) -> list[BrokerQueue]:
         """The closed queues with a ring: each may have ended (drained) since it was looked at."""
@@ -302,7 +313,7 @@ class QueueRingRoom:
         self._queues.pop(q.id, None)
         if qring is None:
             return
-        qring.close()
+        self._closing.append(qring)  # (a caller may still hold its view: unmapped in `flush`)
         if not q.removed or q.in_flight:
             self.registry.journal.queue(q)
 

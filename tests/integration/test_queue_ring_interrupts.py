@@ -14,6 +14,7 @@ import pytest
 from support import CHILDREN, wait_until
 
 import tensorbroker as tb
+from tensorbroker.client import qring_asks
 from tensorbroker.client.qring import QueueRing
 from tensorbroker.common import _shm
 
@@ -238,3 +239,57 @@ def test_an_item_through_the_broker_whose_taker_died_keeps_its_place(c: tb.Clien
     assert q.get(timeout=2).numpy().tolist() == [2.0] * 4
     del first
     assert wait_until(lambda: q.in_flight() == 0 and c.stats()["used_bytes"] == 0, 5)
+
+
+def test_an_item_taken_as_its_queue_is_removed_says_so(
+    c: tb.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race of a consumer's take with the queue's removal: the item through the broker
+    it took is gone with the queue, and its get says the queue was removed."""
+    q = c.queue("removed-while-taken", maxsize=2)
+    q.put(_big(q, 1.0))
+    real = qring_asks.ask
+
+    def removed_first(ring: Any, pos: int, slot: int) -> Any:
+        with tb.connect(c.address) as other:
+            other.delete_queue("removed-while-taken")
+        return real(ring, pos, slot)
+
+    monkeypatch.setattr(qring_asks, "ask", removed_first)
+    with pytest.raises(tb.QueueClosed, match="queue 'removed-while-taken' was removed"):
+        q.get(timeout=2)
+    monkeypatch.undo()
+    assert wait_until(lambda: c.stats()["used_bytes"] == 0, 5)
+
+
+def test_a_put_through_the_broker_that_does_not_fit_holds_up_no_later_item(
+    c: tb.Client,
+) -> None:
+    """A put through the broker claims its position before the broker has its memory: one
+    refused for room passes it over at once (a host put never waits for memory), so the
+    items after it flow to consumers that hold the arena meanwhile (issue 48)."""
+    q = c.queue("no-room", maxsize=4)
+    capacity = c.stats()["capacity_bytes"]
+    q.put(np.zeros(capacity // 2 + 4096, np.uint8))  # through the broker
+    held = q.get(timeout=2)
+    with pytest.raises(tb.CapacityError):
+        q.put(np.zeros(capacity // 2 + 4096, np.uint8), timeout=5)
+    q.put(np.full(4, 2.0), timeout=2)  # in a slot, after the position given up
+    assert q.get(timeout=2).numpy().tolist() == [2.0] * 4
+    del held
+
+
+def test_positions_given_up_with_no_consumer_wait_for_one(c: tb.Client) -> None:
+    """Positions given up behind an item use entries until a consumer passes them (2 per
+    slot): with none taking, a put may wait as on a full queue though a slot is free. It
+    goes on once a consumer takes, and nothing is lost (a Note in client/qring_asks.py)."""
+    q = c.queue("passed-over", maxsize=2)
+    q.put(np.full(4, 1.0))
+    for _ in range(3):  # refused: each position is passed over behind the first item
+        with pytest.raises(tb.CapacityError):
+            q.put(np.zeros(c.stats()["capacity_bytes"] + 4096, np.uint8), timeout=1)
+    with pytest.raises(tb.Timeout):
+        q.put(np.full(4, 2.0), timeout=0.2)  # 1 of 2 slots used, but no entry free
+    assert q.get(timeout=2).numpy().tolist() == [1.0] * 4
+    q.put(np.full(4, 2.0), timeout=2)
+    assert q.get(timeout=2).numpy().tolist() == [2.0] * 4

@@ -471,3 +471,16 @@ def test_a_position_whose_put_was_given_up_unanswered_is_granted_no_put(c: tb.Cl
     ring.view.unalloc(slot, ring.owner)
     q.put(np.full(2, 1.0), timeout=5)
     assert q.get(timeout=5).numpy().tolist() == [1.0, 1.0]
+
+
+def test_a_ring_queue_removed_with_only_items_through_the_broker_in_it(c: tb.Client) -> None:
+    """The broker unmapped the ring as it freed the last item, then read it: it died
+    (SIGSEGV) on `delete_queue` of a ring queue holding only items larger than a slot."""
+    q = c.queue("removed-big", maxsize=2)
+    ring = q._ring
+    assert ring is not None
+    q.put(np.zeros(ring.view.data // 4 + 1024, np.float32))
+    c.delete_queue("removed-big")
+    assert c.ping()["pid"] and c.stats()["used_bytes"] == 0
+    with pytest.raises(tb.QueueClosed, match="was removed"):
+        q.get(timeout=1)
