@@ -36,6 +36,11 @@ def cancel(
     broker (a request `cancel_id`), and hand the answer that came anyway (on the socket, or to
     the `bell`) to `late`. Whether the channel is clean again (False: discard it, the broker
     did not confirm the cancel in time)."""
+    kept = channel.kept.pop(request_id, None)  # read as the signal came
+    if kept is not None:
+        if kept.get("ok"):
+            late(kept)
+        return True
     try:
         channel.send({"op": Op.CANCEL, "id": cancel_id, "call": request_id})
         answer: dict[str, Any] | None = None

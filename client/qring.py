@@ -66,6 +66,7 @@ class QueueRing:
         self.owner = int(ring["owner"])
         self.generation = transfer.conn.generation
         self._tails: dict[bytes, Any] = {}
+        self.asking: tuple[int, int] | None = None  # an item taken for the broker to hand over
 
     # -- putting ---------------------------------------------------------------------------
 
@@ -158,21 +159,28 @@ class QueueRing:
         steps]), one put through the broker too (`_ask`)."""
         view = self.view
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
-        while True:
-            got = self._take()
-            while got is None:
-                if timeout == 0:
-                    raise WouldWait()
-                seen = view.consumer_bell()
-                with Sleeper(self, False):
-                    got = self._take()
-                    if got is None:
-                        view.sleep(False, seen, self._left(deadline, timeout, put=False))
+        try:
+            while True:
+                got = self._take()
+                while got is None:
+                    if timeout == 0:
+                        raise WouldWait()
+                    seen = view.consumer_bell()
+                    with Sleeper(self, False):
                         got = self._take()
-            if isinstance(got, tuple):  # taken for the broker to hand over
-                got = asks.ask(self, *got)
-            if got is not None:
-                return got
+                        if got is None:
+                            view.sleep(False, seen, self._left(deadline, timeout, put=False))
+                            got = self._take()
+                if isinstance(got, tuple):  # taken for the broker to hand over
+                    got = asks.ask(self, *got)
+                if got is not None:
+                    return got
+        except BaseException:
+            if self.asking is not None:  # interrupted before `ask` began: given back
+                with shielded():
+                    if self.asking is not None:
+                        asks.unask(self, *self.asking, None)
+            raise
 
     def _take(self) -> Item | tuple[int, int] | None:
         """One try of a take, shielded: the item built, committed only if no signal came
@@ -186,10 +194,11 @@ class QueueRing:
                     raise self._ended(-got, put=False)
                 return None
             pos, slot, flags, tail = got
-            if flags & ASK:  # still TAKEN while the broker is asked for it (`_ask`)
+            if flags & ASK:  # still TAKEN while the broker is asked for it (asks.ask)
                 if step.pending:
                     view.back(pos, slot, owner)
                     return None
+                self.asking = (pos, slot)  # (till it is committed or given back)
                 return pos, slot
             try:
                 item, lease = self.item(pos, slot, tail)
@@ -201,6 +210,8 @@ class QueueRing:
                 view.back(pos, slot, owner)
                 return None
             view.commit(pos)
+            if step.noting:  # a signal from now on comes again once the get returned
+                step.deferring = True
             return item
 
     def item(self, pos: int, slot: int, tail: bytes) -> tuple[Item, QueueRingLease]:

@@ -3,7 +3,37 @@ than a slot, a bundle whose tail does not fit, one written with `create`. Each i
 through the broker at a position its producer claimed in the ring (its slot flagged ASK),
 and its consumer, having taken that position, asks the broker for it. Whatever
 interrupts (Note [shielded steps]), a claimed position is published, passed over or
-given back, and an item taken is the caller's or first in the queue again."""
+given back, and an item taken is the caller's or first in the queue again.
+
+Note [ring failures]
+~~~~~~~~~~~~~~~~~~~~
+What each failure of a put or get through the broker leaves (issue 48; each case has a
+test in test_queue_rings.py, test_queue_ring_interrupts.py or test_recovery.py):
+
+- A put refused (BrokerError): the producer passes its position over and frees its slot.
+- A put given up (Ctrl-C) and answered anyway (`late`): aborted; the broker passes its
+  position over. Given up with no answer (cancelled, or a cancel never confirmed): the
+  producer asks (`qunclaim`); a put the broker had granted is aborted there, else the
+  broker refuses any put for that position from then on and the producer passes it over
+  itself. Either way one side only frees the slot, so a slot the producer has taken again
+  since is never freed under it (the ABA case).
+- A put for which the broker has no room does not wait (CapacityError at once on the
+  host; a device put waits at most DEVICE_WAIT, for memory already freed whose GPU reads
+  are finishing): no later item waits behind its position for memory that consumers hold.
+- A put carried over a broker restart is matched at adoption to the position its producer
+  claimed (`QueueRingRoom.adopted`), so that its abort passes the position over.
+- A seal interrupted before it was sent aborts its put; after, the put went in unless the
+  broker refuses it, and the exception says which (`Writes._interrupted`).
+- A get that fails or is interrupted after its take gives the item back (`unask`): the
+  broker takes back the lease it handed over (a GPU item's it cannot: that item goes).
+  A consumer that dies there: the broker does it (`QueueRingRoom._left`).
+- A consumer's take that races the queue's removal: its ask is told the queue "was
+  removed", and the broker, which unmaps the ring only after the batch, never reads it
+  unmapped.
+- Positions passed over behind an item use entries (two per slot) until a consumer passes
+  them: with no consumer taking, a put may wait as on a full queue while a slot is free.
+  It goes on once a consumer takes; nothing is lost or wedged (bounded, not closed).
+"""
 
 from __future__ import annotations
 
@@ -153,6 +183,9 @@ def ask(ring: QueueRing, pos: int, slot: int) -> Item | None:
             raise
         if not step.pending:
             ring.view.commit(pos)
+            ring.asking = None
+            if step.noting:  # a signal from now on comes again once the get returned
+                step.deferring = True
             return item
         lease.disarm()  # interrupted: the item stays in the queue
         unask(ring, pos, slot, reply["lease"])
@@ -166,6 +199,7 @@ def unask(ring: QueueRing, pos: int, slot: int, lease: int | None) -> None:
     on a device, or a broker gone) the entry is committed and the item goes with its
     lease (this client's, as a get that returned and was dropped)."""
     conn, view = ring.transfer.conn, ring.view
+    ring.asking = None
     try:
         back = conn.call(Op.QBACK, wait=BACK_WAIT, queue=ring.queue_id, ring=pos)["back"]
     except BrokerError as exc:

@@ -18,6 +18,7 @@ from ..common.protocol import Op
 from ..common.ring import ASK, REMOVED
 from .qring import QueueRing, WouldWait, follow_broker
 from .ring import RingView
+from .shield import begin, done
 from .tensor import Tensor
 from .transfer import Transfer
 from .transport import waits
@@ -85,13 +86,17 @@ class Queue:
         next call or `flush()`."""
         timeout, until = waits(timeout)
         ring = self._ring
-        if ring is not None:
-            version = ring.put(ring.plan(value, timeout, device, copy), timeout, until, wait)
-            return version if wait else None
-        return self._transfer.write(
-            self.name, value, Op.QPUT, until, device, copy, wait,
-            queue=self._id, name=self.name, timeout=timeout,
-        )  # fmt: skip
+        begin()  # (interrupted before it returns: the exception says if the item went in)
+        try:
+            if ring is not None:
+                version = ring.put(ring.plan(value, timeout, device, copy), timeout, until, wait)
+                return version if wait else None
+            return self._transfer.write(
+                self.name, value, Op.QPUT, until, device, copy, wait,
+                queue=self._id, name=self.name, timeout=timeout,
+            )  # fmt: skip
+        finally:
+            done()
 
     def create(
         self, shape: Sequence[int], dtype: Any, timeout: float | None = None, device: Any = "cpu"
@@ -113,10 +118,13 @@ class Queue:
         QueueClosed once the queue is closed and drained."""
         timeout, wait = waits(timeout)
         if self._ring is not None:
+            begin()  # (interrupted once it took the item: the exception says so)
             try:
                 return self._ring.get(timeout)
             except WouldWait:
                 raise Timeout(f"queue {self.name!r} is empty") from None
+            finally:
+                done()
         return self._transfer.reads.queue_get(timeout, wait, queue=self._id, name=self.name)
 
     def close(self) -> None:

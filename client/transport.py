@@ -22,6 +22,7 @@ from ..common.config import lane_path
 from ..common.curve import ClientKeys
 from ..common.errors import BrokerUnavailable, ProtocolError, SessionUnknown, error_from_wire
 from ..common.protocol import decode, encode
+from .shield import shielded
 
 if TYPE_CHECKING:
     from .handoff import Bell
@@ -52,6 +53,7 @@ class Channel:
     generation: int  # of the broker it says hello to (ChannelPool.renew)
     ended = False  # a look that did not wait found the broker's end closed
     rings = False  # whether a get may wait on its bell instead (only a lane: see `call`)
+    kept: dict[int, dict[str, Any]]  # answers read as a signal came: the caller's `cancel`
 
     def take_fds(self) -> list[int]:
         """The file descriptors the broker passed with the replies read so far (a lane's;
@@ -88,13 +90,19 @@ class Channel:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if bell is None:
-                reply = self.receive()
+                with shielded() as step:  # (a reply read is kept, whatever interrupts)
+                    reply = self.receive()
+                    if reply is not None and reply.get("id") == request_id and step.pending:
+                        self.kept[request_id] = reply  # for `cancel`: its handler raises now
             else:  # the mailbox first: a look there costs no system call
                 seen = bell.count()
                 handed = bell.take(request_id)
                 if handed is not None:
                     return handed
-                reply = self.receive(block=False)
+                with shielded() as step:
+                    reply = self.receive(block=False)
+                    if reply is not None and reply.get("id") == request_id and step.pending:
+                        self.kept[request_id] = reply
                 if reply is None:
                     if self.ended:  # what was handed over before it died is ours still
                         handed = bell.settle(request_id)
@@ -143,6 +151,7 @@ class ZmqChannel(Channel):
             keys.apply(self.socket)
         self.socket.connect(address)
         self._broker: select.poll | None = None
+        self.kept = {}
 
     def watch_broker(self, pidfd: int) -> None:
         self._broker = select.poll()
@@ -202,6 +211,7 @@ class LaneChannel(Channel):
             raw=False, strict_map_key=True, max_buffer_size=MAX_REPLY_BYTES
         )
         self._fds: list[int] = []  # passed with replies (SCM_RIGHTS), not yet taken
+        self.kept = {}
 
     def take_fds(self) -> list[int]:
         fds, self._fds = self._fds, []
@@ -209,7 +219,8 @@ class LaneChannel(Channel):
 
     def send(self, message: dict[str, Any], timeout: float | None = None) -> None:
         try:
-            self.socket.sendall(encode(message), socket.MSG_NOSIGNAL)
+            with shielded():  # a message cut short would garble the stream
+                self.socket.sendall(encode(message), socket.MSG_NOSIGNAL)
         except OSError:  # EPIPE, ECONNRESET: the broker is gone, and the next receive says so
             pass
 
@@ -224,26 +235,35 @@ class LaneChannel(Channel):
                 if not isinstance(reply, dict):
                     raise ProtocolError(f"the broker sent a {type(reply).__name__}, not a map")
                 return reply
-            try:  # (recvmsg: a descriptor passed with a reply would be lost to a recv)
-                flags = socket.MSG_CMSG_CLOEXEC | (0 if block else socket.MSG_DONTWAIT)
-                data, ancillary, _, _ = self.socket.recvmsg(LANE_READ_BYTES, _FDS_SPACE, flags)
-            except BlockingIOError:  # the step passed, or nothing there
+            with shielded():  # the bytes read are fed whole: the stream's framing holds
+                if self._read(block):
+                    continue
                 return None
-            except OSError as exc:
-                data, why = b"", f" ({exc})"
-            else:
-                why = ""
-                for level, kind, passed in ancillary:
-                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                        fds = array.array("i")
-                        fds.frombytes(passed[: len(passed) - len(passed) % fds.itemsize])
-                        self._fds.extend(fds)
-            if not data:  # the end stays: a look that does not wait leaves it to a wait
-                if not block:
-                    self.ended = True
-                    return None
-                raise BrokerExited(f"the broker at {self.address} exited{why}")
-            unpacker.feed(data)
+
+    def _read(self, block: bool) -> bool:
+        """Read what came into the unpacker; False if nothing did (BrokerExited at the end,
+        if `block`)."""
+        try:  # (recvmsg: a descriptor passed with a reply would be lost to a recv)
+            flags = socket.MSG_CMSG_CLOEXEC | (0 if block else socket.MSG_DONTWAIT)
+            data, ancillary, _, _ = self.socket.recvmsg(LANE_READ_BYTES, _FDS_SPACE, flags)
+        except BlockingIOError:  # the step passed, or nothing there
+            return False
+        except OSError as exc:
+            data, why = b"", f" ({exc})"
+        else:
+            why = ""
+            for level, kind, passed in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds = array.array("i")
+                    fds.frombytes(passed[: len(passed) - len(passed) % fds.itemsize])
+                    self._fds.extend(fds)
+        if not data:  # the end stays: a look that does not wait leaves it to a wait
+            if not block:
+                self.ended = True
+                return False
+            raise BrokerExited(f"the broker at {self.address} exited{why}")
+        self._unpacker.feed(data)
+        return True
 
     def close(self) -> None:
         for fd in self.take_fds():

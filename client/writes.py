@@ -37,7 +37,10 @@ from ..common.errors import BrokerError, BrokerUnavailable, error_from_wire
 from ..common.protocol import Op
 from .ahead import Ahead
 from .connection import REQUEST_TIMEOUT, Connection
+from .shield import shielded
 from .transport import BrokerExited, Channel
+
+SEALED_WAIT = 2.0  # seconds a put interrupted once its seal was sent waits for the answer
 
 
 @dataclass(slots=True)
@@ -82,7 +85,53 @@ class Writes:
         last sent, when it offered the grant; it runs under the lock, so that no seal of
         another thread's goes between it and this seal. It raises no error of an earlier put
         that did not wait: what it seals is written already, so those come with the next
-        call (the caller raised those already there before it wrote)."""
+        call (the caller raised those already there before it wrote). Interrupted (Ctrl-C,
+        a signal handler's exception): see `_interrupted`."""
+        try:
+            return self._seal(message, key, label, put, wait, hand_over)
+        except BaseException as exc:
+            if not isinstance(exc, BrokerError):
+                self._interrupted(message, label, exc)
+            raise
+
+    def _interrupted(self, message: dict[str, Any], label: str, exc: BaseException) -> None:
+        """A seal interrupted (Note [shielded steps] in shield.py): not sent, its put is
+        aborted (its block freed, a ring position passed over); sent, it goes in unless the
+        broker refuses it, and `exc` gets a note saying which, with the version, once the
+        answer comes (waited for up to SEALED_WAIT, the interrupt held meanwhile)."""
+        rid: int = message.get("id", -1)
+        put = message.get("put")
+        with shielded():
+            with self._lock:
+                out, answered = self._out.get(rid), rid in self._answers
+            if out is None and not answered:  # never sent
+                if put is not None and not self.conn.closed:
+                    with contextlib.suppress(BrokerError):
+                        self.conn.call(Op.ABORT, put=put, keep=message.get("keep", False))
+                return
+            if out is not None and not out.wait:
+                exc.add_note(f"(the {label} was sent: it goes in unless the broker refuses it, "
+                             "which this client's next call raises)")  # fmt: skip
+                return
+            try:
+                reply = self._wait(rid, deadline=time.monotonic() + SEALED_WAIT)
+            except BrokerError as err:
+                exc.add_note(f"(the {label} did not go in: {err})")
+                return
+            if reply is None:
+                with self._lock:
+                    if rid in self._out:  # its answer goes the way of one not waited for
+                        self._out[rid].wait = False
+                exc.add_note(f"(the {label} was sent, and not answered within {SEALED_WAIT:g}s: "
+                             "it goes in unless the broker refuses it, which this client's "
+                             "next call raises)")  # fmt: skip
+                return
+            exc.add_note(f"(the {label} went in first: version {reply.get('version')})")
+
+    def _seal(
+        self, message: dict[str, Any], key: str | None, label: str, put: int | None, wait: bool,
+        hand_over: Callable[[dict[str, Any], int], None] | None,
+    ) -> dict[str, Any] | None:  # fmt: skip
         self.conn.check_usable(settle=False, poll=False, earlier=False)
         while True:
             with self._lock:
@@ -106,12 +155,13 @@ class Writes:
                         if handed:
                             wait = False
                             self._owed.add(rid)
-                        self._file(rid, _Out(message, key, label, put, wait))
-                        try:
-                            channel.send(message)
-                            sent, stale = True, self._stale
-                        except BrokerExited:  # it goes again, with the rest, once one is back
-                            sent, stale = True, True
+                        with shielded():  # filed and sent, or neither
+                            self._file(rid, _Out(message, key, label, put, wait))
+                            try:
+                                channel.send(message)
+                                sent, stale = True, self._stale
+                            except BrokerExited:  # it goes again, with the rest, once one is back
+                                sent, stale = True, True
                     except BaseException:
                         if "direct" in message and not sent:  # interrupted (Ctrl-C), once its
                             self._seal_handed(channel, message, key, label, put)  # consumer has it
@@ -223,9 +273,12 @@ class Writes:
                 generation = self.conn.generation
                 try:
                     channel = self._ready()
-                    got = channel.receive()
-                    if got is not None:
-                        self._take(got)
+                    with shielded() as step:  # a reply read is taken, whatever interrupts
+                        got = channel.receive()
+                        if got is not None:
+                            self._take(got)
+                            if step.noting and got.get("id") == rid and got.get("ok"):
+                                step.note = f"(the put went in first: version {got.get('version')})"
                     if not self._stale:
                         continue
                 except BrokerExited:
@@ -234,8 +287,12 @@ class Writes:
 
     def _take_ready(self, channel: Channel) -> None:
         """Read the replies already there (no waiting)."""
-        while (reply := channel.receive(block=False)) is not None:
-            self._take(reply)
+        while True:
+            with shielded():
+                reply = channel.receive(block=False)
+                if reply is None:
+                    return
+                self._take(reply)
 
     def _take(self, reply: dict[str, Any]) -> None:
         """One reply: refill what it brings, and file it for its caller or as an error."""
