@@ -58,6 +58,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy -p tensorbroker
+	$(VENV)/bin/lint-imports
 
 # bench: tensorbroker against Plasma, Ray, queues and the floors (bench/README.md). Plasma
 # (pyarrow 11) needs numpy<2, so the peers get their own environment, bench/.venv-peers.

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 os.environ.setdefault("UCX_TLS", "tcp")
 
 import tensorbroker as tb  # noqa: E402
-from tensorbroker.server.transfers import load_nixl  # noqa: E402
+from tensorbroker.server.cluster.transfers import load_nixl  # noqa: E402
 from tests.support import free_port  # noqa: E402
 
 MiB = 2**20

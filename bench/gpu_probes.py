@@ -1,7 +1,7 @@
 """Probes of what the CUDA path assumes about interprocess events, on a real GPU.
 
 Each probe runs real processes on cuda:0 and prints what it saw; the findings are written
-into the notes of common/cudart.py, server/devices.py and client/cuda.py. They settle:
+into the notes of common/cudart.py, server/store/devices.py and client/cuda.py. They settle:
 
   1. early:  does cudaEventQuery in another process (the broker) see an event that a client
              recorded just now, behind a long kernel, as not ready (never as done early)?

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..common.errors import QueueClosed, Timeout
 from ..common.protocol import Op
@@ -17,7 +17,22 @@ from .reads import Item
 from .transport import waits
 
 if TYPE_CHECKING:
-    from .aio import AsyncClient
+    from .transfer import Transfer
+
+
+class AsyncClient(Protocol):
+    """What a queue uses of its AsyncClient (aio.py, which makes the queues: named here, not
+    imported, so that neither module imports the other)."""
+
+    _transfer: Transfer
+    _turns: dict[int, _Turn]
+
+    async def _call(self, op: str, wait: float | None = ..., late: Late | None = ...,
+                    **fields: Any) -> Reply: ...  # fmt: skip
+
+    async def _write(self, plan: Any, op: str, wait: float | None, block: bool) -> int | None: ...
+
+    async def flush(self) -> None: ...
 
 
 class AsyncQueue:

@@ -8,7 +8,7 @@ so a `get` parked in the broker never blocks another thread's call.
 When the broker exits, the connection waits (up to `reconnect_timeout`) for a broker at the
 same address, says hello again with the same session and the leases this process holds
 (`held`), and sends again the calls that were in flight where that is safe (Note [recovery]
-in server/state.py): the release thread starts this as soon as the broker's pidfd says it
+in server/durability/state.py): the release thread starts this as soon as the broker's pidfd says it
 exited, so that a client that is idle comes back too. If none comes in time, the calls
 waiting raise BrokerUnavailable, and the connection looks again at the next call (and the
 release thread now and then): a long outage fails calls, never the client.

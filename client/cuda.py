@@ -189,7 +189,7 @@ class DeviceLink:
 
     def _map_fd(self, rt: Runtime, device: int, name: str) -> Opened:
         """A VMM chunk, mapped from the descriptor its broker passes this client over its
-        lane (Note [device handles] in server/devices.py)."""
+        lane (Note [device handles] in server/store/devices.py)."""
         connection = self._asks()
         if connection is None:
             raise BrokerUnavailable(f"{name}: the client this link belongs to is gone")
@@ -288,7 +288,7 @@ class DeviceLink:
     def drain(self) -> None:
         """Wait until the copies of this client's puts have run: a process that exits with a
         copy still queued takes it with it (Note [a producer that dies with its copy queued]
-        in server/registry.py). Called at close; the one host wait of a producer."""
+        in server/store/registry.py). Called at close; the one host wait of a producer."""
         with self._lock:
             pending = list(self._inflight)
         if not pending:

@@ -40,19 +40,36 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..common.errors import BrokerError, BrokerUnavailable
 from ..common.protocol import Op
-from ..common.qring import ASK
+from ..common.qring import ASK, QueueRingView
 from .cancel import given_up
 from .shield import shielded
 from .tensor import Tensor
 
 if TYPE_CHECKING:
-    from .qring import QueueRing
     from .reads import Item
+    from .transfer import Transfer
+
+
+class QueueRing(Protocol):
+    """What these functions use of a queue ring (client/qring.py's QueueRing, which calls
+    them: named here, not imported, so that neither module imports the other)."""
+
+    transfer: Transfer
+    view: QueueRingView
+    owner: int
+    queue_id: int
+    name: str
+    asking: tuple[int, int] | None
+
+    def wait_for(
+        self, attempt: Callable[[int], int], deadline: float | None, timeout: float | None
+    ) -> int: ...
+
 
 log = logging.getLogger(__name__)
 

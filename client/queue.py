@@ -2,7 +2,7 @@
 
 Many producers and many consumers; each item goes to exactly one consumer, in FIFO order.
 Items are objects in the broker's shared memory like any other: one copy in, zero copies
-out. `maxsize` bounds the items in flight (see Note [queue slots] in server/slots.py): a
+out. `maxsize` bounds the items in flight (see Note [queue slots] in server/queues/slots.py): a
 `put` waits in the broker, not in a polling loop, until a consumer lets go of an item.
 """
 

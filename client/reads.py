@@ -45,7 +45,7 @@ class LeaseSlots:
     from the front and given back at the end (popleft and append are atomic under the GIL,
     and `give_back` runs from finalisers on any thread): a slot let go keeps the id of what
     it held, for the broker's LRU, until its turn comes again (Note [eviction] in
-    server/eviction.py). The mapping lives while any SlotLease holds this object."""
+    server/store/eviction.py). The mapping lives while any SlotLease holds this object."""
 
     def __init__(self, path: str, offset: int, count: int) -> None:
         self.pid = os.getpid()

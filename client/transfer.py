@@ -119,7 +119,7 @@ class Transfer:
         """Put `value` through `op` (a put, or a queue put with `queue` in `fields`): one
         copy, then the seal, after this client's earlier ones (Note [writes] in writes.py).
         The version, or None at once if not `block`. A small host put writes into a block
-        granted ahead and seals it in one trip (Note [grants] in server/grants.py)."""
+        granted ahead and seals it in one trip (Note [grants] in server/store/grants.py)."""
         plan = self.plan_write(label, value, device, copy, fields)
         if plan.grant is not None:
             return self.write_granted(plan, wait, block)
@@ -131,7 +131,7 @@ class Transfer:
     ) -> dict[str, Any]:  # fmt: skip
         """The broker's answer to `op`, a put that asks it for memory. Refused for room while
         this client holds blocks granted ahead there, it lets them go and asks once more
-        (their releases go first, with the request: Note [grants] in server/grants.py)."""
+        (their releases go first, with the request: Note [grants] in server/store/grants.py)."""
         try:
             return self.conn.call(op, wait=wait, late=late, **fields)
         except CapacityError:
@@ -241,7 +241,7 @@ class Transfer:
 
     def _write_granted_device(self, plan: WritePlan, grant: Grant, block: bool) -> int | None:
         """Copy into a device's block granted ahead and seal it in one message: one copy
-        and no trip before it (Note [grants] in server/grants.py)."""
+        and no trip before it (Note [grants] in server/store/grants.py)."""
         try:
             self.conn.check_usable(settle=False)
             offsets = [grant.offset + o for o in plan.offsets]

@@ -1,6 +1,7 @@
 """Sockets to the broker. One `Channel` is one socket that has said hello: a lane (a Unix
-stream socket beside an ipc:// address, Note [lanes] in server/lanes.py) where the broker has
-one, else a ZeroMQ DEALER. A Client keeps a small pool of them so that threads never share one.
+stream socket beside an ipc:// address, Note [lanes] in server/sessions/lanes.py) where the
+broker has one, else a ZeroMQ DEALER. A Client keeps a small pool of them so that threads
+never share one.
 """
 
 from __future__ import annotations

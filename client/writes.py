@@ -320,7 +320,7 @@ class Writes:
             how = "handed to its consumer first" if handed else "a put that did not wait"
             self.conn.fail_later(type(error)(f"{out.label} ({how}): {error}"))
 
-    # -- the broker restarted (Note [recovery] in server/state.py) ---------------------------
+    # -- the broker restarted (Note [recovery] in server/durability/state.py) ---------------
 
     def _ready(self) -> Channel:
         """The socket to the broker of now; after a restart, a new one, on which the seals

@@ -157,7 +157,7 @@ def ipc_path(address: str) -> str | None:
 
 
 def lane_path(address: str) -> str | None:
-    """The lane beside an ipc:// address (Note [lanes] in server/lanes.py); None for any
+    """The lane beside an ipc:// address (Note [lanes] in server/sessions/lanes.py); None for any
     other address, or where the path would be too long for a Unix socket."""
     path = ipc_path(address)
     if path is None or len(path.encode()) + len(LANE_SUFFIX) > IPC_PATH_MAX:

@@ -22,7 +22,7 @@ Note [broker-owned events]
     - An event recorded by a process that is then killed, its work still queued, stays
       "not ready" for good, and so does every later record of it by a live process (5 s
       after a record behind a 0.5 s kernel). See Note [events of dead processes] in
-      server/devices.py.
+      server/store/devices.py.
     - Not observed (the machine had one GPU): whether `CupyRuntime._on`, which sets the
       device back to the thread's previous one, makes a context on cuda:0 in a process that
       only uses cuda:1.

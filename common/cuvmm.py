@@ -1,6 +1,6 @@
 """GPU memory a file descriptor names: the CUDA driver's virtual memory management, through
 ctypes (CuPy's runtime module has no binding for it). Note [device handles] in
-server/devices.py says why and when it is used.
+server/store/devices.py says why and when it is used.
 
 The broker makes a chunk with `cuMemCreate` (a POSIX file descriptor as its shareable
 handle), maps it and exports the descriptor (`create`); a client that received that

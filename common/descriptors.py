@@ -13,7 +13,7 @@ MIN_ALIGN = 64  # JAX copies silently below 64-byte alignment
 DEVICE_ALIGN = 256  # what cudaMalloc guarantees; every device tensor starts on 256 bytes
 PAGE = 4096
 PAGE_ALIGN_FROM = 64 * 1024  # tensors of this size and up start on a page
-# Blocks granted ahead (Note [grants] in server/grants.py) come in these sizes, a page to
+# Blocks granted ahead (Note [grants] in server/store/grants.py) come in these sizes, a page to
 # 1 MiB by powers of two; larger host puts ask for their block (the copy dominates there).
 GRANT_MIN, GRANT_MAX = PAGE, 1 << 20
 # A device's blocks are granted up to 4 GiB: a device-to-device copy is fast enough that one

@@ -49,7 +49,7 @@ MAGIC = 0x31524944_42540000  # "TBDIR1"
 HEADER = 4096
 ENTRY_SIZE = 2048  # a bigger key and descriptor is not listed: its gets ask the broker
 # (the largest entry: a table's header says its own entry size, a power of two from 128
-# that fits its longest key and descriptor; server/directory.py)
+# that fits its longest key and descriptor; server/store/directory.py)
 ENTRIES = 4096  # of the first directory; it is rebuilt (twice the size if need be) when full
 SLOTS = 1024  # per client region (8 KiB)
 REGIONS = 256  # client regions in the slots segment: more clients get theirs from the broker

@@ -11,7 +11,7 @@ wakes only the consumer; the broker learns of the item from the seal that follow
 consumer's path.
 
     mailbox segment (the broker's, new with each broker; one per user under --group, Note
-    [members] in server/members.py): MAILBOX bytes per client, one each, assigned at
+    [members] in server/store/members.py): MAILBOX bytes per client, one each, assigned at
     hello (common/_shm.c has the layout)
     ┌ state: token << 8 | IDLE/OPEN/CLAIMED/FILLED ┬ bell (futex) ┬ body ┬ offer (seqlock) ┐
 

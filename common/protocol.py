@@ -80,7 +80,7 @@ class Op:
     QLIST = "qlist"  # -> queues [{name, depth, maxsize, in_flight, closed, ...}, ...]
     CLIENTS = "clients"  # -> clients [{pid, uid, sockets, leases, held_bytes, parked, ...}]
     CHUNK = "chunk"  # device, segment -> size, and the VMM chunk's file descriptor passed with
-    # the reply over the lane (Note [device handles] in server/devices.py)
+    # the reply over the lane (Note [device handles] in server/store/devices.py)
 
 
 NO_REPLY = frozenset({Op.RELEASE, Op.HEARTBEAT, Op.BYE})

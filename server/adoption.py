@@ -20,12 +20,12 @@ import os
 from typing import Any
 
 from ..common.config import format_size
-from .arena import Arena, Block, Segment
-from .journal import LIVE, PENDING, Recovered, Row
-from .queues import Queues
-from .records import Session, StoredObject
-from .registry import Registry
-from .sessions import Sessions
+from .durability.journal import LIVE, PENDING, Recovered, Row
+from .queues.queues import Queues
+from .sessions.sessions import Sessions
+from .store.arena import Arena, Block, Segment
+from .store.records import Session, StoredObject
+from .store.registry import Registry
 
 log = logging.getLogger(__name__)
 

@@ -36,29 +36,30 @@ from ..common.config import SHM_DIR, check_address, default_state_dir, format_si
 from ..common.errors import BrokerError, InvalidRequest, SessionUnknown, Timeout
 from ..common.fields import parse_request
 from ..common.protocol import NO_REPLY, PROTOCOL_VERSION, Op, Request, reply_error, reply_ok
-from . import backlog
 from .adoption import Adoption
-from .arena import Arena
-from .chunks import ChunkFds
-from .cluster import Cluster, Joining, Watched
-from .devices import RECLAIM_POLL, DeviceMemory
-from .directory import Directory
-from .endpoint import Endpoint
+from .cluster.cluster import Cluster, Joining, Watched
+from .durability.state import State
 from .inventory import Inventory
-from .members import MailboxTables, SlotTables
-from .objects import Objects
+from .ops import op_table
 from .opstats import OpStats
-from .outbox import Outbox
-from .parking import ParkingLot
-from .qring_state import QRing
-from .queues import Queues
-from .records import Session
-from .registry import Registry
-from .rings import Ring
+from .queues.qring_state import QRing
+from .queues.queues import Queues
+from .queues.rings import Ring
 from .seals import SEALS, Seals
-from .sessions import HEARTBEAT_INTERVAL, Sessions
-from .sockets import refuse_if_served
-from .state import State
+from .sessions import backlog
+from .sessions.endpoint import Endpoint
+from .sessions.outbox import Outbox
+from .sessions.sessions import HEARTBEAT_INTERVAL, Sessions
+from .sessions.sockets import refuse_if_served
+from .store.arena import Arena
+from .store.chunks import ChunkFds
+from .store.devices import RECLAIM_POLL, DeviceMemory
+from .store.directory import Directory
+from .store.members import MailboxTables, SlotTables
+from .store.objects import Objects
+from .store.parking import ParkingLot
+from .store.records import Session
+from .store.registry import Registry
 
 if TYPE_CHECKING:
     from .metrics import Exporter
@@ -67,8 +68,6 @@ log = logging.getLogger(__name__)
 
 MAX_POLL_S = 3600.0  # a far deadline is waited for in steps zmq can take
 RING_SCAN = 0.005  # seconds between looks at the rings whose producers wait (QueueRings.scan)
-
-Handler = Callable[[Session, bytes, Request], "dict[str, Any] | None"]
 
 
 class Broker:
@@ -186,39 +185,11 @@ class Broker:
         self._ring_scan = 0.0  # when the rings are looked at next (QueueRings.scan)
         self._exporter: Exporter | None = None  # serve --metrics: export_metrics()
         self.opstats = OpStats()
-        self._handlers: dict[str, Handler] = {
-            Op.PUT: self.objects.put,
-            Op.SEAL: self.seals.seal,
-            Op.ABORT: self.objects.abort,
-            Op.GRANT: self.objects.grant,
-            Op.WRITE: self.seals.write,
-            Op.QCREDIT: self.queues.slots.credit,
-            Op.GET: self.objects.get,
-            Op.WAIT: self.objects.wait,
-            Op.WATCH_PREFIX: self.objects.events.watch,
-            Op.DELETE: self.objects.delete,
-            Op.EXISTS: self.objects.exists,
-            Op.KEYS: self.objects.keys,
-            Op.STATS: self._on_stats,
-            Op.RELEASE: self.queues.rings.released,
-            Op.HEARTBEAT: lambda session, route, req: None,
-            Op.BYE: self.sessions.bye,
-            Op.QOPEN: self.queues.open,
-            Op.QPUT: self.queues.slots.put,
-            Op.QGET: self.queues.get,
-            Op.QSUB: self.queues.subscribe,
-            Op.QUNSUB: self.queues.broadcasts.unsubscribe,
-            Op.QCLOSE: self.queues.close,
-            Op.QBACK: self.queues.give_back,
-            Op.QUNCLAIM: self.queues.unclaim,
-            Op.QINFO: self.queues.info,
-            Op.QDELETE: self.queues.remove,
-            Op.CANCEL: self.handoffs.cancel,
-            Op.LIST: self.inventory.objects,
-            Op.QLIST: self.inventory.queue_list,
-            Op.CLIENTS: self.inventory.clients,
-            Op.CHUNK: ChunkFds(self.devices, self.outbox.send, self.endpoint.is_lane).chunk,
-        }
+        chunks = ChunkFds(self.devices, self.outbox.send, self.endpoint.is_lane)
+        self._handlers = op_table(
+            self.objects, self.seals, self.queues, self.sessions, self.inventory, chunks,
+            self._on_stats,
+        )  # fmt: skip
         if found is not None:
             try:
                 others = {*self.slots.names, *self.mailboxes.names}

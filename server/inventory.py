@@ -17,11 +17,11 @@ from typing import Any
 
 from ..common.errors import InvalidRequest
 from ..common.protocol import Request
-from .objects import Objects
-from .parking import ParkingLot
-from .queue_state import BrokerQueue
-from .queues import Queues
-from .records import Session, StoredObject
+from .queues.queue_state import BrokerQueue
+from .queues.queues import Queues
+from .store.objects import Objects
+from .store.parking import ParkingLot
+from .store.records import Session, StoredObject
 
 LIST_LIMIT = 10_000  # objects per page of `list`
 

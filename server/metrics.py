@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from ..common.errors import BrokerError, InvalidRequest
-from .sockets import AddressInUse
+from .sessions.sockets import AddressInUse
 
 
 class MetricsUnavailable(BrokerError):

@@ -13,10 +13,10 @@ from typing import Any
 from ..common import protocol
 from ..common.protocol import Op, Request, reply_ok
 from .adoption import Adoption
-from .handoff import Handoffs
-from .objects import Objects
-from .queues import Queues
-from .records import Session
+from .queues.handoff import Handoffs
+from .queues.queues import Queues
+from .store.objects import Objects
+from .store.records import Session
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ log = logging.getLogger("tensorbroker")
 
 
 def _gc(args: argparse.Namespace) -> int:
-    """Remove the shared memory of the brokers not running (server/leftovers.py says how it
-    tells); print each state removed with its segments, then those kept and why."""
-    from .server.leftovers import REMOVED, RUNNING, STARTING, STOPPED, collect, state_id
+    """Remove the shared memory of the brokers not running (server/durability/leftovers.py
+    says how it tells); print each state removed with its segments, then those kept and why."""
+    from .server.durability.leftovers import REMOVED, RUNNING, STARTING, STOPPED, collect, state_id
 
     only = {state_id(text) for text in args.states} or None
     found = collect(SHM_DIR, only=only, dry_run=args.dry_run)

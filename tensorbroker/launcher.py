@@ -17,7 +17,7 @@ from typing import IO, ClassVar, Protocol
 
 from .common.config import SOCKET_NAME, default_state_dir, parse_size
 from .common.errors import BrokerError, BrokerUnavailable
-from .server.state import discard
+from .server.durability.state import discard
 
 
 class Running(Protocol):
@@ -96,7 +96,8 @@ class BrokerProcess:
 
     def restart(self) -> None:
         """Start a broker again on this address and state (after the last one exited: a
-        crash, say); it adopts what that one left (Note [recovery] in server/state.py)."""
+        crash, say); it adopts what that one left (Note [recovery] in
+        server/durability/state.py)."""
         if self.alive:
             raise BrokerUnavailable(f"the broker at {self.address} is still running: stop it first")
         if self._proc is not None:

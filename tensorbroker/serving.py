@@ -115,8 +115,8 @@ def run(args: argparse.Namespace) -> int:
     """`tensorbroker serve`: a broker on the options given, until SIGTERM or SIGINT."""
     from .common import cudart
     from .server.broker import Broker
-    from .server.devices import DeviceMemory
-    from .server.joining import Joining
+    from .server.cluster.joining import Joining
+    from .server.store.devices import DeviceMemory
 
     address = check_address(args.address or default_address())
     metrics = None

@@ -166,7 +166,7 @@ def broker() -> Iterator[tb.BrokerProcess]:
 
 @pytest.fixture(params=["lanes", "zeromq"])
 def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs a test twice: with clients on lanes (Note [lanes] in server/lanes.py), and with
+    """Runs a test twice: with clients on lanes (Note [lanes] in server/sessions/lanes.py), and with
     ZeroMQ only, in this process and in the workers it spawns."""
     if request.param == "zeromq":
         monkeypatch.setenv("TENSORBROKER_LANES", "off")

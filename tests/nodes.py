@@ -14,16 +14,16 @@ import pytest
 import zmq
 
 from tensorbroker.common.protocol import Request
-from tensorbroker.server.arena import Arena
-from tensorbroker.server.cluster import Cluster, Joining
-from tensorbroker.server.devices import DeviceMemory
-from tensorbroker.server.journal import Journal
-from tensorbroker.server.objects import Objects
-from tensorbroker.server.parking import ParkingLot
-from tensorbroker.server.queue_state import BrokerQueue
-from tensorbroker.server.queues import Queues
-from tensorbroker.server.records import Session, StoredObject
-from tensorbroker.server.registry import Registry
+from tensorbroker.server.cluster.cluster import Cluster, Joining
+from tensorbroker.server.durability.journal import Journal
+from tensorbroker.server.queues.queue_state import BrokerQueue
+from tensorbroker.server.queues.queues import Queues
+from tensorbroker.server.store.arena import Arena
+from tensorbroker.server.store.devices import DeviceMemory
+from tensorbroker.server.store.objects import Objects
+from tensorbroker.server.store.parking import ParkingLot
+from tensorbroker.server.store.records import Session, StoredObject
+from tensorbroker.server.store.registry import Registry
 from tests.simcuda import SimRuntime
 from tests.support import free_port
 

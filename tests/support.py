@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import IO, Any
 
-from tensorbroker.server.journal import read_journal
-from tensorbroker.server.state import owner_path
+from tensorbroker.server.durability.journal import read_journal
+from tensorbroker.server.durability.state import owner_path
 
 
 class _Child(mp.context.ForkServerProcess):
@@ -175,7 +175,7 @@ def run_segments(run_dir: str) -> set[str]:
     """The files in /dev/shm (segments and owner files) of the broker states kept in
     `run_dir` (the folder of this test run: tests/conftest.py), or of states whose journal
     is there: a state's owner file names its state dir (Note [recovery] in
-    server/state.py). Those of other runs on this machine, at the same time, are not
+    server/durability/state.py). Those of other runs on this machine, at the same time, are not
     counted; nor is a segment left with neither (its state cannot be told)."""
     root = os.path.join(os.path.realpath(run_dir), "")
     ours: set[str] = set()

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 import tensorbroker as tb
-from tensorbroker.server.journal import read_journal
+from tensorbroker.server.durability.journal import read_journal
 
 from .base import (
     KEY_BYTES,

@@ -18,8 +18,8 @@ import pytest
 
 import tensorbroker as tb
 from tensorbroker.common.config import ADDRESS_ENV, format_size, shm_bytes_available
-from tensorbroker.server.journal import read_journal
-from tensorbroker.server.state import discard
+from tensorbroker.server.durability.journal import read_journal
+from tensorbroker.server.durability.state import discard
 from tests.support import segments_of
 
 MiB = 2**20

@@ -1,6 +1,6 @@
-"""Three brokers on this host as three nodes of a cluster (Note [cluster] in server/cluster.py),
-the bytes between them moved by NIXL over UCX's TCP transport (UCX_TLS=tcp), as between
-machines."""
+"""Three brokers on this host as three nodes of a cluster (Note [cluster] in
+server/cluster/cluster.py), the bytes between them moved by NIXL over UCX's TCP transport
+(UCX_TLS=tcp), as between machines."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 
 import tensorbroker as tb
 from tensorbroker.common.curve import make_keys
-from tensorbroker.server.queue_links import AHEAD
+from tensorbroker.server.cluster.queue_links import AHEAD
 from tests.support import crash, free_port, in_thread, wait_until
 
 pytest.importorskip("nixl_cu12", reason="the cluster needs NIXL: make test installs nixl-cu12")

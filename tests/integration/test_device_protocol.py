@@ -25,7 +25,7 @@ import tensorbroker as tb
 from tensorbroker.client import _dlpack
 from tensorbroker.common.cudart import CHUNK_ALIGN, STREAM_LEGACY, STREAM_PER_THREAD
 from tensorbroker.server.broker import Broker
-from tensorbroker.server.devices import DeviceMemory
+from tensorbroker.server.store.devices import DeviceMemory
 
 MiB = 1 << 20
 READER_STREAM = 0xBEEF  # a consumer's own stream
@@ -286,7 +286,7 @@ def test_a_state_dict_of_tensors_apart_is_copied_in_one_call_asking_its_stream_o
     del got, t
 
 
-# -- blocks granted ahead (Note [grants] in server/grants.py) ----------------------------
+# -- blocks granted ahead (Note [grants] in server/store/grants.py) ----------------------------
 
 
 def _requests(c: tb.Client) -> dict[str, int]:
@@ -436,7 +436,7 @@ def test_a_gpu_out_of_events_refuses_the_put_and_keeps_no_memory(
     assert c.put("x", src) == 1
 
 
-# -- chunks a file descriptor names (Note [device handles] in server/devices.py) ---------
+# -- chunks a file descriptor names (Note [device handles] in server/store/devices.py) ---------
 
 
 @pytest.fixture
@@ -541,7 +541,7 @@ def test_a_lane_holds_a_descriptor_behind_replies_it_could_not_write_yet() -> No
     import array
     import socket
 
-    from tensorbroker.server.lanes import Lane, Lanes
+    from tensorbroker.server.sessions.lanes import Lane, Lanes
 
     ours, theirs = socket.socketpair()
     ours.setblocking(False)

@@ -1,5 +1,5 @@
 """serve --group: what members can do to each other (issue 31, Note [members] in
-server/members.py). Each user's lease slots and mailboxes are in segments only that user
+server/store/members.py). Each user's lease slots and mailboxes are in segments only that user
 and the broker can open: another member's open fails with EACCES, its hello with a session
 token of another user is refused, and queue items between two users go through the broker.
 The tests run as root, and make a group and two member users of their own."""

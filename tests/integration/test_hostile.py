@@ -538,7 +538,7 @@ def test_sessions_share_one_pidfd_per_process_and_are_bounded(
     """Issue 14, item 6: one process said hello 1,100 times and the broker, with a pidfd per
     session, ran out of file descriptors and aborted. Now a process's sessions share one
     pidfd, and past MAX_SESSIONS_PER_PROCESS a hello is refused, saying what to do."""
-    from tensorbroker.server.sessions import MAX_SESSIONS_PER_PROCESS
+    from tensorbroker.server.sessions.sessions import MAX_SESSIONS_PER_PROCESS
 
     fds_before = len(os.listdir(f"/proc/{fresh_broker.pid}/fd"))
     sock = raw(fresh_broker.address)

@@ -1,4 +1,4 @@
-"""Lanes (Note [lanes] in server/lanes.py): clients on an ipc:// address talk to the broker
+"""Lanes (Note [lanes] in server/sessions/lanes.py): clients on an ipc:// address talk to the broker
 over a Unix stream socket beside it, ZeroMQ clients share the same objects, and a lane that
 misbehaves or closes costs no one else anything."""
 

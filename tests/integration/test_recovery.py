@@ -1,5 +1,5 @@
 """A broker that dies loses nothing: a broker restarted on its state adopts it, and clients
-come back to it with their sessions and leases (Note [recovery] in server/state.py)."""
+come back to it with their sessions and leases (Note [recovery] in server/durability/state.py)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import zmq
 
 import tensorbroker as tb
 from tensorbroker.common.protocol import decode, encode
-from tensorbroker.server.journal import read_journal
-from tensorbroker.server.state import discard
+from tensorbroker.server.durability.journal import read_journal
+from tensorbroker.server.durability.state import discard
 from tests.integration import chaos
 from tests.support import (
     CHILDREN,

@@ -1,4 +1,4 @@
-"""Small puts in one trip (Note [grants] in server/grants.py) and puts that do not wait
+"""Small puts in one trip (Note [grants] in server/store/grants.py) and puts that do not wait
 (Note [writes] in client/writes.py): read your writes, errors raised later with their key,
 a writer killed with grants and seals on their way, and queues with credits."""
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import tensorbroker as tb
-from tensorbroker.server.events import LOG_EVENTS
+from tensorbroker.server.store.events import LOG_EVENTS
 
 WRITER = """
 import sys, numpy as np, tensorbroker as tb

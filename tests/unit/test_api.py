@@ -69,7 +69,8 @@ def test_importing_tensorbroker_does_not_import_frameworks() -> None:
 
 _SERVER_ONLY = """
 import sys
-import tensorbroker.server.broker, tensorbroker.server.registry, tensorbroker.server.arena
+import tensorbroker.server.broker, tensorbroker.server.store.registry
+import tensorbroker.server.store.arena
 print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "jax", "jaxlib", "cupy")
              or m == "tensorbroker.client" or m.startswith("tensorbroker.client.")))
 """

@@ -1,4 +1,4 @@
-"""Unit tests for the shared-memory arena (server/arena.py), on a private directory."""
+"""Unit tests for the shared-memory arena (server/store/arena.py), on a private directory."""
 
 import errno
 import itertools
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tensorbroker.server.arena import Arena, Block, Segment, ShmExhausted
+from tensorbroker.server.store.arena import Arena, Block, Segment, ShmExhausted
 
 KiB = 2**10
 MiB = 2**20

@@ -1,4 +1,4 @@
-"""GPU objects across the nodes of a cluster (server/transfers.py): lent, pulled and sealed
+"""GPU objects across the nodes of a cluster (server/cluster/transfers.py): lent, pulled and sealed
 as replicas on the same device of the reader's node. Brokers' cluster sides stepped by hand
 (tests/nodes.py) on a simulated GPU, NIXL replaced by reads a test ends: what this proves is
 the bookkeeping; the bytes between GPUs are tests/gpu's (test_gpu_replicas_between_two_brokers)."""

@@ -1,6 +1,6 @@
 """Who forgets what, and when an offer may be read, between the brokers of a cluster
-(Note [cluster] in server/cluster.py, Note [offers] in server/offers.py): Cluster objects
-stepped by hand in this process (tests/nodes.py)."""
+(Note [cluster] in server/cluster/cluster.py, Note [offers] in server/cluster/offers.py):
+Cluster objects stepped by hand in this process (tests/nodes.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from tensorbroker.common.protocol import Request, decode
-from tensorbroker.server import lending
-from tensorbroker.server.offers import OFFER_MAX
+from tensorbroker.server.cluster import lending
+from tensorbroker.server.cluster.offers import OFFER_MAX
 from tests.nodes import MiB, Node, pair, run, trio
 
 __all__ = ["pair", "trio"]  # the fixtures

@@ -11,10 +11,10 @@ from tensorbroker.common.config import parse_cuda_memory
 from tensorbroker.common.cudart import CudaUnavailable, parse_device
 from tensorbroker.common.descriptors import DEVICE_ALIGN, grant_class
 from tensorbroker.common.fields import check_device
-from tensorbroker.server.arena import Arena
-from tensorbroker.server.devices import DeviceMemory
-from tensorbroker.server.records import Session, StoredObject
-from tensorbroker.server.registry import Registry
+from tensorbroker.server.store.arena import Arena
+from tensorbroker.server.store.devices import DeviceMemory
+from tensorbroker.server.store.records import Session, StoredObject
+from tensorbroker.server.store.registry import Registry
 
 MiB = 1 << 20
 

@@ -18,7 +18,7 @@ from tensorbroker.common.directory import (
     DirectoryView,
     decode_desc,
 )
-from tensorbroker.server.directory import MIN_ENTRY, Directory, SlotTable
+from tensorbroker.server.store.directory import MIN_ENTRY, Directory, SlotTable
 
 
 @pytest.fixture

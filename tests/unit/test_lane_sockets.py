@@ -1,4 +1,4 @@
-"""Unit tests for the broker's lanes (server/lanes.py), with a real listener in a temporary
+"""Unit tests for the broker's lanes (server/sessions/lanes.py), with a real listener in a temporary
 directory and the poller replaced by a record of what is watched."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 import msgpack
 import pytest
 
-from tensorbroker.server import lanes as lanes_module
-from tensorbroker.server.lanes import Lanes
+from tensorbroker.server.sessions import lanes as lanes_module
+from tensorbroker.server.sessions.lanes import Lanes
 
 
 class Watched:

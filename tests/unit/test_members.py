@@ -1,4 +1,4 @@
-"""The lease-slot and mailbox tables per user (Note [members] in server/members.py): indices
+"""The lease-slot and mailbox tables per user (Note [members] in server/store/members.py): indices
 across the tables, what the journal is told, adoption, and a user whose table cannot be
 made. Opening as another user is tested with real users in test_group_members.py."""
 
@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from tensorbroker.common import _shm
-from tensorbroker.server import arena
-from tensorbroker.server.journal import Journal
-from tensorbroker.server.members import MailboxTables, SlotTables
+from tensorbroker.server.durability.journal import Journal
+from tensorbroker.server.store import arena
+from tensorbroker.server.store.members import MailboxTables, SlotTables
 
 
 class Meta(Journal):

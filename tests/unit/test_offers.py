@@ -1,4 +1,4 @@
-"""Unit tests for the offers of small versions (server/offers.py, Note [offers]): when an
+"""Unit tests for the offers of small versions (server/cluster/offers.py, Note [offers]): when an
 owner's pin goes, when a peer gives an offer back, and a read from an offer that fails."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 
 from tensorbroker.common.protocol import Request
-from tensorbroker.server.arena import Arena
-from tensorbroker.server.objects import Objects
-from tensorbroker.server.offers import GIVE_BACK_EVERY, GIVE_BACK_MAX, OFFER_MAX, Held, Lent
-from tensorbroker.server.parking import ParkingLot
-from tensorbroker.server.records import Session
-from tensorbroker.server.registry import Registry
-from tensorbroker.server.replicas import Replicas
+from tensorbroker.server.cluster.offers import GIVE_BACK_EVERY, GIVE_BACK_MAX, OFFER_MAX, Held, Lent
+from tensorbroker.server.cluster.replicas import Replicas
+from tensorbroker.server.store.arena import Arena
+from tensorbroker.server.store.objects import Objects
+from tensorbroker.server.store.parking import ParkingLot
+from tensorbroker.server.store.records import Session
+from tensorbroker.server.store.registry import Registry
 
 MiB = 2**20
 

@@ -1,5 +1,5 @@
 """Queue items lent between the brokers of a cluster (Note [queues across nodes] in
-server/queue_links.py): Cluster objects stepped by hand in this process (tests/nodes.py)."""
+server/cluster/queue_links.py): Cluster objects stepped by hand in this process (tests/nodes.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Unit tests for the object registry (server/registry.py) over a real arena in a temporary
+"""Unit tests for the object registry (server/store/registry.py) over a real arena in a temporary
 directory: layout, versions, leases, and when memory goes back."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from tensorbroker.common.config import format_size
 from tensorbroker.common.descriptors import MIN_ALIGN, PAGE, PAGE_ALIGN_FROM
 from tensorbroker.common.dtypes import DTYPES
 from tensorbroker.common.errors import CapacityError, InvalidRequest, NotFound
-from tensorbroker.server.arena import Arena
-from tensorbroker.server.records import Session
-from tensorbroker.server.registry import Registry
+from tensorbroker.server.store.arena import Arena
+from tensorbroker.server.store.records import Session
+from tensorbroker.server.store.registry import Registry
 
 KiB = 2**10
 MiB = 2**20

@@ -11,11 +11,11 @@ import pytest
 
 from tensorbroker.common import _shm
 from tensorbroker.common.ring import BITS, CLOSED, R_END, R_MEMBERS, R_WHY, REMOVED, slot_seq
-from tensorbroker.server.arena import Block
-from tensorbroker.server.broadcast import QueueRings
-from tensorbroker.server.journal import Journal
-from tensorbroker.server.queue_state import BrokerQueue
-from tensorbroker.server.rings import Ring
+from tensorbroker.server.durability.journal import Journal
+from tensorbroker.server.queues.broadcast import QueueRings
+from tensorbroker.server.queues.queue_state import BrokerQueue
+from tensorbroker.server.queues.rings import Ring
+from tensorbroker.server.store.arena import Block
 
 SLOTS = 4
 

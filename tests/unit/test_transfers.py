@@ -1,4 +1,4 @@
-"""The agents of a cluster's brokers (server/transfers.py): a peer's agent metadata, the
+"""The agents of a cluster's brokers (server/cluster/transfers.py): a peer's agent metadata, the
 newest kept. NIXL's agent is stood in for (the integration tests run the real one)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tensorbroker.server.transfers import Transfers
+from tensorbroker.server.cluster.transfers import Transfers
 
 
 class Agent:

@@ -1,0 +1,231 @@
+"""This node's side of the other nodes' pulls (Note [cluster] in cluster.py): its keys announced
+to them, a small version with its offer (Note [offers] in offers.py), and its versions lent
+to their pulls, pinned until each says it is through.
+
+Fan-out: an owner lends each version to FANOUT nodes itself, and sends the pulls that come
+after to those borrowers (`redirect`), which lend their replica, or, still pulling it, lend
+it once they have it. A borrower that fails a pull sends it back to the owner, who then lends
+it directly. So the owner's node sends a version's bytes FANOUT times, however many read it
+(an offered version excepted: every node reads it from its owner).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from ..store.records import StoredObject
+from ..store.registry import Registry
+from .offers import Lent
+from .pulls import Links, Pull, Remote
+from .transfers import Transfers
+
+log = logging.getLogger(__name__)
+
+FANOUT = 2  # the nodes a version's owner lends it to itself; later pullers go to theirs
+ANNOUNCE_EVERY = 0.001  # seconds: announcements made sooner after the last batch wait for it
+
+
+class Lending:
+    """The announcements, loans and offers of this node's keys. `index` and `pulling` are
+    Replicas' (the keys that are other nodes', and those being pulled here): a replica is
+    lent as any version, but never announced, and a key still being pulled is lent once it
+    is here."""
+
+    def __init__(
+        self, node: str, registry: Registry, transfers: Transfers, links: Links,
+        index: Mapping[str, Remote], pulling: Mapping[str, Pull],
+    ) -> None:  # fmt: skip
+        self.node, self.registry, self.transfers, self.links = node, registry, transfers, links
+        self.index, self.pulling = index, pulling
+        self.loans: dict[tuple[str, int, int], StoredObject] = {}  # (node, pull, ask) -> pinned
+        # (node, pull, ask) -> when its borrower asked, on its clock (Lending.open_pulls):
+        self._asked_at: dict[tuple[str, int, int], float] = {}  # asked, not yet lent
+        self._lent_at: dict[tuple[str, int, int], float] = {}  # lent
+        self.offered = Lent(registry)
+        self._lent_to: dict[str, tuple[int, list[str]]] = {}  # key -> (version, borrowers)
+        self.announcing: list[tuple[str, int]] = []  # sent after the loop's replies (`flush`)
+        self._announced_at = -math.inf  # when the last batch went
+        self.bytes_sent = 0
+        # Lends of GPU objects whose copy has not run yet: (node, pull, key, direct, ask).
+        self.unwritten: list[tuple[str, int, str, bool, int]] = []
+
+    # -- announcements ---------------------------------------------------------------------------
+
+    def announce(self, key: str, version: int) -> None:
+        """`key` sealed here at `version` (0: deleted): every peer is told, once this loop's
+        replies are out (a put's reply does not wait for the messages to its peers)."""
+        self.announcing.append((key, version))
+
+    def announce_in(self, now: float) -> float:
+        """Seconds until the announcements waiting go out (inf: none wait)."""
+        if not self.announcing:
+            return math.inf
+        return max(0.0, self._announced_at + ANNOUNCE_EVERY - now)
+
+    def flush(self) -> None:
+        """The announcements, once ANNOUNCE_EVERY passed since the last went: one message to
+        each peer, [key, version, size, offer] of each key's latest version, or [key, 0, 0,
+        None, the version put and deleted since the last batch, if one was] for a delete; a
+        small version goes with its offer, pinned for the peers it reached (Note [offers])."""
+        now = time.monotonic()
+        if self.announce_in(now) > 0.0:
+            return
+        self._announced_at = now
+        announcing, self.announcing = self.announcing, []
+        latest: dict[str, int] = {}  # key -> its last version, the last put first
+        put: dict[str, int] = {}  # key -> its last put's version
+        for key, version in reversed(announcing):
+            latest.setdefault(key, version)
+            if version:
+                put.setdefault(key, version)
+        entries: list[list[Any]] = []
+        offered = []
+        for key, version in reversed(latest.items()):
+            if not version:  # deleted (the version it put and deleted since: it beat others')
+                entries.append([key, 0, 0, None, put.get(key, 0)])
+                continue
+            obj = self.registry.objects.get(key)
+            size = 0 if obj is None else int(obj.nbytes)
+            offer = None
+            try:
+                if obj is not None and obj.version == version and self.offered.offerable(obj):
+                    offer = self.transfers.offer(obj, agent=False)
+                    offered.append(obj)
+            except Exception as exc:  # (its segment could not be registered): lent when asked
+                log.warning("could not offer %r with its announcement: %s", key, exc)
+            entries.append([key, version, size, offer])
+        links = self.links  # (the offers say which incarnation of their receiver they are
+        told = {  # for, and how often this broker knows it forgot this one: Links.acked)
+            n for n in links.nodes() if links.up(n)
+            and links.send(n, {"op": "announce", "keys": entries, **links.ack(n)})
+        }  # fmt: skip
+        for obj in offered:
+            self.offered.pin(obj, told)
+
+    # -- loans -----------------------------------------------------------------------------------
+
+    def lend(
+        self, node: str, pull: int, key: str, direct: bool = False, ask: int = 0, t: Any = None
+    ) -> None:
+        """Answer `node`'s pull of `key`: pin its version here and say where its bytes are;
+        or, the owner of a version it lent FANOUT times already, send it to one of those
+        borrowers (unless `direct`: one of them failed it); or, pulling it, lend it once
+        the pull is done. `ask`: which of the pull's lends this is (the answer says, and
+        only the last one asked is read); `t`: when it was asked, on `node`'s clock."""
+        if isinstance(t, float):
+            self._asked_at[node, pull, ask] = t
+        pulling = self.pulling.get(key)
+        if pulling is not None and key in self.index:
+            pulling.lends.append((node, pull, ask))
+            return
+        obj = self.registry.objects.get(key)
+        if obj is not None and obj.events and not self.registry.devices.finished(obj.events[0]):
+            # A GPU put seals with its copy only queued on its producer's stream: lent once
+            # it ran (its write event), else a peer could read what the block held before.
+            self.unwritten.append((node, pull, key, direct, ask))
+            return
+        offer = None
+        try:  # (a GPU object whose chunk NIXL could not register: not lent)
+            offer = None if obj is None else self.transfers.offer(obj)
+        except OSError as exc:
+            log.warning("could not lend %r: %s", key, exc)
+        if obj is None or offer is None:
+            error = f"node {self.node!r} has no {key!r}"
+            answer = {"op": "lent", "pull": pull, "ask": ask, "error": error}
+            remote = self.index.get(key)
+            if remote is not None:  # another node's version won here: the puller may not know yet
+                answer["at"] = [remote.node, remote.version, remote.size]
+            self.links.answer(node, answer)
+            return
+        if key not in self.index:  # this node's own: its bytes go out FANOUT times at most
+            version, borrowers = self._lent_to.get(key, (0, []))
+            if version != obj.version:
+                version, borrowers = obj.version, []
+                self._lent_to[key] = (version, borrowers)
+            others = [b for b in borrowers if b != node and self.links.up(b)]
+            if len(borrowers) >= FANOUT and others and not direct:
+                to = others[pull % len(others)]
+                self.links.answer(node, {"op": "lent", "pull": pull, "ask": ask, "redirect": to})
+                return
+            if node not in borrowers:
+                borrowers.append(node)
+        self.links.answer(node, self.loan(node, pull, obj, ask, offer))
+
+    def lend_written(self) -> None:
+        """The lends of GPU objects whose copy has run since: answered now (`lend` again)."""
+        waiting, self.unwritten = self.unwritten, []
+        for node, pull, key, direct, ask in waiting:
+            try:
+                self.lend(node, pull, key, direct, ask)
+            except Exception:  # (the others still go)
+                log.exception("could not lend %r to node %r", key, node)
+
+    def loan(
+        self, node: str, pull: int, obj: StoredObject, ask: int = 0, offer: Any = None
+    ) -> dict[str, Any]:
+        """Pin `obj` for lend `ask` of `node`'s pull `pull` (once, if it came twice): its
+        `lent` answer (with `offer`, if made already), for `node`'s incarnation as this
+        broker knows it (Links.acked)."""
+        if offer is None:
+            offer = self.transfers.offer(obj)
+        if (node, pull, ask) not in self.loans:
+            self.registry.pin(obj)
+            self.loans[node, pull, ask] = obj
+            self._lent_at[node, pull, ask] = self._asked_at.get((node, pull, ask), math.inf)
+            self.bytes_sent += obj.nbytes
+        self._asked_at.pop((node, pull, ask), None)
+        return {
+            "op": "lent", "pull": pull, "ask": ask, "version": obj.version,
+            **self.links.ack(node), **offer,
+        }  # fmt: skip
+
+    def returned(self, node: str, pull: int, ask: int = 0) -> None:
+        self._lent_at.pop((node, pull, ask), None)
+        obj = self.loans.pop((node, pull, ask), None)
+        if obj is not None:
+            self.registry.unpin(obj)
+
+    def open_pulls(self, node: str, pulls: Any, sent: Any) -> None:
+        """`node`'s beat, sent at `sent` on its clock, names the pulls it has open: its loans
+        here of pulls it does not name, asked for before that beat left, are over (their
+        `returned` was lost with a link that broke after taking it), and unpinned."""
+        if not isinstance(pulls, list) or not isinstance(sent, float):
+            return
+        open_ = set(pulls)
+        for key in [k for k in self.loans if k[0] == node and k[1] not in open_]:
+            if self._lent_at.get(key, math.inf) < sent:
+                self.returned(*key)
+        for key in [k for k, t in self._asked_at.items() if k[0] == node and t < sent]:
+            if key[1] not in open_:  # answered with no loan, or waiting for a pull here:
+                del self._asked_at[key]  # not to be lent (its borrower gave up)
+                for pull in self.pulling.values():
+                    if key in pull.lends:
+                        pull.lends.remove(key)
+                self.unwritten = [u for u in self.unwritten if (u[0], u[1], u[4]) != key]
+
+    # -- offers ----------------------------------------------------------------------------------
+
+    def offer_read(self, node: str, key: str, version: int) -> None:
+        """`node` read the version of `key` offered to it (its bytes are counted as sent)."""
+        self.bytes_sent += self.offered.size(node, key, version)
+
+    def offers_back(self, node: str, offers: list[Any]) -> None:
+        """`node` gave back these offers ([[key, version], ...]): unpinned once all did."""
+        for key, version in offers:
+            self.offered.back(node, str(key), int(version))
+
+    def let_go(self, node: str) -> None:
+        """`node` went down or restarted: what it was lent or offered is unpinned (it will not
+        say)."""
+        for loan in [loan for loan in self.loans if loan[0] == node]:
+            self.returned(*loan)
+        for asked in [k for k in self._asked_at if k[0] == node]:
+            del self._asked_at[asked]
+        self.unwritten = [u for u in self.unwritten if u[0] != node]
+        self.offered.let_go(node)
+        for pull in self.pulling.values():  # its pulls waiting here for a replica: forgotten
+            pull.lends = [lend for lend in pull.lends if lend[0] != node]

@@ -1,0 +1,335 @@
+"""The links between the brokers of a cluster (Note [cluster] in cluster.py): this broker's
+ROUTER, where the peers' requests come in, and a DEALER to each peer, where their answers
+come back; which peers are up, the routes back to each, and sending. ZeroMQ carries msgpack
+only, never pickle. What the messages mean is cluster.py's."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import zmq
+
+from ...common.errors import InvalidRequest
+from .joining import Joining, loopback, tcp_host
+
+log = logging.getLogger(__name__)
+
+BEAT = 0.5  # seconds between beats (and hellos to a peer not up)
+DOWN_AFTER = 2.0  # a peer not heard from for this long is down (at most 3 s, says issue 33)
+MAX_MESSAGE = 64 * 2**20  # a peer's message (a welcome lists its keys): at most this
+
+
+@dataclass(slots=True)
+class Peer:
+    """A broker this one links to at `address`; `node` once it answered."""
+
+    address: str
+    socket: zmq.Socket[bytes]
+    node: str | None = None
+    up: bool = False
+    heard: float = 0.0  # when it last answered (monotonic)
+
+
+Message = dict[str, Any] | Callable[[], dict[str, Any]]  # (`after`: made as it is sent)
+
+
+def _pack(message: dict[str, Any]) -> bytes:
+    packed: bytes = msgpack.packb(message, use_bin_type=True)
+    return packed
+
+
+def _unpack(data: bytes) -> dict[str, Any] | None:
+    try:  # (ZeroMQ refused messages over MAX_MESSAGE already)
+        message = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception:  # whatever a peer sent that is not msgpack: dropped
+        return None
+    return message if isinstance(message, dict) and isinstance(message.get("op"), str) else None
+
+
+class Links:
+    """The sockets to the peers (the broker registers `sockets` in its poller), and what is
+    known of each node: its routes to this ROUTER, its incarnation, how often each of the two
+    forgot the other, and until when it surely holds this broker up. The Links of pulls.py."""
+
+    def __init__(self, joining: Joining, poller: zmq.Poller) -> None:
+        self.address, self._keys, self._poller = joining.address, joining.keys, poller
+        self._ctx = zmq.Context()
+        self._authenticator: Any = None
+        self.router = self._ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a dead route raises: `answer`
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a link that reconnected: its route
+        keys = joining.keys
+        if keys is not None:
+            keys.apply(self.router)
+            if keys.clients is not None:  # ZeroMQ asks this thread about each peer
+                from zmq.auth.thread import ThreadAuthenticator
+
+                self._authenticator = ThreadAuthenticator(self._ctx, log=log)
+                self._authenticator.start()
+                self._authenticator.configure_curve(domain="*", location=keys.clients)
+        self.router.bind(self.address)
+        self.peers = [self._link(a) for a in joining.peers if a != self.address]
+        self.sockets = {self.router, *(p.socket for p in self.peers)}
+        for s in self.sockets:
+            poller.register(s, zmq.POLLIN)
+        self.routes: dict[bytes, str] = {}  # a peer's route to this ROUTER -> its node
+        # A broker's incarnation (new at each start, and larger than its last one's: the
+        # microseconds since the epoch, then random bits) tells a peer that restarted from one
+        # that said hello on a second link, or again, and its late messages from the new
+        # one's. `forgot` counts the times this broker forgot a node (took it for down, or
+        # found it restarted), and `seen_forgot` the times the node said it forgot this one:
+        # each time, this one forgets it too, once.
+        micros, noise = time.time_ns() // 1000, int.from_bytes(os.urandom(2), "big") >> 6
+        self.incarnation = micros << 10 | noise
+        self._incarnations: dict[str, int] = {}  # node -> its incarnation, as last heard
+        self.forgot: dict[str, int] = {}
+        self.seen_forgot: dict[str, int] = {}
+        self._safe_until: dict[str, float] = {}  # node -> until when it holds this one up
+        self._after: list[tuple[str, Message]] = []  # (node, message): `after`
+        self._kept: list[tuple[str, Message]] = []  # refused at a flush: next one
+
+    def follow(self, last: Any) -> int:
+        """This broker took over the state of one whose incarnation was `last`: its own is
+        larger, also if the clock went back since (its peers would ignore it). Returned,
+        to be journaled."""
+        if isinstance(last, int):
+            self.incarnation = max(self.incarnation, last + 1)
+        return self.incarnation
+
+    def _link(self, address: str) -> Peer:
+        socket = self._ctx.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+        socket.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued for a peer not connected
+        # Its route at the peer, the same after a reconnect: what it sends then is still
+        # this broker's (a new route is unknown there until a hello: its messages dropped).
+        socket.setsockopt(zmq.ROUTING_ID, b"tb" + os.urandom(8))
+        if self._keys is not None:  # the pair every broker of the cluster serves
+            socket.curve_serverkey = self._keys.public
+            socket.curve_publickey = self._keys.public
+            socket.curve_secretkey = self._keys.secret
+        socket.connect(address)
+        return Peer(address, socket)
+
+    def meet(self, address: str) -> None:
+        """A broker said hello from `address`: link to it too, if this one has no link there
+        (it joined later than this broker's --peers were resolved: a new node, say)."""
+        if address == self.address or any(p.address == address for p in self.peers):
+            return
+        try:
+            host = tcp_host(address, "a peer's address")
+        except InvalidRequest:
+            return
+        if self._keys is None and not loopback(host):
+            return  # without keys, loopback only
+        peer = self._link(address)
+        self.peers.append(peer)
+        self.sockets.add(peer.socket)
+        self._poller.register(peer.socket, zmq.POLLIN)
+        log.info("cluster: a broker at %s joined; linked to it", address)
+
+    def read(self, socket: Any) -> Iterator[tuple[bytes | None, Peer | None, dict[str, Any]]]:
+        """The messages `socket` has: (route, None, request) off the ROUTER, (None, peer,
+        answer) off a peer's DEALER; what is not msgpack with an op is dropped."""
+        while socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames = socket.recv_multipart()
+            if socket is self.router:
+                message = _unpack(frames[1]) if len(frames) == 2 else None
+                if message is not None:
+                    yield frames[0], None, message
+                continue
+            message = _unpack(frames[0]) if len(frames) == 1 else None
+            peer = next((p for p in self.peers if p.socket is socket), None)
+            if message is not None and peer is not None:
+                yield None, peer, message
+
+    def same(self, node: str, m: dict[str, Any]) -> bool | None:
+        """Whether `node`'s hello, welcome or beat `m` comes from the broker heard before
+        (not one that restarted since) and that did not forget this one since: then what it
+        lent or offered this one still holds. Else (False) this one must forget it too. None:
+        `m` comes from an older incarnation than one heard already (late, off a dead link):
+        it is to be ignored."""
+        incarnation, known = m.get("incarnation"), self._incarnations.get(node)
+        if isinstance(incarnation, int) and known is not None and incarnation < known:
+            return None
+        forgot = m.get("forgot", 0) if isinstance(m.get("forgot", 0), int) else 0
+        same = known is not None and known == incarnation
+        if isinstance(incarnation, int):
+            self._incarnations[node] = incarnation
+        if not same:
+            self.seen_forgot[node] = forgot
+            return False
+        if forgot > self.seen_forgot.get(node, 0):
+            self.seen_forgot[node] = forgot
+            return False
+        return True
+
+    def older(self, node: str, incarnation: Any) -> bool:
+        """Whether `incarnation` is older than the one of `node`'s heard already."""
+        known = self._incarnations.get(node)
+        return isinstance(incarnation, int) and known is not None and incarnation < known
+
+    def ack(self, node: str) -> dict[str, Any]:
+        """What a message that pins something for `node` (an offer, a loan, a queue item)
+        says, for `acked` there: how often this broker knows that node forgot it (`ack`),
+        and the incarnation of the node it knows (`to`)."""
+        return {"ack": self.seen_forgot.get(node, 0), "to": self._incarnations.get(node)}
+
+    def acked(self, node: str, m: dict[str, Any]) -> bool:
+        """Whether `node` sent `m` (an offer or a loan) to this broker's incarnation (not to
+        one it replaced: it lets that one's go once it hears of this one) knowing every time
+        this broker forgot it (`ack`: its seen_forgot of this one; if not, it forgets this
+        one once it knows, and lets go what `m` pinned). Else `m` must not be read."""
+        ack = m.get("ack", 0)
+        return (
+            m.get("to") == self.incarnation
+            and isinstance(ack, int)
+            and ack >= self.forgot.get(node, 0)
+        )
+
+    def forgetting(self, node: str) -> None:
+        """This broker forgets `node` (took it for down, or found it restarted): its next
+        messages say so, and the node forgets this one once."""
+        self.forgot[node] = self.forgot.get(node, 0) + 1
+        self._safe_until.pop(node, None)
+
+    def kept(self, node: str, sent: Any, heard_ago: Any) -> None:
+        """`node` answered a beat sent at `sent` (this broker's clock), having heard from this
+        broker `heard_ago` seconds before: it will not take this one for down before sent +
+        DOWN_AFTER - heard_ago (less a beat, for the clocks' drift and the loops' delays)."""
+        if isinstance(sent, float) and isinstance(heard_ago, (int, float)):
+            until = sent + DOWN_AFTER - float(heard_ago) - BEAT
+            self._safe_until[node] = max(self._safe_until.get(node, 0.0), until)
+
+    def heard_ago(self, node: str) -> float:
+        """Seconds since a link of this broker's last heard `node` answer; 0 if none is up:
+        this broker cannot take it for down before DOWN_AFTER from now (a link must be up,
+        then silent), and if it took it for down already, its `forgot` count, in the same
+        answer, says so first (the node then forgets it, and reads nothing it offered)."""
+        now = time.monotonic()
+        ages = [now - p.heard for p in self.peers if p.node == node and p.up]
+        return min(ages) if ages else 0.0
+
+    def heard_of(self, node: str) -> bool:
+        return node in self._incarnations
+
+    def forget_routes(self, node: str) -> None:
+        """`node` is forgotten: its routes go, and what waits to be sent to it (it let go
+        what those messages name, or will)."""
+        self._after = [(n, m) for n, m in self._after if n != node]
+        self._kept = [(n, m) for n, m in self._kept if n != node]
+        for route in [r for r, n in self.routes.items() if n == node]:
+            del self.routes[route]
+
+    # -- what the rooms ask (the Links of replicas.py) --------------------------------------------
+
+    def up(self, node: str) -> bool:
+        peer = self.peer(node)
+        return peer is not None and peer.up
+
+    def fresh(self, node: str) -> bool:
+        """Whether `node` surely holds this broker up, as its last answer to a beat said
+        (`kept`). A node takes a peer whose answers stopped DOWN_AFTER ago for down, and lets
+        go what it offered it (Note [offers]): a broker must not read from those offers then
+        (after a long pause of its loop, say, or a link that stalled one way)."""
+        return time.monotonic() < self._safe_until.get(node, 0.0) and self.up(node)
+
+    def send(self, node: str, message: dict[str, Any]) -> bool:
+        peer = self.peer(node)
+        return peer is not None and self.send_to(peer, message)
+
+    def after(self, node: str, message: Message) -> None:
+        """Send `message` to `node` at the loop's `flush`, after its replies, once the journal
+        has what the loop's batch changed (a peer must not act on a change that a crash of
+        this broker would undo: an item said taken, its lender frees it). In order; kept
+        while its link reconnects and the node is up; dropped once it is forgotten. A
+        callable is made into the message as it is sent (one naming this broker's agent
+        metadata must name it as of then: a segment made meanwhile sent newer at once)."""
+        self._after.append((node, message))
+
+    def everyone_after(self, message: dict[str, Any]) -> None:
+        """`after`, to each node up."""
+        for node in self.nodes():
+            if self.up(node):
+                self._after.append((node, message))
+
+    @property
+    def holding(self) -> bool:
+        """Whether messages wait for the next `flush` (not those kept after a refusal: the
+        beats try again)."""
+        return bool(self._after)
+
+    def flush(self) -> None:
+        """Send what `after` holds. Once a node's link refuses one, the rest for it are kept
+        too (in order) for the next flush."""
+        if not self._after and not self._kept:  # (every turn of the loop)
+            return
+        held, self._after, self._kept = self._kept + self._after, [], []
+        refused: set[str] = set()
+        for node, message in held:
+            made = message() if callable(message) else message
+            if node not in refused and self.send(node, made):
+                continue
+            refused.add(node)
+            if self.up(node):
+                self._kept.append((node, message))
+
+    def route(self, route: bytes, node: str) -> None:
+        """`node` said hello on `route`: the newest of its routes (answers go there first)."""
+        self.routes.pop(route, None)
+        self.routes[route] = node
+
+    def answer(self, node: str, message: dict[str, Any]) -> None:
+        """Answer a request of `node`'s, on the newest link it opened to this broker that
+        is still there (a link that reconnected has a new route; the old one is dropped)."""
+        for route in [r for r, n in reversed(self.routes.items()) if n == node]:
+            try:
+                self.router.send_multipart([route, _pack(message)], zmq.NOBLOCK)
+                return
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    log.warning("a cluster answer to %r was dropped: %s", node, exc)
+                    return
+                del self.routes[route]
+
+    def everyone(self, message: dict[str, Any]) -> None:
+        for peer in self.peers:
+            if peer.up:
+                self.send_to(peer, message)
+
+    def nodes(self) -> list[str]:
+        """The peers' node names (those that answered once), each once."""
+        return list(dict.fromkeys(p.node for p in self.peers if p.node is not None))
+
+    def peer(self, node: str) -> Peer | None:
+        """A link to `node`: one that is up, if one is."""
+        links = [p for p in self.peers if p.node == node]
+        return next((p for p in links if p.up), links[0] if links else None)
+
+    def send_to(self, peer: Peer, message: dict[str, Any]) -> bool:
+        try:
+            peer.socket.send(_pack(message), zmq.NOBLOCK)
+        except zmq.Again:  # not connected (IMMEDIATE), or its queue is full: beats retry
+            return False
+        return True
+
+    def reply(self, route: bytes, message: dict[str, Any]) -> None:
+        try:
+            self.router.send_multipart([route, _pack(message)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("a cluster reply to %r was dropped: %s", self.routes.get(route), exc)
+
+    def close(self) -> None:
+        for s in self.sockets:
+            s.close(0)
+        if self._authenticator is not None:
+            self._authenticator.stop()
+        self._ctx.term()

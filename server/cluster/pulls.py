@@ -1,0 +1,371 @@
+"""The pulls of other nodes' versions into this node's memory as replicas (Note [cluster] in
+cluster.py): each asked for (`lend`; or read at once from the offer its announcement carried,
+Note [offers] in offers.py), read by NIXL into a block of this node's, and sealed as its key's
+replica, which answers the gets that wait for it. replicas.py says which are wanted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
+
+from ...common.errors import BrokerError, InvalidRequest, NotFound, PeerUnavailable
+from ...common.protocol import reply_error, reply_ok
+from ..store.objects import Objects
+from ..store.parking import Waiter
+from ..store.records import Session, StoredObject
+from .offers import Held, Offer
+from .transfers import Transfers
+
+PULL_WAIT = 30.0  # a get that pulls waits this long at least, whatever its own timeout
+SPIN = 0.002  # seconds a read is polled without sleeping, from when it may be over (poll_due)
+POLL = 0.001  # and then every POLL seconds
+ASK_AGAIN = 0.01  # a lend that could not go out (its link not connected) is sent again so often
+
+
+def poll_due(ends: float, now: float) -> float:
+    """Seconds until a read that may be over at `ends` (Transfers.ends) is looked at: every
+    POLL until then (a broker that spun through each 1 MiB read of a stream took CPU its
+    peer needed), then at once for SPIN (a small one ends within microseconds: a loop that
+    slept 1 ms would make a 4 KiB pull take milliseconds), then every POLL again."""
+    if now < ends:
+        return min(ends - now, POLL)
+    return 0.0 if now - ends < SPIN else POLL
+
+
+class Links(Protocol):
+    """The links to the other nodes (cluster.py's Cluster)."""
+
+    def send(self, node: str, message: dict[str, Any]) -> bool: ...
+    def answer(self, node: str, message: dict[str, Any]) -> None: ...
+    def everyone(self, message: dict[str, Any]) -> None: ...
+    def after(self, node: str, message: Any) -> None: ...
+    def everyone_after(self, message: dict[str, Any]) -> None: ...
+    def up(self, node: str) -> bool: ...
+    def fresh(self, node: str) -> bool: ...
+    def acked(self, node: str, m: dict[str, Any]) -> bool: ...
+    def ack(self, node: str) -> dict[str, Any]: ...
+    @property
+    def incarnation(self) -> int: ...
+    def nodes(self) -> list[str]: ...
+
+
+class Remote(NamedTuple):
+    """A key that lives on another node, at `version`, `size` bytes."""
+
+    node: str
+    version: int
+    size: int
+
+
+@dataclass(slots=True)
+class Pull:
+    """A key being pulled: its owner `node`, asked (or `source`, a node it sent this one to)
+    to lend it (handle None), then read. `lends`: pulls of other nodes sent here meanwhile."""
+
+    id: int
+    key: str
+    node: str
+    seen: int  # the version the index named when it was asked for
+    started: float
+    source: str = ""
+    version: int = 0  # the version lent
+    put: int = 0  # the put lease of the replica's block
+    handle: Any = None
+    read_at: float = 0.0  # when the read started
+    size: int = 0
+    offer: Offer | None = None  # read from the offer its announcement carried (offers.py)
+    asked: bool = True  # its lend went out (else sent again once its source is `fresh`)
+    ask: int = 0  # its lends so far: only the last one's answer is read
+    direct: bool = False  # its last lend said so (the owner itself lends it)
+    suspect: bool = False  # its source forgot this node while it was read: not sealed
+    waiters: list[Waiter] = field(default_factory=list)
+    lends: list[tuple[str, int, int]] = field(default_factory=list)  # (node, pull id, ask)
+
+
+class Pulls:
+    """The pulls under way, by id and by key. `index` is Replicas' (where each key lives: a
+    read is sealed only if it still names the version read), `listed(node, key, version,
+    size)` tells it of a version a lender said won, and `loan(node, pull, obj)` lends a
+    replica just pulled to the pulls of other nodes sent here meanwhile."""
+
+    def __init__(
+        self, node: str, objects: Objects, transfers: Transfers, links: Links,
+        index: Mapping[str, Remote], held: Held, listed: Callable[[str, str, int, int], None],
+        loan: Callable[[str, int, StoredObject, int], dict[str, Any]],
+    ) -> None:  # fmt: skip
+        self.node, self.objects, self.registry = node, objects, objects.registry
+        self.transfers, self.links, self.index, self.held = transfers, links, index, held
+        self.listed, self.loan = listed, loan  # loan: Lending.loan (a replica lent on)
+        self.session = Session(f"cluster:{node}", None)  # holds the replicas' puts
+        self.pulls: dict[int, Pull] = {}  # pull id -> pull
+        self.pulling: dict[str, Pull] = {}  # key -> its pull under way
+        self._ids = time.time_ns()  # (ids of a restarted broker's pulls are new to its peers)
+        self.bytes_received = 0
+        self.done = {"offered": 0, "lent": 0}  # pulls done: read from an offer, or lent
+
+    def want(self, key: str, node: str, waiters: Sequence[Waiter]) -> None:
+        """`waiters` want `key` from `node`: they join its pull under way, or start one."""
+        pull = self.pulling.get(key)
+        if pull is None:
+            self.ask(key, node, waiters)
+        else:
+            pull.waiters.extend(w for w in waiters if w not in pull.waiters)
+
+    def node_down(self, node: str) -> None:
+        for pull in [p for p in self.pulls.values() if node in (p.node, p.source)]:
+            if pull.node != node and pull.handle is None:  # a borrower sent to: the owner
+                self._ask_at(pull, pull.node, direct=True)
+            else:
+                self._fail(pull, PeerUnavailable(f"node {node!r} went down during the pull"))
+
+    @property
+    def poll_in(self) -> float:
+        """Seconds until the reads under way are polled again (poll_due), a lend that did not
+        go out is sent again, or the offers due are given back."""
+        now = time.monotonic()
+        due = self.held.give_back_in(now)
+        for p in self.pulls.values():
+            if p.handle is not None:
+                due = min(due, poll_due(self.transfers.ends(p.read_at, p.size), now))
+            elif not p.asked and self.links.fresh(p.source):  # (a beat answer wakes the loop)
+                due = min(due, ASK_AGAIN)
+        return due
+
+    def ask(
+        self,
+        key: str,
+        node: str,
+        waiters: Sequence[Waiter],
+        lends: Sequence[tuple[str, int, int]] = (),
+    ) -> Pull:
+        """Pull `key` from `node` for `waiters` (and `lends`, pulls of other nodes sent here):
+        read at once if it offered the version listed (so they are its before, in case it
+        fails at once: no room here, say), else asked to lend it."""
+        self._ids += 1
+        pull = Pull(self._ids, key, node, self.index[key].version, time.monotonic(), node)
+        pull.waiters, pull.lends = list(waiters), list(lends)
+        self.pulls[pull.id] = self.pulling[key] = pull
+        offer = self.held.of(key, node, pull.seen)
+        if offer is not None and not self.links.fresh(node):  # it may have let it go
+            self.held.drop(key)
+            offer = None
+        if offer is None:
+            self._lend(pull)
+        else:
+            offer.reading, pull.offer = True, offer
+            self._take(pull, offer.fields, offer.version)
+        return pull
+
+    def _read_again(self, pull: Pull, exc: Exception) -> None:
+        """A read that cannot be used: from an offer, that failed (a segment of its owner's
+        that this node's NIXL does not know yet, say), or from a source that forgot this node
+        meanwhile. The offer is given back, and the owner asked to lend the key instead."""
+        offer, pull.offer = pull.offer, None
+        if offer is not None:
+            self.held.read(pull.key, offer, failed=True)
+        if pull.put:
+            self.registry.abort(self.session, pull.put, False)
+        pull.put = pull.version = 0
+        if not self.links.up(pull.node):
+            self._fail(pull, PeerUnavailable(f"the pull of {pull.key!r} failed: {exc}"))
+            return
+        pull.started = time.monotonic()
+        self._lend(pull, pull.node)
+
+    def _lend(self, pull: Pull, source: str | None = None, direct: bool = False) -> None:
+        """Ask `source` (else the pull's) to lend its key: lend number `ask`, the only one
+        whose answer is read."""
+        pull.source = pull.source if source is None else source
+        pull.ask, pull.direct = pull.ask + 1, direct
+        message = {"op": "lend", "pull": pull.id, "key": pull.key, "ask": pull.ask,
+                   "t": time.monotonic()}  # fmt: skip
+        if direct:
+            message["direct"] = True
+        pull.asked = self.links.send(pull.source, message)
+
+    def forget(self, node: str) -> None:
+        """`node` forgot this one, or this one it: what it lent or offered may be let go
+        already. A read of it under way is not sealed; a lend not answered yet is asked
+        again, once `node` is fresh."""
+        for pull in self.pulls.values():
+            if pull.source == node and pull.handle is not None:
+                pull.suspect = True
+            elif pull.source == node and not pull.version:
+                pull.ask, pull.asked = pull.ask + 1, False  # (an answer to the last: not read)
+
+    def _ask_at(self, pull: Pull, source: str, direct: bool = False) -> None:
+        """Ask `source` to lend `pull`'s key instead (the owner sent it there; or, `direct`,
+        the owner again, after `source` failed it)."""
+        pull.started = time.monotonic()  # (PULL_WAIT for each node asked)
+        self._lend(pull, source, direct)
+        if not pull.asked and source != pull.node:
+            self._ask_at(pull, pull.node, direct=True)
+
+    def _again(self, pull: Pull, error: BrokerError) -> None:
+        """Pull it again from where the index says it is now (another version won, or it was
+        deleted there, meanwhile), for the same gets; `error` for them if no node has it."""
+        self._end(pull)
+        remote = self.index.get(pull.key)
+        if remote is not None and self.links.up(remote.node):
+            self.ask(pull.key, remote.node, pull.waiters, pull.lends)
+            pull.lends = []
+        elif remote is not None:  # it lives on: on a node that is down
+            down = f"{pull.key!r} lives on node {remote.node!r}, which is down"
+            self._fail(pull, PeerUnavailable(f"{down}: try again once it is back"))
+        else:
+            self._fail(pull, error)
+
+    def waits_for(self, node: str, pull_id: int, ask: Any = None) -> bool:
+        """Whether pull `pull_id` still waits for `node` to answer its lend `ask` (the last)."""
+        pull = self.pulls.get(pull_id)
+        if pull is None or pull.source != node or pull.handle is not None or pull.version:
+            return False
+        return ask is None or ask == pull.ask
+
+    def lent(self, node: str, m: dict[str, Any]) -> None:
+        """`node`'s answer to a lend: where the bytes are, or where to ask, or an error. A
+        loan no pull takes goes back; so does one `node` may have let go already (it took
+        this broker for down, or forgot it: not `fresh`, or not `acked`), asked again."""
+        pull_id, ask = int(m["pull"]), m.get("ask")
+        pull = self.pulls.get(pull_id)
+        if pull is None or not self.waits_for(node, pull_id, ask):
+            if "version" in m:
+                self._return(node, pull_id, ask or 0)
+            return
+        if "version" in m and not (self.links.fresh(node) and self.links.acked(node, m)):
+            self._return(node, pull_id, ask or 0)
+            pull.asked = False  # asked again once fresh
+            return
+        if "redirect" in m:  # its owner lent it enough: one of those borrowers lends it
+            to = str(m["redirect"])
+            self._ask_at(pull, to) if self.links.up(to) else self._ask_at(pull, pull.node, True)
+            return
+        if "error" in m and pull.source != pull.node:  # a borrower failed it: the owner lends
+            self._ask_at(pull, pull.node, direct=True)
+            return
+        if "error" in m:  # it had no such key: another node's won, or it was deleted there
+            if "at" in m and m["at"][0] != self.node:  # where it won, heard here before its own
+                self.listed(str(m["at"][0]), pull.key, int(m["at"][1]), int(m["at"][2]))
+            remote = self.index.get(pull.key)
+            gone = NotFound(f"no object {pull.key!r}: {m['error']}")
+            if remote is not None and (remote.node, remote.version) != (pull.node, pull.seen):
+                self._again(pull, gone)
+            else:
+                self._fail(pull, gone)
+            return
+        self._take(pull, m, int(m["version"]))
+
+    def _take(self, pull: Pull, m: dict[str, Any], version: int) -> None:
+        """Start reading `version`, lent or offered (`m`), into a block of a replica's."""
+        pull.version = version
+        try:
+            specs, bundle, device = self.transfers.layout(pull.source, m)
+            try:
+                pull.put, obj = self.registry.begin_put(
+                    self.session, pull.key, specs, bundle, device=device
+                )
+            except InvalidRequest as exc:  # a device this broker does not serve
+                where = f"{pull.key!r} lives on {device} of node {pull.source!r}"
+                raise InvalidRequest(f"{where}; a replica here needs that device: {exc}") from None
+            obj.evictable = True  # a replica is a cache (of host memory: eviction.py)
+            pull.handle, pull.size = self.transfers.take(pull.source, m, obj)
+            pull.read_at = time.monotonic()
+        except BrokerError as exc:  # no room here for it (CapacityError), say
+            self._fail(pull, exc)
+        except (OSError, KeyError, TypeError, ValueError) as exc:
+            if pull.offer is not None:
+                self._read_again(pull, exc)
+            else:
+                self._fail(pull, PeerUnavailable(f"the pull of {pull.key!r} failed: {exc}"))
+
+    def poll(self, now: float) -> None:
+        """Reads that ended (sealed as replicas), and lends never answered."""
+        for pull in list(self.pulls.values()):
+            if pull.handle is not None:
+                self._poll(pull)
+            elif now - pull.started > PULL_WAIT:
+                self._fail(pull, PeerUnavailable(f"node {pull.node!r} did not lend {pull.key!r}"))
+            elif not pull.asked and self.links.fresh(pull.source):  # (not connected, say)
+                self._lend(pull, direct=pull.direct)
+
+    def _poll(self, pull: Pull) -> None:
+        try:
+            if not self.transfers.done(pull.handle):
+                return
+        except OSError as exc:
+            pull.handle = None
+            if pull.offer is not None:
+                self._read_again(pull, exc)
+            else:
+                self._fail(pull, PeerUnavailable(f"the pull of {pull.key!r} failed: {exc}"))
+            return
+        pull.handle = None
+        if pull.suspect or not self.links.fresh(pull.source):  # its source forgot this node,
+            pull.suspect = False  # or may have: what was read may be torn, so asked again
+            self._read_again(pull, OSError("its source forgot this node during the read"))
+            return
+        self.transfers.took(pull.size, time.monotonic() - pull.read_at)
+        self.bytes_received += pull.size
+        self.done["lent" if pull.offer is None else "offered"] += 1
+        if pull.offer is not None:  # its owner counts the bytes it sent
+            self.held.was_read(pull.node, pull.key, pull.version)
+        remote = self.index.get(pull.key)
+        if remote is not None and (remote.node, remote.version) == (pull.node, pull.version):
+            self.objects.seal(self.session, pull.put, False, version=pull.version)
+            self._end(pull)
+            obj = self.registry.objects.get(pull.key)
+            for node, their, ask in pull.lends:  # pulls sent here meanwhile: lent the replica
+                if obj is not None:
+                    self.links.answer(node, self.loan(node, their, obj, ask))
+            return
+        self.registry.abort(self.session, pull.put, False)  # deleted, or another version won
+        pull.put = 0
+        self._again(pull, NotFound(f"no object {pull.key!r}: it went while it was pulled"))
+
+    def _fail(self, pull: Pull, error: BrokerError) -> None:
+        if pull.handle is not None:  # still reading: its block must outlive the read
+            return
+        self._end(pull)
+        for node, their, ask in pull.lends:  # sent here: their owner lends it to them instead
+            gone = f"node {self.node!r} could not pull {pull.key!r}"
+            self.links.answer(node, {"op": "lent", "pull": their, "ask": ask, "error": gone})
+        if pull.put:
+            self.registry.abort(self.session, pull.put, False)
+        deleted = isinstance(error, NotFound) and pull.key not in self.index
+        for w in pull.waiters:
+            if w.done:
+                continue
+            if deleted and w.request.fields.get("timeout", 0.0) != 0.0:
+                self._get_again(w)  # it waits as for a key no node has (no pull: no loop)
+            else:
+                self.objects.answer(w, reply_error(w.request.id, error))
+
+    def _get_again(self, w: Waiter) -> None:
+        """Handle a get that may wait again, from its start (a watch with `deletes` is told
+        its key is gone; another waits up to its timeout from now)."""
+        self.objects.lot.unpark(w)
+        try:
+            reply = self.objects.get(w.session, w.route, w.request)
+        except BrokerError as exc:
+            self.objects.answer(w, reply_error(w.request.id, exc))
+        else:
+            if reply is not None:
+                self.objects.answer(w, reply_ok(w.request.id, **reply))
+
+    def _end(self, pull: Pull) -> None:
+        """The pull is over: the lender unpins its object (after this loop's replies); an
+        offer read is given back if it was dropped meanwhile."""
+        self.pulls.pop(pull.id, None)
+        if self.pulling.get(pull.key) is pull:
+            del self.pulling[pull.key]
+        if pull.offer is not None:
+            self.held.read(pull.key, pull.offer)
+        elif pull.version:
+            self._return(pull.source, pull.id, pull.ask)
+
+    def _return(self, node: str, pull: int, ask: int) -> None:
+        """Say to `node` that the loan of lend `ask` of `pull` is through (after the replies)."""
+        self.links.after(node, {"op": "returned", "pull": pull, "ask": ask})

@@ -1,0 +1,391 @@
+"""Queues across the nodes of a cluster (Note [queues across nodes]): the consumers each node
+wants items for, the subscribers each has, and the items lent to them. The items lent to
+this node are arrivals.py's.
+
+Note [queues across nodes]
+
+Each node holds its own part of a queue: the items its producers put, bounded by its own
+`maxsize`. A consumer takes from its node's part first; while it waits there, its node
+says so to every peer (`want`, the count of its consumers waiting), and a peer with items
+waiting and no consumer of its own lends them, oldest first:
+
+    node c: a get waits ── want(q, 1) ──> node b: its oldest item leaves its part, pinned:
+                                                  qitem(q, loan, layout, address)
+    c takes a block in its part of q, NIXL READs the bytes, seals the item into its part
+    (to the consumer waiting there) ── qtaken(loan) ──> b frees the item: its slot opens
+    (once c's journal has the seal: Links.after)
+
+A node whose consumers are at work (one asked within REPASS) wants AHEAD items more than
+wait, less what its part holds: a stream's items come ahead of their gets, not one trip
+each.
+
+So an item is in one node's part at a time and is handed to one consumer: exactly once. A
+node lends its items in order and seals what it received from one peer in the order it was
+lent, so the items of one producer reach each consumer in the order they were put. A part
+keeps each item's slot until the node that took it has it: a producer still waits while
+its node's part is full.
+
+More items may arrive than consumers wait (two peers lend to one want): they wait in the
+part they came to, for its consumers. They are not lent on while that node has had a
+consumer asking within REPASS seconds: an item lent on could reach a consumer elsewhere
+after a later item of its producer. Only items whose consumers went away are, and those
+may come out of order. An item lent to a node that goes down or restarts, or sent back
+(`qback`: its queue went there), goes back to the front of its part. So the items a node took
+just before it died, whose `qtaken` was lost with it (its consumers' and those it took
+AHEAD, at most), are handed out again: across a node's death a queue is at least once, not
+exactly once. (A lender that dies is not the case: its
+part is adopted as it was journaled, without the items it freed.)
+
+A broadcast queue's part on each node has that node's subscribers; each node tells the
+others how many (`subs`). An item a producer seals is lent to every node with subscribers
+(as it is published to its own), and each seals it into its part, for its subscribers: so
+every subscriber gets every item put on any node once it was heard of there, each
+producer's in order. The item keeps its slot until every node read it, and a node reads it
+once fewer than `maxsize` items that arrived wait for its subscribers: so the producer
+waits for the slowest subscriber on any node, and a part holds at most `maxsize` items of
+its own producers and `maxsize` that arrived (each bound apart: two nodes whose parts are
+full of items lent to each other must not wait for each other). Items that arrived are
+never lent on.
+
+Closing a queue on one node closes it on every node. The node where it is closed, and each
+node that hears so, takes no more puts and says `qclose` to every peer, after the items it
+lent before. A node's part closes once it heard `qclose` from every peer up (or CLOSE_WAIT
+passed) and the items lent to it are in: so no item put before the close is left out. A
+consumer whose node's part is closed and drained asks the peers up what they have left
+(`qleft`), and waits while any has items; QueueClosed once none has. Items in the part of a
+node that is down are not waited for: they come when it is back. GPU items stay on their
+node.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...common.errors import QueueClosed
+from ...common.protocol import reply_error
+from ..queues.queue_state import BrokerQueue
+from ..queues.queues import Queues
+from ..store.records import Session, StoredObject
+from .arrivals import Arrival, Arrivals
+from .pulls import Links
+from .transfers import Transfers
+
+REPASS = 5.0  # seconds without a consumer asking before items that arrived here are lent on
+AHEAD = 4  # items a node with consumers at work takes ahead of their gets (a stream's pace)
+CLOSE_WAIT = 5.0  # seconds a part waits for the peers' qclose before it closes without them
+
+
+@dataclass(slots=True)
+class Asked:
+    """This node asked the peers what they have left of a closed queue (`qleft`)."""
+
+    waiting: set[str]  # the peers not answered yet
+    left: dict[str, int] = field(default_factory=dict)
+
+
+class QueueLinks:
+    """What the other nodes want of this node's parts (`wants`, `subs`) and the items lent
+    to them (`loans`), Note [queues across nodes]. Queues calls `asked`, `item`, `published`,
+    `closed` and `supplies`; the cluster hands this room its messages and calls `poll` every
+    loop and `beat` every beat."""
+
+    def __init__(
+        self, node: str, queues: Queues, transfers: Transfers, links: Links, session: Session
+    ) -> None:
+        self.node, self.queues, self.registry = node, queues, queues.registry
+        self.transfers, self.links, self.session = transfers, links, session
+        self.arrivals = Arrivals(queues, transfers, links, session, self._arrival_over)
+        self.wants: dict[str, dict[str, int]] = {}  # queue -> node -> its consumers waiting
+        self.subs: dict[str, dict[str, int]] = {}  # broadcast queue -> node -> its subscribers
+        self.loans: dict[tuple[str, int], tuple[BrokerQueue, StoredObject]] = {}
+        self._said: dict[tuple[str, str], int] = {}  # (op, queue) -> what this node said last
+        self._asked: dict[int, Asked] = {}  # closed part's id -> what the peers have left
+        self._over: set[int] = set()  # closed parts no peer has items for: the stream ended
+        self._closing: dict[int, tuple[set[str], float]] = {}  # part id -> (peers not
+        # closed yet, since when)
+        self._waited: dict[int, float] = {}  # part id -> when a consumer last asked in it
+        self._ids = time.time_ns() // 1000  # loans: never one of this broker's last run
+        self.bytes_sent = 0
+
+    # -- what Queues tells and asks ---------------------------------------------------------------
+
+    def asked(self, q: BrokerQueue) -> None:
+        """A consumer asked for an item of `q` (took one, or waits): the peers hear how many
+        wait."""
+        self._waited[q.id] = time.monotonic()
+        self._say(q)
+
+    def item(self, q: BrokerQueue) -> None:
+        """An item went to the back of ordinary queue `q`: a peer that wants one may get it."""
+        self._lend(q)
+
+    def published(self, q: BrokerQueue, obj: StoredObject, session: Session) -> None:
+        """A producer here sealed `obj` into broadcast queue `q`: lent to every node with
+        subscribers (never an item that arrived from another node: its own lender did)."""
+        if session is self.session or obj.device != "cpu":
+            return
+        for node, n in self.subs.get(q.name, {}).items():
+            if n and self.links.up(node):
+                self._lend_to(node, q, obj, broadcast=True)
+
+    def subscribed(self, q: BrokerQueue) -> None:
+        """Subscriptions of broadcast queue `q` came or went: the peers hear how many."""
+        self._say(q)
+
+    def removed(self, name: str) -> None:
+        """Queue `name` was removed here: its part on every other node goes too."""
+        self.links.everyone_after({"op": "qremove", "queue": name})
+        self.wants.pop(name, None)
+        self.subs.pop(name, None)
+
+    def closed(self, q: BrokerQueue) -> None:
+        """`q` is closed here: so it is on every node, and here once they all closed it."""
+        self._closing_now(q)
+
+    def supplies(self, q: BrokerQueue) -> bool:
+        """Whether another node may still hand an item to a consumer of closed and drained
+        `q`: while items are arriving, or a peer up has items left or has not said (asked
+        now). False once none has."""
+        if q.id in self._over:
+            return False
+        if self.arrivals.of(q) or q.id in self._asked:
+            return True
+        up = {n for n in self.links.nodes() if self.links.up(n)}
+        if not up:
+            return False
+        self._asked[q.id] = Asked(up)
+        for node in up:
+            self.links.after(node, {"op": "qleft", "queue": q.name})
+        return True
+
+    # -- wants, subscribers and loans (the lending side) ------------------------------------------
+
+    def _say(self, q: BrokerQueue) -> None:
+        """Tell the peers how many items `q`'s consumers want (those waiting, and AHEAD more
+        while they asked within REPASS), or its subscribers, if that changed."""
+        if q.subs is not None:
+            op, n = "subs", len(q.subs)
+        else:
+            busy = time.monotonic() - self._waited.get(q.id, -REPASS) < REPASS
+            op, n = "want", len(q.getters) + (max(0, AHEAD - len(q.items)) if busy else 0)
+        if self._said.get((op, q.name), 0) != n:
+            self._said[op, q.name] = n
+            self.links.everyone_after({"op": op, "queue": q.name, "n": n})
+
+    def want(self, node: str, name: str, n: int, op: str = "want") -> None:
+        """`node` has `n` consumers waiting in its part of `name` (or, op "subs", `n`
+        subscribers of broadcast queue `name`)."""
+        (self.wants if op == "want" else self.subs).setdefault(name, {})[node] = n
+        q = self.queues.by_name.get(name)
+        if q is not None and op == "want":
+            self._lend(q)
+
+    def _lend(self, q: BrokerQueue) -> None:
+        """Lend the oldest items of `q` to the peers that want them (this node's own
+        consumers took theirs already: an item waits in `items` only when none waits here)."""
+        wants = self.wants.get(q.name)
+        if not wants or q.subs is not None or q.removed:
+            return
+        repass = time.monotonic() - self._waited.get(q.id, 0.0) >= REPASS
+        for node, n in wants.items():
+            out = sum(1 for (to, _), (lq, _) in self.loans.items() if to == node and lq is q)
+            while out < n and self.links.up(node):
+                obj = self._lendable(q, repass)
+                if obj is None:
+                    break
+                self._lend_to(node, q, obj)
+                out += 1
+        self.queues.table.note_if_ended(q)
+
+    def _lendable(self, q: BrokerQueue, repass: bool) -> StoredObject | None:
+        """The oldest item of `q` that may be lent (taken out of it): a host item put here,
+        or, `repass`, one that arrived here from another node too."""
+        came = self.arrivals.came
+        for i, obj in enumerate(q.items):
+            if obj.device == "cpu" and (repass or obj.oid not in came):
+                del q.items[i]
+                came.discard(obj.oid)
+                return obj
+        return None
+
+    def _lend_to(
+        self, node: str, q: BrokerQueue, obj: StoredObject, broadcast: bool = False
+    ) -> None:
+        """Pin `obj` for `node` and say where its bytes are."""
+        self._ids += 1
+        self.registry.pin(obj)
+        self.loans[node, loan := self._ids] = (q, obj)
+
+        def qitem() -> dict[str, Any]:  # (made as it is sent: the agent metadata of then)
+            return {
+                "op": "qitem", "queue": q.name, "loan": loan, "broadcast": broadcast,
+                "from": self.links.incarnation, **self.links.ack(node),
+                **self.transfers.offer(obj),
+            }  # fmt: skip
+
+        self.links.after(node, qitem)
+        self.bytes_sent += obj.nbytes
+
+    def taken(self, node: str, loan: int) -> None:
+        """`node` has the item it was lent: an ordinary queue's is freed here, its slot
+        opens; a broadcast queue's, once this node's subscribers have it too."""
+        lent = self.loans.pop((node, loan), None)
+        if lent is not None:
+            q, obj = lent
+            if q.subs is None:
+                self.registry.retire(obj)
+            self.registry.unpin(obj)
+            self.queues.table.note_if_ended(q)
+
+    def back(self, node: str, loan: int) -> None:
+        """`node` could not take the item it was lent: back to the front of its part (a
+        broadcast item: that node's subscribers go without it)."""
+        lent = self.loans.pop((node, loan), None)
+        if lent is not None:
+            self._back(*lent)
+
+    def _back(self, q: BrokerQueue, obj: StoredObject) -> None:
+        self.registry.unpin(obj)
+        if q.subs is None:
+            self.queues.requeue(q, obj)
+
+    # -- the end of a stream ----------------------------------------------------------------------
+
+    def close_from(self, node: str, name: str) -> None:
+        """`node` closed its part of `name` (and lent this node all it will)."""
+        q = self.queues.by_name.get(name)
+        if q is None:  # no part here: nothing to lend, nothing to wait for
+            self.links.after(node, {"op": "qclose", "queue": name})
+        elif not q.closed:
+            self._closing_now(q, node)
+
+    def _closing_now(self, q: BrokerQueue, heard: str | None = None) -> None:
+        """`q` takes no more puts here; every peer hears so (after the items lent to it)."""
+        if q.id not in self._closing:
+            q.closing = True
+            for h in [*q.putters]:  # producers waiting for a slot
+                closed = QueueClosed(f"queue {q.name!r} was closed")
+                self.queues.objects.answer(h, reply_error(h.request.id, closed))
+            up = {n for n in self.links.nodes() if self.links.up(n)}
+            self._closing[q.id] = (up, time.monotonic())
+            self.links.everyone_after({"op": "qclose", "queue": q.name})
+        if heard is not None:
+            self._closing[q.id][0].discard(heard)
+        self._close_if_done(q)
+
+    def _close_if_done(self, q: BrokerQueue) -> None:
+        """Close `q` once every peer closed its part (or CLOSE_WAIT passed) and the items
+        lent here are in."""
+        waiting, since = self._closing[q.id]
+        if (waiting and time.monotonic() - since < CLOSE_WAIT) or self.arrivals.of(q):
+            return
+        del self._closing[q.id]
+        self.queues.close_part(q)
+
+    def left(self, node: str, name: str) -> None:
+        """`node` asks what this node has left of closed queue `name`."""
+        q = self.queues.by_name.get(name)
+        n = 0 if q is None else len(q.items) + q.pending
+        self.links.after(node, {"op": "qhas", "queue": name, "left": n})
+
+    def has(self, node: str, name: str, n: int) -> None:
+        """`node` has `n` items left of `name`, which this node asked about."""
+        q = self.queues.by_name.get(name)
+        asked = None if q is None else self._asked.get(q.id)
+        if q is None or asked is None or node not in asked.waiting:
+            return
+        asked.waiting.discard(node)
+        asked.left[node] = n
+        if not asked.waiting:
+            self._settle(q, asked)
+
+    def _settle(self, q: BrokerQueue, asked: Asked) -> None:
+        """Every peer asked answered (or went down): none has items left, so the consumers
+        waiting here end; else they wait for the items their wants bring."""
+        self._asked.pop(q.id, None)
+        if any(asked.left.values()) or q.items or q.pending:
+            return
+        self._over.add(q.id)
+        for w in list(q.getters):
+            closed = QueueClosed(f"queue {q.name!r} is closed and drained on every node")
+            self.queues.objects.answer(w, reply_error(w.request.id, closed))
+
+    def _arrival_over(self, a: Arrival, delivered: bool) -> None:
+        """An item lent to this node is in its part (or was given back)."""
+        q = a.q
+        if q.id in self._closing:
+            self._close_if_done(q)
+        if q.subs is None:
+            self._say(q)
+            if q.closed and not q.items and q.getters and q.id not in self._over:
+                self.supplies(q)  # (asks again: what the peers have left may have changed)
+
+    # -- the loop, and peers coming and going -----------------------------------------------------
+
+    @property
+    def poll_in(self) -> float:
+        return self.arrivals.poll_in
+
+    @property
+    def bytes_received(self) -> int:
+        return self.arrivals.bytes_received
+
+    def poll(self) -> None:
+        self.arrivals.poll()
+
+    def beat(self) -> None:
+        """The wants and subscribers said again (consumers that gave up leave no stale
+        want), items that arrived here and wait without a consumer lent on, and closed parts
+        whose consumers still wait: the peers are asked again what they have left."""
+        for q in list(self.queues.by_name.values()):
+            if q.id in self._closing:
+                self._close_if_done(q)
+            self._say(q)
+            if q.subs is not None:
+                continue
+            if q.items and self.wants.get(q.name):
+                self._lend(q)
+            if q.closed and q.getters and not q.items and q.id not in self._asked:
+                if not self.supplies(q):
+                    self._settle(q, Asked(set()))
+        self.arrivals.came.intersection_update(
+            o.oid for q in self.queues.by_name.values() for o in q.items
+        )
+
+    def let_go(self, node: str) -> None:
+        """`node` went down, or restarted: what it was lent goes back to the front of its
+        parts; what it was lending here is dropped (it has the items still); its wants go
+        (it says them again), and it is asked again what this node asked it."""
+        for key in sorted((k for k in self.loans if k[0] == node), reverse=True):
+            self._back(*self.loans.pop(key))
+        self.arrivals.node_down(node)
+        for by_node in [*self.wants.values(), *self.subs.values()]:
+            by_node.pop(node, None)
+        for qid, asked in self._asked.items():
+            q = self.queues.by_id.get(qid)
+            if node in asked.waiting and q is not None:
+                self.links.after(node, {"op": "qleft", "queue": q.name})
+
+    def node_down(self, node: str) -> None:
+        """`node` is down: as `let_go`, and it is not waited for."""
+        self.let_go(node)
+        for qid, (waiting, _) in list(self._closing.items()):
+            if node in waiting:
+                waiting.discard(node)
+                part = self.queues.by_id.get(qid)
+                if part is not None:
+                    self._close_if_done(part)
+        for qid, asked in list(self._asked.items()):
+            if node in asked.waiting:
+                asked.waiting.discard(node)
+                part = self.queues.by_id.get(qid)
+                if part is not None and not asked.waiting:
+                    self._settle(part, asked)
+
+    def node_up(self, node: str) -> None:
+        """`node` (re)joined: it hears the wants and subscribers of this node's parts."""
+        for (op, name), n in self._said.items():
+            if n:
+                self.links.after(node, {"op": op, "queue": name, "n": n})

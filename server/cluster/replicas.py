@@ -1,0 +1,229 @@
+"""The keys of a cluster's other nodes (Note [cluster] in cluster.py): the index of what each
+holds, and which of their versions this node pulls into its memory as replicas (the pulls:
+pulls.py; this node's objects lent to theirs: lending.py). Which version wins, the same on
+every node: the highest, then the one of the greatest node name.
+
+A replica is listed in this node's directory under its key and its owner's version, so that
+its readers read it as any object (microseconds); it is evictable, and dropped when another
+version wins. It is never announced: the index keeps its key, which is how this room tells a
+replica from a put of this node's.
+
+Note [prefetch]
+
+A first get of another node's small version cost a read from its owner, even with the offer
+that came with its announcement (Note [offers]): 566 us for 4 KiB, ten ZeroMQ round trips,
+nearly all of it Python and NIXL calls on both brokers. So a version offered (at most
+OFFER_MAX bytes, 64 KiB) is read as soon as it is listed, while a quarter of this node's
+memory would still be free after it (prefetches do not crowd out this node's own puts): its
+first get here is then a local read.
+`serve --prefetch SIZE` lowers the bound (0: none). It costs each small put one read by every
+node, and every node the memory of the small versions: a cache, evicted as any replica.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from ...common.errors import PeerUnavailable
+from ...common.protocol import Request
+from ..store.objects import Objects
+from ..store.parking import ParkingLot
+from ..store.records import Session
+from .lending import Lending
+from .offers import Held
+from .pulls import PULL_WAIT, Links, Pulls, Remote
+from .transfers import Transfers
+
+
+class Replicas:
+    """The index of the other nodes' keys; the pulls under way (`pulls`: Pulls) and the
+    loans out (`lending`: Lending)."""
+
+    def __init__(
+        self, node: str, objects: Objects, lot: ParkingLot, transfers: Transfers, links: Links,
+        prefetch: int = 0,
+    ) -> None:  # fmt: skip
+        self.node, self.objects, self.registry, self.lot = node, objects, objects.registry, lot
+        self.transfers, self.links = transfers, links
+        self.prefetch = prefetch  # versions offered of at most this many bytes: read as listed
+        self.prefetched = 0  # pulls started as a version was listed, for no get
+        self.index: dict[str, Remote] = {}  # key -> where it lives (other nodes only)
+        self.held = Held()  # the offers of other nodes' versions (Note [offers] in offers.py)
+        self.pulls = Pulls(
+            node, objects, transfers, links, self.index, self.held, self.listed,
+            lambda node, pull, obj, ask: self.lending.loan(node, pull, obj, ask),
+        )  # fmt: skip
+        self.session, self._pulling = self.pulls.session, self.pulls.pulling
+        self.lending = Lending(node, self.registry, transfers, links, self.index, self._pulling)
+
+    # -- what Objects asks (the Elsewhere protocol) ----------------------------------------------
+
+    def announce(self, key: str, version: int) -> None:
+        """A key sealed here (version > 0) or deleted (0): every peer is told (Lending)."""
+        if key in self._pulling and version:  # a replica being listed: not ours to announce
+            return
+        if version:
+            self.index.pop(key, None)  # put here: this node holds it now
+            self.held.drop(key)
+        self.lending.announce(key, version)
+
+    def flush(self) -> None:
+        """Send what this loop left for after its replies: announcements, and offers given
+        back (Note [offers]); Links sends the rest (`after`)."""
+        self.lending.flush()
+        if self.lending.unwritten:
+            self.lending.lend_written()
+        if self.held.give_back_in(time.monotonic()) == 0.0:
+            for node, said in self.held.take_due().items():
+                self.links.after(node, {"op": "offers_back", **said})
+
+    def get(self, session: Session, route: bytes, req: Request) -> bool:
+        """A get of a key another node has, in a version newer than the get's `after` (a
+        watch's): pulled, the get waits for the pull. False if no node has one (a watch
+        then waits in its key's line: `listed` pulls for it when one is announced).
+        PeerUnavailable if its node is down."""
+        key, after = req.fields["key"], req.fields.get("after", 0)
+        remote = self.index.get(key)
+        if remote is None or remote.version <= after:
+            return False
+        timeout = req.fields.get("timeout", 0.0)
+        if not self.links.up(remote.node):  # a get that may wait, waits for it to be back
+            down = f"{key!r} lives on node {remote.node!r}, which is down"
+            if timeout == 0.0:
+                raise PeerUnavailable(
+                    f"{down}: try again once it is back, or pass timeout= to wait for it "
+                    "(`tensorbroker stats` shows the cluster's peers)"
+                )
+            self.lot.park(session, route, req, timeout, ("get", key), f"{down}, and stayed down")
+            return True  # (its welcome lists the key again: `listed` pulls it for this get)
+        wait = None if timeout is None else max(timeout, PULL_WAIT)
+        message = f"the pull of {key!r} from node {remote.node!r} did not end within {wait}s"
+        w = self.lot.park(session, route, req, wait, ("get", key), message)
+        self.pulls.want(key, remote.node, [w])
+        return True
+
+    def keys(self) -> list[str]:
+        return list(self.index)
+
+    def where(self) -> Mapping[str, tuple[str, int, int]]:
+        """The other nodes' keys: key -> (node, version, size), a view (no copy: `list`
+        asks for it at each page)."""
+        return MappingProxyType(self.index)
+
+    def delete(self, key: str) -> bool:
+        """A delete of another node's key: sent to it (False if no other node has `key`).
+        Its replica here and its place in the index go now; the other nodes forget it when
+        its owner announces the delete. PeerUnavailable if its node is down."""
+        remote = self.index.get(key)
+        if remote is None:
+            return False
+        if not self.links.send(remote.node, {"op": "delete", "key": key}):
+            raise PeerUnavailable(
+                f"{key!r} lives on node {remote.node!r}, which is down: delete it once it is back"
+            )
+        self._forget(key)
+        return True
+
+    def deleted(self, node: str, key: str) -> None:
+        """`node` deleted `key`, which this node holds (not a replica): deleted here too."""
+        if key in self.registry.objects and key not in self.index:
+            self.objects.forget(key)
+
+    def holds(self, key: str) -> bool:
+        return key in self.index
+
+    # -- what the other nodes hold ---------------------------------------------------------------
+
+    def own(self) -> list[list[Any]]:
+        """The keys this node holds, not its replicas: [[key, version, size], ...]."""
+        return [
+            [k, o.version, int(o.nbytes)]
+            for k, o in self.registry.objects.items()
+            if k not in self.index and k not in self._pulling
+        ]
+
+    def welcome(self, node: str, keys: list[Any]) -> None:
+        """What `node` holds, as it (re)joined: its keys known from before and gone are
+        forgotten."""
+        listed = set()
+        for key, version, size in keys:
+            listed.add(str(key))
+            self.listed(node, str(key), int(version), int(size))
+        for key in [k for k, r in self.index.items() if r.node == node and k not in listed]:
+            self._forget(key)
+
+    def listed(
+        self, node: str, key: str, version: int, size: int,
+        offer: dict[str, Any] | None = None, gone: int = 0,
+    ) -> None:  # fmt: skip
+        """`node` holds `key` at `version` now (0: deleted there; `gone`: the version it put
+        and deleted before announcing it, if it did), and may offer it."""
+        here = self.registry.objects.get(key)
+        known = self.index.get(key)
+        if version == 0:  # (`gone`: as if told of that put, then of the delete)
+            if gone:
+                self.registry.seen_version(key, gone)
+            put = (gone, node)  # what beat a version, or this node's own, goes too
+            if known is not None and (known.node == node or (known.version, known.node) < put):
+                self._forget(key)
+            elif here is not None and known is None and (here.version, self.node) < put:
+                self.objects.forget(key)
+            return
+        mine = here is not None and known is None  # put here (a replica's key is indexed)
+        if (known is not None and (known.version, known.node) > (version, node)) or (
+            mine and (here.version, self.node) > (version, node)  # type: ignore[union-attr]
+        ):
+            if offer is not None:  # a version that lost here: its offer is not wanted
+                self.held.refuse(node, key, version)
+            return
+        self.index[key] = Remote(node, version, size)
+        if offer is not None:
+            self.held.keep(node, key, version, offer)
+        elif self.held.of(key, node, version) is None:
+            self.held.drop(key)
+        if known is None or (known.node, known.version) != (node, version):  # heard once
+            self.registry.seen_version(key, version)  # a put here from now on goes above it
+            self.objects.arrived(key, version)  # an event for watch_prefix; waits for keys told
+        stale = known is not None and (known.node != node or known.version < version)
+        if here is not None and (mine or stale):  # a put that lost, or a replica of a loser's
+            self.registry.delete(key)
+        # Gets and watches waiting for a version: pulled now. So is the new version of a key
+        # read here before (a weight-sync reader does not pay the pull at its next get), and
+        # a small version offered (Note [prefetch]).
+        line = self.lot.line(("get", key))
+        waiting = [w for w in line if w.request.fields.get("after", 0) < version]
+        early = not waiting and offer is not None and self._room_for(size)
+        if (waiting or early or (here is not None and stale)) and self.links.up(node):
+            if early and key not in self._pulling:
+                self.prefetched += 1
+            self.pulls.want(key, node, waiting)
+
+    def _room_for(self, size: int) -> bool:
+        """Whether a version of `size` bytes is prefetched: at most `prefetch` bytes, and
+        a quarter of this node's memory still free after it (a prefetch never evicts)."""
+        arena = self.registry.arena
+        return size <= self.prefetch and arena.free_bytes >= arena.capacity // 4 + size
+
+    def _forget(self, key: str) -> None:
+        """`key` is no other node's now: its replica here goes too, as a delete (its watchers
+        are told; else it would pass for a put of this node's)."""
+        version = self.index.pop(key).version
+        self.held.drop(key)
+        if key in self.registry.objects and key not in self._pulling:
+            self.objects.forget(key)
+        else:
+            self.objects.gone(key, version)
+
+    def node_down(self, node: str) -> None:
+        self.pulls.node_down(node)
+        self.let_go(node)
+
+    def let_go(self, node: str) -> None:
+        """`node` went down or restarted: what it was lent or offered is unpinned (it will not
+        say), and what it offered is void (its addresses are new, if it restarted)."""
+        self.lending.let_go(node)
+        self.held.forget(node)
+        self.pulls.forget(node)

@@ -1,0 +1,264 @@
+"""The bytes between brokers, moved by NIXL (UCX underneath: RDMA where the hardware has it,
+TCP or shared memory otherwise). Each broker has one NIXL agent, named after its node; the
+arena's segments are registered with it once, as they are made, never per transfer. Agent
+metadata travels in the cluster's own msgpack messages (cluster.py): NIXL's listener thread
+and its pickled descriptors are never used, so nothing from the network is unpickled.
+
+Only the puller acts: it READs the bytes of a block its peer lent it into a block of its own
+(`read`), and polls the transfer from the broker's loop (`done`); the lender only keeps the
+block pinned until the puller says it is through.
+
+A GPU object's bytes go the same way between device chunks, registered with NIXL as VRAM
+as each chunk is made (`register_chunk`): NIXL's UCX backend moves them device to device
+(GPUDirect RDMA where the hardware has it). Its replica goes to the same device on the
+reader's node.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import mmap
+import os
+from typing import Any
+
+from ...common.cudart import device_index
+from ...common.errors import InvalidRequest
+
+PACKAGES = ("nixl_cu13", "nixl_cu12", "nixl")  # tensorbroker[cluster] installs one of these
+# The progress thread's pause between rounds, in microseconds. NIXL's Python agent sets 0, a
+# thread that spins: three idle brokers with one each took 22 CPU-s of system time in 26 s.
+# The reads' target needs the thread (UCX over TCP emulates them with messages): without
+# it a read from a broker whose loop sleeps never ends. 200 us: idle brokers cost little,
+# and a pull ends at most 200 us later.
+PROGRESS_PAUSE_US = 200
+TIMED = 64 * 1024  # reads at least this large time the reads' rate (`took`)
+
+
+def load_nixl() -> Any:
+    """NIXL's Python API; InvalidRequest saying how to install it if it is missing."""
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # NIXL loads NumPy: no BLAS pool here
+    # UCX's memory events (hooks patched into mmap and friends, for its registration cache)
+    # cost 0.4 CPU-s at each agent's start, 90% of it. NIXL hands UCX the handle of memory
+    # registered beforehand, and every byte moved here is in a segment registered once
+    # (`register`): no cache to invalidate. An operator's own setting stands.
+    os.environ.setdefault("UCX_MEM_EVENTS", "no")
+    for name in PACKAGES:
+        try:
+            return importlib.import_module(f"{name}._api")
+        except ImportError:
+            continue
+    raise InvalidRequest(
+        "a cluster needs NIXL: pip install 'tensorbroker[cluster]' (or nixl-cu12 / nixl-cu13 "
+        "with --no-deps next to the torch you have)"
+    )
+
+
+def _paced_agent(api: Any, node: str, config: Any) -> Any:
+    """NIXL's agent, with its progress thread pausing PROGRESS_PAUSE_US between rounds (the
+    Python agent offers no such option: the config class it makes is swapped for the call)."""
+    bindings = api.nixlBind
+    base = bindings.nixlAgentConfig
+
+    class Paced(base):  # type: ignore[misc, valid-type]
+        def __setattr__(self, name: str, value: Any) -> None:
+            if name == "pthrDelay":
+                value = max(int(value), PROGRESS_PAUSE_US)
+            super().__setattr__(name, value)
+
+    bindings.nixlAgentConfig = Paced
+    try:
+        return api.nixl_agent(node, config)
+    finally:
+        bindings.nixlAgentConfig = base
+
+
+class Transfers:
+    """This broker's NIXL agent, its registered segments (mapped here for NIXL: the broker maps
+    no segment otherwise) and the reads under way."""
+
+    def __init__(self, node: str, shm_dir: str) -> None:
+        api = load_nixl()
+        config = api.nixl_agent_config(
+            enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"]
+        )
+        self.agent = _paced_agent(api, node, config)
+        self.shm_dir = shm_dir
+        self._mapped: dict[str, tuple[mmap.mmap, int]] = {}  # segment -> (mapping, address)
+        self._chunks: dict[str, tuple[int, int]] = {}  # device chunk -> (pointer, device)
+        self._peers: dict[str, bytes] = {}  # node -> the metadata its agent was added with
+        self._versions: dict[str, tuple[int, int]] = {}  # node -> that metadata's version
+        self.incarnation = 0  # this broker's (the cluster sets it): metadata versions
+        self._registered = 0  # segments registered so far (the other half)
+        self.rate = 0.0  # bytes a second that reads went lately (0: none timed yet)
+
+    # -- memory ------------------------------------------------------------------------------
+
+    def register(self, segment: str) -> None:
+        """Map `segment` (an arena segment, in shm_dir) and register it with NIXL, once. A
+        peer knows it from metadata taken after this (`metadata`), not before."""
+        if segment in self._mapped:
+            return
+        fd = os.open(os.path.join(self.shm_dir, segment), os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+        self.agent.register_memory([(address, size, 0, segment)], "DRAM")
+        self._mapped[segment] = (mapping, address)
+        self._registered += 1
+
+    def register_chunk(self, name: str, ptr: int, size: int, device: int) -> None:
+        """Register a device chunk (of the broker's, never freed before it stops) with NIXL as
+        VRAM, once. OSError if NIXL cannot (a build without CUDA, say): its objects are then
+        not lent."""
+        if name in self._chunks:
+            return
+        try:
+            self.agent.register_memory([(ptr, size, device, name)], "VRAM")
+        except Exception as exc:
+            raise OSError(f"NIXL could not register {name} as VRAM: {exc!r}") from None
+        self._chunks[name] = (ptr, device)
+        self._registered += 1
+
+    def address(self, segment: str, offset: int) -> int:
+        """Where byte `offset` of a registered segment lies in this process."""
+        return self._mapped[segment][1] + offset
+
+    def _place(self, obj: Any) -> tuple[int, str, int]:
+        """Where a StoredObject's bytes are: address, NIXL memory type, device id."""
+        block = obj.block
+        if obj.device == "cpu":
+            self.register(block.segment)
+            return self.address(block.segment, block.offset), "DRAM", 0
+        chunk = self._chunks.get(block.segment)
+        if chunk is None:
+            raise OSError(f"{block.segment} is not registered with NIXL (no VRAM here)")
+        return chunk[0] + block.offset, "VRAM", chunk[1]
+
+    # -- peers -------------------------------------------------------------------------------
+
+    @property
+    def metadata(self) -> bytes:
+        return bytes(self.agent.get_agent_metadata())
+
+    def agent_fields(self) -> dict[str, Any]:
+        """This agent's metadata of now, for a message, with its version (`add_peer`)."""
+        return {"agent": self.metadata, "agent_v": [self.incarnation, self._registered]}
+
+    def add_peer(self, node: str, metadata: bytes, version: Any = None) -> None:
+        """Know the agent of `node` (again, if it restarted, or registered a segment since: its
+        metadata is new). Metadata older than what is known (`version`: its incarnation, then
+        its segments registered; messages on two links keep no order between them) is not
+        taken: it would make NIXL forget the newer segments."""
+        v = None
+        if isinstance(version, list) and len(version) == 2:
+            v = (int(version[0]), int(version[1]))
+        known = self._versions.get(node)
+        if v is not None and known is not None and v < known:
+            return
+        if v is not None:
+            self._versions[node] = v
+        if self._peers.get(node) == metadata:
+            return
+        if node in self._peers:
+            self.agent.remove_remote_agent(node)
+            del self._peers[node]
+        try:
+            name = self.agent.add_remote_agent(metadata)
+        except Exception as exc:
+            raise InvalidRequest(f"NIXL refused the agent of node {node!r}: {exc!r}") from None
+        if (name.decode() if isinstance(name, bytes) else name) != node:
+            self.agent.remove_remote_agent(name)
+            raise InvalidRequest(f"the peer {node!r} sent the metadata of agent {name!r}")
+        self._peers[node] = metadata
+
+    # -- offers: an object's bytes lent to a peer, and read from one ---------------------------
+
+    def offer(self, obj: Any, agent: bool = True) -> dict[str, Any]:
+        """Where a StoredObject's bytes are, for a peer to read them (the fields of a `lent`
+        or a `qitem`): its layout and address, and, if `agent`, this agent's metadata of now
+        (it knows the segment: an adopted one, say; an offer sent with an announcement goes
+        without, Note [offers])."""
+        address, _, _ = self._place(obj)
+        offer = {
+            "bundle": obj.bundle, "specs": [[t.name, t.dtype, list(t.shape)] for t in obj.tensors],
+            "size": obj.nbytes, "address": address,
+        }  # fmt: skip
+        if obj.device != "cpu":
+            offer["device"] = obj.device
+        if agent:
+            offer.update(self.agent_fields())
+        return offer
+
+    def layout(self, node: str, offer: dict[str, Any]) -> tuple[list[Any], bool, str]:
+        """The specs, bundle flag and device of `node`'s `offer`, for a block of its size
+        here (its agent known from now on, if it sent its metadata)."""
+        if "agent" in offer:
+            self.add_peer(node, bytes(offer["agent"]), offer.get("agent_v"))
+        specs = [(str(n), str(d), tuple(s)) for n, d, s in offer["specs"]]
+        return specs, bool(offer["bundle"]), str(offer.get("device", "cpu"))
+
+    def take(self, node: str, offer: dict[str, Any], obj: Any) -> tuple[Any, int]:
+        """Start reading the bytes of `node`'s `offer` into StoredObject `obj`'s block: the
+        read's handle, and its size."""
+        size = min(int(offer["size"]), int(obj.nbytes))
+        local, mine, index = self._place(obj)
+        theirs = ("VRAM", device_index(offer["device"])) if "device" in offer else ("DRAM", 0)
+        return self.read(node, int(offer["address"]), local, size, theirs, (mine, index)), size
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def read(
+        self, node: str, remote: int, local: int, size: int,
+        far: tuple[str, int] = ("DRAM", 0), near: tuple[str, int] = ("DRAM", 0),
+    ) -> Any:  # fmt: skip
+        """Start reading `size` bytes at `remote` in `node`'s memory into `local` in ours
+        (`far`, `near`: their NIXL memory types and device ids)."""
+        agent = self.agent
+        try:
+            mine = agent.get_xfer_descs([(local, size, near[1])], near[0])
+            theirs = agent.get_xfer_descs([(remote, size, far[1])], far[0])
+            handle = agent.initialize_xfer("READ", mine, theirs, node)
+        except Exception as exc:  # NIXL's own errors (nixlNotFoundError, ...)
+            raise OSError(
+                f"NIXL could not start a read of {size} bytes from {node!r}: {exc!r}"
+            ) from None
+        if agent.transfer(handle) == "ERR":
+            agent.release_xfer_handle(handle)
+            raise OSError(f"NIXL could not start a read of {size} bytes from {node!r}")
+        return handle
+
+    def ends(self, started: float, size: int) -> float:
+        """When a read of `size` bytes started at `started` may be over, at the earliest:
+        4/5 of the time the recent reads' rate says (at once, before any was timed)."""
+        return started + (0.8 * size / self.rate if self.rate else 0.0)
+
+    def took(self, size: int, seconds: float) -> None:
+        """A read of `size` bytes ended `seconds` after it started (as its poll saw)."""
+        if size >= TIMED and seconds > 0:
+            rate = size / seconds
+            self.rate = rate if not self.rate else 0.8 * self.rate + 0.2 * rate
+
+    def done(self, handle: Any) -> bool:
+        """Whether read `handle` finished (then it is released); OSError if it failed."""
+        try:
+            state = self.agent.check_xfer_state(handle)
+        except Exception as exc:
+            raise OSError(f"NIXL lost a read: {exc!r}") from None
+        if state == "PROC":
+            return False
+        self.agent.release_xfer_handle(handle)
+        if state != "DONE":
+            raise OSError(f"a NIXL read ended in state {state}")
+        return True
+
+    def close(self) -> None:
+        for mapping, _ in self._mapped.values():
+            try:
+                mapping.close()
+            except BufferError:  # the address handed to NIXL still points into it
+                pass
+        self._mapped.clear()
