@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 NIXL   ?= nixl-cu12==1.5.1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test test-all lint clean bench bench-gpu test-gpu wheels wheel-check
+.PHONY: demo test test-all lint docs clean bench bench-gpu test-gpu wheels wheel-check
 
 # uv installs into .venv: from a fresh clone on the 2-core VM, pip took 61 s and uv 17 s (the
 # same packages; uv unpacks in parallel). uv reads no pip configuration: the find-links pip
@@ -59,6 +59,18 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy -p tensorbroker
 	$(VENV)/bin/lint-imports
+
+# docs: the site (MkDocs, Material theme; the API reference from the docstrings) into site/,
+# strict: a broken link or reference fails. The pages' Python blocks run in `make test`
+# (tests/integration/test_docs.py).
+DOCS_STAMP := $(VENV)/.docs-installed
+
+$(DOCS_STAMP): $(STAMP)
+	$(INSTALL) "mkdocs==1.6.1" "mkdocs-material==9.8.2" "mkdocstrings==1.0.8" "mkdocstrings-python==2.0.11"
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet -d site
 
 # bench: tensorbroker against Plasma, Ray, queues and the floors (bench/README.md). Plasma
 # (pyarrow 11) needs numpy<2, so the peers get their own environment, bench/.venv-peers.
