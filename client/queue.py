@@ -118,7 +118,7 @@ class Queue:
         QueueClosed once the queue is closed and drained."""
         timeout, wait = waits(timeout)
         if self._ring is not None:
-            begin()  # (interrupted once it took the item: the exception says so)
+            begin()  # (a signal once it took the item comes after it returned: shield.py)
             try:
                 return self._ring.get(timeout)
             except WouldWait:

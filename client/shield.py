@@ -41,6 +41,7 @@ about 0.2 us, where swapping the handlers in and out took 2.5 us a step (a fifth
 from __future__ import annotations
 
 import _signal  # type: ignore[import-not-found]  # (signal.signal converts to enums: 10x slower)
+import os
 import queue
 import signal
 import threading
@@ -163,16 +164,17 @@ def shielded() -> Shield:
     return _SHIELD
 
 
-def begin() -> Shield:
-    """A public call that says what it did when interrupted (a queue's put) starts; it ends
-    with `done()`, from a `finally`."""
-    _SHIELD.after, _SHIELD.noting = "", True
-    return _SHIELD
+def begin() -> None:
+    """A public call that says what it did when interrupted (a queue's put) starts, in the
+    main thread (others run no handlers); it ends with `done()`, from a `finally`."""
+    if _ident() == _MAIN:
+        _SHIELD.after, _SHIELD.noting = "", True
 
 
 def done() -> None:
     """The call of `begin` returns: a signal from now on is not about it."""
-    _SHIELD.after, _SHIELD.noting, _SHIELD.deferring = "", False, False
+    if _ident() == _MAIN:
+        _SHIELD.after, _SHIELD.noting, _SHIELD.deferring = "", False, False
 
 
 REDELIVER_S = 0.001  # a signal deferred comes again this long after (the call has returned)
@@ -188,6 +190,15 @@ def _redeliver(signum: int) -> None:
         _deferred = queue.SimpleQueue()
         threading.Thread(target=_resend, args=(_deferred,), daemon=True, name="tb-signals").start()
     _deferred.put(signum)
+
+
+def _forked() -> None:
+    """A child has no resending thread: it starts its own when it first defers."""
+    global _deferred
+    _deferred = None
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def _resend(signals: queue.SimpleQueue[int]) -> None:
