@@ -1,5 +1,5 @@
 # Each target bootstraps .venv from nothing. torch is pinned to the CPU build (2.13.0): a looser
-# requirement pulls the CUDA build and gigabytes of CUDA packages (see README, "Installing").
+# requirement pulls the CUDA build and gigabytes of CUDA packages (see docs/install.md).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -96,7 +96,7 @@ bench: $(STAMP) $(BENCH_STAMP) $(PEERS_STAMP)
 
 # On a machine with an NVIDIA GPU: the cuda-marked tests and the GPU bench. By default in .venv,
 # with CuPy for CUDA $(CUDA) (`make test-gpu CUDA=13` for cupy-cuda13x); it has the CPU torch,
-# so see README ("GPU machines") for a CUDA torch and JAX. GPU_PYTHON=python3 instead uses
+# so see docs/install.md ("GPU machines") for a CUDA torch and JAX. GPU_PYTHON=python3 instead uses
 # that interpreter as it is (an image with CUDA torch, CuPy and JAX, and no registry): it only
 # installs tensorbroker into it, with no dependencies (pyzmq and msgpack must be there).
 CUDA       ?= 12
@@ -127,7 +127,7 @@ bench-gpu: $(GPU_STAMP)
 # on PATH, else pyenv's), each built from the sdist in an isolated environment (`uv build`)
 # and made manylinux by auditwheel (the extensions need only libc: manylinux_2_17 here).
 # `make wheels WHEEL_PYTHONS=/path/to/python3.12` for others. aarch64 wheels: cibuildwheel's
-# settings in pyproject.toml, on an arm64 machine (README, "Releasing").
+# settings in pyproject.toml, on an arm64 machine (docs/install.md).
 WHEEL_PYTHONS ?= $(shell for v in 3.11 3.12 3.13; do \
 	for p in $$(command -v python$$v) $(HOME)/.pyenv/versions/$$v*/bin/python$$v; do \
 	[ -x "$$p" ] && "$$p" -c '' 2>/dev/null && { echo "$$p"; break; }; done; done)

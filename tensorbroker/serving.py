@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["legacy", "vmm"],
         default="legacy",
         help="how clients open the GPU memory: legacy IPC handles, or vmm: file descriptors "
-        "passed to each client over its Unix socket (not yet run on a GPU; see the README)",
+        "passed to each client over its Unix socket (not yet run on a GPU; see docs/guide/gpu.md)",
     )
     p.add_argument(
         "--state-dir",
