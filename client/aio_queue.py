@@ -14,6 +14,7 @@ from ..common.protocol import Op
 from .aiosocket import Late, Reply
 from .qring import QueueRing, WouldWait
 from .reads import Item
+from .shield import begin, done
 from .transport import waits
 
 if TYPE_CHECKING:
@@ -112,19 +113,27 @@ class AsyncQueue:
             return await asyncio.to_thread(ring.put, planned, timeout, until, wait)
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         while True:
+            begin()  # (interrupted: the exception says whether the item went in: shield.py)
             try:
                 return ring.put(planned, 0, until, wait)
             except WouldWait:
-                await _asleep(ring, True, _left(deadline, timeout, ring, True))
+                pass
+            finally:
+                done()
+            await _asleep(ring, True, _left(deadline, timeout, ring, True))
 
     async def _ring_get(self, ring: QueueRing, timeout: float | None) -> Item:
         """A get from the ring: an item waited for in a worker thread, which takes none."""
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         while True:
+            begin()  # (a signal once it took the item comes after it returned: shield.py)
             try:
                 return ring.get(0)
             except WouldWait:
-                await _asleep(ring, False, _left(deadline, timeout, ring, False))
+                pass
+            finally:
+                done()
+            await _asleep(ring, False, _left(deadline, timeout, ring, False))
 
     async def close(self) -> None:
         """As Queue.close (this client's puts that did not wait go first)."""

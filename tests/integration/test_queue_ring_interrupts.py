@@ -5,6 +5,7 @@ counted and loses no item."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -320,3 +321,34 @@ def test_a_signal_after_a_get_took_its_item_comes_once_it_returned(
     monkeypatch.undo()
     assert [g.numpy()[0] for g in got] == [1.0]
     assert q.get(timeout=2).numpy()[0] == 2.0
+
+
+def test_an_asyncio_get_that_took_its_item_is_not_dropped_by_a_signal(
+    fresh_broker: tb.BrokerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same through the asyncio client, whose ring gets run on the event loop."""
+    got: list[Any] = []
+
+    async def consume() -> None:
+        async with tb.aio.connect(fresh_broker.address) as c:
+            q = await c.queue("adeferred", maxsize=2)
+            await q.put(np.full(4, 1.0))
+            view = q._ring.view  # type: ignore[union-attr]
+            real = type(view).commit
+
+            def interrupted(self: Any, pos: int) -> None:
+                real(self, pos)
+                os.kill(os.getpid(), signal.SIGINT)
+
+            monkeypatch.setattr(type(view), "commit", interrupted)
+            got.append(await q.get(timeout=2))
+            time.sleep(5)  # (it comes here, in this coroutine)
+
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            loop.run_until_complete(consume())
+    finally:
+        monkeypatch.undo()
+        loop.close()
+    assert [g.numpy()[0] for g in got] == [1.0]
