@@ -143,9 +143,8 @@ def not_put(
             return
         if given_up(exc):  # (cancelled, or maybe not: the broker may have granted it)
             try:
-                if conn.call(Op.QUNCLAIM, wait=BACK_WAIT, queue=ring.queue_id, ring=claimed[1])[
-                    "aborted"
-                ]:
+                reply = conn.call(Op.QUNCLAIM, wait=BACK_WAIT, queue=ring.queue_id, ring=claimed[1])
+                if reply["aborted"]:
                     return
             except BrokerError as err:
                 log.warning("queue %r: a put given up holds position %d until this client "

@@ -43,6 +43,11 @@ from .transport import BrokerExited, Channel
 SEALED_WAIT = 2.0  # seconds a put interrupted once its seal was sent waits for the answer
 
 
+def _went_in(label: str, version: Any) -> str:
+    """What an interrupt's exception says of a put that went in."""
+    return f"(the {label} went in first: version {version})"
+
+
 @dataclass(slots=True)
 class _Out:
     """A seal sent and not yet answered."""
@@ -126,7 +131,7 @@ class Writes:
                              "it goes in unless the broker refuses it, which this client's "
                              "next call raises)")  # fmt: skip
                 return
-            exc.add_note(f"(the {label} went in first: version {reply.get('version')})")
+            exc.add_note(_went_in(label, reply.get("version")))
 
     def _seal(
         self, message: dict[str, Any], key: str | None, label: str, put: int | None, wait: bool,
@@ -276,9 +281,12 @@ class Writes:
                     with shielded() as step:  # a reply read is taken, whatever interrupts
                         got = channel.receive()
                         if got is not None:
+                            out = (
+                                self._out.get(rid) if step.noting and got.get("id") == rid else None
+                            )
                             self._take(got)
-                            if step.noting and got.get("id") == rid and got.get("ok"):
-                                step.note = f"(the put went in first: version {got.get('version')})"
+                            if out is not None and got.get("ok"):
+                                step.note = _went_in(out.label, got.get("version"))
                     if not self._stale:
                         continue
                 except BrokerExited:

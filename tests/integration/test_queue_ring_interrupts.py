@@ -159,6 +159,26 @@ def _big(q: Any, value: float) -> np.ndarray:
     return np.full(ring.view.data // 4 + 1024, value, np.float32)
 
 
+def _the_big_item_first_then_the_rest(c: tb.Client, q: Any, timeout: float) -> None:
+    """Version 1 (`_big(q, 1.0)`) comes first, then an item of 2.0s; then nothing is held."""
+    first = q.get(timeout=timeout)
+    assert first.version == 1 and np.array_equal(first.numpy(), _big(q, 1.0))
+    assert q.get(timeout=2).numpy().tolist() == [2.0] * 4
+    del first
+    assert wait_until(lambda: q.in_flight() == 0 and c.stats()["used_bytes"] == 0, 5)
+
+
+def _sigint_after_commit(monkeypatch: pytest.MonkeyPatch, view: Any) -> None:
+    """A real SIGINT right after a take is committed (the item is the get's from then on)."""
+    real = type(view).commit
+
+    def interrupted(self: Any, pos: int) -> None:
+        real(self, pos)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(type(view), "commit", interrupted)
+
+
 @pytest.mark.parametrize("when", ["before-the-ask", "answered-then-interrupted"])
 def test_a_get_of_an_item_through_the_broker_interrupted_leaves_it_first(
     c: tb.Client, monkeypatch: pytest.MonkeyPatch, when: str
@@ -182,11 +202,7 @@ def test_a_get_of_an_item_through_the_broker_interrupted_leaves_it_first(
     with pytest.raises(KeyboardInterrupt):
         q.get(timeout=2)
     monkeypatch.undo()
-    first = q.get(timeout=2)
-    assert first.version == 1 and np.array_equal(first.numpy(), _big(q, 1.0))
-    assert q.get(timeout=2).numpy().tolist() == [2.0] * 4
-    del first
-    assert wait_until(lambda: q.in_flight() == 0 and c.stats()["used_bytes"] == 0, 5)
+    _the_big_item_first_then_the_rest(c, q, timeout=2)
 
 
 def test_a_get_of_an_item_through_the_broker_interrupted_while_built_leaves_it_first(
@@ -236,11 +252,7 @@ def test_an_item_through_the_broker_whose_taker_died_keeps_its_place(c: tb.Clien
     p.start()
     p.join(30)
     assert p.exitcode == -signal.SIGKILL
-    first = q.get(timeout=10)
-    assert first.version == 1 and np.array_equal(first.numpy(), _big(q, 1.0))
-    assert q.get(timeout=2).numpy().tolist() == [2.0] * 4
-    del first
-    assert wait_until(lambda: q.in_flight() == 0 and c.stats()["used_bytes"] == 0, 5)
+    _the_big_item_first_then_the_rest(c, q, timeout=10)
 
 
 def test_an_item_taken_as_its_queue_is_removed_says_so(
@@ -306,14 +318,7 @@ def test_a_signal_after_a_get_took_its_item_comes_once_it_returned(
     q = c.queue("deferred", maxsize=2)
     q.put(np.full(4, 1.0))
     q.put(np.full(4, 2.0))
-    view = q._ring.view  # type: ignore[union-attr]
-    real = type(view).commit
-
-    def interrupted(self: Any, pos: int) -> None:
-        real(self, pos)
-        os.kill(os.getpid(), signal.SIGINT)
-
-    monkeypatch.setattr(type(view), "commit", interrupted)
+    _sigint_after_commit(monkeypatch, q._ring.view)  # type: ignore[union-attr]
     got: list[Any] = []
     with pytest.raises(KeyboardInterrupt):
         got.append(q.get(timeout=2))
@@ -333,14 +338,7 @@ def test_an_asyncio_get_that_took_its_item_is_not_dropped_by_a_signal(
         async with tb.aio.connect(fresh_broker.address) as c:
             q = await c.queue("adeferred", maxsize=2)
             await q.put(np.full(4, 1.0))
-            view = q._ring.view  # type: ignore[union-attr]
-            real = type(view).commit
-
-            def interrupted(self: Any, pos: int) -> None:
-                real(self, pos)
-                os.kill(os.getpid(), signal.SIGINT)
-
-            monkeypatch.setattr(type(view), "commit", interrupted)
+            _sigint_after_commit(monkeypatch, q._ring.view)  # type: ignore[union-attr]
             got.append(await q.get(timeout=2))
             time.sleep(5)  # (it comes here, in this coroutine)
 
