@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import resource
+import socket
 
 import zmq
 
@@ -25,7 +26,7 @@ class AddressInUse(BrokerError):
 def refuse_if_served(address: str) -> None:
     """AddressInUse if a broker answers at `address`."""
     path = ipc_path(address)
-    if path is not None and not os.path.exists(path):
+    if path is not None and not _listened(path):  # (no half-second wait for an answer)
         return
     ctx = zmq.Context()
     probe = ctx.socket(zmq.DEALER)
@@ -42,6 +43,21 @@ def refuse_if_served(address: str) -> None:
     finally:
         probe.close()
         ctx.term()
+
+
+def _listened(path: str) -> bool:
+    """Whether a process listens on the Unix socket at `path`: a file a crashed broker left
+    refuses the connection at once."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (FileNotFoundError, ConnectionRefusedError):
+        return False
+    except OSError:  # (not ours to judge: the PING says)
+        return True
+    finally:
+        probe.close()
+    return True
 
 
 def raise_fd_limit() -> None:
