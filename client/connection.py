@@ -37,7 +37,7 @@ from ..common.errors import BrokerError, BrokerUnavailable, ProtocolError
 from ..common.protocol import PROTOCOL_VERSION, Op
 from .cancel import cancel, given_up
 from .leases import Leases, ReleaseThread
-from .transport import BrokerExited, Channel, ChannelPool, waits
+from .transport import BrokerExited, Channel, ChannelPool, Unsent, waits
 
 if TYPE_CHECKING:
     from .handoff import Bell
@@ -282,7 +282,7 @@ class Connection:
     ) -> dict[str, Any]:  # fmt: skip
         began = time.monotonic()
         while True:
-            generation = self.generation
+            generation, sent = self.generation, True
             channel: Channel | None = None
             try:
                 channel = self._pool.borrow() or self._fresh_channel()
@@ -290,7 +290,8 @@ class Connection:
                     bell = None  # the mailbox named by an earlier broker, or no lane to ring
                     message.pop("mailbox", None)
                 return channel.call(message, wait, bell)
-            except BrokerExited:
+            except BrokerExited as exc:
+                sent = not isinstance(exc, Unsent) and channel is not None
                 if channel is not None:
                     self._pool.discard(channel)
                     channel = None
@@ -304,7 +305,7 @@ class Connection:
                 if channel is not None:
                     self._pool.give_back(channel)
             self.reconnect(generation)  # the releases go again: claimed at the hello, maybe
-            self.check_resent(op, fields)
+            self.check_resent(op, fields, sent)
             if fields.get("timeout") is not None:  # sent again: it waits what was left
                 left = max(0.0, fields["timeout"] - (time.monotonic() - began))
                 message["timeout"], wait = waits(left)
@@ -318,8 +319,9 @@ class Connection:
                 raise BrokerExited(self._broken)
         return self.new_channel()
 
-    def check_resent(self, op: str, fields: dict[str, Any]) -> None:
-        """Raise BrokerUnavailable if `op` must not be sent again to the broker of now."""
+    def check_resent(self, op: str, fields: dict[str, Any], sent: bool = True) -> None:
+        """Raise BrokerUnavailable if `op` must not be sent again to the broker of now
+        (`sent`: it went to the one before, which may have done it)."""
         what = " ".join(str(fields[f]) for f in ("key", "name", "put") if f in fields)
         what = f"{op} {what!r}" if what else op
         if not self.resumed and op not in FRESH_SAFE:
@@ -328,7 +330,7 @@ class Connection:
                 f"(started with --reset, or it could not adopt it): {what} was lost with "
                 "everything it held; do it again (a queue: open it again)"
             )
-        if op not in RESENT:
+        if sent and op not in RESENT:
             raise BrokerUnavailable(
                 f"the broker at {self.address} restarted during {what}: it may or may not "
                 "have been done; look (exists, keys) and do it again if need be"

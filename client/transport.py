@@ -42,6 +42,11 @@ class BrokerExited(BrokerUnavailable):
     connection waits for a broker to come back (Connection.reconnect)."""
 
 
+class Unsent(BrokerExited):
+    """The broker had exited before the request went out, or the one of now refused it (it
+    does not know this client): no broker acted on it, and it may be sent again."""
+
+
 class NoReply(BrokerUnavailable):
     """No reply came within the time a call waits for one (the broker may still answer)."""
 
@@ -127,7 +132,7 @@ class Channel:
         """`reply`, or the error it carries raised."""
         if not reply.get("ok"):
             if reply.get("code") == SessionUnknown.code:  # a broker that restarted
-                raise BrokerExited(f"the broker at {self.address} does not know this client")
+                raise Unsent(f"the broker at {self.address} does not know this client")
             raise error_from_wire(str(reply.get("code")), str(reply.get("error")))
         return reply
 
@@ -160,6 +165,8 @@ class ZmqChannel(Channel):
 
     def send(self, message: dict[str, Any], timeout: float | None = None) -> None:
         frame = encode(message)
+        if self._broker is not None and self._broker.poll(0):  # (before: no broker took it)
+            raise Unsent(f"the broker at {self.address} exited")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
@@ -222,8 +229,8 @@ class LaneChannel(Channel):
         try:
             with shielded():  # a message cut short would garble the stream
                 self.socket.sendall(encode(message), socket.MSG_NOSIGNAL)
-        except OSError:  # EPIPE, ECONNRESET: the broker is gone, and the next receive says so
-            pass
+        except OSError as exc:  # EPIPE, ECONNRESET: the broker had gone, and read none of it
+            raise Unsent(f"the broker at {self.address} exited ({exc})") from None
 
     def receive(self, block: bool = True) -> dict[str, Any] | None:
         unpacker = self._unpacker

@@ -19,6 +19,7 @@ import pytest
 import zmq
 
 import tensorbroker as tb
+from tensorbroker.client import leases
 from tensorbroker.common.protocol import decode, encode
 from tensorbroker.server.durability.journal import read_journal
 from tensorbroker.server.durability.state import discard
@@ -81,6 +82,28 @@ def test_objects_queues_and_versions_survive_a_kill(crashable: tb.BrokerProcess)
             c.delete(key)
         q.close()
         assert wait_until(lambda: c.stats()["used_bytes"] == 0, 5)
+
+
+def test_a_call_made_after_a_quick_restart_is_not_taken_for_one_cut_short(
+    crashable: tb.BrokerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An idle client whose broker was killed and is back before its next call: that call
+    went to no broker before the new one (the old one had exited), so it is sent again, also
+    where a call cut short by the restart could not be (a delete, a queue list). The client's
+    release thread, which looks every 0.1 s and would mostly see the exit first, waits here."""
+    monkeypatch.setattr(leases, "RELEASE_WINDOW", 60.0)
+    with tb.connect(crashable.address) as c:
+        c.put("x", np.arange(4.0))
+        c.queue("frames", maxsize=2)
+        for _ in range(2):
+            crash(crashable)
+            crashable.restart()
+            assert [q["name"] for q in c.list_queues()] == ["frames"]
+        crash(crashable)
+        crashable.restart()
+        c.delete("x")
+        assert not c.exists("x")
+        c.delete_queue("frames")
 
 
 def _kept_for_a_get_given_up(crashable: tb.BrokerProcess, p: tb.Client, name: str) -> tb.Client:
