@@ -209,3 +209,9 @@ def pair(tmp_path: Path) -> Iterator[Callable[[str], Node]]:
 def trio(tmp_path: Path) -> Iterator[Callable[[str], Node]]:
     """Nodes a, b and c, as `pair`."""
     yield from _made(tmp_path, "abc")
+
+
+@pytest.fixture
+def quad(tmp_path: Path) -> Iterator[Callable[[str], Node]]:
+    """Nodes a, b, c and d, as `pair`."""
+    yield from _made(tmp_path, "abcd")

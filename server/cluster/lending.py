@@ -7,6 +7,11 @@ after to those borrowers (`redirect`), which lend their replica, or, still pulli
 it once they have it. A borrower that fails a pull sends it back to the owner, who then lends
 it directly. So the owner's node sends a version's bytes FANOUT times, however many read it
 (an offered version excepted: every node reads it from its owner).
+
+The relays form a tree of two levels that the owner decides, and it cannot cycle: a borrower
+reads from the owner only (one that asks again, having thrown its read away, is lent
+directly), and only borrowers are sent pulls. Sending a borrower that asked again to another
+borrower made two of them wait on each other for good (issue 50's first fault).
 """
 
 from __future__ import annotations
@@ -147,7 +152,7 @@ class Lending:
                 version, borrowers = obj.version, []
                 self._lent_to[key] = (version, borrowers)
             others = [b for b in borrowers if b != node and self.links.up(b)]
-            if len(borrowers) >= FANOUT and others and not direct:
+            if len(borrowers) >= FANOUT and others and not direct and node not in borrowers:
                 to = others[pull % len(others)]
                 self.links.answer(node, {"op": "lent", "pull": pull, "ask": ask, "redirect": to})
                 return

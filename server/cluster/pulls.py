@@ -19,7 +19,7 @@ from ..store.records import Session, StoredObject
 from .offers import Held, Offer
 from .transfers import Transfers
 
-PULL_WAIT = 30.0  # a get that pulls waits this long at least, whatever its own timeout
+PULL_WAIT = 30.0  # a lend unanswered this long is asked of the owner again (a get waits as long)
 SPIN = 0.002  # seconds a read is polled without sleeping, from when it may be over (poll_due)
 POLL = 0.001  # and then every POLL seconds
 ASK_AGAIN = 0.01  # a lend that could not go out (its link not connected) is sent again so often
@@ -287,9 +287,19 @@ class Pulls:
             if pull.handle is not None:
                 self._poll(pull)
             elif now - pull.started > PULL_WAIT:
-                self._fail(pull, PeerUnavailable(f"node {pull.node!r} did not lend {pull.key!r}"))
+                self._unanswered(pull)
             elif not pull.asked and self.links.fresh(pull.source):  # (not connected, say)
                 self._lend(pull, direct=pull.direct)
+
+    def _unanswered(self, pull: Pull) -> None:
+        """A lend not answered within PULL_WAIT: asked of the owner again, directly (a relay
+        may still be reading a large version; the owner is up, else `node_down` ended the
+        pull), as long as a get still waits for it or a pull of another node was sent here;
+        else the pull ends. A get waits for its own timeout only, never PULL_WAIT's."""
+        if any(not w.done for w in pull.waiters) or pull.lends:
+            self._ask_at(pull, pull.node, direct=True)
+        else:
+            self._fail(pull, PeerUnavailable(f"node {pull.node!r} did not lend {pull.key!r}"))
 
     def _poll(self, pull: Pull) -> None:
         try:

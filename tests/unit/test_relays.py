@@ -1,0 +1,76 @@
+"""Fan-out between the brokers of a cluster (server/cluster/lending.py): the owner lends a
+version to two borrowers and sends the other pulls to them; the relays must never wait on
+each other, and a pull must not fail while its owner is up and its get still waits. Cluster
+objects stepped by hand in this process (tests/nodes.py), reads ending when a test says."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from tensorbroker.server.cluster import pulls
+from tests.nodes import MiB, Node, quad, run
+
+__all__ = ["quad"]  # the fixture
+
+
+def _four_up(quad: Callable[[str], Node]) -> list[Node]:
+    nodes = [quad(name) for name in "abcd"]
+    assert run(nodes, 5, lambda: all(n.up(m.name) for n in nodes for m in nodes if m is not n))
+    return nodes
+
+
+def _pulls(node: Node, key: str) -> list[pulls.Pull]:
+    return [p for p in node.cluster.replicas.pulls.pulls.values() if p.key == key]
+
+
+def _has(node: Node, key: str) -> bool:
+    """Whether `node` holds a replica of `key`, its pull over."""
+    return key in node.registry.objects and not _pulls(node, key)
+
+
+def test_borrowers_that_throw_their_reads_away_are_lent_again_by_the_owner_not_each_other(
+    quad: Callable[[str], Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 50's first fault: a lends w to b and c and sends d to b or c. b and c finish
+    reading once a's beats have gone stale for them, so both throw their reads away and ask
+    a again. a used to send b to c and c to b: each waited for the other for good, and d
+    for one of them. Now a lends both again itself, and all three end with the version."""
+    a, b, c, d = nodes = _four_up(quad)
+    a.put("w", MiB)
+    assert run(nodes, 5, lambda: all("w" in n.cluster.replicas.index for n in (b, c, d)))
+    for n in (b, c):
+        assert n.get("w")
+    assert run(nodes, 5, lambda: b.reads.started == ["w"] and c.reads.started == ["w"])
+    assert d.get("w")
+    assert run(nodes, 5, lambda: _pulls(d, "w")[0].source in ("b", "c"))  # sent to a relay
+    with monkeypatch.context() as stale:  # a's last beat answers are too old, for b and c
+        for n in (b, c):
+            stale.setattr(n.cluster.links, "fresh", lambda node: node != "a")
+            n.reads.over = True
+        run([b, c], 0.2)
+    assert [p.ask for n in (b, c) for p in _pulls(n, "w")] == [2, 2]  # read, thrown away
+    d.reads.over = True
+    held = lambda: all(_has(n, "w") for n in (b, c, d))  # noqa: E731
+    assert run(nodes, 5, held), {n.name: [(p.source, p.ask) for p in _pulls(n, "w")] for n in nodes}
+
+
+def test_a_pull_waiting_at_a_relay_longer_than_pull_wait_is_lent_by_the_owner(
+    quad: Callable[[str], Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """b and c read a large version from a for longer than PULL_WAIT, d's pull waits at one
+    of them: it is asked of a directly, not failed ("node 'a' did not lend 'w'" after 30 s
+    while a was up and the get's own timeout had not run out)."""
+    monkeypatch.setattr(pulls, "PULL_WAIT", 0.3)
+    a, b, c, d = nodes = _four_up(quad)
+    a.put("w", MiB)
+    assert run(nodes, 5, lambda: all("w" in n.cluster.replicas.index for n in (b, c, d)))
+    for n in (b, c):
+        assert n.get("w")
+    assert run(nodes, 5, lambda: b.reads.started == ["w"] and c.reads.started == ["w"])
+    assert d.get("w")  # (its get waits 10 s)
+    assert run(nodes, 5, lambda: _pulls(d, "w")[0].source in ("b", "c"))
+    d.reads.over = True
+    assert run(nodes, 3, lambda: _has(d, "w"))
+    assert not _has(b, "w") and not _has(c, "w")  # (still reading)
