@@ -219,6 +219,8 @@ class Broker:
         if first is not None:
             self.arena.free(first)
         self.devices.start()
+        if self.cluster is not None:  # (once bound: a peer that links here finds a broker)
+            self.cluster.start()
         log.info("serving on %s, capacity %s", self.address, format_size(self.arena.capacity))
 
     def serve(self, ready: Callable[[], None] | None = None) -> None:

@@ -98,8 +98,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "this one; every broker serves the same --curve-secret (or --insecure-tcp on loopback)",
     )  # fmt: skip
     p.add_argument(
-        "--peers", metavar="ADDRS", default="", help="the other brokers' --cluster addresses, "
-        "comma-separated; dns:NAME:PORT stands for every address of NAME",
+        "--etcd", metavar="URLS", help="the etcd where the brokers of a cluster find each other: "
+        "http://HOST:2379, comma-separated for several members (no --peers needed)",
+    )  # fmt: skip
+    p.add_argument(
+        "--etcd-prefix", metavar="PATH", default="/tensorbroker", help="this cluster's keys in "
+        "etcd, so several clusters share one (default: /tensorbroker)",
+    )  # fmt: skip
+    p.add_argument(
+        "--peers", metavar="ADDRS", default="", help="without etcd: the other brokers' --cluster "
+        "addresses, comma-separated; dns:NAME:PORT stands for every address of NAME",
     )  # fmt: skip
     p.add_argument(
         "--prefetch", metavar="SIZE", help="read the other nodes' versions of at most SIZE as "
@@ -135,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cluster = Joining.parse(
             args.node, args.cluster, args.peers, args.insecure_tcp, args.curve_secret,
-            args.curve_clients, args.prefetch,
+            args.curve_clients, args.prefetch, args.etcd, args.etcd_prefix,
         )  # fmt: skip
         tcp = cluster is None or address.startswith("tcp://")  # the keys: clients' too?
         insecure = args.insecure_tcp and tcp

@@ -21,6 +21,10 @@ Note [cluster]
     a small version (at most 64 KiB) goes with its offer in its `key` message: B's first
     get reads it at once, without lend and lent (Note [offers] in offers.py).
 
+With `serve --etcd`, the brokers find each other in etcd (Note [membership] in
+membership.py): a broker that joins is linked to, one that leaves or dies is down once its
+entry goes, whatever its beats say.
+
 ZeroMQ carries only these control messages (msgpack, never pickle); the bytes go through NIXL
 (transfers.py). Each direction of a pair talks over the link its sender opened: requests
 (hello, beats, lend, returned, key) go out on this broker's DEALER to the peer, answers
@@ -55,7 +59,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Container
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import zmq
@@ -67,6 +71,7 @@ from ..store.objects import Objects
 from ..store.parking import ParkingLot
 from .joining import Joining as Joining  # (the broker takes it from here)
 from .links import BEAT, DOWN_AFTER, Links, Peer
+from .membership import Member, Membership
 from .queue_links import QueueLinks
 from .replicas import Replicas
 from .transfers import Transfers
@@ -75,13 +80,21 @@ log = logging.getLogger(__name__)
 
 
 class Watched:
-    """The broker's ready items that are not its endpoint's: pidfds, and the cluster's sockets."""
+    """The broker's ready items that are not its endpoint's: pidfds, and the cluster's sockets
+    and descriptors."""
 
-    def __init__(self, *parts: Container[Any]) -> None:
+    def __init__(self, *parts: Collection[Any]) -> None:
         self.parts = parts
 
     def __contains__(self, item: object) -> bool:
         return any(item in part for part in self.parts)
+
+    def __iter__(self) -> Iterator[Any]:
+        for part in self.parts:
+            yield from part
+
+    def __len__(self) -> int:
+        return sum(len(part) for part in self.parts)
 
 
 class Cluster:
@@ -96,10 +109,23 @@ class Cluster:
     ) -> None:  # fmt: skip
         self.node, self.address, self.transfers = joining.node, joining.address, transfers
         self.links = links = Links(joining, poller)
-        self.peers, self.sockets = links.peers, links.sockets
+        self.peers, fds = links.peers, set[int]()
         self.replicas = Replicas(self.node, objects, lot, transfers, links, joining.prefetch)
         self.queues = QueueLinks(self.node, queues, transfers, links, self.replicas.session)
         self._next_beat = 0.0
+        self.membership: Membership | None = None
+        if joining.etcd:  # (its threads start with `start`, once the broker has bound)
+            record = {"address": self.address, "incarnation": links.incarnation}
+            self.membership = Membership(joining.etcd, joining.etcd_prefix, self.node, record)
+            poller.register(self.membership.fd, zmq.POLLIN)
+            fds.add(self.membership.fd)
+        self.sockets = Watched(links.sockets, fds)  # (a peer linked to later: in links.sockets)
+
+    def start(self) -> None:
+        """Join the cluster's etcd, if it has one (Note [membership]): EtcdUnavailable if
+        none answers."""
+        if self.membership is not None:
+            self.membership.start()
 
     @classmethod
     def join(
@@ -162,11 +188,25 @@ class Cluster:
             log.exception("cluster: a message could not be handled")
 
     def _read(self, socket: Any) -> None:
+        if self.membership is not None and socket == self.membership.fd:
+            self._members(self.membership.take())
+            return
         for route, peer, message in self.links.read(socket):
             if peer is None:
                 self._request(route, message)  # type: ignore[arg-type]
             else:
                 self._answer(peer, message)
+
+    def _members(self, changes: list[Member]) -> None:
+        """Brokers that joined etcd are linked to (their hello follows); those that left it
+        are down now (Note [membership] in membership.py)."""
+        for node, record in changes:
+            if record is not None:
+                self.links.meet(str(record.get("address", "")))
+                continue
+            for peer in self.peers:
+                if peer.node == node and peer.up:
+                    self._down(peer)
 
     def tick(self, now: float) -> None:
         """Beats and hellos, peers gone quiet, and reads that ended."""
@@ -389,5 +429,7 @@ class Cluster:
         }  # fmt: skip
 
     def close(self) -> None:
+        if self.membership is not None:  # (first: the others see this node leave now)
+            self.membership.close()
         self.links.close()
         self.transfers.close()

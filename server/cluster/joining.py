@@ -1,6 +1,7 @@
-"""What `serve --node --cluster --peers` says, checked: this node, the addresses of its
-peers (a DNS name standing for every address it resolves to), and the keys the brokers of a
-cluster share (Note [cluster] in cluster.py)."""
+"""What `serve --node --cluster --etcd --peers` says, checked: this node, the etcd where the
+brokers find each other (Note [membership] in membership.py) or the addresses of its peers (a
+DNS name standing for every address it resolves to), and the keys the brokers of a cluster
+share (Note [cluster] in cluster.py)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from typing import NamedTuple
 from ...common.config import format_size, parse_size
 from ...common.curve import ServerKeys, server_keys
 from ...common.errors import InvalidRequest
+from .etcd import endpoints
 from .offers import OFFER_MAX
 
 
 class Joining(NamedTuple):
-    """What `serve --node --cluster --peers` says: this node's name, the address its peers
-    reach it at, theirs, and the CURVE keys the brokers share (None: --insecure-tcp, on
+    """What `serve --node --cluster --etcd --peers` says: this node's name, the address its
+    peers reach it at, the etcd endpoints and prefix where the brokers find each other (or
+    the peers' addresses), and the CURVE keys the brokers share (None: --insecure-tcp, on
     loopback only)."""
 
     node: str
@@ -24,17 +27,25 @@ class Joining(NamedTuple):
     peers: list[str]
     keys: ServerKeys | None
     prefetch: int = OFFER_MAX  # versions of at most this many bytes are read as announced
+    etcd: tuple[str, ...] = ()
+    etcd_prefix: str = "/tensorbroker"
 
     @classmethod
     def parse(
         cls, node: str | None, address: str | None, peers: str, insecure: bool,
         secret: str | None = None, clients: str | None = None, prefetch: str | None = None,
+        etcd: str | None = None, etcd_prefix: str = "/tensorbroker",
     ) -> Joining | None:  # fmt: skip
         """The options as given (None: no cluster); InvalidRequest saying what is wrong."""
-        if node is None and address is None and not peers:
+        if node is None and address is None and not peers and not etcd:
             return None
         if not node or not address:
             raise InvalidRequest("a cluster needs both --node NAME and --cluster tcp://HOST:PORT")
+        found_etcd = endpoints(etcd) if etcd else ()
+        if not etcd_prefix.startswith("/") or not etcd_prefix.strip("/") or " " in etcd_prefix:
+            raise InvalidRequest(
+                f"--etcd-prefix: a path such as /tensorbroker, not {etcd_prefix!r}"
+            )
         if not node.replace("-", "").replace("_", "").replace(".", "").isalnum():
             raise InvalidRequest(f"--node: letters, digits, '-', '_' and '.' only, not {node!r}")
         tcp_host(address, "--cluster")
@@ -51,7 +62,7 @@ class Joining(NamedTuple):
                     f"--peers {wide[0]}: without keys a cluster stays on loopback; serve every "
                     "broker with the same --curve-secret (`tensorbroker keys`)"
                 )
-        return cls(node, address, found, keys, _prefetch(prefetch))
+        return cls(node, address, found, keys, _prefetch(prefetch), found_etcd, etcd_prefix)
 
 
 def _prefetch(text: str | None) -> int:

@@ -1,0 +1,171 @@
+"""Who is in the cluster, kept in etcd (`serve --etcd`; Note [membership]).
+
+Note [membership]
+
+Each broker puts `{prefix}/members/{node}` = {"address": its --cluster address,
+"incarnation": ...} (JSON) under a lease of TTL seconds, renews the lease every TTL/3 seconds,
+and watches `{prefix}/members/`. A put there is a broker that joined or restarted: this one
+links to its address (Links.meet) and the hello/welcome of Note [cluster] follows. A delete is
+a broker that stopped (its lease revoked) or died (its lease expired, within TTL plus etcd's
+half-second check): it is down at once here, as if its beats had stopped. A broker started on
+a --peers list joins the same way, and brokers never configure each other's addresses.
+
+The calls to etcd run on two threads of their own (the lease's, the watch's): the broker's
+loop never waits for etcd. What they see goes into `events`, and a byte into a pipe the loop
+polls (`fd`). A lease that expired while etcd was out of reach (the other brokers took this
+one for down) is granted again and the entry put again: they link to it anew. Several
+clusters share one etcd under prefixes of their own (--etcd-prefix)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+from collections import deque
+from typing import Any, NamedTuple
+
+from .etcd import Etcd, EtcdUnavailable
+
+log = logging.getLogger(__name__)
+
+TTL = 3  # seconds: a broker that died is gone from etcd this long after its last renewal
+
+
+class Member(NamedTuple):
+    """A change in the cluster: `node` joined or restarted (`record`: its address and
+    incarnation), or left (record None)."""
+
+    node: str
+    record: dict[str, Any] | None
+
+
+class Membership:
+    """This broker's entry in etcd, and the others' as they change (Note [membership])."""
+
+    def __init__(self, urls: tuple[str, ...], prefix: str, node: str, record: dict[str, Any]):
+        self.urls, self.node = urls, node
+        self.prefix = f"{prefix.rstrip('/')}/members/".encode()
+        self._key, self._value = self.prefix + node.encode(), json.dumps(record).encode()
+        self.events: deque[Member] = deque()
+        self.fd, self._wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._stop = threading.Event()
+        self._streams: list[socket.socket] = []  # the watch's, shut to end it
+        self._lease = 0
+        self._present: set[str] = set()  # the other nodes in etcd (the watch's thread's)
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        """Put this broker's entry (EtcdUnavailable if no etcd answers: the broker does not
+        start), then keep it and watch the others' on threads of their own."""
+        self._register(Etcd(self.urls))
+        revision, members = Etcd(self.urls).range(self.prefix)
+        for key, value in members.items():
+            self._seen(key, value)
+        for target, args in ((self._keep, ()), (self._watch, (revision + 1,))):
+            thread = threading.Thread(target=target, args=args, name="etcd", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def take(self) -> list[Member]:
+        """What changed since the last call (the loop's, when `fd` is readable)."""
+        try:
+            os.read(self.fd, 4096)
+        except BlockingIOError:
+            pass
+        taken = []
+        while self.events:
+            taken.append(self.events.popleft())
+        return taken
+
+    def close(self) -> None:
+        """Leave the cluster: the entry goes at once (the others see this broker down now,
+        not TTL seconds from now), and the threads end."""
+        self._stop.set()
+        for stream in list(self._streams):
+            try:
+                stream.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self._lease:
+            try:
+                Etcd(self.urls).revoke(self._lease)
+            except EtcdUnavailable as exc:  # (it expires by itself)
+                log.warning("could not leave the cluster's etcd at once: %s", exc)
+        for thread in self._threads:
+            thread.join(timeout=2.0)
+        os.close(self.fd)
+        os.close(self._wake)
+
+    # -- the threads ---------------------------------------------------------------------------
+
+    def _register(self, etcd: Etcd) -> None:
+        self._lease = etcd.grant(TTL)
+        etcd.put(self._key, self._value, self._lease)
+
+    def _keep(self) -> None:
+        """Renew the lease every TTL/3 seconds; one that expired (etcd out of reach that
+        long: the others took this broker for down) is granted again, and the entry put."""
+        etcd, unreachable = Etcd(self.urls), False
+        while not self._stop.wait(TTL / 3):
+            try:
+                if not etcd.keep_alive(self._lease):
+                    log.warning("cluster: this broker's lease in etcd expired; joining again")
+                    self._register(etcd)
+                if unreachable:
+                    log.warning("cluster: etcd answers again")
+                unreachable = False
+            except EtcdUnavailable as exc:
+                if not unreachable:
+                    log.warning("cluster: %s; trying again", exc)
+                unreachable = True
+
+    def _watch(self, revision: int) -> None:
+        """Follow the changes of the members from `revision` on; after a stream ended (its
+        endpoint went away), read them all again from another endpoint and go on from there."""
+        turn = 0
+        while not self._stop.is_set():
+            url = self.urls[turn % len(self.urls)]
+            try:
+                for key, value, seen in Etcd(self.urls).watch(
+                    url, self.prefix, revision, self._streams
+                ):
+                    self._seen(key, value)
+                    revision = seen + 1
+            except (OSError, ValueError, KeyError) as exc:
+                if self._stop.is_set():
+                    return
+                log.warning("cluster: the watch of etcd at %s ended (%s); again", url, exc)
+            self._streams.clear()
+            turn += 1
+            if self._stop.wait(0.2):
+                return
+            try:  # (the changes missed meanwhile: those still there, and those gone)
+                revision, members = Etcd(self.urls).range(self.prefix)
+            except EtcdUnavailable:
+                continue
+            gone = self._present - {k[len(self.prefix) :].decode() for k in members}
+            for key, value in members.items():
+                self._seen(key, value)
+            for node in gone:
+                self._seen(self.prefix + node.encode(), None)
+            revision += 1
+
+    def _seen(self, key: bytes, value: bytes | None) -> None:
+        node = key[len(self.prefix) :].decode(errors="replace")
+        if node == self.node:
+            return
+        record = None
+        if value is not None:
+            try:
+                record = json.loads(value)
+            except ValueError:
+                log.warning("cluster: etcd's entry for node %r is not JSON: %r", node, value[:80])
+                return
+        self._present.add(node) if record is not None else self._present.discard(node)
+        self.events.append(Member(node, record))
+        try:
+            os.write(self._wake, b"\0")
+        except BlockingIOError:  # (the loop has not read the last ones yet)
+            pass

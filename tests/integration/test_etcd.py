@@ -1,0 +1,122 @@
+"""Brokers that find each other in etcd (`serve --etcd`, Note [membership] in
+server/cluster/membership.py): a real etcd (tests/etcd.py) and brokers on this host, none told
+another's address."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tensorbroker as tb
+from tensorbroker.server.cluster.etcd import Etcd
+from tensorbroker.server.cluster.membership import TTL
+from tests.etcd import running_etcd
+from tests.support import crash, free_port, wait_until
+
+pytest.importorskip("nixl_cu12", reason="the cluster needs NIXL: make test installs nixl-cu12")
+
+
+@pytest.fixture
+def etcd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    monkeypatch.setenv("UCX_TLS", "tcp")  # (the brokers': the network path)
+    with running_etcd(tmp_path / "etcd") as url:
+        yield url
+
+
+@contextlib.contextmanager
+def _broker(etcd: str, node: str, prefix: str = "/tensorbroker") -> Iterator[tb.BrokerProcess]:
+    options = ["--node", node, "--cluster", f"tcp://127.0.0.1:{free_port()}", "--etcd", etcd,
+               "--etcd-prefix", prefix, "--insecure-tcp"]  # fmt: skip
+    with tb.start_broker(memory="32MiB", options=options, log_level="info") as b:
+        yield b
+
+
+def _peers(c: tb.Client) -> dict[str, str]:
+    return {n: p["state"] for n, p in c.stats()["cluster"]["peers"].items()}
+
+
+def _members(etcd: str, prefix: str = "/tensorbroker") -> list[str]:
+    _, found = Etcd((etcd,)).range(f"{prefix}/members/".encode())
+    return sorted(k.decode().rsplit("/", 1)[1] for k in found)
+
+
+def test_brokers_find_each_other_in_etcd_and_one_that_stops_leaves_at_once(etcd: str) -> None:
+    """No broker is told another's address: a and b join etcd, c joins later; all link up
+    and read each other's keys. b stops: its entry goes at once, and a and c take it for
+    down before its beats would have told them (DOWN_AFTER, 2 s)."""
+    with contextlib.ExitStack() as stack:
+        brokers = {n: stack.enter_context(_broker(etcd, n)) for n in "ab"}
+        a = stack.enter_context(tb.connect(brokers["a"].address))
+        assert wait_until(lambda: _peers(a) == {"b": "up"}, 10), _peers(a)
+        a.put("w", np.arange(100_000))  # (over --prefetch: pulled at the first get)
+        brokers["c"] = stack.enter_context(_broker(etcd, "c"))
+        c = stack.enter_context(tb.connect(brokers["c"].address))
+        assert wait_until(lambda: _peers(c) == {"a": "up", "b": "up"}, 10), _peers(c)
+        assert wait_until(lambda: _peers(a) == {"b": "up", "c": "up"}, 10), _peers(a)
+        np.testing.assert_array_equal(c.get("w", timeout=10).numpy(), np.arange(100_000))
+        assert _members(etcd) == ["a", "b", "c"]
+
+        brokers["b"].stop()
+        stopped = time.monotonic()
+        assert _members(etcd) == ["a", "c"]
+        for client in (a, c):
+            assert wait_until(lambda: _peers(client)["b"] == "down", 5), _peers(client)  # noqa: B023
+        assert time.monotonic() - stopped < 1.5
+
+
+def test_a_broker_killed_leaves_etcd_as_its_lease_expires_and_rejoins(etcd: str) -> None:
+    """b is SIGKILLed: its entry goes once its lease expires (TTL, 3 s); restarted on its
+    state, it joins again and a reads what b held."""
+    with _broker(etcd, "a") as broker_a, _broker(etcd, "b") as broker_b:
+        with tb.connect(broker_a.address) as a, tb.connect(broker_b.address) as b:
+            assert wait_until(lambda: _peers(a) == {"b": "up"}, 10), _peers(a)
+            b.put("on-b", np.arange(50_000))
+            crash(broker_b)
+            killed = time.monotonic()
+            assert wait_until(lambda: _members(etcd) == ["a"], TTL + 2), _members(etcd)
+            assert time.monotonic() - killed < TTL + 1.5
+            assert wait_until(lambda: _peers(a)["b"] == "down", 3)
+            broker_b.restart()
+            assert wait_until(lambda: _peers(a) == {"b": "up"}, 10), _peers(a)
+            assert _members(etcd) == ["a", "b"]
+            got = a.get("on-b", timeout=10)
+            np.testing.assert_array_equal(got.numpy(), np.arange(50_000))
+
+
+def test_clusters_under_other_prefixes_of_one_etcd_do_not_meet(etcd: str) -> None:
+    with _broker(etcd, "a", "/one") as one, _broker(etcd, "a", "/two") as two:
+        with tb.connect(one.address) as c1, tb.connect(two.address) as c2:
+            with _broker(etcd, "b", "/one"):
+                assert wait_until(lambda: _peers(c1) == {"b": "up"}, 10), _peers(c1)
+                assert _peers(c2) == {}
+                assert _members(etcd, "/one") == ["a", "b"] and _members(etcd, "/two") == ["a"]
+
+
+@pytest.mark.parametrize(
+    ("etcd_option", "says"),
+    [
+        ("http://127.0.0.1:{port}", "no etcd answers at http://127.0.0.1:{port}"),
+        ("etcd.local:2379", "--etcd: http://HOST:PORT"),
+    ],
+)
+def test_a_broker_whose_etcd_cannot_be_reached_does_not_start(
+    etcd_option: str, says: str, tmp_path: Path
+) -> None:
+    port = free_port()
+    run = subprocess.run(
+        [sys.executable, "-m", "tensorbroker", "serve", "--memory", "16MiB",
+         "--address", f"ipc://{tmp_path}/b.sock", "--node", "a",
+         "--cluster", f"tcp://127.0.0.1:{free_port()}", "--insecure-tcp",
+         "--etcd", etcd_option.format(port=port)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode != 0, run.stderr
+    assert says.format(port=port) in run.stderr, run.stderr
+    assert not list(tmp_path.iterdir()), "a broker that did not start left files"
