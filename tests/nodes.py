@@ -5,6 +5,7 @@ NIXL replaced by reads that stay under way until a test says they are over."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,6 +37,8 @@ class Reads:
     metadata = b"agent"
 
     def __init__(self) -> None:
+        self.fd, self._wake = os.pipe()  # (as the mover's; never written: reads end at once)
+        self.mover = self  # (its `woken`)
         self.started: list[str] = []  # the keys read
         self.over = False  # reads end
         self.known: dict[str, bytes] = {}  # node -> its agent metadata, as last added
@@ -52,7 +55,11 @@ class Reads:
         return started
 
     def took(self, size: int, seconds: float) -> None: ...
-    def close(self) -> None: ...
+    def woken(self) -> None: ...
+    def close(self) -> None:
+        os.close(self.fd)
+        os.close(self._wake)
+
     def done(self, handle: Any) -> bool:
         return self.over
 

@@ -109,7 +109,8 @@ class Cluster:
     ) -> None:  # fmt: skip
         self.node, self.address, self.transfers = joining.node, joining.address, transfers
         self.links = links = Links(joining, poller)
-        self.peers, fds = links.peers, set[int]()
+        self.peers, fds = links.peers, {transfers.fd}  # (a read ended: Transfers.fd)
+        poller.register(transfers.fd, zmq.POLLIN)
         self.replicas = Replicas(self.node, objects, lot, transfers, links, joining.prefetch)
         self.queues = QueueLinks(self.node, queues, transfers, links, self.replicas.session)
         self._next_beat = 0.0
@@ -190,6 +191,9 @@ class Cluster:
     def _read(self, socket: Any) -> None:
         if self.membership is not None and socket == self.membership.fd:
             self._members(self.membership.take())
+            return
+        if socket == self.transfers.fd:  # (the reads are looked at in `tick`)
+            self.transfers.mover.woken()
             return
         for route, peer, message in self.links.read(socket):
             if peer is None:

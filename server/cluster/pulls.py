@@ -6,6 +6,7 @@ replica, which answers the gets that wait for it. replicas.py says which are wan
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ def poll_due(ends: float, now: float) -> float:
     POLL until then (a broker that spun through each 1 MiB read of a stream took CPU its
     peer needed), then at once for SPIN (a small one ends within microseconds: a loop that
     slept 1 ms would make a 4 KiB pull take milliseconds), then every POLL again."""
+    if ends == math.inf:  # (a read the mover watches: it wakes the loop when it ends)
+        return math.inf
     if now < ends:
         return min(ends - now, POLL)
     return 0.0 if now - ends < SPIN else POLL

@@ -5,8 +5,9 @@ metadata travels in the cluster's own msgpack messages (cluster.py): NIXL's list
 and its pickled descriptors are never used, so nothing from the network is unpickled.
 
 Only the puller acts: it READs the bytes of a block its peer lent it into a block of its own
-(`read`), and polls the transfer from the broker's loop (`done`); the lender only keeps the
-block pinned until the puller says it is through.
+(`read`), on a thread of its own (mover.py: no NIXL call of a transfer runs on the broker's
+loop), and the loop looks whether it ended (`done`) when that thread wakes it (`fd`); the
+lender only keeps the block pinned until the puller says it is through.
 
 A GPU object's bytes go the same way between device chunks, registered with NIXL as VRAM
 as each chunk is made (`register_chunk`): NIXL's UCX backend moves them device to device
@@ -18,12 +19,14 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import math
 import mmap
 import os
 from typing import Any
 
 from ...common.cudart import device_index
 from ...common.errors import InvalidRequest
+from .mover import Mover, Read
 
 PACKAGES = ("nixl_cu13", "nixl_cu12", "nixl")  # tensorbroker[cluster] installs one of these
 # The progress thread's pause between rounds, in microseconds. NIXL's Python agent sets 0, a
@@ -77,12 +80,18 @@ class Transfers:
     """This broker's NIXL agent, its registered segments (mapped here for NIXL: the broker maps
     no segment otherwise) and the reads under way."""
 
-    def __init__(self, node: str, shm_dir: str) -> None:
-        api = load_nixl()
-        config = api.nixl_agent_config(
-            enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"]
-        )
-        self.agent = _paced_agent(api, node, config)
+    def __init__(self, node: str, shm_dir: str, agent: Any = None) -> None:
+        """`agent`: NIXL's, made here if None (a test's stand-in otherwise)."""
+        if agent is None:
+            api = load_nixl()
+            config = api.nixl_agent_config(  # (read-write mode: the mover's thread reads)
+                enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"],
+                sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
+            )  # fmt: skip
+            agent = _paced_agent(api, node, config)
+        self.agent = agent
+        self.mover = Mover(agent)
+        self.fd = self.mover.fd  # readable when a read ended (the loop polls it)
         self.shm_dir = shm_dir
         self._mapped: dict[str, tuple[mmap.mmap, int]] = {}  # segment -> (mapping, address)
         self._chunks: dict[str, tuple[int, int]] = {}  # device chunk -> (pointer, device)
@@ -221,20 +230,13 @@ class Transfers:
         try:
             mine = agent.get_xfer_descs([(local, size, near[1])], near[0])
             theirs = agent.get_xfer_descs([(remote, size, far[1])], far[0])
-            handle = agent.initialize_xfer("READ", mine, theirs, node)
-        except Exception as exc:  # NIXL's own errors (nixlNotFoundError, ...)
-            raise OSError(
-                f"NIXL could not start a read of {size} bytes from {node!r}: {exc!r}"
-            ) from None
-        if agent.transfer(handle) == "ERR":
-            agent.release_xfer_handle(handle)
-            raise OSError(f"NIXL could not start a read of {size} bytes from {node!r}")
-        return handle
+        except Exception as exc:  # NIXL's own errors
+            raise OSError(f"NIXL could not describe a read from {node!r}: {exc!r}") from None
+        return self.mover.start(node, mine, theirs, size)
 
     def ends(self, started: float, size: int) -> float:
-        """When a read of `size` bytes started at `started` may be over, at the earliest:
-        4/5 of the time the recent reads' rate says (at once, before any was timed)."""
-        return started + (0.8 * size / self.rate if self.rate else 0.0)
+        """When the loop must look at a read: never by the clock (the mover wakes it)."""
+        return math.inf
 
     def took(self, size: int, seconds: float) -> None:
         """A read of `size` bytes ended `seconds` after it started (as its poll saw)."""
@@ -242,20 +244,14 @@ class Transfers:
             rate = size / seconds
             self.rate = rate if not self.rate else 0.8 * self.rate + 0.2 * rate
 
-    def done(self, handle: Any) -> bool:
-        """Whether read `handle` finished (then it is released); OSError if it failed."""
-        try:
-            state = self.agent.check_xfer_state(handle)
-        except Exception as exc:
-            raise OSError(f"NIXL lost a read: {exc!r}") from None
-        if state == "PROC":
-            return False
-        self.agent.release_xfer_handle(handle)
-        if state != "DONE":
-            raise OSError(f"a NIXL read ended in state {state}")
-        return True
+    def done(self, handle: Read) -> bool:
+        """Whether read `handle` finished; OSError if it failed. No NIXL call: the mover's."""
+        if handle.error is not None:
+            raise OSError(handle.error)
+        return handle.finished
 
     def close(self) -> None:
+        self.mover.close()
         for mapping, _ in self._mapped.values():
             try:
                 mapping.close()

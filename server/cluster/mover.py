@@ -1,0 +1,125 @@
+"""NIXL's reads, started and watched on a thread of their own: no NIXL call of a transfer runs
+on the broker's loop (issue 50's second fault: one `check_xfer_state` took 2.84 s on a busy
+host, the loop answered nothing meanwhile, and its peers took it for down).
+
+The loop hands a read to `Mover.start` and gets its `Read` at once; the thread makes NIXL's
+transfer request, posts it and polls it (NIXL's bindings let go of the GIL in those calls,
+and the agent runs in NIXL's read-write thread mode: the loop may register memory or add a
+peer meanwhile), then marks the Read finished or failed and writes a byte to `fd`, which the
+loop polls: the loop looks at its reads when one ended, never at a timer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+POLL = 0.0002  # seconds between the thread's looks at the reads under way (NIXL's own pause)
+
+
+@dataclass(slots=True)
+class Read:
+    """A read handed to the mover: `size` bytes from `node` at `remote` (a NIXL descriptor
+    list) into `local`. `finished` once NIXL said DONE; `error` once it failed."""
+
+    node: str
+    local: Any
+    remote: Any
+    size: int
+    started: float
+    handle: Any = None  # NIXL's transfer request (the thread's)
+    finished: bool = False
+    error: str | None = None
+
+
+class Mover:
+    """The thread that runs `agent`'s reads (the Read of each `start`), and the descriptor it
+    writes to when one ends (`fd`: the broker's loop polls it)."""
+
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+        self.fd, self._wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._new: queue.SimpleQueue[Read | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="nixl-reads", daemon=True)
+        self._thread.start()
+
+    def start(self, node: str, local: Any, remote: Any, size: int) -> Read:
+        read = Read(node, local, remote, size, time.monotonic())
+        self._new.put(read)
+        return read
+
+    def woken(self) -> None:
+        """The loop read `fd` (its bytes dropped: it looks at every read anyway)."""
+        try:
+            os.read(self.fd, 4096)
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        """Stop the thread once the reads under way ended (NIXL may still write into their
+        blocks until then)."""
+        self._new.put(None)
+        self._thread.join(timeout=10.0)
+        os.close(self.fd)
+        os.close(self._wake)
+
+    # -- the thread ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        active: list[Read] = []
+        stopping = False
+        while not stopping or active:
+            try:  # (blocks while no read is under way)
+                read = self._new.get(timeout=POLL if active else None)
+                while True:
+                    if read is None:
+                        stopping = True
+                    elif self._post(read):
+                        active.append(read)
+                    read = self._new.get_nowait()
+            except queue.Empty:
+                pass
+            active = [r for r in active if not self._ended(r)]
+
+    def _post(self, read: Read) -> bool:
+        """Make and post `read`'s transfer; False if NIXL refused it (`read` failed)."""
+        agent = self.agent
+        try:
+            read.handle = agent.initialize_xfer("READ", read.local, read.remote, read.node)
+            if agent.transfer(read.handle) == "ERR":
+                agent.release_xfer_handle(read.handle)
+                raise OSError("NIXL refused to post it")
+        except Exception as exc:  # NIXL's own errors (nixlNotFoundError, ...)
+            self._end(read, f"NIXL could not start a read of {read.size} bytes from "
+                      f"{read.node!r}: {exc!r}")  # fmt: skip
+            return False
+        return True
+
+    def _ended(self, read: Read) -> bool:
+        try:
+            state = self.agent.check_xfer_state(read.handle)
+        except Exception as exc:
+            self._end(read, f"NIXL lost a read: {exc!r}")
+            return True
+        if state == "PROC":
+            return False
+        try:
+            self.agent.release_xfer_handle(read.handle)
+        except Exception as exc:  # (the read is over either way)
+            log.warning("NIXL could not release a read's handle: %r", exc)
+        self._end(read, None if state == "DONE" else f"a NIXL read ended in state {state}")
+        return True
+
+    def _end(self, read: Read, error: str | None) -> None:
+        read.error, read.finished = error, error is None
+        try:
+            os.write(self._wake, b"\0")
+        except BlockingIOError:  # (the loop has not read the last ones yet: it will look)
+            pass
