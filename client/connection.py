@@ -37,6 +37,7 @@ from ..common.errors import BrokerError, BrokerUnavailable, ProtocolError
 from ..common.protocol import PROTOCOL_VERSION, Op
 from .cancel import cancel, given_up
 from .leases import Leases, ReleaseThread
+from .resending import check_resent
 from .transport import BrokerExited, Channel, ChannelPool, Unsent, waits
 
 if TYPE_CHECKING:
@@ -47,17 +48,6 @@ log = logging.getLogger(__name__)
 REQUEST_TIMEOUT = 30.0  # for requests the broker answers at once
 RECONNECT_TIMEOUT = 30.0  # how long a client waits for a broker that exited to come back
 HELLO_STEP = 0.5  # each hello to a broker that may not be there yet waits this long
-# Calls sent again to a broker that adopted the state of the one that died: reads, and
-# writes the broker recognises when they come twice (a seal by its put id, a queue get by
-# its request id, a grant's first copy aborted as the client did not claim it).
-RESENT = frozenset(
-    {Op.GET, Op.EXISTS, Op.KEYS, Op.STATS, Op.PING, Op.QINFO, Op.QOPEN, Op.QGET, Op.QCLOSE,
-     Op.PUT, Op.QPUT, Op.SEAL, Op.ABORT, Op.GRANT, Op.QCREDIT, Op.WAIT, Op.WATCH_PREFIX}
-)  # fmt: skip
-FRESH_SAFE = frozenset(
-    {Op.GET, Op.EXISTS, Op.KEYS, Op.STATS, Op.PING, Op.PUT, Op.QOPEN, Op.GRANT, Op.WAIT,
-     Op.WATCH_PREFIX}  # a watcher of a broker that restarted is told it overflowed
-)  # fmt: skip
 # A CURVE handshake that fails (a wrong key, or none) looks like no broker at all.
 _KEYS_HINT = (
     ". A broker that serves with keys answers only a client that has its public key: pass "
@@ -105,8 +95,8 @@ class Connection:
         self.closed = False
         self.closing = False  # stop_releasing was called: a reconnect wait ends early
         try:
-            self._pool.give_back(self.new_channel(timeout))
-            releaser_channel = self.new_channel(timeout)
+            self._pool.give_back(self._first(timeout))
+            releaser_channel = self._first(timeout)
         except BaseException:
             self.close()
             raise
@@ -175,6 +165,15 @@ class Connection:
         if self._broker_pidfd is not None:
             channel.watch_broker(self._broker_pidfd)
         return channel
+
+    def _first(self, timeout: float) -> Channel:
+        """A socket of the new client; a broker that exits during its hello (killed, about to
+        be restarted) is waited for as one that exits later is (`reconnect`)."""
+        while True:
+            try:
+                return self.new_channel(timeout)
+            except BrokerExited:
+                self.reconnect(self.generation)
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -321,20 +320,8 @@ class Connection:
 
     def check_resent(self, op: str, fields: dict[str, Any], sent: bool = True) -> None:
         """Raise BrokerUnavailable if `op` must not be sent again to the broker of now
-        (`sent`: it went to the one before, which may have done it)."""
-        what = " ".join(str(fields[f]) for f in ("key", "name", "put") if f in fields)
-        what = f"{op} {what!r}" if what else op
-        if not self.resumed and op not in FRESH_SAFE:
-            raise BrokerUnavailable(
-                f"the broker at {self.address} restarted without the state of the one before "
-                f"(started with --reset, or it could not adopt it): {what} was lost with "
-                "everything it held; do it again (a queue: open it again)"
-            )
-        if sent and op not in RESENT:
-            raise BrokerUnavailable(
-                f"the broker at {self.address} restarted during {what}: it may or may not "
-                "have been done; look (exists, keys) and do it again if need be"
-            )
+        (`sent`: it went to the one before, which may have done it): resending.py."""
+        check_resent(self.address, self.resumed, op, fields, sent)
 
     def broker_exited(self) -> bool:
         """Whether the broker this connection said hello to has exited (pidfd readable)."""

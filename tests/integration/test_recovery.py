@@ -4,6 +4,7 @@ come back to it with their sessions and leases (Note [recovery] in server/durabi
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -28,6 +29,7 @@ from tests.support import (
     CHILDREN,
     GaveUp,
     crash,
+    in_thread,
     interrupt_after,
     join_all,
     run_segments,
@@ -104,6 +106,23 @@ def test_a_call_made_after_a_quick_restart_is_not_taken_for_one_cut_short(
         c.delete("x")
         assert not c.exists("x")
         c.delete_queue("frames")
+
+
+def test_a_client_connecting_as_its_broker_is_killed_waits_for_the_next(
+    crashable: tb.BrokerProcess,
+) -> None:
+    """The broker is killed while a new client's hello waits in it: the client waits for
+    the broker that comes back (as a client does once connected), not raise."""
+    crashable.send_signal(signal.SIGSTOP)
+    connecting, out = in_thread(lambda: tb.connect(crashable.address, timeout=20))
+    time.sleep(0.3)  # its hello is sent, and waits in the stopped broker
+    crash(crashable)
+    crashable.restart()
+    connecting.join(30)
+    assert out and not isinstance(out[0], BaseException), out
+    with out[0] as c:
+        c.put("x", np.arange(3))
+        assert c.exists("x")
 
 
 def _kept_for_a_get_given_up(crashable: tb.BrokerProcess, p: tb.Client, name: str) -> tb.Client:
