@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 NIXL   ?= nixl-cu12==1.5.1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test test-all lint docs clean bench bench-gpu test-gpu wheels wheel-check
+.PHONY: demo cluster-demo test test-all lint docs clean bench bench-gpu test-gpu wheels wheel-check
 
 # uv installs into .venv: from a fresh clone on the 2-core VM, pip took 61 s and uv 17 s (the
 # same packages; uv unpacks in parallel). uv reads no pip configuration: the find-links pip
@@ -35,6 +35,10 @@ $(STAMP): pyproject.toml setup.py client/_dlpack.c common/_shm.c | $(UV)
 
 demo: $(STAMP)
 	$(PY) demo/pipeline.py
+
+# etcd and three brokers on this host, a trainer on one node and readers on two others
+cluster-demo: $(STAMP)
+	$(PY) demo/cluster.py
 
 # The suite runs on $(WORKERS) xdist workers, a file's tests on one worker (each worker's
 # brokers, sockets and segments in a folder of its own: tests/conftest.py), the longest
