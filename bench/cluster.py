@@ -4,7 +4,8 @@ run. Written to bench/results/cluster.md.
 
     first get of 256 MiB on another node    vs  one raw NIXL READ of 256 MiB, two processes
     first get of 4 KiB on another node      vs  one raw ZeroMQ round trip, tcp loopback
-      (read there as it was announced, Note [prefetch]; and, --prefetch 0, pulled at the get)
+      (--prefetch 64KiB: read there as it was announced, Note [prefetch]; and, with the
+      default --prefetch 0, pulled at the get)
     second get of 4 KiB there (its replica) vs  a get on the node that put it
     puts of 4 KiB on a node (its peer told)  vs  the same on a lone broker
     one 64 MiB version read on 3 nodes      vs  its size: what its owner's broker sent
@@ -282,7 +283,7 @@ def main() -> int:
     nixl = raw_nixl_read(big, max(3, reps // 3))
     rtt = raw_zmq_round_trip(reps * 20)
     print("cluster bench: two nodes ...", flush=True)
-    with cluster(["a", "b"], "700MiB") as cs:
+    with cluster(["a", "b"], "700MiB", ("--prefetch", "64KiB")) as cs:
         a, b = cs["a"], cs["b"]
         big_get = first_get(a, b, big, max(3, reps // 3))
         small_get = first_get(a, b, 4096, reps)

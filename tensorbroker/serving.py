@@ -110,9 +110,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "addresses, comma-separated; dns:NAME:PORT stands for every address of NAME",
     )  # fmt: skip
     p.add_argument(
-        "--prefetch", metavar="SIZE", help="read the other nodes' versions of at most SIZE as "
-        "they are announced, so that a first get here is local (default and most: 64KiB; 0: at "
-        "the first get)",
+        "--prefetch", metavar="SIZE", help="read the other nodes' versions of at most SIZE (at "
+        "most 64KiB) as they are announced, so that a first get here is local; it costs every "
+        "small put a read by this node (default 0: read at the first get)",
     )  # fmt: skip
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)

@@ -26,7 +26,7 @@ class Joining(NamedTuple):
     address: str
     peers: list[str]
     keys: ServerKeys | None
-    prefetch: int = OFFER_MAX  # versions of at most this many bytes are read as announced
+    prefetch: int = 0  # versions of at most this many bytes are read as announced
     etcd: tuple[str, ...] = ()
     etcd_prefix: str = "/tensorbroker"
 
@@ -66,10 +66,11 @@ class Joining(NamedTuple):
 
 
 def _prefetch(text: str | None) -> int:
-    """--prefetch SIZE, in bytes (OFFER_MAX if not given): no more than OFFER_MAX, since only
-    a version offered with its announcement is read as it is announced (Note [offers])."""
+    """--prefetch SIZE, in bytes (0 if not given: Note [prefetch] says why): no more than
+    OFFER_MAX, since only a version offered with its announcement is read as it is announced
+    (Note [offers])."""
     if text is None:
-        return OFFER_MAX
+        return 0
     try:
         size = parse_size(text)
     except ValueError as exc:

@@ -30,7 +30,7 @@ NODES = ("a", "b", "c")
 def _cluster_options(node: str, ports: dict[str, int]) -> list[str]:
     peers = ",".join(f"tcp://127.0.0.1:{p}" for n, p in ports.items() if n != node)
     return ["--node", node, "--cluster", f"tcp://127.0.0.1:{ports[node]}", "--peers", peers,
-            "--insecure-tcp"]  # fmt: skip
+            "--insecure-tcp", "--prefetch", "64KiB"]  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -65,7 +65,8 @@ def brokers(
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[dict[str, tb.BrokerProcess]]:
     """A cluster of this test's own, of two nodes (a broker of a cluster costs 0.4 CPU-s to
-    start, importing NIXL most of it). Marked `lazy`: b prefetches nothing (Note [prefetch]),
+    start, importing NIXL most of it). Marked `lazy`: b prefetches nothing (Note [prefetch]; the
+    others here prefetch 64 KiB),
     for the tests of what a first get does."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     lazy = request.node.get_closest_marker("lazy") is not None
@@ -440,8 +441,9 @@ def test_a_peer_killed_is_down_within_3s_and_rejoins_with_its_objects(
 def test_small_versions_are_on_every_node_before_a_get_asks(
     brokers: dict[str, tb.BrokerProcess], own: dict[str, tb.Client]
 ) -> None:
-    """Note [prefetch]: a version of at most 64 KiB is read on every node as it is announced,
-    so that a first get there is local: it is read even with its owner killed."""
+    """Note [prefetch]: with --prefetch 64KiB (these brokers'), a version of at most 64 KiB
+    is read on the node as it is announced, so that a first get there is local: it is read
+    even with its owner killed."""
     a, b = own["a"], own["b"]
     x = np.arange(8192, dtype=np.int64)  # 64 KiB
     a.put("small", x)
@@ -697,7 +699,7 @@ def test_brokers_with_the_cluster_keys_join_and_one_without_them_does_not(
     ports = {node: free_port() for node in NODES}
 
     def options(node: str, key: str) -> list[str]:
-        plain = _cluster_options(node, ports)[:-1]  # without --insecure-tcp
+        plain = [o for o in _cluster_options(node, ports) if o != "--insecure-tcp"]
         return [*plain, "--curve-secret", key, "--curve-clients", str(shared)]
 
     with contextlib.ExitStack() as stack:

@@ -62,6 +62,12 @@ def test_brokers_find_each_other_in_etcd_and_one_that_stops_leaves_at_once(etcd:
         assert wait_until(lambda: _peers(a) == {"b": "up", "c": "up"}, 10), _peers(a)
         np.testing.assert_array_equal(c.get("w", timeout=10).numpy(), np.arange(100_000))
         assert _members(etcd) == ["a", "b", "c"]
+        received = c.stats()["cluster"]["bytes_received"]
+        a.put("small", np.arange(8))  # no node asked for prefetching (the default): not read
+        assert wait_until(lambda: c.exists("small"), 5)
+        time.sleep(0.3)
+        assert c.stats()["cluster"]["bytes_received"] == received
+        assert c.stats()["cluster"]["prefetched"] == 0
 
         brokers["b"].stop()
         stopped = time.monotonic()
@@ -120,3 +126,27 @@ def test_a_broker_whose_etcd_cannot_be_reached_does_not_start(
     assert run.returncode != 0, run.stderr
     assert says.format(port=port) in run.stderr, run.stderr
     assert not list(tmp_path.iterdir()), "a broker that did not start left files"
+
+
+@pytest.mark.slow
+def test_sixteen_brokers_find_each_other_and_read_a_key_put_on_one(etcd: str) -> None:
+    """16 brokers on this host (slow: make test-all), none told another's address: each
+    sees the 15 others up, a key put on one is read on every other, and one killed is seen
+    down by all the others and leaves etcd."""
+    names = [f"n{i:02d}" for i in range(16)]
+    with contextlib.ExitStack() as stack:
+        brokers = {n: stack.enter_context(_broker(etcd, n)) for n in names}
+        clients = {n: stack.enter_context(tb.connect(b.address)) for n, b in brokers.items()}
+        up = lambda c: list(_peers(c).values()).count("up") == 15  # noqa: E731
+        assert wait_until(lambda: all(up(c) for c in clients.values()), 90), {
+            n: _peers(c) for n, c in clients.items()
+        }
+        clients["n00"].put("w", np.arange(100_000))
+        for n in names[1:]:
+            np.testing.assert_array_equal(
+                clients[n].get("w", timeout=30).numpy(), np.arange(100_000)
+            )
+        crash(brokers["n15"])
+        assert wait_until(lambda: "n15" not in _members(etcd), TTL + 3)
+        for n in names[:15]:
+            assert wait_until(lambda: _peers(clients[n])["n15"] == "down", 5), n  # noqa: B023
