@@ -145,11 +145,7 @@ class Connection:
             raise
         except BrokerUnavailable:
             self._pool.discard(channel)
-            raise BrokerUnavailable(
-                f"no broker answers at {self.address} (waited {timeout:.1f}s): start one with "
-                f"`tensorbroker serve --address {self.address}`, or set $TENSORBROKER_ADDRESS"
-                + (_KEYS_HINT if self.address.startswith("tcp://") else "")
-            ) from None
+            raise BrokerUnavailable(self._no_broker(timeout)) from None
         except BaseException:
             self._pool.discard(channel)
             raise
@@ -166,14 +162,27 @@ class Connection:
             channel.watch_broker(self._broker_pidfd)
         return channel
 
+    def _no_broker(self, waited: float) -> str:
+        return (
+            f"no broker answers at {self.address} (waited {waited:.1f}s): start one with "
+            f"`tensorbroker serve --address {self.address}`, or set $TENSORBROKER_ADDRESS"
+            + (_KEYS_HINT if self.address.startswith("tcp://") else "")
+        )
+
     def _first(self, timeout: float) -> Channel:
-        """A socket of the new client; a broker that exits during its hello (killed, about to
-        be restarted) is waited for as one that exits later is (`reconnect`)."""
+        """A socket of the new client, its hello sent again on a new socket every HELLO_STEP
+        seconds for up to `timeout` (a hello that reached a broker killed before it answered
+        went with it); a broker seen to exit during the hello (killed, about to be restarted)
+        is waited for as one that exits later is (`reconnect`)."""
+        deadline = time.monotonic() + timeout
         while True:
             try:
-                return self.new_channel(timeout)
+                return self.new_channel(max(0.001, min(HELLO_STEP, deadline - time.monotonic())))
             except BrokerExited:
                 self.reconnect(self.generation)
+            except BrokerUnavailable:
+                if time.monotonic() >= deadline:
+                    raise BrokerUnavailable(self._no_broker(timeout)) from None
 
     def next_id(self) -> int:
         return next(self._ids)
