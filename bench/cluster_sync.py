@@ -1,0 +1,203 @@
+"""Weight sync across nodes: a trainer's bf16 state_dict to readers on three other nodes,
+tensorbroker against torch.distributed's gloo broadcast, in one run, on this host.
+
+    tensorbroker   4 brokers found through etcd (UCX over TCP, as between machines); the
+                   trainer on node a puts the state_dict as one bundle, readers on b, c and
+                   d follow it with `watch`, each through its own node's broker
+    gloo           4 processes in one gloo group (TCP loopback); rank 0 broadcasts the
+                   state_dict as one flat bucket (the fastest way gloo offers)
+
+For each version: the trainer's time blocked (tensorbroker: the put; gloo: rank 0's
+broadcast), and end to end, from just before the put or broadcast to the last reader
+having the whole version (its checksum of one tensor taken). Medians over --versions.
+Written to bench/results/cluster_sync.md. Usage:
+python bench/cluster_sync.py [--mib 512] [--tensors 194] [--versions 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+os.environ.setdefault("UCX_TLS", "tcp")
+
+import tensorbroker as tb  # noqa: E402
+from tensorbroker.server.cluster.local_etcd import local_etcd  # noqa: E402
+from tests.support import free_port  # noqa: E402
+
+READERS = ("b", "c", "d")
+
+
+def state_dict(mib: int, tensors: int, step: int) -> dict[str, Any]:
+    import torch
+
+    numel = mib * 2**20 // 2 // tensors
+    return {f"t{i}": torch.full((numel,), step, dtype=torch.bfloat16) for i in range(tensors)}
+
+
+# -- tensorbroker -------------------------------------------------------------------------------
+
+
+def tb_reader(node: str, address: str, versions: int, ready: Any, out: Any) -> None:
+    import torch
+
+    with tb.connect(address) as c:
+        ready.put(node)
+        for item in c.watch("weights", timeout=300):
+            step = int(float(torch.from_dlpack(item["t0"])[-1]))
+            out.put((node, step, time.time()))
+            del item
+            if step >= versions:
+                return
+
+
+def run_tensorbroker(
+    mib: int, tensors: int, versions: int
+) -> tuple[list[float], list[float], float]:
+    """Blocked and end-to-end seconds per version, and the copies node a's broker sent."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="tb-sync-") as folder, contextlib.ExitStack() as st:
+        url = st.enter_context(local_etcd(os.path.join(folder, "etcd"), free_port))
+        brokers = {}
+        for node in ("a", *READERS):
+            options = ["--node", node, "--cluster", f"tcp://127.0.0.1:{free_port()}",
+                       "--etcd", url, "--insecure-tcp"]  # fmt: skip
+            memory = f"{4 * mib}MiB"  # (the next version while the last is read)
+            brokers[node] = st.enter_context(tb.start_broker(memory=memory, options=options))
+        trainer = st.enter_context(tb.connect(brokers["a"].address))
+        deadline = time.monotonic() + 60
+        while not _all_up(trainer, 3):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the four brokers did not come up")
+            time.sleep(0.1)
+        ready, out = ctx.Queue(), ctx.Queue()
+        procs = [ctx.Process(target=tb_reader, args=(n, brokers[n].address, versions, ready, out))
+                 for n in READERS]  # fmt: skip
+        for p in procs:
+            p.start()
+        for _ in READERS:
+            ready.get(timeout=120)
+        time.sleep(0.5)  # (the watches are parked)
+        sent0 = trainer.stats()["cluster"]["bytes_sent"]
+        blocked, ends = [], []
+        for step in range(1, versions + 1):
+            sd = state_dict(mib, tensors, step)
+            began = time.time()
+            trainer.put("weights", sd)
+            blocked.append(time.time() - began)
+            got = {}
+            while len(got) < len(READERS):
+                node, seen, t = out.get(timeout=300)
+                if seen == step:
+                    got[node] = t
+            ends.append(max(got.values()) - began)
+            del sd
+        sent = (trainer.stats()["cluster"]["bytes_sent"] - sent0) / (mib * 2**20) / versions
+        for p in procs:
+            p.join(60)
+    return blocked, ends, sent
+
+
+def _all_up(c: tb.Client, others: int) -> bool:
+    peers = c.stats()["cluster"]["peers"]
+    return len(peers) == others and all(p["state"] == "up" for p in peers.values())
+
+
+# -- gloo ------------------------------------------------------------------------------------------
+
+
+def gloo_rank(rank: int, port: int, mib: int, tensors: int, versions: int, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=1 + len(READERS))  # fmt: skip
+    numel = mib * 2**20 // 2
+    flat = torch.empty(numel, dtype=torch.bfloat16)
+    for step in range(1, versions + 1):
+        dist.barrier()
+        began = time.time()
+        if rank == 0:  # the state_dict copied into one flat bucket, then broadcast
+            sd = state_dict(mib, tensors, step)
+            torch.cat(
+                [t.view(-1) for t in sd.values()], out=flat[: sum(t.numel() for t in sd.values())]
+            )
+            began = time.time()
+            out.put(("began", step, began))
+        dist.broadcast(flat, src=0)
+        done = time.time()
+        out.put((rank, step, done, float(flat[0])))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_gloo(mib: int, tensors: int, versions: int) -> tuple[list[float], list[float]]:
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=gloo_rank, args=(r, port, mib, tensors, versions, out))
+             for r in range(1 + len(READERS))]  # fmt: skip
+    for p in procs:
+        p.start()
+    began: dict[int, float] = {}
+    done: dict[int, dict[int, float]] = {}
+    for _ in range(versions * (2 + len(READERS))):
+        msg = out.get(timeout=600)
+        if msg[0] == "began":
+            began[msg[1]] = msg[2]
+        else:
+            rank, step, t, value = msg
+            assert value == step, (rank, step, value)
+            done.setdefault(step, {})[rank] = t
+    for p in procs:
+        p.join(60)
+    steps = range(1, versions + 1)
+    blocked = [done[s][0] - began[s] for s in steps]
+    ends = [max(t for r, t in done[s].items() if r != 0) - began[s] for s in steps]
+    return blocked, ends
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mib", type=int, default=512)
+    parser.add_argument("--tensors", type=int, default=194)
+    parser.add_argument("--versions", type=int, default=3)
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "cluster_sync.md"))
+    args = parser.parse_args()
+    print("cluster sync: gloo ...", flush=True)
+    g_blocked, g_ends = run_gloo(args.mib, args.tensors, args.versions)
+    print("cluster sync: tensorbroker ...", flush=True)
+    t_blocked, t_ends, sent = run_tensorbroker(args.mib, args.tensors, args.versions)
+    med = statistics.median
+    ms = lambda xs: ", ".join(f"{x * 1e3:.0f}" for x in xs)  # noqa: E731
+    lines = [
+        f"# Weight sync to 3 other nodes ({time.strftime('%Y-%m-%d %H:%M')}, "
+        f"bench/cluster_sync.py, {os.cpu_count()} cores)", "",
+        f"A {args.mib} MiB bf16 state_dict of {args.tensors} tensors, {args.versions} versions; "
+        "every process on this one host, bytes over TCP loopback (UCX_TLS=tcp; gloo's TCP).", "",
+        "| | tensorbroker | gloo broadcast (flat bucket) | ratio |", "|---|---|---|---|",
+        f"| trainer blocked (median) | {med(t_blocked) * 1e3:.0f} ms | {med(g_blocked) * 1e3:.0f}"
+        f" ms | {med(t_blocked) / med(g_blocked):.2f} |",
+        f"| end to end, last reader (median) | {med(t_ends) * 1e3:.0f} ms | "
+        f"{med(g_ends) * 1e3:.0f} ms | {med(t_ends) / med(g_ends):.2f} |", "",
+        f"Each version: tensorbroker blocked {ms(t_blocked)} ms, end to end {ms(t_ends)} ms; "
+        f"gloo blocked {ms(g_blocked)} ms, end to end {ms(g_ends)} ms. Node a's broker sent "
+        f"{sent:.2f} copies a version.", "",
+    ]  # fmt: skip
+    text = "\n".join(lines)
+    with open(args.out, "w") as f:
+        f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
