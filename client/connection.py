@@ -38,7 +38,7 @@ from ..common.protocol import PROTOCOL_VERSION, Op
 from .cancel import cancel, given_up
 from .leases import Leases, ReleaseThread
 from .resending import check_resent
-from .transport import BrokerExited, Channel, ChannelPool, Unsent, waits
+from .transport import BrokerExited, Channel, ChannelPool, NoReply, Unsent, waits
 
 if TYPE_CHECKING:
     from .handoff import Bell
@@ -143,9 +143,9 @@ class Connection:
         except BrokerExited:  # a broker that restarted, waiting for a hello with leases
             self._pool.discard(channel)
             raise
-        except BrokerUnavailable:
+        except BrokerUnavailable:  # (NoReply: no broker took it, or none answered in time)
             self._pool.discard(channel)
-            raise BrokerUnavailable(self._no_broker(timeout)) from None
+            raise NoReply(self._no_broker(timeout)) from None
         except BaseException:
             self._pool.discard(channel)
             raise
@@ -180,9 +180,9 @@ class Connection:
                 return self.new_channel(max(0.001, min(HELLO_STEP, deadline - time.monotonic())))
             except BrokerExited:
                 self.reconnect(self.generation)
-            except BrokerUnavailable:
+            except NoReply:  # (another refusal, such as a socket not open to this user: raised)
                 if time.monotonic() >= deadline:
-                    raise BrokerUnavailable(self._no_broker(timeout)) from None
+                    raise NoReply(self._no_broker(timeout)) from None
 
     def next_id(self) -> int:
         return next(self._ids)
