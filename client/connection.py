@@ -170,19 +170,21 @@ class Connection:
         )
 
     def _first(self, timeout: float) -> Channel:
-        """A socket of the new client, its hello sent again on a new socket every HELLO_STEP
-        seconds for up to `timeout` (a hello that reached a broker killed before it answered
-        went with it); a broker seen to exit during the hello (killed, about to be restarted)
-        is waited for as one that exits later is (`reconnect`)."""
-        deadline = time.monotonic() + timeout
+        """A socket of the new client within `timeout`: its hello sent again on a new socket
+        after HELLO_STEP seconds, then twice as long each time (a hello that reached a broker
+        killed before it answered went with it); a broker seen to exit during the hello
+        (killed, about to be restarted) is waited for as one that exits later is
+        (`reconnect`), for what is left of `timeout`."""
+        deadline, step = time.monotonic() + timeout, HELLO_STEP
         while True:
             try:
-                return self.new_channel(max(0.001, min(HELLO_STEP, deadline - time.monotonic())))
+                return self.new_channel(max(0.001, min(step, deadline - time.monotonic())))
             except BrokerExited:
-                self.reconnect(self.generation)
+                self.reconnect(self.generation, window=max(0.0, deadline - time.monotonic()))
             except NoReply:  # (another refusal, such as a socket not open to this user: raised)
                 if time.monotonic() >= deadline:
                     raise NoReply(self._no_broker(timeout)) from None
+            step *= 2  # (a broker slow to answer gets longer each time)
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -431,8 +433,8 @@ class Connection:
         self.closed = True
         self.stop_releasing()
         idle = self._pool.close()
-        if idle and not self._broken:
-            with contextlib.suppress(zmq.ZMQError):
+        if idle and not self._broken:  # (a broker that just exited: nothing to say it to)
+            with contextlib.suppress(zmq.ZMQError, BrokerUnavailable):
                 releases = self.leases.send_all(idle[0])  # the last go with the bye
                 idle[0].send({"op": Op.BYE, "id": 0, "keep_leases": True, "rel": releases})
         for channel in idle:

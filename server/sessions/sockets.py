@@ -49,6 +49,7 @@ def _listened(path: str) -> bool:
     """Whether a process listens on the Unix socket at `path`: a file a crashed broker left
     refuses the connection at once."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(0.5)  # (a full backlog: a stopped broker's; the PING says)
     try:
         probe.connect(path)
     except (FileNotFoundError, ConnectionRefusedError):

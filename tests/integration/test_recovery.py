@@ -108,6 +108,19 @@ def test_a_call_made_after_a_quick_restart_is_not_taken_for_one_cut_short(
         c.delete_queue("frames")
 
 
+def test_closing_a_client_just_after_its_broker_died_raises_nothing(
+    crashable: tb.BrokerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its bye finds the broker gone (the release thread, which looks every 0.1 s and would
+    mostly see it first, waits here): close says nothing and closes everything."""
+    monkeypatch.setattr(leases, "RELEASE_WINDOW", 60.0)
+    c = tb.connect(crashable.address)
+    c.put("x", np.arange(3))
+    crash(crashable)
+    c.close()
+    crashable.restart()
+
+
 def test_a_client_connecting_as_its_broker_is_killed_waits_for_the_next(
     crashable: tb.BrokerProcess,
 ) -> None:
