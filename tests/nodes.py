@@ -51,10 +51,6 @@ class Reads:
         return {"agent": self.metadata}
 
     def register(self, segment: str) -> None: ...
-    def ends(self, started: float, size: int) -> float:
-        return started
-
-    def took(self, size: int, seconds: float) -> None: ...
     def woken(self) -> None: ...
     def close(self) -> None:
         os.close(self.fd)

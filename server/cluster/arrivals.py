@@ -27,7 +27,7 @@ from ...common.errors import BrokerError
 from ..queues.queue_state import BrokerQueue
 from ..queues.queues import Queues
 from ..store.records import Session, StoredObject
-from .pulls import POLL, Links, poll_due
+from .pulls import POLL, Links
 from .transfers import Transfers
 
 
@@ -136,13 +136,12 @@ class Arrivals:
 
     @property
     def poll_in(self) -> float:
-        """Seconds until the reads under way are looked at again (poll_due)."""
-        now, due = time.monotonic(), math.inf
+        """Seconds until the items waiting are looked at again (a read that ended wakes the
+        loop itself: Transfers.fd)."""
+        due = math.inf
         for line in self._by_node.values():
             for a in line:
-                if a.handle is not None:
-                    due = min(due, poll_due(self.transfers.ends(a.started, a.size), now))
-                elif (a.put == 0 or a.again) and not a.failed:
+                if a.handle is None and (a.put == 0 or a.again) and not a.failed:
                     due = min(due, POLL)  # waits for a slot, or for its lender to be fresh
         return due
 
@@ -154,7 +153,6 @@ class Arrivals:
                     try:
                         if self.transfers.done(a.handle):
                             a.handle = None
-                            self.transfers.took(a.size, time.monotonic() - a.started)
                             # Its lender may have let it go during the read (or this loop
                             # paused): read again once it surely holds it (a later forget
                             # fails it).

@@ -206,7 +206,11 @@ class Cluster:
         are down now (Note [membership] in membership.py)."""
         for node, record in changes:
             if record is not None:
-                self.links.meet(str(record.get("address", "")))
+                address = str(record.get("address", ""))
+                for peer in [p for p in self.peers if p.node == node and p.address != address]:
+                    if not peer.up:  # (it restarted elsewhere: a pod's new IP, say)
+                        self.links.unlink(peer)
+                self.links.meet(address)
                 continue
             for peer in self.peers:
                 if peer.node == node and peer.up:

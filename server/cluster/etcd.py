@@ -12,16 +12,23 @@ import http.client
 import json
 import socket
 from collections.abc import Iterator
+from threading import Event
 from typing import Any
 from urllib.parse import urlsplit
 
 from ...common.errors import BrokerError, InvalidRequest
 
 TIMEOUT = 2.0  # seconds a call waits for an etcd endpoint (then the next is tried)
+# A watch stream's member that died without a word is found within about 11 s.
+KEEPALIVE = ((socket.TCP_KEEPIDLE, 5), (socket.TCP_KEEPINTVL, 2), (socket.TCP_KEEPCNT, 3))
 
 
 class EtcdUnavailable(BrokerError):
     code = "unavailable"
+
+
+class EtcdRefused(EtcdUnavailable):
+    """etcd answered, and refused the call (a lease it does not know, say)."""
 
 
 def endpoints(spec: str) -> tuple[str, ...]:
@@ -49,30 +56,45 @@ def prefix_end(prefix: bytes) -> bytes:
 
 
 class Etcd:
-    """A client of the etcd cluster at `urls`: each call tries them in turn, EtcdUnavailable
-    (naming them) if none answers. Not shared between threads: each thread makes its own."""
+    """A client of the etcd cluster at `urls`: each call tries them in turn, from the one that
+    answered last; EtcdUnavailable (naming them) if none answers, EtcdRefused if one refused
+    the call. A member that does not answer, or answers 5xx (no leader, say), is passed over.
+    `failed`: the endpoints passed over in the last call. Not shared between threads: each
+    thread makes its own."""
 
-    def __init__(self, urls: tuple[str, ...]) -> None:
-        self.urls = urls
+    def __init__(self, urls: tuple[str, ...], timeout: float = TIMEOUT, first: int = 0) -> None:
+        """`first`: the endpoint tried first (another client's `first`, say)."""
+        self.urls, self.timeout = urls, timeout
+        self.failed: set[str] = set()
+        self.first = first  # the endpoint that answered last
 
-    def call(self, path: str, body: dict[str, Any], timeout: float = TIMEOUT) -> dict[str, Any]:
-        """POST `body` to /v3/`path` at the first endpoint that answers: its JSON answer;
-        EtcdUnavailable if none does, or etcd refused the call."""
-        errors = []
-        for url in self.urls:
+    def call(self, path: str, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """POST `body` to /v3/`path`: the JSON answer of the first endpoint that gives one."""
+        errors, self.failed = [], set()
+        n = len(self.urls)
+        for turn in range(n):
+            url = self.urls[(self.first + turn) % n]
             parts = urlsplit(url)
-            conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout)
+            conn = http.client.HTTPConnection(
+                parts.hostname or "", parts.port, timeout=timeout or self.timeout
+            )
             try:
                 conn.request("POST", f"/v3/{path}", json.dumps(body))
                 reply = conn.getresponse()
                 data = json.loads(reply.read() or b"{}")
             except (OSError, http.client.HTTPException, ValueError) as exc:
                 errors.append(f"{url}: {exc}")
+                self.failed.add(url)
                 continue
             finally:
                 conn.close()
+            if reply.status >= 500:  # (a member without a leader, say: another may have one)
+                errors.append(f"{url}: HTTP {reply.status} {data.get('message', '')}")
+                self.failed.add(url)
+                continue
             if reply.status != 200:
-                raise EtcdUnavailable(f"etcd at {url} refused {path}: {data.get('message', data)}")
+                raise EtcdRefused(f"etcd at {url} refused {path}: {data.get('message', data)}")
+            self.first = (self.first + turn) % n
             return dict(data)
         raise EtcdUnavailable(
             f"no etcd answers at {', '.join(self.urls)} ({'; '.join(errors)}): start etcd "
@@ -87,7 +109,7 @@ class Etcd:
         """Renew `lease`; False if it expired already (its keys are gone)."""
         try:
             result = self.call("lease/keepalive", {"ID": lease}).get("result", {})
-        except EtcdUnavailable as exc:
+        except EtcdRefused as exc:
             if "lease not found" in str(exc):
                 return False
             raise
@@ -111,12 +133,13 @@ class Etcd:
         return int(data["header"]["revision"]), found
 
     def watch(
-        self, url: str, prefix: bytes, start: int, opened: list[socket.socket]
+        self, url: str, prefix: bytes, start: int, opened: list[socket.socket], stop: Event
     ) -> Iterator[tuple[bytes, bytes | None, int]]:
         """The changes under `prefix` from revision `start` on, from the endpoint `url` (one
         of `urls`), as etcd sends them: (key, value, revision) for a put, (key, None,
-        revision) for a delete, until the stream ends (OSError: the endpoint went away, say).
-        The stream's socket goes into `opened`: another thread shuts it to end the watch."""
+        revision) for a delete, until the stream ends (OSError: the endpoint went away, or
+        TCP's keepalive found it dead). The stream's socket goes into `opened`, and another
+        thread shuts it to end the watch; once `stop` is set, the watch ends."""
         parts = urlsplit(url)
         conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=TIMEOUT)
         try:
@@ -126,9 +149,15 @@ class Etcd:
             reply = conn.getresponse()
             if reply.status != 200:
                 raise OSError(f"etcd at {url} refused the watch: HTTP {reply.status}")
-            assert conn.sock is not None
-            conn.sock.settimeout(None)  # (a quiet cluster sends nothing for hours)
-            opened.append(conn.sock)
+            sock = conn.sock
+            assert sock is not None
+            sock.settimeout(None)  # (a quiet cluster sends nothing for hours: TCP's keepalive
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # finds a dead member
+            for option, value in KEEPALIVE:
+                sock.setsockopt(socket.IPPROTO_TCP, option, value)
+            opened.append(sock)
+            if stop.is_set():  # (shut as it opened: the streams were shut before it was listed)
+                return
             while True:
                 line = reply.readline()
                 if not line:

@@ -327,6 +327,14 @@ class Links:
         except zmq.ZMQError as exc:
             log.warning("a cluster reply to %r was dropped: %s", self.routes.get(route), exc)
 
+    def unlink(self, peer: Peer) -> None:
+        """Drop the link to `peer` (an address its node no longer has)."""
+        self._poller.unregister(peer.socket)
+        self.sockets.discard(peer.socket)
+        self.peers.remove(peer)
+        peer.socket.close(0)
+        log.info("cluster: node %r left %s; unlinked", peer.node, peer.address)
+
     def close(self) -> None:
         for s in self.sockets:
             s.close(0)

@@ -53,20 +53,25 @@ class Membership:
         self._stop = threading.Event()
         self._streams: list[socket.socket] = []  # the watch's, shut to end it
         self._lease = 0
+        self._watching = ""  # the member the watch's stream is on
         self._present: set[str] = set()  # the other nodes in etcd (the watch's thread's)
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
         """Put this broker's entry (EtcdUnavailable if no etcd answers: the broker does not
         start), then keep it and watch the others' on threads of their own."""
-        self._register(Etcd(self.urls))
-        revision, members = Etcd(self.urls).range(self.prefix)
+        etcd = Etcd(self.urls, timeout=TTL / 4)
+        self._register(etcd)
+        self._start(self._keep, etcd.first)  # (at once: the lease runs from its grant)
+        revision, members = etcd.range(self.prefix)
         for key, value in members.items():
             self._seen(key, value)
-        for target, args in ((self._keep, ()), (self._watch, (revision + 1,))):
-            thread = threading.Thread(target=target, args=args, name="etcd", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        self._start(self._watch, revision + 1)
+
+    def _start(self, target: Any, arg: int) -> None:
+        thread = threading.Thread(target=target, args=(arg,), name="etcd", daemon=True)
+        thread.start()
+        self._threads.append(thread)
 
     def take(self) -> list[Member]:
         """What changed since the last call (the loop's, when `fd` is readable)."""
@@ -83,11 +88,7 @@ class Membership:
         """Leave the cluster: the entry goes at once (the others see this broker down now,
         not TTL seconds from now), and the threads end."""
         self._stop.set()
-        for stream in list(self._streams):
-            try:
-                stream.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        self._end_streams()
         if self._lease:
             try:
                 Etcd(self.urls).revoke(self._lease)
@@ -95,22 +96,27 @@ class Membership:
                 log.warning("could not leave the cluster's etcd at once: %s", exc)
         for thread in self._threads:
             thread.join(timeout=2.0)
-        os.close(self.fd)
-        os.close(self._wake)
+        if not any(thread.is_alive() for thread in self._threads):  # (else theirs to write to)
+            os.close(self.fd)
+            os.close(self._wake)
 
     # -- the threads ---------------------------------------------------------------------------
 
     def _register(self, etcd: Etcd) -> None:
-        self._lease = etcd.grant(TTL)
-        etcd.put(self._key, self._value, self._lease)
+        """A new lease, and the entry put under it (the lease kept only once the put went)."""
+        lease = etcd.grant(TTL)
+        etcd.put(self._key, self._value, lease)
+        self._lease = lease
 
-    def _keep(self) -> None:
-        """Renew the lease every TTL/3 seconds; one that expired (etcd out of reach that
-        long: the others took this broker for down) is granted again, and the entry put."""
-        etcd, unreachable = Etcd(self.urls), False
+    def _keep(self, first: int) -> None:
+        """Renew the lease every TTL/3 seconds, each call given TTL/4 seconds a member (then
+        the next is tried); one that expired (etcd out of reach that long: the others took
+        this broker for down) is granted again, and the entry put. A watch on a member that
+        does not answer is ended: it goes on on another."""
+        etcd, unreachable = Etcd(self.urls, timeout=TTL / 4, first=first), False
         while not self._stop.wait(TTL / 3):
             try:
-                if not etcd.keep_alive(self._lease):
+                if not etcd.keep_alive(self._lease) and not self._stop.is_set():
                     log.warning("cluster: this broker's lease in etcd expired; joining again")
                     self._register(etcd)
                 if unreachable:
@@ -120,29 +126,41 @@ class Membership:
                 if not unreachable:
                     log.warning("cluster: %s; trying again", exc)
                 unreachable = True
+            if etcd.failed & {self._watching}:
+                self._end_streams()
+
+    def _end_streams(self) -> None:
+        for stream in list(self._streams):
+            try:
+                stream.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def _watch(self, revision: int) -> None:
         """Follow the changes of the members from `revision` on; after a stream ended (its
-        endpoint went away), read them all again from another endpoint and go on from there."""
-        turn = 0
+        endpoint went away), read them all again from another endpoint and go on from there
+        (said once an outage, not at each try)."""
+        turn, quiet = 0, False
         while not self._stop.is_set():
-            url = self.urls[turn % len(self.urls)]
+            url = self._watching = self.urls[turn % len(self.urls)]
             try:
                 for key, value, seen in Etcd(self.urls).watch(
-                    url, self.prefix, revision, self._streams
+                    url, self.prefix, revision, self._streams, self._stop
                 ):
                     self._seen(key, value)
-                    revision = seen + 1
+                    revision, quiet = seen + 1, False
             except (OSError, ValueError, KeyError) as exc:
                 if self._stop.is_set():
                     return
-                log.warning("cluster: the watch of etcd at %s ended (%s); again", url, exc)
+                if not quiet:
+                    log.warning("cluster: the watch of etcd at %s ended (%s); again", url, exc)
+                quiet = True
             self._streams.clear()
             turn += 1
             if self._stop.wait(0.2):
                 return
             try:  # (the changes missed meanwhile: those still there, and those gone)
-                revision, members = Etcd(self.urls).range(self.prefix)
+                revision, members = Etcd(self.urls, timeout=TTL / 4).range(self.prefix)
             except EtcdUnavailable:
                 continue
             gone = self._present - {k[len(self.prefix) :].decode() for k in members}
@@ -161,7 +179,9 @@ class Membership:
             try:
                 record = json.loads(value)
             except ValueError:
-                log.warning("cluster: etcd's entry for node %r is not JSON: %r", node, value[:80])
+                record = None
+            if not isinstance(record, dict):
+                log.warning("cluster: etcd's entry for node %r is not a map: %r", node, value[:80])
                 return
         self._present.add(node) if record is not None else self._present.discard(node)
         self.events.append(Member(node, record))

@@ -67,8 +67,9 @@ class Mover:
         blocks until then)."""
         self._new.put(None)
         self._thread.join(timeout=10.0)
-        os.close(self.fd)
-        os.close(self._wake)
+        if not self._thread.is_alive():  # (else still the thread's to write to)
+            os.close(self.fd)
+            os.close(self._wake)
 
     # -- the thread ------------------------------------------------------------------------------
 

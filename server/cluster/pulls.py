@@ -6,7 +6,6 @@ replica, which answers the gets that wait for it. replicas.py says which are wan
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,21 +20,8 @@ from .offers import Held, Offer
 from .transfers import Transfers
 
 PULL_WAIT = 30.0  # a lend unanswered this long is asked of the owner again (a get waits as long)
-SPIN = 0.002  # seconds a read is polled without sleeping, from when it may be over (poll_due)
-POLL = 0.001  # and then every POLL seconds
+POLL = 0.001  # seconds between looks at what waits on something else (a slot, a fresh peer)
 ASK_AGAIN = 0.01  # a lend that could not go out (its link not connected) is sent again so often
-
-
-def poll_due(ends: float, now: float) -> float:
-    """Seconds until a read that may be over at `ends` (Transfers.ends) is looked at: every
-    POLL until then (a broker that spun through each 1 MiB read of a stream took CPU its
-    peer needed), then at once for SPIN (a small one ends within microseconds: a loop that
-    slept 1 ms would make a 4 KiB pull take milliseconds), then every POLL again."""
-    if ends == math.inf:  # (a read the mover watches: it wakes the loop when it ends)
-        return math.inf
-    if now < ends:
-        return min(ends - now, POLL)
-    return 0.0 if now - ends < SPIN else POLL
 
 
 class Links(Protocol):
@@ -126,15 +112,13 @@ class Pulls:
 
     @property
     def poll_in(self) -> float:
-        """Seconds until the reads under way are polled again (poll_due), a lend that did not
-        go out is sent again, or the offers due are given back."""
+        """Seconds until a lend that did not go out is sent again, or the offers due are given
+        back (a read that ended wakes the loop itself: Transfers.fd)."""
         now = time.monotonic()
         due = self.held.give_back_in(now)
         for p in self.pulls.values():
-            if p.handle is not None:
-                due = min(due, poll_due(self.transfers.ends(p.read_at, p.size), now))
-            elif not p.asked and self.links.fresh(p.source):  # (a beat answer wakes the loop)
-                due = min(due, ASK_AGAIN)
+            if p.handle is None and not p.asked and self.links.fresh(p.source):
+                due = min(due, ASK_AGAIN)  # (a beat answer wakes the loop)
         return due
 
     def ask(
@@ -298,7 +282,8 @@ class Pulls:
         """A lend not answered within PULL_WAIT: asked of the owner again, directly (a relay
         may still be reading a large version; the owner is up, else `node_down` ended the
         pull), as long as a get still waits for it or a pull of another node was sent here;
-        else the pull ends. A get waits for its own timeout only, never PULL_WAIT's."""
+        else the pull ends. A get waits for its own timeout (at least PULL_WAIT: replicas.py),
+        not for a pull that no longer answers in time."""
         if any(not w.done for w in pull.waiters) or pull.lends:
             self._ask_at(pull, pull.node, direct=True)
         else:
@@ -320,7 +305,6 @@ class Pulls:
             pull.suspect = False  # or may have: what was read may be torn, so asked again
             self._read_again(pull, OSError("its source forgot this node during the read"))
             return
-        self.transfers.took(pull.size, time.monotonic() - pull.read_at)
         self.bytes_received += pull.size
         self.done["lent" if pull.offer is None else "offered"] += 1
         if pull.offer is not None:  # its owner counts the bytes it sent

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import importlib
-import math
 import mmap
 import os
 from typing import Any
@@ -35,7 +34,6 @@ PACKAGES = ("nixl_cu13", "nixl_cu12", "nixl")  # tensorbroker[cluster] installs 
 # it a read from a broker whose loop sleeps never ends. 200 us: idle brokers cost little,
 # and a pull ends at most 200 us later.
 PROGRESS_PAUSE_US = 200
-TIMED = 64 * 1024  # reads at least this large time the reads' rate (`took`)
 
 
 def load_nixl() -> Any:
@@ -99,7 +97,6 @@ class Transfers:
         self._versions: dict[str, tuple[int, int]] = {}  # node -> that metadata's version
         self.incarnation = 0  # this broker's (the cluster sets it): metadata versions
         self._registered = 0  # segments registered so far (the other half)
-        self.rate = 0.0  # bytes a second that reads went lately (0: none timed yet)
 
     # -- memory ------------------------------------------------------------------------------
 
@@ -233,16 +230,6 @@ class Transfers:
         except Exception as exc:  # NIXL's own errors
             raise OSError(f"NIXL could not describe a read from {node!r}: {exc!r}") from None
         return self.mover.start(node, mine, theirs, size)
-
-    def ends(self, started: float, size: int) -> float:
-        """When the loop must look at a read: never by the clock (the mover wakes it)."""
-        return math.inf
-
-    def took(self, size: int, seconds: float) -> None:
-        """A read of `size` bytes ended `seconds` after it started (as its poll saw)."""
-        if size >= TIMED and seconds > 0:
-            rate = size / seconds
-            self.rate = rate if not self.rate else 0.8 * self.rate + 0.2 * rate
 
     def done(self, handle: Read) -> bool:
         """Whether read `handle` finished; OSError if it failed. No NIXL call: the mover's."""

@@ -5,6 +5,7 @@ another's address."""
 from __future__ import annotations
 
 import contextlib
+import socket
 import subprocess
 import sys
 import time
@@ -103,6 +104,36 @@ def test_clusters_under_other_prefixes_of_one_etcd_do_not_meet(etcd: str) -> Non
                 assert wait_until(lambda: _peers(c1) == {"b": "up"}, 10), _peers(c1)
                 assert _peers(c2) == {}
                 assert _members(etcd, "/one") == ["a", "b"] and _members(etcd, "/two") == ["a"]
+
+
+def test_an_etcd_member_that_does_not_answer_does_not_make_leases_expire(etcd: str) -> None:
+    """--etcd names a member that takes connections and never answers, first: each call
+    gives it TTL/4 seconds, then goes to the next, and later calls start from the one that
+    answered. a's entry stays in etcd throughout, and b never sees a down (the renewals used
+    to take 2 s each on the silent member: the lease expired now and then)."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        urls = f"http://127.0.0.1:{silent.getsockname()[1]},{etcd}"
+        with _broker(urls, "a") as broker_a, _broker(etcd, "b") as broker_b:
+            with tb.connect(broker_b.address) as b:
+                assert wait_until(lambda: _peers(b) == {"a": "up"}, 15), _peers(b)
+                end = time.monotonic() + 3 * TTL
+                while time.monotonic() < end:
+                    assert "a" in _members(etcd) and _peers(b) == {"a": "up"}
+                    time.sleep(0.1)
+            assert broker_a.alive
+
+
+def test_a_node_restarted_at_a_new_address_is_unlinked_from_the_old(etcd: str) -> None:
+    """b comes back at another --cluster address (a pod's new IP): a links to the new one
+    and drops the old link, which no broker answers any more."""
+    with _broker(etcd, "a") as broker_a, tb.connect(broker_a.address) as a:
+        with _broker(etcd, "b"):
+            assert wait_until(lambda: _peers(a) == {"b": "up"}, 10), _peers(a)
+        assert wait_until(lambda: _peers(a) == {"b": "down"}, 5), _peers(a)
+        with _broker(etcd, "b"):  # (another port)
+            assert wait_until(lambda: _peers(a) == {"b": "up"}, 10), _peers(a)
+            with open(broker_a.log_path) as log:
+                assert "node 'b' left tcp://127.0.0.1:" in log.read()
 
 
 @pytest.mark.parametrize(
