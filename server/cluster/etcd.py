@@ -24,7 +24,10 @@ KEEPALIVE = ((socket.TCP_KEEPIDLE, 5), (socket.TCP_KEEPINTVL, 2), (socket.TCP_KE
 
 
 class EtcdUnavailable(BrokerError):
+    """No etcd member answered; `refused`: each refused the connection (none listens)."""
+
     code = "unavailable"
+    refused = False
 
 
 class EtcdRefused(EtcdUnavailable):
@@ -70,7 +73,7 @@ class Etcd:
 
     def call(self, path: str, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         """POST `body` to /v3/`path`: the JSON answer of the first endpoint that gives one."""
-        errors, self.failed = [], set()
+        errors, self.failed, refused = [], set(), 0
         n = len(self.urls)
         for turn in range(n):
             url = self.urls[(self.first + turn) % n]
@@ -85,6 +88,7 @@ class Etcd:
             except (OSError, http.client.HTTPException, ValueError) as exc:
                 errors.append(f"{url}: {exc}")
                 self.failed.add(url)
+                refused += isinstance(exc, ConnectionRefusedError)
                 continue
             finally:
                 conn.close()
@@ -96,10 +100,12 @@ class Etcd:
                 raise EtcdRefused(f"etcd at {url} refused {path}: {data.get('message', data)}")
             self.first = (self.first + turn) % n
             return dict(data)
-        raise EtcdUnavailable(
+        unavailable = EtcdUnavailable(
             f"no etcd answers at {', '.join(self.urls)} ({'; '.join(errors)}): start etcd "
             "there, or give this broker's --etcd the addresses of a running one"
         )
+        unavailable.refused = refused == n
+        raise unavailable
 
     def grant(self, ttl: int) -> int:
         """A new lease of `ttl` seconds: its id."""

@@ -10,8 +10,10 @@ a broker that stopped (its lease revoked) or died (its lease expired, within TTL
 half-second check): it is down at once here, as if its beats had stopped. A broker started on
 a --peers list joins the same way, and brokers never configure each other's addresses.
 
-The calls to etcd run on two threads of their own (the lease's, the watch's): the broker's
-loop never waits for etcd. What they see goes into `events`, and a byte into a pipe the loop
+A starting broker waits up to START_WAIT seconds for an etcd that is there but slow (or has
+no leader yet); one where no member listens at all does not start. The calls to etcd then
+run on two threads of their own (the lease's, the watch's): the broker's loop never waits
+for etcd. What they see goes into `events`, and a byte into a pipe the loop
 polls (`fd`). A lease that expired while etcd was out of reach (the other brokers took this
 one for down) is granted again and the entry put again: they link to it anew. Several
 clusters share one etcd under prefixes of their own (--etcd-prefix)."""
@@ -23,6 +25,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections import deque
 from typing import Any, NamedTuple
 
@@ -31,6 +34,7 @@ from .etcd import Etcd, EtcdUnavailable
 log = logging.getLogger(__name__)
 
 TTL = 3  # seconds: a broker that died is gone from etcd this long after its last renewal
+START_WAIT = 10.0  # seconds a starting broker waits for an etcd that is there but slow
 
 
 class Member(NamedTuple):
@@ -60,8 +64,19 @@ class Membership:
     def start(self) -> None:
         """Put this broker's entry (EtcdUnavailable if no etcd answers: the broker does not
         start), then keep it and watch the others' on threads of their own."""
-        etcd = Etcd(self.urls, timeout=TTL / 4)
-        self._register(etcd)
+        etcd = Etcd(self.urls)
+        deadline, said = time.monotonic() + START_WAIT, False
+        while True:  # (an etcd that answers slowly, or has no leader yet, is waited for)
+            try:
+                self._register(etcd)
+                break
+            except EtcdUnavailable as exc:
+                if exc.refused or time.monotonic() > deadline:
+                    raise
+                if not said:
+                    log.warning("cluster: %s; trying again for %.0f s", exc, START_WAIT)
+                said = True
+                time.sleep(0.2)
         self._start(self._keep, etcd.first)  # (at once: the lease runs from its grant)
         revision, members = etcd.range(self.prefix)
         for key, value in members.items():
@@ -109,11 +124,11 @@ class Membership:
         self._lease = lease
 
     def _keep(self, first: int) -> None:
-        """Renew the lease every TTL/3 seconds, each call given TTL/4 seconds a member (then
+        """Renew the lease every TTL/3 seconds, each call given TTL/3 seconds a member (then
         the next is tried); one that expired (etcd out of reach that long: the others took
         this broker for down) is granted again, and the entry put. A watch on a member that
         does not answer is ended: it goes on on another."""
-        etcd, unreachable = Etcd(self.urls, timeout=TTL / 4, first=first), False
+        etcd, unreachable = Etcd(self.urls, timeout=TTL / 3, first=first), False
         while not self._stop.wait(TTL / 3):
             try:
                 if not etcd.keep_alive(self._lease) and not self._stop.is_set():
@@ -160,7 +175,7 @@ class Membership:
             if self._stop.wait(0.2):
                 return
             try:  # (the changes missed meanwhile: those still there, and those gone)
-                revision, members = Etcd(self.urls, timeout=TTL / 4).range(self.prefix)
+                revision, members = Etcd(self.urls).range(self.prefix)
             except EtcdUnavailable:
                 continue
             gone = self._present - {k[len(self.prefix) :].decode() for k in members}

@@ -108,9 +108,10 @@ def test_clusters_under_other_prefixes_of_one_etcd_do_not_meet(etcd: str) -> Non
 
 def test_an_etcd_member_that_does_not_answer_does_not_make_leases_expire(etcd: str) -> None:
     """--etcd names a member that takes connections and never answers, first: each call
-    gives it TTL/4 seconds, then goes to the next, and later calls start from the one that
-    answered. a's entry stays in etcd throughout, and b never sees a down (the renewals used
-    to take 2 s each on the silent member: the lease expired now and then)."""
+    gives it TTL/3 seconds (2 s at the start), then goes to the next, and later calls start
+    from the one that answered. a's entry stays in etcd throughout, and b never sees a down
+    (the renewals used to take 2 s each on the silent member: the lease expired now and
+    then)."""
     with socket.create_server(("127.0.0.1", 0)) as silent:
         urls = f"http://127.0.0.1:{silent.getsockname()[1]},{etcd}"
         with _broker(urls, "a") as broker_a, _broker(etcd, "b") as broker_b:
