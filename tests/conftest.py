@@ -125,8 +125,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 # The files that take longest, longest first (64 to 8 s each on the 2-core VM, parallel run).
-LONGEST = ("test_chaos.py", "test_cluster.py", "test_recovery.py", "test_hostile.py",
-           "test_outage.py", "test_pipelines.py", "test_directory.py", "test_queues.py",
+LONGEST = ("test_chaos.py", "test_cluster.py", "test_recovery.py", "test_etcd.py",
+           "test_hostile.py", "test_outage.py", "test_pipelines.py", "test_directory.py",
+           "test_queues.py",
            "test_handoff.py", "test_small_puts.py", "test_leases.py",
            "test_dlpack_capsules.py")  # fmt: skip
 

@@ -64,6 +64,7 @@ def _run(*args: str, cwd: Path, env: dict[str, str]) -> str:
     return done.stdout
 
 
+@pytest.mark.slow  # (a wheel built, 16 s: make test-all, and make wheel-check with CI's wheel)
 def test_a_wheel_installs_and_serves_where_no_compiler_is(wheel: Path, tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert not [n for n in names if n.endswith(".c")], "the wheel ships C sources"
