@@ -130,6 +130,23 @@ class Etcd:
             body["lease"] = lease
         self.call("kv/put", body)
 
+    def put_new(self, key: bytes, value: bytes, lease: int) -> bytes | None:
+        """Put `key` only if it does not exist (one transaction): None if it was put, else
+        the value it has."""
+        put = {"key": _b64(key), "value": _b64(value), "lease": lease}
+        data = self.call("kv/txn", {
+            "compare": [{"key": _b64(key), "target": "CREATE", "result": "EQUAL",
+                         "create_revision": "0"}],
+            "success": [{"request_put": put}],
+            "failure": [{"request_range": {"key": _b64(key)}}],
+        })  # fmt: skip
+        if data.get("succeeded"):
+            return None
+        for response in data.get("responses", ()):
+            for kv in response.get("response_range", {}).get("kvs", ()):
+                return base64.b64decode(kv.get("value", ""))
+        return b""  # (gone meanwhile: the caller tries again)
+
     def range(self, prefix: bytes) -> tuple[int, dict[bytes, bytes]]:
         """The keys under `prefix` with their values, and the revision they are of."""
         body = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}

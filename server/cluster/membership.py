@@ -4,18 +4,23 @@ Note [membership]
 
 Each broker puts `{prefix}/members/{node}` = {"address": its --cluster address,
 "incarnation": ...} (JSON) under a lease of TTL seconds, renews the lease every TTL/3 seconds,
-and watches `{prefix}/members/`. A put there is a broker that joined or restarted: this one
-links to its address (Links.meet) and the hello/welcome of Note [cluster] follows. A delete is
-a broker that stopped (its lease revoked) or died (its lease expired, within TTL plus etcd's
-half-second check): it is down at once here, as if its beats had stopped. A broker started on
-a --peers list joins the same way, and brokers never configure each other's addresses.
+and watches `{prefix}/members/`. It puts its entry only where none is (one transaction), or
+over its own (the same address: it restarted in place); an entry at another address is
+waited for to go (a broker restarted elsewhere), then the broker refuses to start (NodeTaken:
+two brokers with one --node would take each other's place).
+
+A put there is a broker that joined or restarted: this one links to its address
+(Links.meet) and the hello/welcome of Note [cluster] follows. A delete is a broker that
+stopped (its lease revoked) or died (its lease expired, within TTL plus etcd's half-second
+check): it is down at once here, as if its beats had stopped. A broker started on a --peers
+list joins the same way, and brokers never configure each other's addresses.
 
 A starting broker waits up to START_WAIT seconds for an etcd that is there but slow (or has
 no leader yet); one where no member listens at all does not start. The calls to etcd then
 run on two threads of their own (the lease's, the watch's): the broker's loop never waits
-for etcd. What they see goes into `events`, and a byte into a pipe the loop
-polls (`fd`). A lease that expired while etcd was out of reach (the other brokers took this
-one for down) is granted again and the entry put again: they link to it anew. Several
+for etcd. What they see goes into `events`, and a byte into a pipe the loop polls (`fd`). A
+lease that expired while etcd was out of reach (the other brokers took this one for down) is
+granted again and the entry put again: they link to it anew. Several
 clusters share one etcd under prefixes of their own (--etcd-prefix)."""
 
 from __future__ import annotations
@@ -29,12 +34,17 @@ import time
 from collections import deque
 from typing import Any, NamedTuple
 
+from ...common.errors import InvalidRequest
 from .etcd import Etcd, EtcdUnavailable
 
 log = logging.getLogger(__name__)
 
 TTL = 3  # seconds: a broker that died is gone from etcd this long after its last renewal
 START_WAIT = 10.0  # seconds a starting broker waits for an etcd that is there but slow
+
+
+class NodeTaken(InvalidRequest):
+    """Another broker serves this --node (its entry in etcd, at another address, stays)."""
 
 
 class Member(NamedTuple):
@@ -49,7 +59,7 @@ class Membership:
     """This broker's entry in etcd, and the others' as they change (Note [membership])."""
 
     def __init__(self, urls: tuple[str, ...], prefix: str, node: str, record: dict[str, Any]):
-        self.urls, self.node = urls, node
+        self.urls, self.node, self.address = urls, node, record.get("address")
         self.prefix = f"{prefix.rstrip('/')}/members/".encode()
         self._key, self._value = self.prefix + node.encode(), json.dumps(record).encode()
         self.events: deque[Member] = deque()
@@ -118,9 +128,30 @@ class Membership:
     # -- the threads ---------------------------------------------------------------------------
 
     def _register(self, etcd: Etcd) -> None:
-        """A new lease, and the entry put under it (the lease kept only once the put went)."""
+        """A new lease, and the entry put under it (the lease kept only once the put went).
+        An entry of this node at another address (a broker restarted elsewhere, its old
+        lease not expired yet) is waited for to go, up to TTL + 1 s; NodeTaken if it stays
+        (another broker serves this --node and renews it)."""
         lease = etcd.grant(TTL)
-        etcd.put(self._key, self._value, lease)
+        deadline = time.monotonic() + TTL + 1.0
+        while True:
+            found = etcd.put_new(self._key, self._value, lease)
+            if found is None:
+                break
+            try:
+                there = json.loads(found).get("address") if found else None
+            except (ValueError, AttributeError):
+                there = None
+            if found and (there == self.address or there is None):  # (restarted in place)
+                etcd.put(self._key, self._value, lease)
+                break
+            if time.monotonic() > deadline:
+                raise NodeTaken(
+                    f"node {self.node!r} is already in the cluster, served at {there} (its "
+                    "broker renews its entry in etcd): give this broker another --node, or "
+                    "stop that one"
+                )
+            time.sleep(0.2)
         self._lease = lease
 
     def _keep(self, first: int) -> None:
@@ -137,6 +168,8 @@ class Membership:
                 if unreachable:
                     log.warning("cluster: etcd answers again")
                 unreachable = False
+            except NodeTaken as exc:  # (its lease expired, and another broker took the name)
+                log.error("cluster: %s", exc)
             except EtcdUnavailable as exc:
                 if not unreachable:
                     log.warning("cluster: %s; trying again", exc)

@@ -137,6 +137,26 @@ def test_a_node_restarted_at_a_new_address_is_unlinked_from_the_old(etcd: str) -
                 assert "node 'b' left tcp://127.0.0.1:" in log.read()
 
 
+def test_a_second_broker_with_a_node_name_served_elsewhere_does_not_start(
+    etcd: str, tmp_path: Path
+) -> None:
+    """Two brokers with one --node would take each other's place in the cluster: the second
+    waits for the first's entry to go (as after a restart elsewhere), then refuses, naming
+    where that node is served."""
+    with _broker(etcd, "a") as first, tb.connect(first.address) as a:
+        served = a.stats()["cluster"]["address"]
+        run = subprocess.run(
+            [sys.executable, "-m", "tensorbroker", "serve", "--memory", "16MiB",
+             "--address", f"ipc://{tmp_path}/b.sock", "--node", "a",
+             "--cluster", f"tcp://127.0.0.1:{free_port()}", "--insecure-tcp", "--etcd", etcd],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert run.returncode != 0, run.stderr
+        assert f"node 'a' is already in the cluster, served at {served}" in run.stderr
+        assert _members(etcd) == ["a"] and first.alive
+        a.put("still", np.arange(3))
+
+
 @pytest.mark.parametrize(
     ("etcd_option", "says"),
     [
