@@ -11,12 +11,14 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 import tensorbroker as tb
 from tensorbroker.server.cluster.etcd import Etcd
+from tensorbroker.server.cluster.local_etcd import local_etcd
 from tensorbroker.server.cluster.membership import TTL
 from tests.etcd import running_etcd
 from tests.support import crash, free_port, wait_until
@@ -95,6 +97,37 @@ def test_a_broker_killed_leaves_etcd_as_its_lease_expires_and_rejoins(etcd: str)
             assert _members(etcd) == ["a", "b"]
             got = a.get("on-b", timeout=10)
             np.testing.assert_array_equal(got.numpy(), np.arange(50_000))
+
+
+def test_the_brokers_ride_out_an_etcd_restart_and_see_a_node_that_joins_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """etcd stops for 2 s and comes back on its data, at the same address: the brokers keep
+    each other up meanwhile, their leases and watches go on, and a broker that joins
+    afterwards is seen by both."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    ports, data = [free_port(), free_port()], str(tmp_path / "etcd")
+    first: Any = local_etcd(data, iter(ports).__next__)
+    url = first.__enter__()
+    try:
+        with _broker(url, "a") as broker_a, _broker(url, "b") as broker_b:
+            a, b = tb.connect(broker_a.address), tb.connect(broker_b.address)
+            with a, b:
+                up = lambda c, *names: _peers(c) == dict.fromkeys(names, "up")  # noqa: E731
+                assert wait_until(lambda: up(a, "b") and up(b, "a"), 10)
+                first, stopping = None, first
+                stopping.__exit__(None, None, None)
+                time.sleep(2.0)
+                assert up(a, "b") and up(b, "a")
+                with local_etcd(data, iter(ports).__next__) as again:
+                    assert again == url
+                    with _broker(url, "c") as broker_c, tb.connect(broker_c.address) as c:
+                        assert wait_until(lambda: up(c, "a", "b"), 15), _peers(c)
+                        assert wait_until(lambda: up(a, "b", "c") and up(b, "a", "c"), 15)
+                        assert _members(url) == ["a", "b", "c"]
+    finally:
+        if first is not None:
+            first.__exit__(None, None, None)
 
 
 def test_clusters_under_other_prefixes_of_one_etcd_do_not_meet(etcd: str) -> None:
