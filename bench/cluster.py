@@ -36,6 +36,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 os.environ.setdefault("UCX_TLS", "tcp")
 
+from harness.report import emit  # noqa: E402
+
 import tensorbroker as tb  # noqa: E402
 from tensorbroker.server.cluster.transfers import load_nixl  # noqa: E402
 from tests.support import free_port  # noqa: E402
@@ -339,10 +341,7 @@ def main() -> int:
         *(f"| {p} | {t} | {f} | {r:.2f} | {g} |" for p, t, f, r, g in rows),
         "",
     ]
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines))
-    print("\n".join(lines))
+    emit(args.out, lines)
     return 0
 
 

@@ -30,8 +30,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 os.environ.setdefault("UCX_TLS", "tcp")
 
+from harness.report import emit  # noqa: E402
+from scaling import cluster  # noqa: E402
+
 import tensorbroker as tb  # noqa: E402
-from tensorbroker.server.cluster.local_etcd import local_etcd  # noqa: E402
 from tests.support import free_port  # noqa: E402
 
 READERS = ("b", "c", "d")
@@ -65,20 +67,10 @@ def run_tensorbroker(
 ) -> tuple[list[float], list[float], float]:
     """Blocked and end-to-end seconds per version, and the copies node a's broker sent."""
     ctx = mp.get_context("spawn")
+    nodes, memory = ["a", *READERS], f"{4 * mib}MiB"  # (the next version while one is read)
     with tempfile.TemporaryDirectory(prefix="tb-sync-") as folder, contextlib.ExitStack() as st:
-        url = st.enter_context(local_etcd(os.path.join(folder, "etcd"), free_port))
-        brokers = {}
-        for node in ("a", *READERS):
-            options = ["--node", node, "--cluster", f"tcp://127.0.0.1:{free_port()}",
-                       "--etcd", url, "--insecure-tcp"]  # fmt: skip
-            memory = f"{4 * mib}MiB"  # (the next version while the last is read)
-            brokers[node] = st.enter_context(tb.start_broker(memory=memory, options=options))
+        brokers = dict(zip(nodes, st.enter_context(cluster(nodes, folder, memory)), strict=True))
         trainer = st.enter_context(tb.connect(brokers["a"].address))
-        deadline = time.monotonic() + 60
-        while not _all_up(trainer, 3):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the four brokers did not come up")
-            time.sleep(0.1)
         ready, out = ctx.Queue(), ctx.Queue()
         procs = [ctx.Process(target=tb_reader, args=(n, brokers[n].address, versions, ready, out))
                  for n in READERS]  # fmt: skip
@@ -105,11 +97,6 @@ def run_tensorbroker(
         for p in procs:
             p.join(60)
     return blocked, ends, sent
-
-
-def _all_up(c: tb.Client, others: int) -> bool:
-    peers = c.stats()["cluster"]["peers"]
-    return len(peers) == others and all(p["state"] == "up" for p in peers.values())
 
 
 # -- gloo ------------------------------------------------------------------------------------------
@@ -192,10 +179,7 @@ def main() -> int:
         f"gloo blocked {ms(g_blocked)} ms, end to end {ms(g_ends)} ms. Node a's broker sent "
         f"{sent:.2f} copies a version.", "",
     ]  # fmt: skip
-    text = "\n".join(lines)
-    with open(args.out, "w") as f:
-        f.write(text)
-    print(text)
+    emit(args.out, lines)
     return 0
 
 

@@ -20,13 +20,15 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 os.environ.setdefault("UCX_TLS", "tcp")
+
+from harness.report import emit  # noqa: E402
 
 import tensorbroker as tb  # noqa: E402
 from tensorbroker.server.cluster.local_etcd import local_etcd  # noqa: E402
@@ -43,15 +45,19 @@ def cpu_seconds(pid: int) -> float:
 
 
 @contextlib.contextmanager
-def cluster(n: int, folder: str, more: list[str]) -> Iterator[list[tb.BrokerProcess]]:
-    """An etcd and `n` brokers found through it (served with `more` options), all up and
-    each other's offers readable."""
+def cluster(
+    nodes: list[str], folder: str, memory: str = "48MiB", more: Sequence[str] = ()
+) -> Iterator[list[tb.BrokerProcess]]:
+    """An etcd and a broker for each of `nodes`, found through it (each of `memory`, served
+    with `more` options), all up and each other's offers readable (bench/cluster_sync.py's
+    too)."""
+    n = len(nodes)
     with local_etcd(os.path.join(folder, "etcd"), free_port) as url, contextlib.ExitStack() as st:
         brokers = []
-        for i in range(n):
-            options = ["--node", f"n{i:02d}", "--cluster", f"tcp://127.0.0.1:{free_port()}",
+        for node in nodes:
+            options = ["--node", node, "--cluster", f"tcp://127.0.0.1:{free_port()}",
                        "--etcd", url, "--insecure-tcp", *more]  # fmt: skip
-            brokers.append(st.enter_context(tb.start_broker(memory="48MiB", options=options)))
+            brokers.append(st.enter_context(tb.start_broker(memory=memory, options=options)))
         clients = [st.enter_context(tb.connect(b.address)) for b in brokers]
         deadline = time.monotonic() + 60 + 5 * n
         while not all(_ready(c, n - 1) for c in clients):
@@ -71,7 +77,7 @@ def _ready(c: tb.Client, others: int) -> bool:
 def measure(n: int, puts: int, idle: float, more: list[str]) -> dict[str, float]:
     with (
         tempfile.TemporaryDirectory(prefix="tb-scaling-") as folder,
-        cluster(n, folder, more) as bs,
+        cluster([f"n{i:02d}" for i in range(n)], folder, more=more) as bs,
     ):
         time.sleep(1.0)  # (the joins' traffic settles)
         before = [cpu_seconds(b.pid) for b in bs]
@@ -134,10 +140,7 @@ def main() -> int:
         "| brokers | idle CPU per broker | put (median) | other brokers' CPU per put |",
         "|---|---|---|---|", *rows, "",
     ]  # fmt: skip
-    text = "\n".join(lines)
-    with open(args.out, "w") as f:
-        f.write(text)
-    print(text)
+    emit(args.out, lines)
     return 0
 
 

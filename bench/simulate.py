@@ -25,6 +25,8 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+from harness.report import emit  # noqa: E402
+
 ANNOUNCE_US = 115.0
 SEND_US = 20.0
 BEAT_US = 350.0
@@ -80,10 +82,7 @@ def main() -> int:
         "0.5 ms a lease renewal: 1,000 nodes renewing every second take half a core there),",
         "and the network.", "",
     ]  # fmt: skip
-    text = "\n".join(lines)
-    with open(args.out, "w") as f:
-        f.write(text)
-    print(text)
+    emit(args.out, lines)
     return 0
 
 

@@ -160,6 +160,15 @@ def _machine(machine: dict[str, Any], infos: dict[str, dict[str, Any]]) -> list[
     ]
 
 
+def emit(path: str, lines: list[str]) -> None:
+    """A section's markdown (bench/cluster.py, scaling.py, ...): written to `path`, printed."""
+    text = "\n".join(lines)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+    print(text)
+
+
 def write(
     results: Results,
     targets: list[Target],

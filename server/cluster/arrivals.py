@@ -17,7 +17,6 @@ ids are each incarnation's own.
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,7 +43,6 @@ class Arrival:
     put: int = 0
     handle: Any = None  # the read under way
     size: int = 0
-    started: float = 0.0
     failed: bool = False
     again: bool = False
 
@@ -115,7 +113,7 @@ class Arrivals:
     def _read(self, a: Arrival, obj: StoredObject) -> None:
         try:
             a.handle, a.size = self.transfers.take(a.node, a.message, obj)
-            a.started, a.again = time.monotonic(), False
+            a.again = False
         except (OSError, KeyError, TypeError, ValueError):
             a.failed = True
 

@@ -15,7 +15,6 @@ import logging
 import os
 import queue
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +32,6 @@ class Read:
     local: Any
     remote: Any
     size: int
-    started: float
     handle: Any = None  # NIXL's transfer request (the thread's)
     finished: bool = False
     error: str | None = None
@@ -51,7 +49,7 @@ class Mover:
         self._thread.start()
 
     def start(self, node: str, local: Any, remote: Any, size: int) -> Read:
-        read = Read(node, local, remote, size, time.monotonic())
+        read = Read(node, local, remote, size)
         self._new.put(read)
         return read
 

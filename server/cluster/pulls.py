@@ -63,7 +63,6 @@ class Pull:
     version: int = 0  # the version lent
     put: int = 0  # the put lease of the replica's block
     handle: Any = None
-    read_at: float = 0.0  # when the read started
     size: int = 0
     offer: Offer | None = None  # read from the offer its announcement carried (offers.py)
     asked: bool = True  # its lend went out (else sent again once its source is `fresh`)
@@ -259,7 +258,6 @@ class Pulls:
                 raise InvalidRequest(f"{where}; a replica here needs that device: {exc}") from None
             obj.evictable = True  # a replica is a cache (of host memory: eviction.py)
             pull.handle, pull.size = self.transfers.take(pull.source, m, obj)
-            pull.read_at = time.monotonic()
         except BrokerError as exc:  # no room here for it (CapacityError), say
             self._fail(pull, exc)
         except (OSError, KeyError, TypeError, ValueError) as exc:

@@ -21,6 +21,20 @@ def _four_up(quad: Callable[[str], Node]) -> list[Node]:
     return nodes
 
 
+def _d_sent_to_a_relay(quad: Callable[[str], Node]) -> list[Node]:
+    """a puts w (1 MiB); b and c get it and read it from a, their reads under way; d gets it,
+    and a sends it to b or c. The four nodes, a to d."""
+    a, b, c, d = nodes = _four_up(quad)
+    a.put("w", MiB)
+    assert run(nodes, 5, lambda: all("w" in n.cluster.replicas.index for n in (b, c, d)))
+    for n in (b, c):
+        assert n.get("w")
+    assert run(nodes, 5, lambda: b.reads.started == ["w"] and c.reads.started == ["w"])
+    assert d.get("w")
+    assert run(nodes, 5, lambda: _pulls(d, "w")[0].source in ("b", "c"))  # sent to a relay
+    return nodes
+
+
 def _pulls(node: Node, key: str) -> list[pulls.Pull]:
     return [p for p in node.cluster.replicas.pulls.pulls.values() if p.key == key]
 
@@ -37,14 +51,7 @@ def test_borrowers_that_throw_their_reads_away_are_lent_again_by_the_owner_not_e
     reading once a's beats have gone stale for them, so both throw their reads away and ask
     a again. a used to send b to c and c to b: each waited for the other for good, and d
     for one of them. Now a lends both again itself, and all three end with the version."""
-    a, b, c, d = nodes = _four_up(quad)
-    a.put("w", MiB)
-    assert run(nodes, 5, lambda: all("w" in n.cluster.replicas.index for n in (b, c, d)))
-    for n in (b, c):
-        assert n.get("w")
-    assert run(nodes, 5, lambda: b.reads.started == ["w"] and c.reads.started == ["w"])
-    assert d.get("w")
-    assert run(nodes, 5, lambda: _pulls(d, "w")[0].source in ("b", "c"))  # sent to a relay
+    a, b, c, d = nodes = _d_sent_to_a_relay(quad)
     with monkeypatch.context() as stale:  # a's last beat answers are too old, for b and c
         for n in (b, c):
             stale.setattr(n.cluster.links, "fresh", lambda node: node != "a")
@@ -63,14 +70,7 @@ def test_a_pull_waiting_at_a_relay_longer_than_pull_wait_is_lent_by_the_owner(
     of them: it is asked of a directly, not failed ("node 'a' did not lend 'w'" after 30 s
     while a was up and the get's own timeout had not run out)."""
     monkeypatch.setattr(pulls, "PULL_WAIT", 0.3)
-    a, b, c, d = nodes = _four_up(quad)
-    a.put("w", MiB)
-    assert run(nodes, 5, lambda: all("w" in n.cluster.replicas.index for n in (b, c, d)))
-    for n in (b, c):
-        assert n.get("w")
-    assert run(nodes, 5, lambda: b.reads.started == ["w"] and c.reads.started == ["w"])
-    assert d.get("w")  # (its get waits 10 s)
-    assert run(nodes, 5, lambda: _pulls(d, "w")[0].source in ("b", "c"))
+    a, b, c, d = nodes = _d_sent_to_a_relay(quad)  # (d's get waits 10 s)
     d.reads.over = True
     assert run(nodes, 3, lambda: _has(d, "w"))
     assert not _has(b, "w") and not _has(c, "w")  # (still reading)
