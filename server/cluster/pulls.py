@@ -330,17 +330,30 @@ class Pulls:
         if pull.put:
             self.registry.abort(self.session, pull.put, False)
         deleted = isinstance(error, NotFound) and pull.key not in self.index
+        lost = isinstance(error, PeerUnavailable)
+        now = time.monotonic()
         for w in pull.waiters:
             if w.done:
                 continue
-            if deleted and w.request.fields.get("timeout", 0.0) != 0.0:
-                self._get_again(w)  # it waits as for a key no node has (no pull: no loop)
+            until = w.request.fields.setdefault("until", w.deadline)  # (Replicas.get's)
+            if w.request.fields.get("timeout", 0.0) != 0.0 and (
+                deleted or (lost and (until is None or now < until))
+            ):  # (deleted: it waits as for a key no node has; no pull, no loop)
+                self._get_again(w, until, now)
             else:
                 self.objects.answer(w, reply_error(w.request.id, error))
 
-    def _get_again(self, w: Waiter) -> None:
-        """Handle a get that may wait again, from its start (a watch with `deletes` is told
-        its key is gone; another waits up to its timeout from now)."""
+    def _get_again(self, w: Waiter, until: float | None, now: float) -> None:
+        """Handle a get that may wait again, from its start, until its deadline (`until`): a
+        watch with `deletes` is told its key is gone; another is pulled again from where the
+        index says its key lives, or waits for that node to be back (Replicas.get).
+
+        A get whose pull failed for a node taken for down waits on so: a reader does not
+        raise while its key's owner may be alive and its own timeout has not run out. A
+        broker stalled past DOWN_AFTER takes every peer for down, and its readers' pulls
+        failed although no node went down (issue 50)."""
+        if until is not None:
+            w.request.fields["timeout"] = max(0.001, until - now)
         self.objects.lot.unpark(w)
         try:
             reply = self.objects.get(w.session, w.route, w.request)
