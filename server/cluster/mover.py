@@ -20,7 +20,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-POLL = 0.0002  # seconds between the thread's looks at the reads under way (NIXL's own pause)
+POLL = 0.0002  # seconds between the thread's looks at the reads under way (none: it sleeps)
 
 
 @dataclass(slots=True)
