@@ -15,6 +15,7 @@ import logging
 import os
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +45,7 @@ class Mover:
     def __init__(self, agent: Any) -> None:
         self.agent = agent
         self.fd, self._wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._new: queue.SimpleQueue[Read | None] = queue.SimpleQueue()
+        self._new: queue.SimpleQueue[Read | Callable[[], None] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="nixl-reads", daemon=True)
         self._thread.start()
 
@@ -52,6 +53,13 @@ class Mover:
         read = Read(node, local, remote, size)
         self._new.put(read)
         return read
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run `fn` (NIXL calls: a peer's agent added or replaced) on the thread, after what
+        was handed to it before and before what comes after: NIXL's lock is held for as
+        long as a transfer is posted (4.2 s on a busy host), and a loop waiting for it to
+        replace a peer's agent answered nothing, and froze its process's other threads."""
+        self._new.put(fn)
 
     def woken(self) -> None:
         """The loop read `fd` (its bytes dropped: it looks at every read anyway)."""
@@ -80,12 +88,20 @@ class Mover:
                 while True:
                     if read is None:
                         stopping = True
+                    elif not isinstance(read, Read):
+                        self._call(read)
                     elif self._post(read):
                         active.append(read)
                     read = self._new.get_nowait()
             except queue.Empty:
                 pass
             active = [r for r in active if not self._ended(r)]
+
+    def _call(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception as exc:  # (what it was for says so: a read from that peer fails)
+            log.warning("cluster: %s", exc)
 
     def _post(self, read: Read) -> bool:
         """Make and post `read`'s transfer; False if NIXL refused it (`read` failed)."""

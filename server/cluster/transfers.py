@@ -17,6 +17,7 @@ reader's node.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import mmap
@@ -105,6 +106,7 @@ class Transfers:
         self._versions: dict[str, tuple[int, int]] = {}  # node -> that metadata's version
         self.incarnation = 0  # this broker's (the cluster sets it): metadata versions
         self._registered = 0  # segments registered so far (the other half)
+        self._metadata: tuple[int, bytes] = (-1, b"")  # (_registered, metadata) when last asked
 
     # -- memory ------------------------------------------------------------------------------
 
@@ -156,7 +158,13 @@ class Transfers:
 
     @property
     def metadata(self) -> bytes:
-        return bytes(self.agent.get_agent_metadata())
+        """This agent's metadata, asked of NIXL again only once a segment or chunk was
+        registered since: it changes with nothing else, and NIXL takes its lock for it, which
+        a read on the mover's thread may hold (a hello to a peer every BEAT waited 1.45 s so
+        during a 512 MiB pull, the loop answering nothing meanwhile)."""
+        if self._metadata[0] != self._registered:
+            self._metadata = (self._registered, bytes(self.agent.get_agent_metadata()))
+        return self._metadata[1]
 
     def agent_fields(self) -> dict[str, Any]:
         """This agent's metadata of now, for a message, with its version (`add_peer`)."""
@@ -177,17 +185,24 @@ class Transfers:
             self._versions[node] = v
         if self._peers.get(node) == metadata:
             return
-        if node in self._peers:
-            self.agent.remove_remote_agent(node)
-            del self._peers[node]
+        replaced = node in self._peers
+        self._peers[node] = metadata
+        self.mover.call(lambda: self._load(node, metadata, replaced))
+
+    def _load(self, node: str, metadata: bytes, replaced: bool) -> None:
+        """NIXL told of `node`'s agent `metadata` (on the mover's thread: Mover.call), in place
+        of the one it knew. ValueError if NIXL refused it (logged there): reads from `node`
+        fail until it sends other metadata (it restarted, or registered a segment)."""
+        if replaced:
+            with contextlib.suppress(Exception):  # (none, if NIXL refused the last one)
+                self.agent.remove_remote_agent(node)
         try:
             name = self.agent.add_remote_agent(metadata)
         except Exception as exc:
-            raise InvalidRequest(f"NIXL refused the agent of node {node!r}: {exc!r}") from None
+            raise ValueError(f"NIXL refused the agent of node {node!r}: {exc!r}") from None
         if (name.decode() if isinstance(name, bytes) else name) != node:
             self.agent.remove_remote_agent(name)
-            raise InvalidRequest(f"the peer {node!r} sent the metadata of agent {name!r}")
-        self._peers[node] = metadata
+            raise ValueError(f"the peer {node!r} sent the metadata of agent {name!r}")
 
     # -- offers: an object's bytes lent to a peer, and read from one ---------------------------
 

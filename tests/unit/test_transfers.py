@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tensorbroker.server.cluster.transfers import Transfers
-from tests.support import wait_until
+from tests.support import in_thread, wait_until
 
 
 class Agent:
@@ -20,6 +20,9 @@ class Agent:
 
     def __init__(self, name: str) -> None:
         self.name, self.segments, self.remote = name, 0, {}  # type: ignore[var-annotated]
+        self.added: list[bytes] = []
+        self.lock = threading.Lock()  # NIXL's (held while a transfer is posted)
+        self.calls = 0  # agents added
 
     def register_memory(self, regions: Any, kind: str) -> None:
         self.segments += 1
@@ -28,12 +31,16 @@ class Agent:
         return f"{self.name}:{self.segments}".encode()
 
     def add_remote_agent(self, metadata: bytes) -> bytes:
-        name = metadata.split(b":")[0]
-        self.remote[name.decode()] = metadata
-        return name
+        with self.lock:
+            name = metadata.split(b":")[0]
+            self.remote[name.decode()] = metadata
+            self.added.append(metadata)
+            self.calls += 1
+            return name
 
     def remove_remote_agent(self, name: str) -> None:
-        del self.remote[name]
+        with self.lock:
+            del self.remote[name]
 
 
 def _transfers(name: str, shm: Path, agent: Any = None) -> Transfers:
@@ -54,21 +61,23 @@ def test_older_agent_metadata_does_not_undo_newer(tmp_path: Path) -> None:
     assert new["agent_v"] == [7, 1] and new["agent"] != old["agent"]
     b.add_peer("a", new["agent"], new["agent_v"])
     b.add_peer("a", old["agent"], old["agent_v"])
-    assert b.agent.remote["a"] == new["agent"]
     b.add_peer("a", old["agent"], [8, 0])  # a restarted (a new incarnation): taken
-    assert b.agent.remote["a"] == old["agent"]
+    assert wait_until(lambda: b.agent.calls == 2, 5)  # (on the mover's thread)
+    assert b.agent.remote["a"] == old["agent"] and b.agent.added == [new["agent"], old["agent"]]
     a.close()
     b.close()
 
 
 class Reading(Agent):
-    """An agent whose reads are under way until the test says (`over`), and whose look at a
-    read blocks while `stuck` (as one `check_xfer_state` did for 2.84 s on a busy host)."""
+    """An agent whose reads are under way until the test says (`over`), and whose post of a
+    read and look at it block while `stuck` (as one `check_xfer_state` did for 2.84 s on a
+    busy host, and a `transfer` for 4.2 s)."""
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self.over, self.state = threading.Event(), "DONE"
         self.stuck, self.looking = threading.Event(), threading.Event()
+        self.posting = threading.Event()
         self.released: list[Any] = []
 
     def get_xfer_descs(self, regions: Any, kind: str) -> Any:
@@ -80,7 +89,11 @@ class Reading(Agent):
         return object()
 
     def transfer(self, handle: Any) -> str:
-        return "PROC"
+        with self.lock:
+            self.posting.set()
+            if self.stuck.is_set():
+                assert self.over.wait(10), "the test never let the read end"
+            return "PROC"
 
     def check_xfer_state(self, handle: Any) -> str:
         self.looking.set()
@@ -102,9 +115,9 @@ def test_a_read_whose_nixl_look_blocks_does_not_block_the_loop(tmp_path: Path) -
     when the read ends."""
     agent = Reading("b")
     t = _transfers("b", tmp_path, agent)
-    agent.stuck.set()
     read = t.read("a", 1000, 2000, 4096)
-    assert agent.looking.wait(5)  # the thread is in NIXL's call, and stays there
+    assert agent.looking.wait(5)  # the thread is in NIXL's look, then stays in the next
+    agent.stuck.set()
     for _ in range(3):
         assert not t.done(read)  # (it would hang here if it called NIXL)
     agent.over.set()
@@ -125,4 +138,25 @@ def test_reads_that_fail_say_why_when_the_loop_looks(tmp_path: Path) -> None:
     assert wait_until(lambda: failed.error is not None, 5)
     with pytest.raises(OSError, match="ended in state ERR"):
         t.done(failed)
+    t.close()
+
+
+def test_a_peer_agent_replaced_while_a_read_is_posted_does_not_block_the_loop(
+    tmp_path: Path,
+) -> None:
+    """A peer's new metadata (it registered a segment) came while a 512 MiB read was being
+    posted: the loop waited 4.2 s in NIXL's remove_remote_agent for the lock the post held,
+    answering nothing, its process's other threads frozen too (its etcd lease expired). Now
+    NIXL hears of the peer's agent on the mover's thread, in order with the reads."""
+    agent = Reading("b")
+    t = _transfers("b", tmp_path, agent)
+    t.add_peer("a", b"a:0", [7, 0])
+    agent.stuck.set()
+    read = t.read("a", 1000, 2000, 4096)
+    assert agent.posting.wait(5)  # the thread is posting it, and stays there
+    adding, _ = in_thread(lambda: t.add_peer("a", b"a:1", [7, 1]))
+    adding.join(1.0)
+    alive, _ = adding.is_alive(), agent.over.set()
+    assert not alive, "add_peer waited for NIXL's lock"
+    assert wait_until(lambda: agent.remote["a"] == b"a:1", 5) and _ended(t) and t.done(read)
     t.close()
