@@ -388,6 +388,8 @@ class Cluster:
                         self.links.send_to(peer, again)  # (after the hello, on the same link)
             elif op == "lent":
                 self.replicas.pulls.lent(peer.node or "", m)
+            elif op == "more":
+                self.replicas.pulls.more(peer.node or "", m)
             elif op == "beat" and peer.node is not None:
                 same = self.links.same(peer.node, m)
                 if same is False:  # it forgot this one: forgotten too
@@ -434,6 +436,7 @@ class Cluster:
             "items_lent": len(self.queues.loans),
             "offered": len(r.lending.offered), "offers_held": len(r.held),
             "pulled": dict(r.pulls.done), "prefetched": r.prefetched,
+            "lent_early": r.lending.lent_early,
         }  # fmt: skip
 
     def close(self) -> None:

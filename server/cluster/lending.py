@@ -12,6 +12,19 @@ The relays form a tree of two levels that the owner decides, and it cannot cycle
 reads from the owner only (one that asks again, having thrown its read away, is lent
 directly), and only borrowers are sent pulls. Sending a borrower that asked again to another
 borrower made two of them wait on each other for good (issue 50's first fault).
+
+Note [relays]
+
+A relay lends a version larger than CHUNK while it still reads it: its `lent` names the
+block it reads into and the bytes it has (`ready`), and a `more` tells the borrower each
+time more of it is there (its reads go in CHUNK pieces: transfers.Reading), so the borrower
+reads each piece as soon as its relay has it, and three readers end in about one read's
+time, not two. The last `more` (all of it) goes once the relay sealed its replica and pinned
+it for the borrower, as a loan; the borrower's read is done only then. A relay that fails
+the version or throws its read away says so (`more` with an error; forgetting the relay
+does as much): the borrower's reads end, it drops what it read and asks the owner, which
+lends it directly. Until that last `more`, the relay's block is not pinned: if it goes to
+another put, the borrower reads that, and drops it.
 """
 
 from __future__ import annotations
@@ -26,7 +39,7 @@ from ..store.records import StoredObject
 from ..store.registry import Registry
 from .offers import Lent
 from .pulls import Links, Pull, Remote
-from .transfers import Transfers
+from .transfers import CHUNK, Transfers
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +68,7 @@ class Lending:
         self.announcing: list[tuple[str, int]] = []  # sent after the loop's replies (`flush`)
         self._announced_at = -math.inf  # when the last batch went
         self.bytes_sent = 0
+        self.lent_early = 0  # versions lent while still pulled here (Note [relays])
         # Lends of GPU objects whose copy has not run yet: (node, pull, key, direct, ask).
         self.unwritten: list[tuple[str, int, str, bool, int]] = []
 
@@ -125,7 +139,21 @@ class Lending:
             self._asked_at[node, pull, ask] = t
         pulling = self.pulling.get(key)
         if pulling is not None and key in self.index:
-            pulling.lends.append((node, pull, ask))
+            if pulling.obj is None or pulling.handle is None or pulling.size <= CHUNK:
+                pulling.lends.append((node, pull, ask))  # lent once it is here
+                return
+            try:  # lent now, read as it comes (Note [relays])
+                where = self.transfers.offer(pulling.obj)
+            except OSError as exc:
+                log.warning("could not lend %r: %s", key, exc)
+                pulling.lends.append((node, pull, ask))
+                return
+            pulling.partial.append((node, pull, ask))
+            self.lent_early += 1
+            self.links.answer(node, {
+                "op": "lent", "pull": pull, "ask": ask, "version": pulling.version,
+                **self.links.ack(node), **where, "ready": pulling.handle.ready(),
+            })  # fmt: skip
             return
         obj = self.registry.objects.get(key)
         if obj is not None and obj.events and not self.registry.devices.finished(obj.events[0]):
@@ -210,6 +238,8 @@ class Lending:
                 for pull in self.pulling.values():
                     if key in pull.lends:
                         pull.lends.remove(key)
+                    if key in pull.partial:
+                        pull.partial.remove(key)
                 self.unwritten = [u for u in self.unwritten if (u[0], u[1], u[4]) != key]
 
     # -- offers ----------------------------------------------------------------------------------
@@ -234,3 +264,4 @@ class Lending:
         self.offered.let_go(node)
         for pull in self.pulling.values():  # its pulls waiting here for a replica: forgotten
             pull.lends = [lend for lend in pull.lends if lend[0] != node]
+            pull.partial = [lend for lend in pull.partial if lend[0] != node]

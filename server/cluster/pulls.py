@@ -69,8 +69,12 @@ class Pull:
     ask: int = 0  # its lends so far: only the last one's answer is read
     direct: bool = False  # its last lend said so (the owner itself lends it)
     suspect: bool = False  # its source forgot this node while it was read: not sealed
+    cut: bool = False  # its relay failed it, or forgot this node: read again once its reads end
+    obj: StoredObject | None = None  # the replica being read (a relay lends it meanwhile)
+    told: int = 0  # its bytes read that the borrowers it was lent to meanwhile were told of
     waiters: list[Waiter] = field(default_factory=list)
     lends: list[tuple[str, int, int]] = field(default_factory=list)  # (node, pull id, ask)
+    partial: list[tuple[str, int, int]] = field(default_factory=list)  # lent it meanwhile
 
 
 class Pulls:
@@ -152,14 +156,17 @@ class Pulls:
         offer, pull.offer = pull.offer, None
         if offer is not None:
             self.held.read(pull.key, offer, failed=True)
+        self._cut(pull, f"node {self.node!r} read {pull.key!r} again")
         if pull.put:
             self.registry.abort(self.session, pull.put, False)
         pull.put = pull.version = 0
+        pull.obj, pull.cut, pull.told = None, False, 0
         if not self.links.up(pull.node):
             self._fail(pull, PeerUnavailable(f"the pull of {pull.key!r} failed: {exc}"))
             return
         pull.started = time.monotonic()
-        self._lend(pull, pull.node)
+        relay, pull.source = pull.source != pull.node, pull.node
+        self._lend(pull, pull.node, direct=relay)  # (a relay failed it: the owner lends it)
 
     def _lend(self, pull: Pull, source: str | None = None, direct: bool = False) -> None:
         """Ask `source` (else the pull's) to lend its key: lend number `ask`, the only one
@@ -178,7 +185,7 @@ class Pulls:
         again, once `node` is fresh."""
         for pull in self.pulls.values():
             if pull.source == node and pull.handle is not None:
-                pull.suspect = True
+                pull.suspect = pull.cut = True  # (a relay's rest will not come)
             elif pull.source == node and not pull.version:
                 pull.ask, pull.asked = pull.ask + 1, False  # (an answer to the last: not read)
 
@@ -257,6 +264,7 @@ class Pulls:
                 where = f"{pull.key!r} lives on {device} of node {pull.source!r}"
                 raise InvalidRequest(f"{where}; a replica here needs that device: {exc}") from None
             obj.evictable = True  # a replica is a cache (of host memory: eviction.py)
+            pull.obj = obj
             pull.handle, pull.size = self.transfers.take(pull.source, m, obj)
         except BrokerError as exc:  # no room here for it (CapacityError), say
             self._fail(pull, exc)
@@ -287,9 +295,43 @@ class Pulls:
         else:
             self._fail(pull, PeerUnavailable(f"node {pull.node!r} did not lend {pull.key!r}"))
 
+    def more(self, node: str, m: dict[str, Any]) -> None:
+        """The relay `node` that lent a version it was still pulling has more of it (`ready`
+        bytes), or failed it (`error`: read again, from the owner). Note [relays] in
+        lending.py."""
+        pull = self.pulls.get(int(m["pull"]))
+        if pull is None or pull.source != node or pull.ask != m.get("ask") or pull.handle is None:
+            return
+        if "error" in m:
+            pull.cut = True
+        else:
+            try:
+                self.transfers.extend(pull.handle, int(m["ready"]))
+            except OSError:
+                pull.cut = True
+        self._poll(pull)
+
+    def _tell(self, pull: Pull, **fields: Any) -> None:
+        """Tell the borrowers `pull` was lent to while it was read (Note [relays])."""
+        for node, their, ask in pull.partial:
+            self.links.answer(node, {"op": "more", "pull": their, "ask": ask, **fields})
+
+    def _cut(self, pull: Pull, why: str) -> None:
+        """The borrowers lent `pull` meanwhile read it from its owner instead."""
+        self._tell(pull, error=why)
+        pull.partial = []
+
     def _poll(self, pull: Pull) -> None:
         try:
             if not self.transfers.done(pull.handle):
+                if pull.cut and pull.handle.ended():  # (its relay will not say more)
+                    pull.handle = None
+                    self._read_again(pull, OSError(f"node {pull.source!r} failed {pull.key!r}"))
+                    return
+                ready = pull.handle.ready()
+                if pull.partial and pull.told < ready < pull.size:
+                    pull.told = ready
+                    self._tell(pull, ready=ready)
                 return
         except OSError as exc:
             pull.handle = None
@@ -310,8 +352,13 @@ class Pulls:
         remote = self.index.get(pull.key)
         if remote is not None and (remote.node, remote.version) == (pull.node, pull.version):
             self.objects.seal(self.session, pull.put, False, version=pull.version)
-            self._end(pull)
             obj = self.registry.objects.get(pull.key)
+            if obj is not None:  # lent while read: pinned now, and told the rest is here
+                for node, their, ask in pull.partial:
+                    self.loan(node, their, obj, ask)
+                self._tell(pull, ready=pull.size)
+                pull.partial = []
+            self._end(pull)
             for node, their, ask in pull.lends:  # pulls sent here meanwhile: lent the replica
                 if obj is not None:
                     self.links.answer(node, self.loan(node, their, obj, ask))
@@ -369,6 +416,7 @@ class Pulls:
         self.pulls.pop(pull.id, None)
         if self.pulling.get(pull.key) is pull:
             del self.pulling[pull.key]
+        self._cut(pull, f"node {self.node!r} could not pull {pull.key!r}")  # (if lent)
         if pull.offer is not None:
             self.held.read(pull.key, pull.offer)
         elif pull.version:

@@ -22,6 +22,7 @@ import ctypes
 import importlib
 import mmap
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
 from ...common.cudart import device_index
@@ -81,6 +82,39 @@ def _paced_agent(api: Any, node: str, config: Any) -> Any:
         return api.nixl_agent(node, config)
     finally:
         bindings.nixlAgentConfig = base
+
+
+CHUNK = 16 * 2**20  # a version's bytes are read in reads of this size at most (Reading)
+
+
+@dataclass(slots=True)
+class Reading:
+    """A pull's reads of `size` bytes at `remote` in `node`'s memory into `local` in this
+    broker's (`far`, `near`: their NIXL memory types and device ids), asked for in CHUNK
+    reads: a relay lends a version it is still pulling, its first bytes read as it has them
+    (Note [relays] in lending.py)."""
+
+    node: str
+    remote: int
+    local: int
+    size: int
+    far: tuple[str, int]
+    near: tuple[str, int]
+    asked: int = 0  # bytes asked for so far, from the first
+    reads: list[Read] = field(default_factory=list)
+
+    def ended(self) -> bool:
+        """Whether none of the reads asked for is under way."""
+        return all(r.finished or r.error is not None for r in self.reads)
+
+    def ready(self) -> int:
+        """The bytes read, from the first to the first read not finished."""
+        n = 0
+        for r in self.reads:
+            if not r.finished:
+                break
+            n += r.size
+        return n
 
 
 class Transfers:
@@ -230,35 +264,56 @@ class Transfers:
         specs = [(str(n), str(d), tuple(s)) for n, d, s in offer["specs"]]
         return specs, bool(offer["bundle"]), str(offer.get("device", "cpu"))
 
-    def take(self, node: str, offer: dict[str, Any], obj: Any) -> tuple[Any, int]:
+    def take(self, node: str, offer: dict[str, Any], obj: Any) -> tuple[Reading, int]:
         """Start reading the bytes of `node`'s `offer` into StoredObject `obj`'s block: the
-        read's handle, and its size."""
+        reads, and their size. An offer of a relay still pulling its version says how many
+        of its first bytes it has (`ready`): the others are read as it says (`extend`)."""
         size = min(int(offer["size"]), int(obj.nbytes))
         local, mine, index = self._place(obj)
         theirs = ("VRAM", device_index(offer["device"])) if "device" in offer else ("DRAM", 0)
-        return self.read(node, int(offer["address"]), local, size, theirs, (mine, index)), size
-
-    # -- reads -------------------------------------------------------------------------------
+        ready = int(offer.get("ready", size))
+        return self.read(
+            node, int(offer["address"]), local, size, theirs, (mine, index), ready
+        ), size
 
     def read(
         self, node: str, remote: int, local: int, size: int,
         far: tuple[str, int] = ("DRAM", 0), near: tuple[str, int] = ("DRAM", 0),
-    ) -> Any:  # fmt: skip
+        ready: int | None = None,
+    ) -> Reading:  # fmt: skip
         """Start reading `size` bytes at `remote` in `node`'s memory into `local` in ours
-        (`far`, `near`: their NIXL memory types and device ids)."""
-        agent = self.agent
-        try:
-            mine = agent.get_xfer_descs([(local, size, near[1])], near[0])
-            theirs = agent.get_xfer_descs([(remote, size, far[1])], far[0])
-        except Exception as exc:  # NIXL's own errors
-            raise OSError(f"NIXL could not describe a read from {node!r}: {exc!r}") from None
-        return self.mover.start(node, mine, theirs, size)
+        (`far`, `near`: their NIXL memory types and device ids), the first `ready` of them
+        (all if None) now."""
+        reading = Reading(node, remote, local, size, far, near)
+        self.extend(reading, size if ready is None else ready)
+        return reading
 
-    def done(self, handle: Read) -> bool:
-        """Whether read `handle` finished; OSError if it failed. No NIXL call: the mover's."""
-        if handle.error is not None:
-            raise OSError(handle.error)
-        return handle.finished
+    def extend(self, reading: Reading, ready: int) -> None:
+        """Read the bytes of `reading` up to `ready` not asked for yet, in CHUNK reads."""
+        agent, near, far = self.agent, reading.near, reading.far
+        while reading.asked < min(ready, reading.size):
+            start = reading.asked
+            size = min(CHUNK, reading.size - start)
+            try:
+                mine = agent.get_xfer_descs([(reading.local + start, size, near[1])], near[0])
+                theirs = agent.get_xfer_descs([(reading.remote + start, size, far[1])], far[0])
+            except Exception as exc:  # NIXL's own errors
+                raise OSError(
+                    f"NIXL could not describe a read from {reading.node!r}: {exc!r}"
+                ) from None
+            reading.reads.append(self.mover.start(reading.node, mine, theirs, size))
+            reading.asked += size
+
+    def done(self, reading: Reading) -> bool:
+        """Whether all of `reading` was read; OSError if a read of it failed (once none of its
+        reads is under way: NIXL may write into the block until then). No NIXL call: the
+        mover's."""
+        if not reading.ended():
+            return False
+        errors = [r.error for r in reading.reads if r.error is not None]
+        if errors:
+            raise OSError(errors[0])
+        return reading.asked == reading.size
 
     def close(self) -> None:
         self.mover.close()

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tensorbroker.server.cluster import pulls
+from tensorbroker.server.cluster import lending, pulls
 from tests.nodes import MiB, Node, quad, run
 
 __all__ = ["quad"]  # the fixture
@@ -74,3 +74,53 @@ def test_a_pull_waiting_at_a_relay_longer_than_pull_wait_is_lent_by_the_owner(
     d.reads.over = True
     assert run(nodes, 3, lambda: _has(d, "w"))
     assert not _has(b, "w") and not _has(c, "w")  # (still reading)
+
+
+def _relay(d: Node, nodes: list[Node]) -> Node:
+    """The node d's pull of w was sent to."""
+    (pull,) = _pulls(d, "w")
+    return next(n for n in nodes if n.name == pull.source)
+
+
+def test_a_relay_lends_a_version_it_is_still_reading_and_says_when_the_rest_is_there(
+    quad: Callable[[str], Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pipelined relays (Note [relays] in lending.py): the relay d is sent to lends w at once,
+    what it has read of it (nothing yet), and says when it has the rest: d's read does not
+    end before that, and the relay keeps the replica pinned until d is through."""
+    monkeypatch.setattr(lending, "CHUNK", 64 * 1024)  # (1 MiB: a large version here)
+    a, b, c, d = nodes = _d_sent_to_a_relay(quad)
+    relay = _relay(d, nodes)
+    assert run(nodes, 3, lambda: relay.cluster.replicas.lending.lent_early == 1)
+    assert run(nodes, 3, lambda: d.reads.started == ["w"])  # d reads now
+    (pull,) = _pulls(d, "w")
+    assert pull.handle.asked == 0  # (the relay had none of it)
+    d.reads.over = True
+    run(nodes, 0.3)
+    assert not _has(d, "w")  # its read waits for the relay's
+    for n in (b, c):
+        n.reads.over = True
+    assert run(nodes, 5, lambda: all(_has(n, "w") for n in (b, c, d)))
+    assert run(nodes, 3, lambda: not relay.cluster.replicas.lending.loans)  # d is through
+
+
+def test_a_version_a_relay_lent_while_reading_and_threw_away_is_lent_by_the_owner(
+    quad: Callable[[str], Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The relay lent w to d while reading it, then threw its read away (a's beat answers
+    went stale for it): d is told, and reads w from a, which lends it directly; all three
+    end with the version."""
+    monkeypatch.setattr(lending, "CHUNK", 64 * 1024)
+    a, b, c, d = nodes = _d_sent_to_a_relay(quad)
+    relay = _relay(d, nodes)
+    assert run(nodes, 3, lambda: d.reads.started == ["w"])  # lent while the relay reads
+    with monkeypatch.context() as stale:
+        stale.setattr(relay.cluster.links, "fresh", lambda node: node != "a")
+        relay.reads.over = True
+        d.reads.over = True
+        run([relay, d], 0.3)
+    assert _pulls(d, "w")[0].source == "a"  # asked of the owner, directly
+    for n in (b, c):
+        n.reads.over = True
+    held = lambda: all(_has(n, "w") for n in (b, c, d))  # noqa: E731
+    assert run(nodes, 5, held), {n.name: [(p.source, p.ask) for p in _pulls(n, "w")] for n in nodes}

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tensorbroker.server.cluster.transfers import Transfers
+from tensorbroker.server.cluster.transfers import CHUNK, Transfers
 from tests.support import in_thread, wait_until
 
 
@@ -121,7 +121,7 @@ def test_a_read_whose_nixl_look_blocks_does_not_block_the_loop(tmp_path: Path) -
     for _ in range(3):
         assert not t.done(read)  # (it would hang here if it called NIXL)
     agent.over.set()
-    assert _ended(t) and t.done(read) and agent.released == [read.handle]
+    assert _ended(t) and t.done(read) and agent.released == [read.reads[0].handle]
     t.close()
 
 
@@ -135,7 +135,7 @@ def test_reads_that_fail_say_why_when_the_loop_looks(tmp_path: Path) -> None:
     agent.state = "ERR"
     failed = t.read("a", 1000, 2000, 4096)
     agent.over.set()
-    assert wait_until(lambda: failed.error is not None, 5)
+    assert wait_until(failed.ended, 5)
     with pytest.raises(OSError, match="ended in state ERR"):
         t.done(failed)
     t.close()
@@ -159,4 +159,24 @@ def test_a_peer_agent_replaced_while_a_read_is_posted_does_not_block_the_loop(
     alive, _ = adding.is_alive(), agent.over.set()
     assert not alive, "add_peer waited for NIXL's lock"
     assert wait_until(lambda: agent.remote["a"] == b"a:1", 5) and _ended(t) and t.done(read)
+    t.close()
+
+
+def test_a_large_read_goes_in_chunks_and_a_partial_one_as_its_relay_says(tmp_path: Path) -> None:
+    """A version's bytes are read in CHUNK reads; a relay's offer of a version it is still
+    pulling names its first bytes ready, the others are read as it says (`extend`), and
+    the read is done once all were asked for and read."""
+    agent = Reading("b")
+    t = _transfers("b", tmp_path, agent)
+    size = 2 * CHUNK + 4096
+    whole = t.read("a", 0, 0, size)
+    assert [r.size for r in whole.reads] == [CHUNK, CHUNK, 4096]
+    partial = t.read("a", 0, 0, size, ready=CHUNK)  # the relay has its first chunk
+    assert [r.size for r in partial.reads] == [CHUNK]
+    agent.over.set()
+    assert wait_until(lambda: t.done(whole) and partial.ended(), 5)
+    assert partial.ready() == CHUNK and not t.done(partial)  # (the rest not asked for yet)
+    t.extend(partial, size)
+    assert [r.size for r in partial.reads] == [CHUNK, CHUNK, 4096]
+    assert wait_until(lambda: t.done(partial), 5) and partial.ready() == size
     t.close()
