@@ -20,6 +20,7 @@ import pytest
 import tensorbroker as tb
 from tensorbroker.common.curve import make_keys
 from tensorbroker.server.cluster.queue_links import AHEAD
+from tensorbroker.server.cluster.transfers import CHUNK
 from tests.integration import clusters
 from tests.support import crash, free_port, in_thread, wait_until
 
@@ -404,13 +405,14 @@ def test_a_version_read_on_many_nodes_leaves_its_owner_twice_at_most(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Fan-out without a hot spot: the owner lends a version to two nodes; the others pull
-    it from those (waiting, if they are still pulling it)."""
+    it from those (lent what a relay has read while it still reads it, the rest as it comes:
+    40 MiB, read in CHUNK pieces), every reader with the same bytes."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     nodes = ("a", "b", "c", "d", "e")
     with clusters.cluster(nodes) as started, contextlib.ExitStack() as stack:
         cs = {n: stack.enter_context(tb.connect(started[n].address)) for n in nodes}
         assert wait_until(lambda: all(clusters.all_up(c) for c in cs.values()), 10)
-        x = np.random.default_rng(1).integers(0, 255, 8 * 2**20, np.uint8)
+        x = np.random.default_rng(1).integers(0, 255, 2 * CHUNK + 8 * 2**20, np.uint8)
         cs["a"].put("shard", x)
         readers = [cs[n] for n in nodes[1:]]
         assert wait_until(lambda: all(r.exists("shard") for r in readers), 5)
