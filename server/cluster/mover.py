@@ -11,7 +11,9 @@ loop polls: the loop looks at its reads when one ended, never at a timer.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
 import os
 import queue
 import threading
@@ -33,6 +35,7 @@ class Read:
     local: Any
     remote: Any
     size: int
+    fill: int = 0  # the address of its bytes here, if host memory: populated first
     handle: Any = None  # NIXL's transfer request (the thread's)
     finished: bool = False
     error: str | None = None
@@ -49,8 +52,8 @@ class Mover:
         self._thread = threading.Thread(target=self._run, name="nixl-reads", daemon=True)
         self._thread.start()
 
-    def start(self, node: str, local: Any, remote: Any, size: int) -> Read:
-        read = Read(node, local, remote, size)
+    def start(self, node: str, local: Any, remote: Any, size: int, fill: int = 0) -> Read:
+        read = Read(node, local, remote, size, fill)
         self._new.put(read)
         return read
 
@@ -106,6 +109,8 @@ class Mover:
     def _post(self, read: Read) -> bool:
         """Make and post `read`'s transfer; False if NIXL refused it (`read` failed)."""
         agent = self.agent
+        if read.fill:
+            _populate(read.fill, read.size)
         try:
             read.handle = agent.initialize_xfer("READ", read.local, read.remote, read.node)
             if agent.transfer(read.handle) == "ERR":
@@ -138,3 +143,18 @@ class Mover:
             os.write(self._wake, b"\0")
         except BlockingIOError:  # (the loop has not read the last ones yet: it will look)
             pass
+
+
+MADV_POPULATE_WRITE = 23  # linux/mman.h (Python's mmap module does not name it)
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def _populate(address: int, size: int) -> None:
+    """Fault in the pages of host memory a read will write, in one call (Note [populating
+    mappings] in client/shm.py): UCX's copies faulted them one by one. A 512 MiB read into
+    pages this broker had not touched took 1.2-2.0 s on this 2-core VM, against 0.3-0.4 s
+    into pages touched before. Where the kernel has no MADV_POPULATE_WRITE (before 5.14),
+    the read faults them as before."""
+    start = address - address % mmap.PAGESIZE
+    _libc.madvise(start, address + size - start, MADV_POPULATE_WRITE)

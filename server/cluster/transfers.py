@@ -301,7 +301,8 @@ class Transfers:
                 raise OSError(
                     f"NIXL could not describe a read from {reading.node!r}: {exc!r}"
                 ) from None
-            reading.reads.append(self.mover.start(reading.node, mine, theirs, size))
+            fill = reading.local + start if near[0] == "DRAM" else 0
+            reading.reads.append(self.mover.start(reading.node, mine, theirs, size, fill))
             reading.asked += size
 
     def done(self, reading: Reading) -> bool:
