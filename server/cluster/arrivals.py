@@ -26,7 +26,8 @@ from ...common.errors import BrokerError
 from ..queues.queue_state import BrokerQueue
 from ..queues.queues import Queues
 from ..store.records import Session, StoredObject
-from .pulls import POLL, Links
+from .pulls import POLL
+from .records import Links
 from .transfers import Transfers
 
 

@@ -38,7 +38,7 @@ from typing import Any
 from ..store.records import StoredObject
 from ..store.registry import Registry
 from .offers import Lent
-from .pulls import Links, Pull, Remote
+from .records import Links, Pull, Remote
 from .transfers import CHUNK, Transfers
 
 log = logging.getLogger(__name__)

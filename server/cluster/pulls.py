@@ -8,73 +8,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 from ...common.errors import BrokerError, InvalidRequest, NotFound, PeerUnavailable
 from ...common.protocol import reply_error, reply_ok
 from ..store.objects import Objects
 from ..store.parking import Waiter
 from ..store.records import Session, StoredObject
-from .offers import Held, Offer
+from .offers import Held
+from .records import Links, Pull, Remote
 from .transfers import Transfers
 
 PULL_WAIT = 30.0  # a lend unanswered this long is asked of the owner again (a get waits as long)
 POLL = 0.001  # seconds between looks at what waits on something else (a slot, a fresh peer)
 ASK_AGAIN = 0.01  # a lend that could not go out (its link not connected) is sent again so often
-
-
-class Links(Protocol):
-    """The links to the other nodes (cluster.py's Cluster)."""
-
-    def send(self, node: str, message: dict[str, Any]) -> bool: ...
-    def answer(self, node: str, message: dict[str, Any]) -> None: ...
-    def everyone(self, message: dict[str, Any]) -> None: ...
-    def after(self, node: str, message: Any) -> None: ...
-    def everyone_after(self, message: dict[str, Any]) -> None: ...
-    def up(self, node: str) -> bool: ...
-    def fresh(self, node: str) -> bool: ...
-    def acked(self, node: str, m: dict[str, Any]) -> bool: ...
-    def ack(self, node: str) -> dict[str, Any]: ...
-    @property
-    def incarnation(self) -> int: ...
-    def nodes(self) -> list[str]: ...
-
-
-class Remote(NamedTuple):
-    """A key that lives on another node, at `version`, `size` bytes."""
-
-    node: str
-    version: int
-    size: int
-
-
-@dataclass(slots=True)
-class Pull:
-    """A key being pulled: its owner `node`, asked (or `source`, a node it sent this one to)
-    to lend it (handle None), then read. `lends`: pulls of other nodes sent here meanwhile."""
-
-    id: int
-    key: str
-    node: str
-    seen: int  # the version the index named when it was asked for
-    started: float
-    source: str = ""
-    version: int = 0  # the version lent
-    put: int = 0  # the put lease of the replica's block
-    handle: Any = None
-    size: int = 0
-    offer: Offer | None = None  # read from the offer its announcement carried (offers.py)
-    asked: bool = True  # its lend went out (else sent again once its source is `fresh`)
-    ask: int = 0  # its lends so far: only the last one's answer is read
-    direct: bool = False  # its last lend said so (the owner itself lends it)
-    suspect: bool = False  # its source forgot this node while it was read: not sealed
-    cut: bool = False  # its relay failed it, or forgot this node: read again once its reads end
-    obj: StoredObject | None = None  # the replica being read (a relay lends it meanwhile)
-    told: int = 0  # its bytes read that the borrowers it was lent to meanwhile were told of
-    waiters: list[Waiter] = field(default_factory=list)
-    lends: list[tuple[str, int, int]] = field(default_factory=list)  # (node, pull id, ask)
-    partial: list[tuple[str, int, int]] = field(default_factory=list)  # lent it meanwhile
 
 
 class Pulls:

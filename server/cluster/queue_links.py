@@ -69,7 +69,7 @@ from ..queues.queue_state import BrokerQueue
 from ..queues.queues import Queues
 from ..store.records import Session, StoredObject
 from .arrivals import Arrival, Arrivals
-from .pulls import Links
+from .records import Links
 from .transfers import Transfers
 
 REPASS = 5.0  # seconds without a consumer asking before items that arrived here are lent on

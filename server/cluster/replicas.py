@@ -37,7 +37,8 @@ from ..store.parking import ParkingLot
 from ..store.records import Session
 from .lending import Lending
 from .offers import Held
-from .pulls import PULL_WAIT, Links, Pulls, Remote
+from .pulls import PULL_WAIT, Pulls
+from .records import Links, Remote
 from .transfers import Transfers
 
 

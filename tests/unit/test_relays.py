@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tensorbroker.server.cluster import lending, pulls
+from tensorbroker.server.cluster import lending, pulls, records
 from tests.nodes import MiB, Node, quad, run
 
 __all__ = ["quad"]  # the fixture
@@ -35,7 +35,7 @@ def _d_sent_to_a_relay(quad: Callable[[str], Node]) -> list[Node]:
     return nodes
 
 
-def _pulls(node: Node, key: str) -> list[pulls.Pull]:
+def _pulls(node: Node, key: str) -> list[records.Pull]:
     return [p for p in node.cluster.replicas.pulls.pulls.values() if p.key == key]
 
 
