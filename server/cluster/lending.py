@@ -139,7 +139,16 @@ class Lending:
             self._asked_at[node, pull, ask] = t
         pulling = self.pulling.get(key)
         if pulling is not None and key in self.index:
-            if pulling.obj is None or pulling.handle is None or pulling.size <= CHUNK:
+            early = pulling.obj is not None and pulling.handle is not None
+            if (
+                not early
+                or pulling.size <= CHUNK
+                or pulling.cut
+                or pulling.suspect
+                or (
+                    pulling.handle.ready() >= pulling.size  # (all here: lent once sealed, pinned)
+                )
+            ):
                 pulling.lends.append((node, pull, ask))  # lent once it is here
                 return
             try:  # lent now, read as it comes (Note [relays])
@@ -218,6 +227,9 @@ class Lending:
 
     def returned(self, node: str, pull: int, ask: int = 0) -> None:
         self._lent_at.pop((node, pull, ask), None)
+        for pulling in self.pulling.values():  # (lent while read here: told no more)
+            if (node, pull, ask) in pulling.partial:
+                pulling.partial.remove((node, pull, ask))
         obj = self.loans.pop((node, pull, ask), None)
         if obj is not None:
             self.registry.unpin(obj)

@@ -95,6 +95,7 @@ class Mover:
                         self._call(read)
                     elif self._post(read):
                         active.append(read)
+                    active = [r for r in active if not self._ended(r)]  # (each piece told)
                     read = self._new.get_nowait()
             except queue.Empty:
                 pass

@@ -104,6 +104,8 @@ class Pulls:
         if offer is not None:
             self.held.read(pull.key, offer, failed=True)
         self._cut(pull, f"node {self.node!r} read {pull.key!r} again")
+        if pull.version and offer is None:  # (its lender let go already, or does now)
+            self._return(pull.source, pull.id, pull.ask)
         if pull.put:
             self.registry.abort(self.session, pull.put, False)
         pull.put = pull.version = 0
@@ -222,9 +224,12 @@ class Pulls:
                 self._fail(pull, PeerUnavailable(f"the pull of {pull.key!r} failed: {exc}"))
 
     def poll(self, now: float) -> None:
-        """Reads that ended (sealed as replicas), and lends never answered."""
+        """Reads that ended (sealed as replicas), lends never answered, and reads from a relay
+        that said nothing more for PULL_WAIT (its `more` lost: read again, from the owner)."""
         for pull in list(self.pulls.values()):
             if pull.handle is not None:
+                if now - pull.started > PULL_WAIT and pull.handle.asked < pull.size:
+                    pull.cut = True
                 self._poll(pull)
             elif now - pull.started > PULL_WAIT:
                 self._unanswered(pull)
@@ -249,6 +254,7 @@ class Pulls:
         pull = self.pulls.get(int(m["pull"]))
         if pull is None or pull.source != node or pull.ask != m.get("ask") or pull.handle is None:
             return
+        pull.started = time.monotonic()  # (PULL_WAIT from each `more`)
         if "error" in m:
             pull.cut = True
         else:
@@ -288,8 +294,10 @@ class Pulls:
                 self._fail(pull, PeerUnavailable(f"the pull of {pull.key!r} failed: {exc}"))
             return
         pull.handle = None
-        if pull.suspect or not self.links.fresh(pull.source):  # its source forgot this node,
-            pull.suspect = False  # or may have: what was read may be torn, so asked again
+        # Its source forgot this node, or may have (what was read may be torn), or a relay
+        # failed it or said no more (Note [relays]): asked again.
+        if pull.suspect or pull.cut or not self.links.fresh(pull.source):
+            pull.suspect = False
             self._read_again(pull, OSError("its source forgot this node during the read"))
             return
         self.bytes_received += pull.size
@@ -324,7 +332,9 @@ class Pulls:
         if pull.put:
             self.registry.abort(self.session, pull.put, False)
         deleted = isinstance(error, NotFound) and pull.key not in self.index
-        lost = isinstance(error, PeerUnavailable)
+        remote = self.index.get(pull.key)  # (its key's node now is down: wait for it)
+        owner = pull.node if remote is None else remote.node
+        lost = isinstance(error, PeerUnavailable) and not self.links.up(owner)
         now = time.monotonic()
         for w in pull.waiters:
             if w.done:
@@ -348,6 +358,7 @@ class Pulls:
         failed although no node went down (issue 50)."""
         if until is not None:
             w.request.fields["timeout"] = max(0.001, until - now)
+        w.request.fields["again"] = True  # (Replicas.get: no PULL_WAIT added)
         self.objects.lot.unpark(w)
         try:
             reply = self.objects.get(w.session, w.route, w.request)

@@ -105,7 +105,8 @@ class Replicas:
             return True  # (its welcome lists the key again: `listed` pulls it for this get)
         if "until" not in req.fields:  # its own deadline (a pull failed: Pulls._get_again)
             req.fields["until"] = None if timeout is None else time.monotonic() + timeout
-        wait = None if timeout is None else max(timeout, PULL_WAIT)
+        again = req.fields.get("again", False)  # (until its deadline: Pulls._get_again)
+        wait = None if timeout is None else timeout if again else max(timeout, PULL_WAIT)
         message = f"the pull of {key!r} from node {remote.node!r} did not end within {wait}s"
         w = self.lot.park(session, route, req, wait, ("get", key), message)
         self.pulls.want(key, remote.node, [w])

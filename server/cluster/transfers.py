@@ -293,7 +293,7 @@ class Transfers:
         agent, near, far = self.agent, reading.near, reading.far
         while reading.asked < min(ready, reading.size):
             start = reading.asked
-            size = min(CHUNK, reading.size - start)
+            size = min(CHUNK, ready - start, reading.size - start)
             try:
                 mine = agent.get_xfer_descs([(reading.local + start, size, near[1])], near[0])
                 theirs = agent.get_xfer_descs([(reading.remote + start, size, far[1])], far[0])

@@ -542,3 +542,28 @@ def test_a_get_whose_owner_stalled_past_down_after_waits_for_it_and_has_the_vers
     b.reads.over = True
     assert run([a, b], 5, lambda: bool(answers))
     assert answers[-1].get("version") == 1, answers
+
+
+def test_a_get_whose_reads_fail_while_their_owner_is_up_is_answered_not_pulled_again(
+    pair: Callable[[str], Node],
+) -> None:
+    """Every read from a fails (NIXL refused a's agent, say) while a is up: b's get with a
+    timeout is answered PeerUnavailable, not pulled again and again until its deadline (a
+    review counted 2,862 lends in one second so)."""
+    a, b = pair("a"), pair("b")
+    assert run([a, b], 5, lambda: b.up("a") and b.cluster.links.fresh("a"))
+    a.put("k", 2 * OFFER_MAX)
+    assert run([a, b], 3, lambda: b.cluster.replicas.holds("k"))
+
+    def done(handle: Any) -> bool:
+        raise OSError("a NIXL read ended in state ERR")
+
+    b.reads.done = done  # type: ignore[method-assign]
+    answers: list[dict[str, Any]] = []
+    b.objects._send = lambda route, payload, last=False: answers.append(decode(payload))
+    assert (
+        b.objects.get(b.session, b"client", Request("get", 9, {"key": "k", "timeout": 3.0}, []))
+        is None
+    )
+    assert run([a, b], 2, lambda: bool(answers))
+    assert answers[0].get("code") == "peer_unavailable" and len(b.reads.started) == 1, answers

@@ -124,3 +124,46 @@ def test_a_version_a_relay_lent_while_reading_and_threw_away_is_lent_by_the_owne
         n.reads.over = True
     held = lambda: all(_has(n, "w") for n in (b, c, d))  # noqa: E731
     assert run(nodes, 5, held), {n.name: [(p.source, p.ask) for p in _pulls(n, "w")] for n in nodes}
+
+
+def test_a_relay_whose_reads_all_ended_lends_only_once_it_sealed_and_a_cut_read_is_not_sealed(
+    quad: Callable[[str], Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The relay's reads all ended before its loop looked at them, and d's lend came first in
+    that turn: the relay must not lend w early (all of it ready, no `more` to wait for), for
+    it then throws its read away (a's beat answers went stale for it). d ends with w read
+    from a, never the relay's thrown-away read (a review found d sealed that)."""
+    monkeypatch.setattr(lending, "CHUNK", 64 * 1024)
+    a, b, c, d = nodes = _d_sent_to_a_relay(quad)
+    relay = _relay(d, nodes)
+    assert relay.cluster.replicas.lending.lent_early == 0
+    run([d], 0.1)  # d's lend is at the relay
+    monkeypatch.setattr(relay.cluster.links, "fresh", lambda node: node != "a")
+    relay.reads.over = True  # its reads ended; its loop has not looked yet
+    relay.step()  # d's lend, then the relay's look: its read thrown away
+    assert relay.cluster.replicas.lending.lent_early == 0
+    d.reads.over = True
+    monkeypatch.undo()
+    assert run(nodes, 5, lambda: _has(d, "w"))
+    assert d.cluster.replicas.pulls.done["lent"] == 1  # read once, from a
+
+
+def test_a_borrower_whose_relay_said_no_more_reads_from_the_owner_after_pull_wait(
+    quad: Callable[[str], Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The relay's last `more` is lost (a route dropped it while d's link reconnected): d's
+    read must not wait for it forever, its relay's pin held meanwhile. After PULL_WAIT
+    without a word it reads w from a."""
+    monkeypatch.setattr(lending, "CHUNK", 64 * 1024)
+    monkeypatch.setattr(pulls, "PULL_WAIT", 0.3)
+    a, b, c, d = nodes = _d_sent_to_a_relay(quad)
+    relay = _relay(d, nodes)
+    assert run(nodes, 3, lambda: relay.cluster.replicas.lending.lent_early == 1)
+    answer = relay.cluster.links.answer
+    monkeypatch.setattr(relay.cluster.links, "answer",
+                        lambda n, m: None if m.get("op") == "more" else answer(n, m))  # fmt: skip
+    for n in (b, c, d):
+        n.reads.over = True
+    assert run(nodes, 3, lambda: _has(b, "w") and _has(c, "w"))
+    assert run(nodes, 3, lambda: _has(d, "w")), [(p.source, p.cut) for p in _pulls(d, "w")]
+    assert run(nodes, 3, lambda: not relay.cluster.replicas.lending.loans)  # (d returned it)
