@@ -199,7 +199,8 @@ class Transfer:
             self.conn.leases.forget(put_id)
             raise
         what = f"put {label!r}" if key is not None else f"put to queue {label!r}"
-        sealed = self.writes.seal({"op": Op.SEAL, "put": put_id}, key, what, put_id, block)
+        seal = {"op": Op.SEAL, "put": put_id, **({} if key is not None else {"item": True})}
+        sealed = self.writes.seal(seal, key, what, put_id, block)
         return None if sealed is None else int(sealed["version"])
 
     def write_granted(self, plan: WritePlan, wait: float | None, block: bool) -> int | None:
@@ -360,9 +361,10 @@ class Transfer:
                 with contextlib.suppress(BrokerError):
                     self.conn.call(Op.ABORT, put=lease.id, keep=True)
             raise
-        sealed = self.writes.seal(
-            {"op": Op.SEAL, "put": lease.id, "keep": True}, fields.get("key"), label, None, True
-        )
+        seal = {"op": Op.SEAL, "put": lease.id, "keep": True}
+        if fields.get("key") is None:
+            seal["item"] = True  # (a queue item: Adoption.sealed_before)
+        sealed = self.writes.seal(seal, fields.get("key"), label, None, True)
         assert sealed is not None
         buffer.version = sealed["version"]
 

@@ -209,7 +209,7 @@ FIELDS: dict[str, dict[str, tuple[_Check, bool]]] = {
         "device": (check_device, False),
         "evictable": (_bool, False),
     },
-    Op.SEAL: {"put": (_int, True), "keep": (_bool, False)},
+    Op.SEAL: {"put": (_int, True), "keep": (_bool, False), "item": (_bool, False)},
     Op.ABORT: {"put": (_int, True), "keep": (_bool, False)},
     Op.GRANT: {"size": (_int, True), "device": (check_device, False)},
     Op.WRITE: {

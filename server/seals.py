@@ -39,7 +39,7 @@ class Seals:
 
     def seal(self, session: Session, route: bytes, req: Request) -> dict[str, Any]:
         put_id, keep = req.fields["put"], req.fields.get("keep", False)
-        done = self.adoption.sealed_before(session, put_id)
+        done = self.adoption.sealed_before(session, put_id, req.fields.get("item", False))
         if done is not None:  # sealed by the broker that died; its answer was lost
             return {"version": done[0]}
         queue = self.registry.pending_put(session, put_id, "seal").queue
@@ -49,7 +49,7 @@ class Seals:
 
     def write(self, session: Session, route: bytes, req: Request) -> dict[str, Any]:
         """A block granted ahead, written: sealed as a put of its key, or a queue item."""
-        done = self.adoption.sealed_before(session, req.fields["put"])
+        done = self.adoption.sealed_before(session, req.fields["put"], "queue" in req.fields)
         if done is not None:  # sealed by the broker that died; its answer was lost
             return {"version": done[0]}
         if "queue" in req.fields:
