@@ -139,16 +139,7 @@ class Lending:
             self._asked_at[node, pull, ask] = t
         pulling = self.pulling.get(key)
         if pulling is not None and key in self.index:
-            early = pulling.obj is not None and pulling.handle is not None
-            if (
-                not early
-                or pulling.size <= CHUNK
-                or pulling.cut
-                or pulling.suspect
-                or (
-                    pulling.handle.ready() >= pulling.size  # (all here: lent once sealed, pinned)
-                )
-            ):
+            if not pulling.lendable(CHUNK):
                 pulling.lends.append((node, pull, ask))  # lent once it is here
                 return
             try:  # lent now, read as it comes (Note [relays])
@@ -159,10 +150,8 @@ class Lending:
                 return
             pulling.partial.append((node, pull, ask))
             self.lent_early += 1
-            self.links.answer(node, {
-                "op": "lent", "pull": pull, "ask": ask, "version": pulling.version,
-                **self.links.ack(node), **where, "ready": pulling.handle.ready(),
-            })  # fmt: skip
+            where["ready"] = pulling.handle.ready()
+            self.links.answer(node, self._lent(node, pull, ask, pulling.version, where))
             return
         obj = self.registry.objects.get(key)
         if obj is not None and obj.events and not self.registry.devices.finished(obj.events[0]):
@@ -220,8 +209,15 @@ class Lending:
             self._lent_at[node, pull, ask] = self._asked_at.get((node, pull, ask), math.inf)
             self.bytes_sent += obj.nbytes
         self._asked_at.pop((node, pull, ask), None)
+        return self._lent(node, pull, ask, obj.version, offer)
+
+    def _lent(
+        self, node: str, pull: int, ask: int, version: int, offer: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The `lent` answer to lend `ask` of `node`'s pull `pull`: `version`, where its
+        bytes are (`offer`), for `node`'s incarnation as this broker knows it (Links.acked)."""
         return {
-            "op": "lent", "pull": pull, "ask": ask, "version": obj.version,
+            "op": "lent", "pull": pull, "ask": ask, "version": version,
             **self.links.ack(node), **offer,
         }  # fmt: skip
 

@@ -95,8 +95,8 @@ class Mover:
                         self._call(read)
                     elif self._post(read):
                         active.append(read)
-                    active = [r for r in active if not self._ended(r)]  # (each piece told)
                     read = self._new.get_nowait()
+                    active = [r for r in active if not self._ended(r)]  # (between posts)
             except queue.Empty:
                 pass
             active = [r for r in active if not self._ended(r)]

@@ -358,7 +358,6 @@ class Pulls:
         failed although no node went down (issue 50)."""
         if until is not None:
             w.request.fields["timeout"] = max(0.001, until - now)
-        w.request.fields["again"] = True  # (Replicas.get: no PULL_WAIT added)
         self.objects.lot.unpark(w)
         try:
             reply = self.objects.get(w.session, w.route, w.request)

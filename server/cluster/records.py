@@ -63,3 +63,11 @@ class Pull:
     waiters: list[Waiter] = field(default_factory=list)
     lends: list[tuple[str, int, int]] = field(default_factory=list)  # (node, pull id, ask)
     partial: list[tuple[str, int, int]] = field(default_factory=list)  # lent it meanwhile
+
+    def lendable(self, chunk: int) -> bool:
+        """Whether a relay lends this pull's replica while it reads it (Note [relays]): one
+        larger than `chunk`, read into its block, part of it still to come, and not to be
+        thrown away (else it is lent once sealed, and pinned)."""
+        if self.obj is None or self.handle is None or self.cut or self.suspect:
+            return False
+        return chunk < self.size and self.handle.ready() < self.size

@@ -103,9 +103,9 @@ class Replicas:
                 )
             self.lot.park(session, route, req, timeout, ("get", key), f"{down}, and stayed down")
             return True  # (its welcome lists the key again: `listed` pulls it for this get)
-        if "until" not in req.fields:  # its own deadline (a pull failed: Pulls._get_again)
+        again = "until" in req.fields  # a get whose pull failed (Pulls._get_again): its
+        if not again:  # own deadline kept, no PULL_WAIT added
             req.fields["until"] = None if timeout is None else time.monotonic() + timeout
-        again = req.fields.get("again", False)  # (until its deadline: Pulls._get_again)
         wait = None if timeout is None else timeout if again else max(timeout, PULL_WAIT)
         message = f"the pull of {key!r} from node {remote.node!r} did not end within {wait}s"
         w = self.lot.park(session, route, req, wait, ("get", key), message)

@@ -39,6 +39,12 @@ def _pulls(node: Node, key: str) -> list[records.Pull]:
     return [p for p in node.cluster.replicas.pulls.pulls.values() if p.key == key]
 
 
+def _all_end_with_w(nodes: list[Node], readers: tuple[Node, ...]) -> None:
+    """Every reader ends holding w (else: each node's pulls of it, source and ask)."""
+    held = lambda: all(_has(n, "w") for n in readers)  # noqa: E731
+    assert run(nodes, 5, held), {n.name: [(p.source, p.ask) for p in _pulls(n, "w")] for n in nodes}
+
+
 def _has(node: Node, key: str) -> bool:
     """Whether `node` holds a replica of `key`, its pull over."""
     return key in node.registry.objects and not _pulls(node, key)
@@ -59,8 +65,7 @@ def test_borrowers_that_throw_their_reads_away_are_lent_again_by_the_owner_not_e
         run([b, c], 0.2)
     assert [p.ask for n in (b, c) for p in _pulls(n, "w")] == [2, 2]  # read, thrown away
     d.reads.over = True
-    held = lambda: all(_has(n, "w") for n in (b, c, d))  # noqa: E731
-    assert run(nodes, 5, held), {n.name: [(p.source, p.ask) for p in _pulls(n, "w")] for n in nodes}
+    _all_end_with_w(nodes, (b, c, d))
 
 
 def test_a_pull_waiting_at_a_relay_longer_than_pull_wait_is_lent_by_the_owner(
@@ -122,8 +127,7 @@ def test_a_version_a_relay_lent_while_reading_and_threw_away_is_lent_by_the_owne
     assert _pulls(d, "w")[0].source == "a"  # asked of the owner, directly
     for n in (b, c):
         n.reads.over = True
-    held = lambda: all(_has(n, "w") for n in (b, c, d))  # noqa: E731
-    assert run(nodes, 5, held), {n.name: [(p.source, p.ask) for p in _pulls(n, "w")] for n in nodes}
+    _all_end_with_w(nodes, (b, c, d))
 
 
 def test_a_relay_whose_reads_all_ended_lends_only_once_it_sealed_and_a_cut_read_is_not_sealed(
