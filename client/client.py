@@ -222,8 +222,10 @@ class Client(Admin):
         applied them. A watcher that keeps up misses none; one that falls far behind (or
         whose broker restarted) gets KeyEvent("overflowed", None, None) and goes on from
         then. `timeout` bounds each wait for the next event (then Timeout); None waits as
-        long as it takes. Where "now" is, is fixed before this returns. An eviction is a
-        "delete"; `watch` of one key sees deletes too (it yields None)."""
+        long as it takes. Where "now" is, is fixed before this returns; in a cluster, the
+        puts on other nodes come from when they heard of the prefix (one trip after the
+        first `watch_prefix` of it on this node). An eviction is a "delete"; `watch` of one
+        key sees deletes too (it yields None)."""
         timeout, wait = waits(timeout)
         start = self._call(Op.WATCH_PREFIX, prefix=prefix)
 

@@ -32,7 +32,7 @@ def op_table(
         Op.QCREDIT: queues.slots.credit,
         Op.GET: objects.get,
         Op.WAIT: objects.wait,
-        Op.WATCH_PREFIX: objects.events.watch,
+        Op.WATCH_PREFIX: objects.watch_prefix,
         Op.DELETE: objects.delete,
         Op.EXISTS: objects.exists,
         Op.KEYS: objects.keys,

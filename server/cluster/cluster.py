@@ -7,7 +7,8 @@ Note [cluster]
     broker A (node a)                                   broker B (node b)
     ROUTER at --cluster  <──── DEALER ── hello(b, agent metadata, b's keys)
                          ──── welcome(a, agent metadata, a's keys) ───>  (and beats both ways)
-    a put sealed on A  ── announce(k, version) ─> every peer: B's index says k lives on a
+    a put sealed on A  ── announce(k, version) ─> every peer if k is new on A, else the
+                          peers that follow k (Note [follows]): B's index says k lives on a
                           (the puts of ANNOUNCE_EVERY in one message, each key's last)
                           (and keys(all of A's) to a peer as it comes up, in case a put
                           came between A's hello and the peer's welcome)
@@ -292,6 +293,10 @@ class Cluster:
                 self.transfers.add_peer(node, bytes(m["agent"]), m.get("agent_v"))
             elif op == "keys":
                 replicas.welcome(node, m["keys"])
+            elif op == "follow":
+                replicas.lending.follow(
+                    node, m.get("keys", []), m.get("prefixes", []), m.get("prefetch", 0)
+                )
             elif op == "lend":
                 pull, direct, ask = int(m["pull"]), bool(m.get("direct")), int(m.get("ask", 0))
                 replicas.lending.lend(node, pull, str(m["key"]), direct, ask, m.get("t"))
@@ -300,33 +305,9 @@ class Cluster:
             elif op == "delete":
                 replicas.deleted(node, str(m["key"]))
             elif op.startswith("q") or op in ("want", "subs"):
-                self._queue_request(node, op, m)
+                self.queues.request(node, op, m)
         except (KeyError, TypeError, ValueError, BrokerError) as exc:
             log.warning("a cluster message %r from %r could not be used: %s", op, route, exc)
-
-    def _queue_request(self, node: str, op: str, m: dict[str, Any]) -> None:
-        """The messages of queues across nodes (Note [queues across nodes])."""
-        links, name = self.queues, str(m.get("queue", ""))
-        if op in ("want", "subs"):
-            links.want(node, name, int(m["n"]), op)
-        elif op == "qitem":
-            links.arrivals.arrived(node, m)
-        elif op in ("qtaken", "qback") and m.get("of") != self.links.incarnation:
-            return  # about a loan of the broker this one replaced (loan ids are its own)
-        elif op == "qtaken":
-            links.taken(node, int(m["loan"]))
-        elif op == "qback":
-            links.back(node, int(m["loan"]))
-        elif op == "qclose":
-            links.close_from(node, name)
-        elif op == "qremove":
-            q = links.queues.by_name.get(name)
-            if q is not None:
-                links.queues.remove_part(q)
-        elif op == "qleft":
-            links.left(node, name)
-        elif op == "qhas":
-            links.has(node, name, int(m["left"]))
 
     def _hello(self, op: str = "hello", to: str | None = None) -> dict[str, Any]:
         """This broker, its address, its agent, and the keys it holds (not its replicas);
@@ -369,6 +350,9 @@ class Cluster:
                 # What this node holds now, again: a put sealed while the peer was not up
                 # yet here was announced to the others only (its hello went before it).
                 self.links.send_to(peer, {"op": "keys", "keys": self.replicas.own()})
+                follows = self.replicas.follows(node)  # (Note [follows] in follows.py)
+                if follows is not None:
+                    self.links.send_to(peer, follows)
                 # A beat at once: its answer makes the node `fresh` (its offers readable)
                 # now, not a beat from now.
                 self.links.send_to(peer, {"op": "beat", "t": time.monotonic()})
@@ -436,7 +420,7 @@ class Cluster:
             "items_lent": len(self.queues.loans),
             "offered": len(r.lending.offered), "offers_held": len(r.held),
             "pulled": dict(r.pulls.done), "prefetched": r.prefetched,
-            "lent_early": r.lending.lent_early,
+            "lent_early": r.lending.lent_early, "followers": len(r.lending.followers),
         }  # fmt: skip
 
     def close(self) -> None:

@@ -37,6 +37,7 @@ from typing import Any
 
 from ..store.records import StoredObject
 from ..store.registry import Registry
+from .follows import Followers
 from .offers import Lent
 from .records import Links, Pull, Remote
 from .transfers import CHUNK, Transfers
@@ -64,6 +65,7 @@ class Lending:
         self._asked_at: dict[tuple[str, int, int], float] = {}  # asked, not yet lent
         self._lent_at: dict[tuple[str, int, int], float] = {}  # lent
         self.offered = Lent(registry)
+        self.followers = Followers()  # who hears of which versions (Note [follows])
         self._lent_to: dict[str, tuple[int, list[str]]] = {}  # key -> (version, borrowers)
         self.announcing: list[tuple[str, int]] = []  # sent after the loop's replies (`flush`)
         self._announced_at = -math.inf  # when the last batch went
@@ -75,7 +77,8 @@ class Lending:
     # -- announcements ---------------------------------------------------------------------------
 
     def announce(self, key: str, version: int) -> None:
-        """`key` sealed here at `version` (0: deleted): every peer is told, once this loop's
+        """`key` sealed here at `version` (0: deleted): the peers are told (its claim and
+        delete, every peer; a later version, its followers: Note [follows]), once this loop's
         replies are out (a put's reply does not wait for the messages to its peers)."""
         self.announcing.append((key, version))
 
@@ -101,11 +104,13 @@ class Lending:
             latest.setdefault(key, version)
             if version:
                 put.setdefault(key, version)
-        entries: list[list[Any]] = []
-        offered = []
+        everyone: list[list[Any]] = []  # claims and deletes (Note [follows])
+        followers: dict[str, list[list[Any]]] = {}  # node -> the versions it follows
+        offered: list[tuple[StoredObject, set[str] | None]] = []  # (None: told everyone)
         for key, version in reversed(latest.items()):
             if not version:  # deleted (the version it put and deleted since: it beat others')
-                entries.append([key, 0, 0, None, put.get(key, 0)])
+                everyone.append([key, 0, 0, None, put.get(key, 0)])
+                self.followers.drop(key)
                 continue
             obj = self.registry.objects.get(key)
             size = 0 if obj is None else int(obj.nbytes)
@@ -113,17 +118,31 @@ class Lending:
             try:
                 if obj is not None and obj.version == version and self.offered.offerable(obj):
                     offer = self.transfers.offer(obj, agent=False)
-                    offered.append(obj)
             except Exception as exc:  # (its segment could not be registered): lent when asked
                 log.warning("could not offer %r with its announcement: %s", key, exc)
-            entries.append([key, version, size, offer])
+            entry = [key, version, size, offer]
+            if key not in self.followers.claimed:
+                self.followers.claimed.add(key)
+                everyone.append(entry)
+                to = None
+            else:
+                to = self.followers.of(key, size)
+                for node in to:
+                    followers.setdefault(node, []).append(entry)
+            if offer is not None:
+                offered.append((obj, to))  # type: ignore[arg-type]
         links = self.links  # (the offers say which incarnation of their receiver they are
-        told = {  # for, and how often this broker knows it forgot this one: Links.acked)
-            n for n in links.nodes() if links.up(n)
-            and links.send(n, {"op": "announce", "keys": entries, **links.ack(n)})
-        }  # fmt: skip
-        for obj in offered:
-            self.offered.pin(obj, told)
+        told = set()  # for, and how often this broker knows it forgot this one: Links.acked)
+        for n in links.nodes():
+            entries = everyone + followers.get(n, [])
+            if (
+                entries
+                and links.up(n)
+                and links.send(n, {"op": "announce", "keys": entries, **links.ack(n)})
+            ):
+                told.add(n)
+        for obj, to in offered:
+            self.offered.pin(obj, told if to is None else told & to)
 
     # -- loans -----------------------------------------------------------------------------------
 
@@ -173,6 +192,7 @@ class Lending:
             self.links.answer(node, answer)
             return
         if key not in self.index:  # this node's own: its bytes go out FANOUT times at most
+            self.followers.follow(node, key)  # (and `node` hears of its next versions)
             version, borrowers = self._lent_to.get(key, (0, []))
             if version != obj.version:
                 version, borrowers = obj.version, []
@@ -255,6 +275,30 @@ class Lending:
     def offer_read(self, node: str, key: str, version: int) -> None:
         """`node` read the version of `key` offered to it (its bytes are counted as sent)."""
         self.bytes_sent += self.offered.size(node, key, version)
+        if key not in self.index and key in self.registry.objects:  # a replica there now
+            self.followers.follow(node, key)
+
+    def follow(self, node: str, keys: list[Any], prefixes: list[Any], prefetch: int = 0) -> None:
+        """`node` follows these keys ([[key, the version it heard of], ...]), prefixes and
+        versions of at most `prefetch` bytes (Note [follows]): told at once of the version of
+        a key here newer than it heard of."""
+        self.followers.follow_prefixes(node, [str(p) for p in prefixes], int(prefetch))
+        newer = []
+        for key, heard in keys:
+            obj = self.registry.objects.get(key)
+            if obj is None or key in self.index or key in self.pulling:
+                continue  # not this node's (its owner's claim reached `node`, or will)
+            self.followers.follow(node, key)
+            if obj.version > heard:
+                newer.append([key, obj.version, int(obj.nbytes), None])
+        if newer:
+            self.links.send(node, {"op": "announce", "keys": newer, **self.links.ack(node)})
+
+    def claim_again(self, key: str, version: int) -> None:
+        """A node claimed `key` with a version that loses to this node's `version`: every
+        node is told of this one again (Note [follows]), so all converge on it."""
+        self.followers.claimed.discard(key)
+        self.announce(key, version)
 
     def offers_back(self, node: str, offers: list[Any]) -> None:
         """`node` gave back these offers ([[key, version], ...]): unpinned once all did."""
@@ -270,6 +314,7 @@ class Lending:
             del self._asked_at[asked]
         self.unwritten = [u for u in self.unwritten if u[0] != node]
         self.offered.let_go(node)
+        self.followers.let_go(node)
         for pull in self.pulling.values():  # its pulls waiting here for a replica: forgotten
             pull.lends = [lend for lend in pull.lends if lend[0] != node]
             pull.partial = [lend for lend in pull.partial if lend[0] != node]

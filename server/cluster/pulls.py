@@ -7,7 +7,7 @@ replica, which answers the gets that wait for it. replicas.py says which are wan
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ...common.errors import BrokerError, InvalidRequest, NotFound, PeerUnavailable
@@ -32,7 +32,7 @@ class Pulls:
 
     def __init__(
         self, node: str, objects: Objects, transfers: Transfers, links: Links,
-        index: Mapping[str, Remote], held: Held, listed: Callable[[str, str, int, int], None],
+        index: dict[str, Remote], held: Held, listed: Callable[[str, str, int, int], None],
         loan: Callable[[str, int, StoredObject, int], dict[str, Any]],
     ) -> None:  # fmt: skip
         self.node, self.objects, self.registry = node, objects, objects.registry
@@ -198,7 +198,12 @@ class Pulls:
             else:
                 self._fail(pull, gone)
             return
-        self._take(pull, m, int(m["version"]))
+        version, remote = int(m["version"]), self.index.get(pull.key)
+        if remote is not None and remote.node == pull.node and remote.version < version:
+            # A version this node was not told of (it did not follow the key: Note [follows])
+            self.index[pull.key] = remote._replace(version=version)
+            self.registry.seen_version(pull.key, version)
+        self._take(pull, m, version)
 
     def _take(self, pull: Pull, m: dict[str, Any], version: int) -> None:
         """Start reading `version`, lent or offered (`m`), into a block of a replica's."""

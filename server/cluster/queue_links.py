@@ -174,6 +174,30 @@ class QueueLinks:
             self._said[op, q.name] = n
             self.links.everyone_after({"op": op, "queue": q.name, "n": n})
 
+    def request(self, node: str, op: str, m: dict[str, Any]) -> None:
+        """A message of `node`'s about queues (Note [queues across nodes])."""
+        name = str(m.get("queue", ""))
+        if op in ("want", "subs"):
+            self.want(node, name, int(m["n"]), op)
+        elif op == "qitem":
+            self.arrivals.arrived(node, m)
+        elif op in ("qtaken", "qback") and m.get("of") != self.links.incarnation:
+            return  # about a loan of the broker this one replaced (loan ids are its own)
+        elif op == "qtaken":
+            self.taken(node, int(m["loan"]))
+        elif op == "qback":
+            self.back(node, int(m["loan"]))
+        elif op == "qclose":
+            self.close_from(node, name)
+        elif op == "qremove":
+            q = self.queues.by_name.get(name)
+            if q is not None:
+                self.queues.remove_part(q)
+        elif op == "qleft":
+            self.left(node, name)
+        elif op == "qhas":
+            self.has(node, name, int(m["left"]))
+
     def want(self, node: str, name: str, n: int, op: str = "want") -> None:
         """`node` has `n` consumers waiting in its part of `name` (or, op "subs", `n`
         subscribers of broadcast queue `name`)."""

@@ -62,6 +62,10 @@ class Replicas:
         )  # fmt: skip
         self.session, self._pulling = self.pulls.session, self.pulls.pulling
         self.lending = Lending(node, self.registry, transfers, links, self.index, self._pulling)
+        # What this node follows (Note [follows] in follows.py): keys where a get or watch
+        # waited (key -> the node asked), besides those it holds replicas of; and prefixes.
+        self.following: dict[str, str] = {}
+        self.prefixes: set[str] = set()
 
     # -- what Objects asks (the Elsewhere protocol) ----------------------------------------------
 
@@ -72,6 +76,7 @@ class Replicas:
         if version:
             self.index.pop(key, None)  # put here: this node holds it now
             self.held.drop(key)
+            self.following.pop(key, None)
         self.lending.announce(key, version)
 
     def flush(self) -> None:
@@ -92,6 +97,8 @@ class Replicas:
         key, after = req.fields["key"], req.fields.get("after", 0)
         remote = self.index.get(key)
         if remote is None or remote.version <= after:
+            if remote is not None:  # it waits for a version: its owner tells this node
+                self._follow(key, remote)
             return False
         timeout = req.fields.get("timeout", 0.0)
         if not self.links.up(remote.node):  # a get that may wait, waits for it to be back
@@ -114,6 +121,33 @@ class Replicas:
 
     def keys(self) -> list[str]:
         return list(self.index)
+
+    def follow_prefix(self, prefix: str) -> None:
+        """`watch_prefix` was asked for `prefix` here: every node tells this one of each
+        version of its keys under it, from when it hears (Note [follows])."""
+        if not any(prefix.startswith(p) for p in self.prefixes):
+            self.prefixes.add(prefix)
+            self.links.everyone({"op": "follow", "keys": [], "prefixes": [prefix]})
+
+    def follows(self, node: str) -> dict[str, Any] | None:
+        """What this node follows of `node`'s, to tell it again (it came up, or forgot this
+        node): the keys of its that a get or watch waited for here, those held here as
+        replicas, the prefixes, and the small versions prefetched. None if nothing."""
+        keys = [
+            [k, r.version] for k, r in self.index.items()
+            if r.node == node and (k in self.following or k in self.registry.objects)
+        ]  # fmt: skip
+        if not keys and not self.prefixes and not self.prefetch:
+            return None
+        prefixes = sorted(self.prefixes)
+        return {"op": "follow", "keys": keys, "prefixes": prefixes, "prefetch": self.prefetch}
+
+    def _follow(self, key: str, remote: Remote) -> None:
+        if self.following.get(key) != remote.node:
+            self.following[key] = remote.node
+            self.links.send(
+                remote.node, {"op": "follow", "keys": [[key, remote.version]], "prefixes": []}
+            )
 
     def where(self) -> Mapping[str, tuple[str, int, int]]:
         """The other nodes' keys: key -> (node, version, size), a view (no copy: `list`
@@ -185,6 +219,8 @@ class Replicas:
         ):
             if offer is not None:  # a version that lost here: its offer is not wanted
                 self.held.refuse(node, key, version)
+            if mine:  # a claim that loses to this node's version: all are told of this one
+                self.lending.claim_again(key, here.version)  # type: ignore[union-attr]
             return
         self.index[key] = Remote(node, version, size)
         if offer is not None:
@@ -197,6 +233,10 @@ class Replicas:
         stale = known is not None and (known.node != node or known.version < version)
         if here is not None and (mine or stale):  # a put that lost, or a replica of a loser's
             self.registry.delete(key)
+        if mine:
+            self.lending.followers.drop(key)  # (its followers follow it on `node` now)
+        if key in self.following and self.following[key] != node:
+            self._follow(key, Remote(node, version, size))
         # Gets and watches waiting for a version: pulled now. So is the new version of a key
         # read here before (a weight-sync reader does not pay the pull at its next get), and
         # a small version offered (Note [prefetch]).
@@ -219,6 +259,7 @@ class Replicas:
         are told; else it would pass for a put of this node's)."""
         version = self.index.pop(key).version
         self.held.drop(key)
+        self.following.pop(key, None)
         if key in self.registry.objects and key not in self._pulling:
             self.objects.forget(key)
         else:
@@ -234,3 +275,6 @@ class Replicas:
         self.lending.let_go(node)
         self.held.forget(node)
         self.pulls.forget(node)
+        follows = self.follows(node)  # (it forgot what this node follows, or will)
+        if follows is not None and self.links.up(node):
+            self.links.send(node, follows)

@@ -164,6 +164,71 @@ def test_a_newer_version_replaces_the_replica(clients: dict[str, tb.Client]) -> 
     del first
 
 
+def _listed(c: tb.Client, key: str) -> int:
+    """The version of `key` that `c`'s node lists (heard of), 0 if none."""
+    rows = [o for o in c.list_objects(key) if o["key"] == key]
+    return int(rows[0]["version"]) if rows else 0
+
+
+def test_only_the_nodes_that_follow_a_key_hear_of_its_versions_after_the_first(
+    clients: dict[str, tb.Client],
+) -> None:
+    """Note [follows]: a key's first version reaches every node; the next ones, the nodes
+    that read it; a first get elsewhere reads the newest, and follows it from then on."""
+    a, b, c = clients["a"], clients["b"], clients["c"]
+    big = 20_000  # float64s: above the nodes' --prefetch 64KiB (those follow small versions)
+    a.put("fol/k", np.zeros(big))
+    assert wait_until(lambda: b.exists("fol/k") and c.exists("fol/k"), 5)
+    assert b.get("fol/k").version == 1  # b reads it: b follows it
+    for v in range(2, 6):
+        a.put("fol/k", np.full(big, v, np.float64))
+    assert wait_until(lambda: _listed(b, "fol/k") == 5, 5)
+    time.sleep(0.2)  # (c would have been told with b)
+    assert _listed(c, "fol/k") == 1, "a node that follows nothing of a key heard of its version"
+    got = c.get("fol/k")
+    assert got.version == 5 and (got.numpy() == 5).all()  # lent the version of now
+    assert _listed(c, "fol/k") == 5
+    a.put("fol/k", np.full(big, 6, np.float64))
+    assert wait_until(lambda: _listed(c, "fol/k") == 6, 5)  # c follows it now
+    del got
+
+
+def test_watch_prefix_hears_every_version_under_its_prefix_put_on_other_nodes(
+    clients: dict[str, tb.Client],
+) -> None:
+    a, c = clients["a"], clients["c"]
+    """A key's versions after its first reach a node where `watch_prefix` asked for its
+    prefix (Note [follows]): each is an event there."""
+    events = c.watch_prefix("wpf/", timeout=10)
+    time.sleep(0.3)  # (one trip: the other nodes hear that c follows the prefix)
+    for v in range(1, 4):  # (puts within 1 ms go as one announcement: the last of them)
+        a.put("wpf/x", np.zeros(20_000))  # (above --prefetch: c follows the prefix)
+        e = next(events)
+        assert (e.event, e.key, e.version) == ("put", "wpf/x", v)
+
+
+def test_a_claim_that_loses_to_a_version_its_node_never_heard_of_converges_on_that_version(
+    clients: dict[str, tb.Client],
+) -> None:
+    """c heard of a's first version of k only (it follows nothing of it); its put of k
+    (version 2) loses to a's version 4: every node converges on a's (Note [follows])."""
+    a, b, c = clients["a"], clients["b"], clients["c"]
+    big = 20_000  # float64s: above the nodes' --prefetch 64KiB (those follow small versions)
+    a.put("claim/k", np.zeros(big))
+    assert wait_until(lambda: c.exists("claim/k"), 5)
+    for v in range(2, 5):
+        a.put("claim/k", np.full(big, v, np.float64))
+    assert c.put("claim/k", np.full(big, -1.0)) == 2
+
+    def agreed() -> bool:
+        return all(
+            cl.get("claim/k").version == 4 and cl.get("claim/k").numpy()[0] == 4.0
+            for cl in (a, b, c)
+        )
+
+    assert wait_until(agreed, 10), {n: cl.get("claim/k").version for n, cl in clients.items()}
+
+
 def _version_seen(c: tb.Client, key: str) -> int:
     try:
         return int(c.get(key).version)

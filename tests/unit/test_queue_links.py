@@ -215,9 +215,9 @@ def test_a_qtaken_for_a_loan_of_the_lenders_last_incarnation_is_ignored(
     one replaced must not free the item this one lent under the same id."""
     a, b = _lent_to_b(pair)
     ((node, loan),) = a.cluster.queues.loans
-    a.cluster._queue_request(node, "qtaken", {"loan": loan, "of": a.cluster.links.incarnation - 1})
+    a.cluster.queues.request(node, "qtaken", {"loan": loan, "of": a.cluster.links.incarnation - 1})
     assert a.cluster.queues.loans
-    a.cluster._queue_request(node, "qtaken", {"loan": loan, "of": a.cluster.links.incarnation})
+    a.cluster.queues.request(node, "qtaken", {"loan": loan, "of": a.cluster.links.incarnation})
     assert not a.cluster.queues.loans
 
 
