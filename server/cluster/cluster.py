@@ -29,7 +29,7 @@ entry goes, whatever its beats say.
 ZeroMQ carries only these control messages (msgpack, never pickle); the bytes go through NIXL
 (transfers.py). Each direction of a pair talks over the link its sender opened: requests
 (hello, beats, lend, returned, key) go out on this broker's DEALER to the peer, answers
-(welcome, beat, lent) come back on it. A peer heard from within DOWN_AFTER seconds is up; a
+(welcome, beat, lent) come back on it. A peer heard from within `down_after` seconds is up (Note [beats] in links.py); a
 peer that restarts gets this broker's hello again (its DEALER keeps trying; a broker that
 gets a message from a link that has not said hello answers `hello_first`) and its keys are
 listed again from its welcome. A peer that goes down: its keys raise PeerUnavailable, the
@@ -71,7 +71,7 @@ from ..store.devices import RECLAIM_POLL, DeviceChunk
 from ..store.objects import Objects
 from ..store.parking import ParkingLot
 from .joining import Joining as Joining  # (the broker takes it from here)
-from .links import BEAT, DOWN_AFTER, Links, Peer
+from .links import BEAT, Links, Peer
 from .membership import Member, Membership
 from .queue_links import QueueLinks
 from .replicas import Replicas
@@ -114,11 +114,12 @@ class Cluster:
         poller.register(transfers.fd, zmq.POLLIN)
         self.replicas = Replicas(self.node, objects, lot, transfers, links, joining.prefetch)
         self.queues = QueueLinks(self.node, queues, transfers, links, self.replicas.session)
-        self._next_beat = 0.0
+        self._next_tick = self._next_beat = 0.0
         self.membership: Membership | None = None
         if joining.etcd:  # (its threads start with `start`, once the broker has bound)
             record = {"address": self.address, "incarnation": links.incarnation}
             self.membership = Membership(joining.etcd, joining.etcd_prefix, self.node, record)
+            links.lease_until = lambda: self.membership.alive_until  # type: ignore[union-attr]
             poller.register(self.membership.fd, zmq.POLLIN)
             fds.add(self.membership.fd)
         self.sockets = Watched(links.sockets, fds)  # (a peer linked to later: in links.sockets)
@@ -218,16 +219,22 @@ class Cluster:
                     self._down(peer)
 
     def tick(self, now: float) -> None:
-        """Beats and hellos, peers gone quiet, and reads that ended."""
+        """Beats (Note [beats] in links.py) and hellos, peers gone quiet, and reads that
+        ended."""
         try:
-            if now >= self._next_beat:
-                self._next_beat = now + BEAT
+            if now >= self._next_tick:
+                self._next_tick, links = now + BEAT, self.links
+                beat = now >= self._next_beat
+                if beat:
+                    self._next_beat = now + links.beat
                 pulls = list(self.replicas.pulls.pulls)  # (loans of others: Lending.open_pulls)
                 for peer in self.peers:
-                    if peer.up and now - peer.heard > DOWN_AFTER:
+                    if peer.up and now - peer.heard > links.down_after:
                         self._down(peer)
-                    beat = {"op": "beat", "t": now, "pulls": pulls}
-                    self.links.send_to(peer, beat if peer.up else self._hello(to=peer.node))
+                    if not peer.up:
+                        links.send_to(peer, self._hello(to=peer.node))
+                    elif beat:
+                        links.send_to(peer, {"op": "beat", "t": now, "pulls": pulls})
                 self.queues.beat()
             self.replicas.pulls.poll(now)
             self.queues.poll()
@@ -274,7 +281,8 @@ class Cluster:
             elif op == "beat":  # its answer: when this broker last heard it (links.py, `kept`)
                 replicas.lending.open_pulls(node, m.get("pulls"), m.get("t"))
                 heard, forgot = links.heard_ago(node), links.forgot.get(node, 0)
-                answer = {"op": "beat", "t": m.get("t"), "heard_ago": heard, "forgot": forgot}
+                answer = {"op": "beat", "t": m.get("t"), "heard_ago": heard, "forgot": forgot,
+                          "down_after": links.down_after}  # fmt: skip
                 links.reply(route, {**answer, "incarnation": links.incarnation})
             elif op == "announce":
                 acked = links.acked(node, m)
@@ -379,7 +387,7 @@ class Cluster:
                 if same is False:  # it forgot this one: forgotten too
                     self._forget_node(peer.node, mutual=True)
                 elif same:
-                    self.links.kept(peer.node, m.get("t"), m.get("heard_ago"))
+                    self.links.kept(peer.node, m.get("t"), m.get("heard_ago"), m.get("down_after"))
         except (KeyError, TypeError, ValueError, BrokerError, OSError) as exc:
             log.warning("a cluster answer %r from %s could not be used: %s", op, peer.address, exc)
 

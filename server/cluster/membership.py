@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 TTL = 3  # seconds: a broker that died is gone from etcd this long after its last renewal
 START_WAIT = 10.0  # seconds a starting broker waits for an etcd that is there but slow
+LEASE_MARGIN = 0.5  # seconds: a lease renewed at t is taken to run until t + TTL less this
 
 
 class NodeTaken(InvalidRequest):
@@ -67,6 +68,7 @@ class Membership:
         self._stop = threading.Event()
         self._streams: list[socket.socket] = []  # the watch's, shut to end it
         self._lease = 0
+        self.alive_until = 0.0  # (monotonic) this broker's lease surely runs until then
         self._watching = ""  # the member the watch's stream is on
         self._present: set[str] = set()  # the other nodes in etcd (the watch's thread's)
         self._threads: list[threading.Thread] = []
@@ -132,6 +134,7 @@ class Membership:
         An entry of this node at another address (a broker restarted elsewhere, its old
         lease not expired yet) is waited for to go, up to TTL + 1 s; NodeTaken if it stays
         (another broker serves this --node and renews it)."""
+        asked = time.monotonic()
         lease = etcd.grant(TTL)
         deadline = time.monotonic() + TTL + 1.0
         while True:
@@ -153,6 +156,7 @@ class Membership:
                 )
             time.sleep(0.2)
         self._lease = lease
+        self.alive_until = asked + TTL - LEASE_MARGIN
 
     def _keep(self, first: int) -> None:
         """Renew the lease every TTL/3 seconds, each call given TTL/3 seconds a member (then
@@ -162,7 +166,10 @@ class Membership:
         etcd, unreachable = Etcd(self.urls, timeout=TTL / 3, first=first), False
         while not self._stop.wait(TTL / 3):
             try:
-                if not etcd.keep_alive(self._lease) and not self._stop.is_set():
+                asked = time.monotonic()
+                if etcd.keep_alive(self._lease):
+                    self.alive_until = asked + TTL - LEASE_MARGIN
+                elif not self._stop.is_set():
                     log.warning("cluster: this broker's lease in etcd expired; joining again")
                     self._register(etcd)
                 if unreachable:

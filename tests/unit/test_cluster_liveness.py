@@ -302,7 +302,7 @@ def test_a_beat_held_up_on_a_second_link_does_not_unpin_a_loan_being_read(
         return send_to(peer, message)
 
     links.send_to = stalled  # type: ignore[method-assign]
-    b.cluster._next_beat = 0.0
+    b.cluster._next_tick = b.cluster._next_beat = 0.0
     b.step()  # a beat on each link, no pull open; the second's held up
     assert held and held[-1]["pulls"] == []
     assert b.get("k")

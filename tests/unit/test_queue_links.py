@@ -232,7 +232,7 @@ def test_an_item_lent_to_a_restarted_node_before_it_knew_the_lenders_route_is_no
     a.queue_put("q", 4096)
     b.close()
     b = pair("b")
-    a.cluster._next_beat = time.monotonic() + 0.5  # a just beat: its next is BEAT away
+    a.cluster._next_tick = time.monotonic() + 0.5  # a just beat: its next is BEAT away
     assert run([a, b], 3, lambda: b.up("a"))
     b.cluster.queues.asked(b.queue("q"))
     assert run([a, b], 1, lambda: bool(a.cluster.queues.loans))
