@@ -29,9 +29,10 @@ entry goes, whatever its beats say.
 ZeroMQ carries only these control messages (msgpack, never pickle); the bytes go through NIXL
 (transfers.py). Each direction of a pair talks over the link its sender opened: requests
 (hello, beats, lend, returned, key) go out on this broker's DEALER to the peer, answers
-(welcome, beat, lent) come back on it. A peer heard from within `down_after` seconds is up (Note [beats] in links.py); a
-peer that restarts gets this broker's hello again (its DEALER keeps trying; a broker that
-gets a message from a link that has not said hello answers `hello_first`) and its keys are
+(welcome, beat, lent) come back on it. A peer heard from within `down_after` seconds is
+up (Note [beats] in links.py); a peer that restarts gets this broker's hello again (its
+DEALER keeps trying; a broker that gets a message from a link that has not said hello
+answers `hello_first`) and its keys are
 listed again from its welcome. A peer that goes down: its keys raise PeerUnavailable, the
 replicas pulled from it stay readable, its loans here are unpinned. A `lent` carries the
 lender's agent metadata of now: NIXL learns a peer's registered memory from its metadata
