@@ -1,20 +1,27 @@
 """Where the cluster's control plane stops scaling: a model of each node's CPU, from per-message
 costs measured on the 2-core VM, at N = 10, 100 and 1,000 nodes. No brokers run.
 
-Measured (bench/results/scaling.md, 2026-12-02; the idle figures by thread, /proc):
-    ANNOUNCE_US   CPU a node spends on one announcement of another node's put: the other
-                  brokers' CPU per put over N - 1 (333/3, 867/7 and 1767/15 us: about 115)
+Measured (bench/results/scaling.md, 2026-12-02 05:03, 4 KiB puts; idle by /proc):
+    CLAIM_US      CPU a node spends hearing of a key new on another node (its claim, with
+                  its offer): the other brokers' CPU per put of a new key over N - 1
+                  (115/3, 639/7 and 2474/15 us: 38 to 165; the largest taken)
+    FOLLOW_US     CPU a follower spends on a new version of a key it follows (an
+                  announcement, then its read: 115 us before Note [follows], when every node
+                  heard every put)
     SEND_US       the putting broker's extra CPU per peer told (the put's median grew from
-                  276 to 585 us between a lone broker and 16: about 20 us a peer)
-    BEAT_US       the loop's idle CPU per peer a second (beats both ways): 0.2% of a core
-                  with 3 peers, 0.6% with 15: about 350 us a second a peer
-    PROGRESS_PCT  NIXL's progress thread, whatever N: about 2% of a core
-    LONE_PUT_US   a put on a lone broker (185-276 us in those runs)
+                  276 to 585 us between a lone broker and 16 when every put went to all:
+                  about 20 us a peer)
+    BEAT_US       idle CPU per peer a second (beats every 2 s with etcd): 0.35% of a core
+                  at 4 brokers, 0.44% at 16: about 75 us a second a peer
+    PROGRESS_PCT  the rest of idle (NIXL's progress thread, the loop): about 0.33%
+    LONE_PUT_US   a put on a lone broker (182 us in that run)
 
-The workload: each node puts P versions a second to keys no other node reads. Today every
-put is announced to every node (Note [cluster]); with a directory (the next step, issue 50)
-a put tells its key's home node only, and beats give way to etcd's lease: both modelled.
-Usage: python bench/simulate.py [--out FILE]
+The workload: each node puts P versions a second; a fraction `new` of them are of keys new
+on that node (the rest new versions of keys it put before), and each key has F followers on
+other nodes (Note [follows]: readers, watchers). Modelled: before Note [follows] (every put
+told to every node, beats every 0.5 s: the costs measured then), now, and with a directory
+(a key's claim told to its home node only: not built). Usage: python bench/simulate.py
+[--out FILE]
 """
 
 from __future__ import annotations
@@ -27,60 +34,84 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 from harness.report import emit  # noqa: E402
 
-ANNOUNCE_US = 115.0
+CLAIM_US = 165.0
+FOLLOW_US = 115.0
 SEND_US = 20.0
-BEAT_US = 350.0
-PROGRESS_PCT = 2.0
-LONE_PUT_US = 230.0
+BEAT_US = 75.0
+PROGRESS_PCT = 0.33
+LONE_PUT_US = 182.0
+BEFORE_BEAT_US, BEFORE_PROGRESS_PCT = 350.0, 2.0  # (measured 2026-12-01/02, before)
 NODES = (10, 100, 1000)
 PUTS = (10, 100, 1000)
 
 
-def today(n: int, puts: float) -> float:
-    """A node's CPU, in % of a core: its own puts, announcing each to N - 1 peers, the N - 1
-    peers' puts announced to it, beats with each peer, NIXL's progress thread."""
+def before(n: int, puts: float) -> float:
+    """A node's CPU, in % of a core, when every put was told to every node."""
     own = puts * (LONE_PUT_US + SEND_US * (n - 1))
-    heard = (n - 1) * puts * ANNOUNCE_US
+    heard = (n - 1) * puts * FOLLOW_US
+    return (own + heard + BEFORE_BEAT_US * (n - 1)) / 1e4 + BEFORE_PROGRESS_PCT
+
+
+def now(n: int, puts: float, new: float, followers: int = 1) -> float:
+    """Now (Note [follows]): a new key's claim goes to every node, a new version of a key to
+    its `followers`; this node hears the claims of the N - 1 others and, on average, as many
+    followed versions as it sends."""
+    told = new * (n - 1) + (1 - new) * followers
+    own = puts * (LONE_PUT_US + SEND_US * told)
+    heard = puts * (new * (n - 1) * CLAIM_US + (1 - new) * followers * FOLLOW_US)
     return (own + heard + BEAT_US * (n - 1)) / 1e4 + PROGRESS_PCT
 
 
-def directory(n: int, puts: float) -> float:
-    """The same with a home node per key: a put tells one node (this one is home to 1/N of
-    all keys: it hears as many announcements as it makes, on average), no beats."""
-    own = puts * (LONE_PUT_US + SEND_US)
-    heard = puts * ANNOUNCE_US
+def directory(n: int, puts: float, new: float, followers: int = 1) -> float:
+    """With a home node per key (not built): a claim goes to one node, the home (which hears,
+    on average, as many as it makes), and beats give way to etcd's lease."""
+    own = puts * (LONE_PUT_US + SEND_US * (new + (1 - new) * followers))
+    heard = puts * (new * CLAIM_US + (1 - new) * followers * FOLLOW_US)
     return (own + heard) / 1e4 + PROGRESS_PCT
 
 
-def limit(puts: float) -> int:
-    """The number of nodes at which today's design takes a whole core of each."""
+def limit(cpu: object, puts: float) -> int:
+    """The number of nodes at which `cpu(n, puts)` takes a whole core of each (or 100,000)."""
     n = 2
-    while today(n, puts) < 100.0:
-        n += 1
+    while cpu(n, puts) < 100.0 and n < 100_000:  # type: ignore[operator]
+        n += 1 if n < 1000 else 100
     return n
+
+
+def table(title: str, cpu: object) -> list[str]:
+    head = "| puts a second a node | " + " | ".join(f"N = {n}" for n in NODES) + " |"
+    rule = "|---|" + "---|" * len(NODES)
+    rows = [
+        f"| {p} | " + " | ".join(f"{cpu(n, p):.0f}%" for n in NODES) + " |"  # type: ignore[operator]
+        for p in PUTS
+    ]
+    saturates = ", ".join(
+        f"{'over 100,000' if n >= 100_000 else f'about {n:,}'} nodes with {p}"
+        for p in PUTS for n in [limit(cpu, p)]
+    )  # fmt: skip
+    return [f"## {title}", "", head, rule, *rows, "",
+            f"A node is saturated at {saturates} puts a second a node.", ""]  # fmt: skip
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(HERE, "results", "simulate.md"))
     args = parser.parse_args()
-    head = "| puts a second a node | " + " | ".join(f"N = {n}" for n in NODES) + " |"
-    rule = "|---|" + "---|" * len(NODES)
     lines = [
         "# Each node's CPU as the cluster grows (bench/simulate.py: a model from measured costs)",
-        "", "In % of one core; over 100% the node cannot keep up.", "",
-        "## Today: every put announced to every node, beats between every pair", "", head, rule,
-        *(f"| {p} | " + " | ".join(f"{today(n, p):.0f}%" for n in NODES) + " |" for p in PUTS),
-        "", f"Today's design saturates a node at about {limit(10)} nodes with 10 puts a second "
-        f"a node, {limit(100)} with 100 and {limit(1000)} with 1,000.",
-        "", "## With a directory: a put tells its key's home node, membership by etcd's lease",
-        "", head, rule,
-        *(f"| {p} | " + " | ".join(f"{directory(n, p):.0f}%" for n in NODES) + " |"
-          for p in PUTS),
-        "", "Not modelled: the announcements a home forwards to the nodes that asked (watchers,",
-        "replica holders: one each), keys put unevenly (a hot home), etcd's own CPU (about",
-        "0.5 ms a lease renewal: 1,000 nodes renewing every second take half a core there),",
-        "and the network.", "",
+        "", "In % of one core; over 100% the node cannot keep up. Each key has one follower "
+        "on another node (a reader).", "",
+        *table("Before Note [follows]: every put told to every node, beats every 0.5 s", before),
+        *table("Now, puts of keys put before (new versions: weight sync, a parameter "
+               "server)", lambda n, p: now(n, p, 0.0)),
+        *table("Now, one put in ten of a new key", lambda n, p: now(n, p, 0.1)),
+        *table("Now, every put of a new key (a key per step)", lambda n, p: now(n, p, 1.0)),
+        *table("With a directory (not built), every put of a new key: its claim to its "
+               "home node", lambda n, p: directory(n, p, 1.0)),
+        "Not modelled: keys put unevenly (a hot home, or a key with many followers), "
+        "watch_prefix and --prefetch (each node that asks for them hears their puts), "
+        "etcd's own CPU (about 0.5 ms a lease renewal: 1,000 nodes renewing every second "
+        "take half a core there), and the network.", "",
     ]  # fmt: skip
     emit(args.out, lines)
     return 0
