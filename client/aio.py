@@ -48,7 +48,7 @@ from .qring import QueueRing, rings_wanted
 from .reads import Item
 from .tensor import Tensor
 from .transfer import WritePlan
-from .transport import waits
+from .transport import Unsent, waits
 
 log = logging.getLogger(__name__)
 
@@ -245,13 +245,14 @@ class AsyncClient:
                 channel = await self._socket()
                 try:
                     return await channel.call(message, wait, late)
-                except BrokerUnavailable:
+                except BrokerUnavailable as exc:
                     if channel.broken is None or self._closed:  # out of time, or closed
                         raise
+                    sent = not isinstance(exc, Unsent)  # (Unsent: no broker acted on it)
                 # The broker exited under the call: once one is back (the session with it),
                 # the call goes again where that is safe, as the synchronous client's do.
                 await self._socket()
-                conn.check_resent(op, fields)
+                conn.check_resent(op, fields, sent)
                 if fields.get("timeout") is not None:  # it waits what was left
                     spent = asyncio.get_running_loop().time() - began
                     message["timeout"], wait = waits(max(0.0, fields["timeout"] - spent))

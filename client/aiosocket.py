@@ -16,7 +16,7 @@ import zmq.asyncio
 from ..common.errors import BrokerUnavailable, SessionUnknown, error_from_wire
 from ..common.protocol import Op, decode, encode
 from .client import Client
-from .transport import MAX_REPLY_BYTES
+from .transport import MAX_REPLY_BYTES, Unsent
 
 Reply = dict[str, Any]
 
@@ -61,6 +61,7 @@ class AsyncChannel:
         self._loop = asyncio.get_running_loop()
         self._reader = self._loop.create_task(self._read())
         self.broken: BrokerUnavailable | None = None
+        self.generation = self._conn.generation  # of the broker it says hello to
         self._pidfd = self._conn.broker_pidfd  # readable once the broker exits
         if self._pidfd is not None:
             self._loop.add_reader(self._pidfd, self._broker_exited)
@@ -74,9 +75,15 @@ class AsyncChannel:
     async def call(self, message: Reply, wait: float | None, late: Late | None = None) -> Reply:
         """Send `message` and await its reply (up to `wait` seconds: None, as long as the
         broker lives); the error it carries raised. If the caller gives up (cancelled, or
-        out of time) after sending, `late` is told what becomes of the request."""
+        out of time) after sending, `late` is told what becomes of the request. Unsent if
+        no broker acted on it: the broker had exited before it went, or the one of now
+        refused it (it does not know this client)."""
         if self.broken is not None:
-            raise self.broken
+            raise Unsent(str(self.broken))
+        conn = self._conn  # (the loop may not have run since its broker exited: its pidfd
+        if conn.generation != self.generation or conn.broker_exited():  # not read yet)
+            self._broker_exited()
+            raise Unsent(str(self.broken))
         rid = message["id"]
         future: asyncio.Future[Reply] = self._loop.create_future()
         self._waiting[rid] = future
@@ -101,8 +108,7 @@ class AsyncChannel:
                 self._fail_all(
                     BrokerUnavailable(f"the broker at {self._conn.address} restarted: call again")
                 )
-                assert self.broken is not None
-                raise self.broken
+                raise Unsent(f"the broker at {self._conn.address} does not know this client")
             raise error_from_wire(str(reply.get("code")), str(reply.get("error")))
         return reply
 

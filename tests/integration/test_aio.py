@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import stages
-from support import CHILDREN, join_all
+from support import CHILDREN, crash, join_all
 
 import tensorbroker as tb
 
@@ -275,5 +275,23 @@ def test_a_queue_get_waiting_when_the_broker_dies_is_sent_again_to_the_next() ->
                 await q.put(np.arange(3))  # the queue was adopted, and the get sent again
                 got = await asyncio.wait_for(waiting, 20)
                 assert np.from_dlpack(got).tolist() == [0, 1, 2]
+
+        run(main())
+
+
+def test_a_delete_after_the_broker_restarted_goes_to_the_next_one() -> None:
+    """The broker dies between two calls (and the next is back) before the event loop runs
+    again: the delete that follows never went to the one that died, so it goes to the next
+    (which adopted the key), as the synchronous client's does; not "it may or may not have
+    been done"."""
+    with tb.start_broker(memory="64MiB") as broker:
+
+        async def main() -> None:
+            async with tb.aio.connect(broker.address) as c:
+                await c.put("k", np.arange(3))
+                crash(broker)  # (the loop does not run: the client has not seen it exit)
+                broker.restart()
+                await c.delete("k")
+                assert not await c.exists("k")
 
         run(main())
