@@ -121,6 +121,7 @@ class Cluster:
             record = {"address": self.address, "incarnation": links.incarnation}
             self.membership = Membership(joining.etcd, joining.etcd_prefix, self.node, record)
             links.lease_until = lambda: self.membership.alive_until  # type: ignore[union-attr]
+            links.lease_since = lambda: self.membership.lease_since  # type: ignore[union-attr]
             poller.register(self.membership.fd, zmq.POLLIN)
             fds.add(self.membership.fd)
         self.sockets = Watched(links.sockets, fds)  # (a peer linked to later: in links.sockets)
@@ -208,6 +209,10 @@ class Cluster:
         """Brokers that joined etcd are linked to (their hello follows); those that left it
         are down now (Note [membership] in membership.py)."""
         for node, record in changes:
+            if node == self.node:  # its lease expired: the others took it for down, so it
+                for other in self.links.nodes():  # forgets them (and tells them), as if
+                    self._forget_node(other)  # down, before it reads anything of theirs
+                continue
             if record is not None:
                 address = str(record.get("address", ""))
                 for peer in [p for p in self.peers if p.node == node and p.address != address]:

@@ -73,4 +73,6 @@ class Followers:
                 del self.keys[key]
 
     def __len__(self) -> int:
-        return sum(len(nodes) for nodes in self.keys.values())
+        """The (key, node) pairs followed, and the (prefix, node) pairs."""
+        keys = sum(len(nodes) for nodes in self.keys.values())
+        return keys + sum(len(prefixes) for prefixes in self.prefixes.values())

@@ -106,43 +106,43 @@ class Lending:
                 put.setdefault(key, version)
         everyone: list[list[Any]] = []  # claims and deletes (Note [follows])
         followers: dict[str, list[list[Any]]] = {}  # node -> the versions it follows
-        offered: list[tuple[StoredObject, set[str] | None]] = []  # (None: told everyone)
+        offering: dict[str, dict[str, list[Any]]] = {}  # node -> key -> its claim, offered
+        offered: list[tuple[StoredObject, set[str]]] = []  # a version, its followers
         for key, version in reversed(latest.items()):
             if not version:  # deleted (the version it put and deleted since: it beat others')
                 everyone.append([key, 0, 0, None, put.get(key, 0)])
                 self.followers.drop(key)
                 continue
             obj = self.registry.objects.get(key)
-            size = 0 if obj is None else int(obj.nbytes)
+            if obj is None or obj.version != version or key in self.index:
+                continue  # not this node's now: another node's version won here meanwhile
+            size, to = int(obj.nbytes), self.followers.of(key, int(obj.nbytes))
             offer = None
-            try:
-                if obj is not None and obj.version == version and self.offered.offerable(obj):
+            try:  # (to its followers only: the others ask the owner, who lends the newest)
+                if to and self.offered.offerable(obj):
                     offer = self.transfers.offer(obj, agent=False)
             except Exception as exc:  # (its segment could not be registered): lent when asked
                 log.warning("could not offer %r with its announcement: %s", key, exc)
             entry = [key, version, size, offer]
-            if key not in self.followers.claimed:
+            if key not in self.followers.claimed:  # its claim: every node hears of it
                 self.followers.claimed.add(key)
-                everyone.append(entry)
-                to = None
+                everyone.append([key, version, size, None])
+                for node in to if offer is not None else ():
+                    offering.setdefault(node, {})[key] = entry
             else:
-                to = self.followers.of(key, size)
                 for node in to:
                     followers.setdefault(node, []).append(entry)
             if offer is not None:
-                offered.append((obj, to))  # type: ignore[arg-type]
-        links = self.links  # (the offers say which incarnation of their receiver they are
-        told = set()  # for, and how often this broker knows it forgot this one: Links.acked)
-        for n in links.nodes():
-            entries = everyone + followers.get(n, [])
-            if (
-                entries
-                and links.up(n)
-                and links.send(n, {"op": "announce", "keys": entries, **links.ack(n)})
-            ):
+                offered.append((obj, to))
+        links, told = self.links, set()  # (sent after the loop's replies, and kept while a
+        for n in links.nodes():  # link reconnects: Links.after; the offers say which
+            offers = offering.get(n, {})  # incarnation of their receiver they are for, and
+            entries = [offers.get(e[0], e) for e in everyone] + followers.get(n, [])
+            if entries and links.up(n):  # how often this one forgot it: Links.acked)
+                links.after(n, {"op": "announce", "keys": entries, **links.ack(n)})
                 told.add(n)
         for obj, to in offered:
-            self.offered.pin(obj, told if to is None else told & to)
+            self.offered.pin(obj, told & to)
 
     # -- loans -----------------------------------------------------------------------------------
 
@@ -275,8 +275,12 @@ class Lending:
     def offer_read(self, node: str, key: str, version: int) -> None:
         """`node` read the version of `key` offered to it (its bytes are counted as sent)."""
         self.bytes_sent += self.offered.size(node, key, version)
-        if key not in self.index and key in self.registry.objects:  # a replica there now
+        obj = self.registry.objects.get(key)
+        if obj is not None and key not in self.index:  # a replica there now: it follows
             self.followers.follow(node, key)
+            if obj.version > version:  # (put again since that offer: told of this one)
+                entry = [key, obj.version, int(obj.nbytes), None]
+                self.links.after(node, {"op": "announce", "keys": [entry], **self.links.ack(node)})
 
     def follow(self, node: str, keys: list[Any], prefixes: list[Any], prefetch: int = 0) -> None:
         """`node` follows these keys ([[key, the version it heard of], ...]), prefixes and
@@ -292,7 +296,7 @@ class Lending:
             if obj.version > heard:
                 newer.append([key, obj.version, int(obj.nbytes), None])
         if newer:
-            self.links.send(node, {"op": "announce", "keys": newer, **self.links.ack(node)})
+            self.links.after(node, {"op": "announce", "keys": newer, **self.links.ack(node)})
 
     def claim_again(self, key: str, version: int) -> None:
         """A node claimed `key` with a version that loses to this node's `version`: every

@@ -71,7 +71,10 @@ class Links:
     sender waits before it takes this broker for down, and when it last heard it: until
     when it surely holds this one up (`fresh`, the offers' safety: Note [offers]). With
     etcd it also lets go of this broker once its lease expires: `fresh` holds only while
-    this broker's lease surely runs (`lease_until`: Membership)."""
+    this broker's lease surely runs (`lease_until`: Membership), and a broker whose lease
+    expired forgets every peer as it joins again (cluster.py, `_members`), so it reads
+    nothing they offered or lent before. So while etcd is out of reach for over TTL less
+    LEASE_MARGIN (2.5 s), this broker pulls nothing: its gets wait, within their timeout."""
 
     def __init__(self, joining: Joining, poller: zmq.Poller) -> None:
         self.address, self._keys, self._poller = joining.address, joining.keys, poller
@@ -113,6 +116,8 @@ class Links:
         self.beat = ETCD_BEAT if etcd else BEAT
         self.down_after = ETCD_DOWN_AFTER if etcd else DOWN_AFTER
         self.lease_until: Callable[[], float] = lambda: math.inf  # (Membership's, with etcd)
+        self.lease_since: Callable[[], float] = lambda: -math.inf  # (when it was granted)
+        self._safe_sent: dict[str, float] = {}  # node -> when the beat behind that was sent
         self._after: list[tuple[str, Message]] = []  # (node, message): `after`
         self._kept: list[tuple[str, Message]] = []  # refused at a flush: next one
 
@@ -230,7 +235,8 @@ class Links:
             down_after = DOWN_AFTER
         if isinstance(sent, float) and isinstance(heard_ago, (int, float)):
             until = sent + float(down_after) - float(heard_ago) - BEAT
-            self._safe_until[node] = max(self._safe_until.get(node, 0.0), until)
+            if until > self._safe_until.get(node, 0.0):
+                self._safe_until[node], self._safe_sent[node] = until, sent
 
     def heard_ago(self, node: str) -> float:
         """Seconds since a link of this broker's last heard `node` answer; 0 if none is up:
@@ -263,9 +269,13 @@ class Links:
         (`kept`). A node takes a peer whose answers stopped DOWN_AFTER ago for down, and lets
         go what it offered it (Note [offers]): a broker must not read from those offers then
         (after a long pause of its loop, say, or a link that stalled one way); with etcd, one
-        whose lease expired too (Note [beats])."""
+        whose lease expired too, or one whose last answer is to a beat sent before its
+        lease of now (its peer may have taken it for down as the one before expired: Note
+        [beats])."""
         now = time.monotonic()
-        return now < self._safe_until.get(node, 0.0) and now < self.lease_until() and self.up(node)
+        if not (now < self._safe_until.get(node, 0.0) and now < self.lease_until()):
+            return False  # (a beat sent before this broker's lease: its peer may have let go
+        return self._safe_sent[node] >= self.lease_since() and self.up(node)  # as it expired)
 
     def send(self, node: str, message: dict[str, Any]) -> bool:
         peer = self.peer(node)

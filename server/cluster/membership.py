@@ -69,6 +69,7 @@ class Membership:
         self._streams: list[socket.socket] = []  # the watch's, shut to end it
         self._lease = 0
         self.alive_until = 0.0  # (monotonic) this broker's lease surely runs until then
+        self.lease_since = 0.0  # (monotonic) when the lease of now was asked for
         self._watching = ""  # the member the watch's stream is on
         self._present: set[str] = set()  # the other nodes in etcd (the watch's thread's)
         self._threads: list[threading.Thread] = []
@@ -155,7 +156,7 @@ class Membership:
                     "stop that one"
                 )
             time.sleep(0.2)
-        self._lease = lease
+        self._lease, self.lease_since = lease, asked
         self.alive_until = asked + TTL - LEASE_MARGIN
 
     def _keep(self, first: int) -> None:
@@ -172,6 +173,7 @@ class Membership:
                 elif not self._stop.is_set():
                     log.warning("cluster: this broker's lease in etcd expired; joining again")
                     self._register(etcd)
+                    self._tell(Member(self.node, None))  # (the others took it for down)
                 if unreachable:
                     log.warning("cluster: etcd answers again")
                 unreachable = False
@@ -239,7 +241,12 @@ class Membership:
                 log.warning("cluster: etcd's entry for node %r is not a map: %r", node, value[:80])
                 return
         self._present.add(node) if record is not None else self._present.discard(node)
-        self.events.append(Member(node, record))
+        self._tell(Member(node, record))
+
+    def _tell(self, change: Member) -> None:
+        """A change for the loop (`take`): this node's own (record None) if its lease
+        expired and it joined again."""
+        self.events.append(change)
         try:
             os.write(self._wake, b"\0")
         except BlockingIOError:  # (the loop has not read the last ones yet)

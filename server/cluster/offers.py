@@ -8,7 +8,9 @@ A first get of another node's key used to cross between brokers three times befo
 whole cost (a 4 KiB one: 685 us against a 54 us round trip). So the owner of a version of at
 most OFFER_MAX bytes, not evictable and in host memory, pins it as it announces it, and the
 `key` message carries its offer (layout and address, as a `lent` does): a peer's first get
-READs it at once.
+READs it at once. Only the peers that follow the key get it (Note [follows]): one that was
+offered a version and never told of the next would keep the offer, and its owner the
+version, for good, and its first get would read that old version.
 
     owner A: put k v2 sealed ─ key(k, v2, offer) ──> B, C: each keeps the offer (`Held`)
              pins v2 for {B, C} (`Lent`)              B, C: READ at once (Note [prefetch] in

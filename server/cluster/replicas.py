@@ -127,7 +127,7 @@ class Replicas:
         version of its keys under it, from when it hears (Note [follows])."""
         if not any(prefix.startswith(p) for p in self.prefixes):
             self.prefixes.add(prefix)
-            self.links.everyone({"op": "follow", "keys": [], "prefixes": [prefix]})
+            self.links.everyone_after({"op": "follow", "keys": [], "prefixes": [prefix]})
 
     def follows(self, node: str) -> dict[str, Any] | None:
         """What this node follows of `node`'s, to tell it again (it came up, or forgot this
@@ -145,9 +145,8 @@ class Replicas:
     def _follow(self, key: str, remote: Remote) -> None:
         if self.following.get(key) != remote.node:
             self.following[key] = remote.node
-            self.links.send(
-                remote.node, {"op": "follow", "keys": [[key, remote.version]], "prefixes": []}
-            )
+            follow = {"op": "follow", "keys": [[key, remote.version]], "prefixes": []}
+            self.links.after(remote.node, follow)  # (kept while its link reconnects)
 
     def where(self) -> Mapping[str, tuple[str, int, int]]:
         """The other nodes' keys: key -> (node, version, size), a view (no copy: `list`
@@ -277,4 +276,4 @@ class Replicas:
         self.pulls.forget(node)
         follows = self.follows(node)  # (it forgot what this node follows, or will)
         if follows is not None and self.links.up(node):
-            self.links.send(node, follows)
+            self.links.after(node, follows)

@@ -55,6 +55,16 @@ def all_up(c: tb.Client) -> bool:
     return all(p["state"] == "up" for p in peers.values())
 
 
+def follow(reader: tb.Client, owner: tb.Client, prefix: str = "") -> Iterator[tb.KeyEvent]:
+    """`reader`'s node follows the keys under `prefix` (a `watch_prefix` there), once
+    `owner`'s node heard: it is told of each of their versions, a small one with its offer
+    (Note [follows]). The watch's events, which the caller may leave unread."""
+    before = figures(owner)["followers"]
+    events = reader.watch_prefix(prefix)
+    assert wait_until(lambda: figures(owner)["followers"] > before, 5)
+    return events
+
+
 def figures(c: tb.Client) -> dict[str, Any]:
     return dict(c.stats()["cluster"])
 

@@ -203,11 +203,12 @@ def test_pulls_leave_no_memory_held(own: dict[str, tb.Client]) -> None:
 def test_a_small_version_is_read_from_the_offer_sent_with_it_and_given_back_once_replaced(
     brokers: dict[str, tb.BrokerProcess], own: dict[str, tb.Client]
 ) -> None:
-    """Note [offers]: a version of at most 64 KiB is announced with where its bytes are, so
-    a first get on another node reads them without asking its owner first; the owner keeps
-    the version it replaced only until the other nodes gave its offer back."""
+    """Note [offers]: a version of at most 64 KiB is announced with where its bytes are to
+    the nodes that follow its key, so a first get there reads them without asking its owner
+    first; the owner keeps the version it replaced only until they gave its offer back."""
     a, b = own["a"], own["b"]
     assert wait_until(lambda: clusters.figures(b)["peers"]["a"]["fresh"], 5)  # (a beat answered)
+    clusters.follow(b, a)  # (a offers its small versions to the nodes that follow them)
     x = np.arange(1024, dtype=np.float32)  # 4 KiB
     a.put("small", x)
     one = a.stats()["used_bytes"]
@@ -244,6 +245,7 @@ def test_a_broker_that_stalled_past_down_after_reads_no_offer_its_owner_let_go(
     not read that memory as version 1 (it may fail, PeerUnavailable: b finds a silent for
     longer than DOWN_AFTER too as it wakes)."""
     a, b = own["a"], own["b"]
+    clusters.follow(b, a)
     a.put("k", np.full(1024, 1, np.float32))
     assert wait_until(lambda: clusters.figures(b)["offers_held"] == 1, 5)
     brokers["b"].send_signal(signal.SIGSTOP)
@@ -273,6 +275,7 @@ def test_an_owner_restarted_before_it_was_seen_down_lends_what_it_offered(
     the old process's) and its gets pull each key whole; a lend sent while b's link to a
     was not connected yet goes out once it is."""
     a, b = own["a"], own["b"]
+    clusters.follow(b, a)
     for i in range(5):
         a.put(f"k{i}", np.full(1024, i, np.float32))
     assert wait_until(lambda: clusters.figures(b)["offers_held"] == 5, 5)
@@ -334,6 +337,7 @@ def test_a_peer_linked_twice_keeps_both_links_and_what_it_was_offered(
             else:
                 b = stack.enter_context(tb.connect(broker.address))
         assert wait_until(lambda: clusters.all_up(a) and clusters.all_up(b), 10)
+        clusters.follow(b, a)
         a.put("k", np.full(1024, 1, np.float32))
         assert wait_until(lambda: b.exists("k") and clusters.figures(b)["offers_held"] == 1, 5)
         time.sleep(1.0)  # beats and hellos on both links
@@ -492,8 +496,9 @@ def test_the_cluster_figures_are_served_as_metrics(monkeypatch: pytest.MonkeyPat
             assert value(figures, "tensorbroker_cluster_peer_up", peer="a") == 1.0
             assert value(figures, "tensorbroker_cluster_bytes_received_total") >= 1000
             assert value(figures, "tensorbroker_cluster_pulls") == 0
-            assert value(figures, "tensorbroker_cluster_pulled_total", how="offered") == 1
-            assert value(figures, "tensorbroker_cluster_pulled_total", how="lent") == 0
+            # (b followed nothing of it: lent, not offered; Note [follows])
+            assert value(figures, "tensorbroker_cluster_pulled_total", how="offered") == 0
+            assert value(figures, "tensorbroker_cluster_pulled_total", how="lent") == 1
             assert value(figures, "tensorbroker_cluster_prefetched_total") == 0  # (--prefetch 0)
             assert value(figures, "tensorbroker_cluster_offered") == 0  # b put nothing
         started["a"].stop()

@@ -40,6 +40,14 @@ def test_loans_of_an_owner_restarted_quickly_stay_pinned_while_they_are_read(
     assert len(pulls) == 2 and {loan[:2] for loan in a.cluster.replicas.lending.loans} == pulls
 
 
+def _follow_all(owner: Node, reader: Node) -> None:
+    """`reader` follows every key (a watch_prefix of ""), once `owner` heard: `owner` offers
+    it its small versions (Note [follows])."""
+    reader.cluster.replicas.follow_prefix("")
+    followers = owner.cluster.replicas.lending.followers
+    assert run([owner, reader], 3, lambda: reader.name in followers.prefixes)
+
+
 def test_an_offer_its_owner_let_go_is_not_read_after_beats_answered_late(
     pair: Callable[[str], Node],
 ) -> None:
@@ -48,6 +56,7 @@ def test_an_offer_its_owner_let_go_is_not_read_after_beats_answered_late(
     the offer (the version's memory went to other puts)."""
     a, b = pair("a"), pair("b")
     assert run([a, b], 5, lambda: a.up("b") and b.up("a"))
+    _follow_all(a, b)  # (so that a offers b its small versions)
     v1 = a.put("k", 4096)
     assert run([a, b], 5, lambda: len(b.cluster.replicas.held) == 1)
     router = b.cluster.links.router
@@ -240,6 +249,7 @@ def test_puts_close_together_are_announced_in_one_message_with_each_keys_last_ve
     monkeypatch.setattr(lending, "ANNOUNCE_EVERY", every)
     a, b = pair("a"), pair("b")
     assert run([a, b], 5, lambda: a.up("b") and b.up("a"))
+    _follow_all(a, b)
     a.put("first", 4096)
     a.step()  # a batch just went: the next waits up to ANNOUNCE_EVERY
     a.put("k", 4096)

@@ -1,0 +1,91 @@
+"""Who hears of a version (Note [follows] in server/cluster/follows.py): a key's claim and
+delete reach every node, its later versions the nodes that follow it. Cluster objects
+stepped by hand in this process (tests/nodes.py); the whole brokers: test_cluster.py."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tests.nodes import Node, pair, run, trio
+
+__all__ = ["pair", "trio"]  # the fixtures
+
+
+def test_a_first_get_of_a_small_key_put_again_since_reads_the_newest(
+    pair: Callable[[str], Node],
+) -> None:
+    """b heard of k's version 1 (its claim) and nothing since: its first get must read
+    version 2, not an offer of version 1, and b follows k from then on."""
+    a, b = pair("a"), pair("b")
+    assert run([a, b], 5, lambda: b.up("a") and a.up("b") and b.cluster.links.fresh("a"))
+    a.put("k", 4096)
+    assert run([a, b], 3, lambda: b.cluster.replicas.holds("k"))
+    a.put("k", 4096)
+    run([a, b], 0.3)
+    assert b.cluster.replicas.where()["k"][1] == 1  # (not told of version 2)
+    b.reads.over = True
+    assert b.get("k")
+    assert run([a, b], 3, lambda: "k" in b.registry.objects and not b.cluster.replicas.pulls.pulls)
+    assert b.registry.objects["k"].version == 2
+    v3 = a.put("k", 4096).version
+    assert run([a, b], 3, lambda: b.cluster.replicas.where()["k"][1] == v3)
+
+
+def test_a_small_version_no_other_node_reads_is_not_kept_for_them_once_replaced(
+    trio: Callable[[str], Node],
+) -> None:
+    """Offers go to the nodes that follow a key only: nobody follows k, so each version of
+    it is freed once replaced (an offer to a node that is never told of the next version
+    would pin it for good)."""
+    a, b, c = trio("a"), trio("b"), trio("c")
+    nodes = [a, b, c]
+    assert run(nodes, 5, lambda: all(n.up(m) for n in nodes for m in "abc" if m != n.name))
+    first = a.put("k", 4096)
+    run(nodes, 0.3)
+    for _ in range(3):
+        a.put("k", 4096)
+        run(nodes, 0.2)
+    assert first.freed and not a.cluster.replicas.lending.offered
+
+
+def test_an_announcement_its_link_refused_goes_once_the_link_takes_it(
+    pair: Callable[[str], Node],
+) -> None:
+    """A claim is sent once (the versions after it go to followers only): one that b's link
+    refused (its queue full, or it reconnects while b is up) must still reach b."""
+    a, b = pair("a"), pair("b")
+    assert run([a, b], 5, lambda: b.up("a") and a.up("b"))
+    links, refused = a.cluster.links, []
+    send_to = links.send_to
+
+    def refusing(peer: Any, message: dict[str, Any]) -> bool:
+        if message.get("op") == "announce" and not refused:
+            refused.append(message)
+            return False  # (as zmq.Again)
+        return send_to(peer, message)
+
+    links.send_to = refusing  # type: ignore[method-assign]
+    a.put("k", 2 * 65536)
+    assert run([a, b], 3, lambda: b.cluster.replicas.holds("k"))
+    assert refused
+
+
+def test_a_node_whose_put_lost_to_a_claim_in_the_same_turn_claims_its_next_put_again(
+    pair: Callable[[str], Node],
+) -> None:
+    """b's claim of k reaches a in the turn a sealed its own k (b's wins a tie: its name):
+    a's announcement, made before, must not count as a's claim, or a's next version (which
+    wins) would go to k's followers only, and b would hold its own for good."""
+    a, b = pair("a"), pair("b")
+    assert run([a, b], 5, lambda: b.up("a") and a.up("b"))
+    b.put("k", 2 * 65536)
+    b.step()  # b's claim goes out
+    time.sleep(0.05)
+    a.put("k", 2 * 65536)  # a's version 1: its announcement waits for a's flush
+    a.step()  # a reads b's claim first (a's loses), then flushes
+    run([a, b], 0.5)
+    v = a.put("k", 2 * 65536).version  # above b's: it wins
+    assert run([a, b], 3, lambda: b.cluster.replicas.where().get("k", ("",))[0] == "a")
+    assert "k" not in b.registry.objects or b.cluster.replicas.where()["k"][1] == v
