@@ -41,6 +41,8 @@ from .pulls import PULL_WAIT, Pulls
 from .records import Links, Remote
 from .transfers import Transfers
 
+PREFIXES = 64  # prefixes followed (watch_prefix) before this node follows every key
+
 
 class Replicas:
     """The index of the other nodes' keys; the pulls under way (`pulls`: Pulls) and the
@@ -124,8 +126,12 @@ class Replicas:
 
     def follow_prefix(self, prefix: str) -> None:
         """`watch_prefix` was asked for `prefix` here: every node tells this one of each
-        version of its keys under it, from when it hears (Note [follows])."""
+        version of its keys under it, from when it hears (Note [follows]). Past PREFIXES
+        of them, this node follows every key (a prefix is never let go: each node matches
+        each put against those it keeps)."""
         if not any(prefix.startswith(p) for p in self.prefixes):
+            if len(self.prefixes) >= PREFIXES:
+                prefix = ""
             self.prefixes.add(prefix)
             self.links.everyone_after({"op": "follow", "keys": [], "prefixes": [prefix]})
 

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tensorbroker.server.cluster.replicas import PREFIXES
 from tests.nodes import Node, pair, run, trio
 
 __all__ = ["pair", "trio"]  # the fixtures
@@ -89,3 +90,16 @@ def test_a_node_whose_put_lost_to_a_claim_in_the_same_turn_claims_its_next_put_a
     v = a.put("k", 2 * 65536).version  # above b's: it wins
     assert run([a, b], 3, lambda: b.cluster.replicas.where().get("k", ("",))[0] == "a")
     assert "k" not in b.registry.objects or b.cluster.replicas.where()["k"][1] == v
+
+
+def test_the_prefixes_a_node_follows_are_bounded(pair: Callable[[str], Node]) -> None:
+    """watch_prefix of a new prefix each time (job/{i}/, say): past PREFIXES, the node
+    follows every key, and its peers keep a bounded list for it."""
+    a, b = pair("a"), pair("b")
+    assert run([a, b], 5, lambda: b.up("a") and a.up("b"))
+    for i in range(500):
+        b.cluster.replicas.follow_prefix(f"job/{i}/")
+    followers = a.cluster.replicas.lending.followers
+    assert run([a, b], 3, lambda: "" in followers.prefixes.get("b", ()))
+    assert len(followers.prefixes["b"]) == PREFIXES + 1
+    assert followers.of("other/k", 10) == {"b"}
