@@ -209,9 +209,10 @@ class Cluster:
         """Brokers that joined etcd are linked to (their hello follows); those that left it
         are down now (Note [membership] in membership.py)."""
         for node, record in changes:
-            if node == self.node:  # its lease expired: the others took it for down, so it
-                for other in self.links.nodes():  # forgets them (and tells them), as if
-                    self._forget_node(other)  # down, before it reads anything of theirs
+            if node == self.node:  # its lease expired: the others let go what they lent or
+                for other in self.links.nodes():  # offered it (they say so at their next
+                    self.replicas.held.give_back(other)  # beat, and forget it: what it lent
+                    self.replicas.pulls.forget(other)  # them stays pinned until then)
                 continue
             if record is not None:
                 address = str(record.get("address", ""))

@@ -71,10 +71,13 @@ class Links:
     sender waits before it takes this broker for down, and when it last heard it: until
     when it surely holds this one up (`fresh`, the offers' safety: Note [offers]). With
     etcd it also lets go of this broker once its lease expires: `fresh` holds only while
-    this broker's lease surely runs (`lease_until`: Membership), and a broker whose lease
-    expired forgets every peer as it joins again (cluster.py, `_members`), so it reads
-    nothing they offered or lent before. So while etcd is out of reach for over TTL less
-    LEASE_MARGIN (2.5 s), this broker pulls nothing: its gets wait, within their timeout."""
+    this broker's lease surely runs (`lease_until`: Membership): while etcd is out of reach
+    for over TTL less LEASE_MARGIN (2.5 s), this broker pulls nothing, and its gets wait
+    within their timeout. A broker whose lease expired gives back the offers it holds as it
+    joins again, and its reads under way are not sealed (cluster.py, `_members`); it reads
+    nothing more until a beat sent under its new lease is answered (`lease_since`): a peer
+    that took it for down says so then, and each forgets the other (what this one lent
+    them stays pinned until then)."""
 
     def __init__(self, joining: Joining, poller: zmq.Poller) -> None:
         self.address, self._keys, self._poller = joining.address, joining.keys, poller

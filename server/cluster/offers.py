@@ -178,6 +178,12 @@ class Held:
             offer.reading, offer.dropped = False, False
         self._count -= len(self.due.pop(node, ())) + len(self.reads.pop(node, ()))
 
+    def give_back(self, node: str) -> None:
+        """`node` may have let its offers here go: each is dropped, and given back (for
+        an owner that did not)."""
+        for key in [k for k, o in self.offers.items() if o.node == node]:
+            self.drop(key)
+
     def was_read(self, node: str, key: str, version: int) -> None:
         """`node`'s offer of `key` at `version` was read whole: its owner is told."""
         self._add(self.reads, node, [key, version])

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tensorbroker.server.cluster.membership import Member
 from tensorbroker.server.cluster.replicas import PREFIXES
 from tests.nodes import Node, pair, run, trio
 
@@ -103,3 +104,29 @@ def test_the_prefixes_a_node_follows_are_bounded(pair: Callable[[str], Node]) ->
     assert run([a, b], 3, lambda: "" in followers.prefixes.get("b", ()))
     assert len(followers.prefixes["b"]) == PREFIXES + 1
     assert followers.of("other/k", 10) == {"b"}
+
+
+def test_a_broker_whose_lease_expired_keeps_what_it_lent_and_reads_nothing_stale(
+    pair: Callable[[str], Node],
+) -> None:
+    """a's lease in etcd expired and a joined again (membership.py): b may still read what a
+    lent it, so a keeps it pinned (b says at its next beat whether it took a for down); and
+    a's own read of b's version, under way, is not sealed (b may have let it go)."""
+    a, b = pair("a"), pair("b")
+    assert run([a, b], 5, lambda: b.up("a") and a.up("b") and b.cluster.links.fresh("a"))
+    v1 = a.put("k", 2 * 65536)  # (above OFFER_MAX: lent, not offered)
+    b.put("j", 2 * 65536)
+    assert run([a, b], 3, lambda: b.cluster.replicas.holds("k") and a.cluster.replicas.holds("j"))
+    assert b.get("k") and a.get("j")
+    both = [a.cluster.replicas.pulls.pulls, b.cluster.replicas.pulls.pulls]
+    assert run([a, b], 3, lambda: all(p.handle for ps in both for p in ps.values()))
+    a.cluster._members([Member("a", None)])  # (what Membership tells the loop then)
+    assert a.cluster.replicas.lending.loans  # still pinned for b's read
+    a.put("k", 2 * 65536)
+    run([a], 0.2)
+    assert not v1.freed
+    a.reads.over = b.reads.over = True
+    newest = a.registry.objects["k"].version  # (b follows k: told of it, pulls it too)
+    assert run([a, b], 3, lambda: "k" in b.registry.objects)
+    assert run([a, b], 3, lambda: b.registry.objects["k"].version == newest)
+    assert all(p.suspect or p.cut for p in a.cluster.replicas.pulls.pulls.values())
