@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Iterator
 from typing import Any
 
 import zmq
@@ -75,28 +74,11 @@ from .joining import Joining as Joining  # (the broker takes it from here)
 from .links import BEAT, Links, Peer
 from .membership import Member, Membership
 from .queue_links import QueueLinks
+from .records import Watched as Watched  # (the broker takes it from here)
 from .replicas import Replicas
 from .transfers import Transfers
 
 log = logging.getLogger(__name__)
-
-
-class Watched:
-    """The broker's ready items that are not its endpoint's: pidfds, and the cluster's sockets
-    and descriptors."""
-
-    def __init__(self, *parts: Collection[Any]) -> None:
-        self.parts = parts
-
-    def __contains__(self, item: object) -> bool:
-        return any(item in part for part in self.parts)
-
-    def __iter__(self) -> Iterator[Any]:
-        for part in self.parts:
-            yield from part
-
-    def __len__(self) -> int:
-        return sum(len(part) for part in self.parts)
 
 
 class Cluster:
@@ -240,8 +222,9 @@ class Cluster:
                         self._down(peer)
                     if not peer.up:
                         links.send_to(peer, self._hello(to=peer.node))
-                    elif beat:
-                        links.send_to(peer, {"op": "beat", "t": now, "pulls": pulls})
+                    elif beat:  # (`n`: what it sent on that link since its hello: Links.tally)
+                        beat_m = {"op": "beat", "t": now, "pulls": pulls, "n": peer.sent}
+                        links.send_to(peer, beat_m)
                 self.queues.beat()
             self.replicas.pulls.poll(now)
             self.queues.poll()
@@ -261,6 +244,7 @@ class Cluster:
 
     def _request(self, route: bytes, m: dict[str, Any]) -> None:
         op, replicas, links = m["op"], self.replicas, self.links
+        lost = links.tally(route, m)
         try:
             if op == "hello":
                 node = str(m["node"])
@@ -289,7 +273,7 @@ class Cluster:
                 replicas.lending.open_pulls(node, m.get("pulls"), m.get("t"))
                 heard, forgot = links.heard_ago(node), links.forgot.get(node, 0)
                 answer = {"op": "beat", "t": m.get("t"), "heard_ago": heard, "forgot": forgot,
-                          "down_after": links.down_after}  # fmt: skip
+                          "down_after": links.down_after, "resync": lost}  # fmt: skip
                 links.reply(route, {**answer, "incarnation": links.incarnation})
             elif op == "announce":
                 acked = links.acked(node, m)
@@ -364,10 +348,7 @@ class Cluster:
                 self.replicas.welcome(node, m["keys"])
                 # What this node holds now, again: a put sealed while the peer was not up
                 # yet here was announced to the others only (its hello went before it).
-                self.links.send_to(peer, {"op": "keys", "keys": self.replicas.own()})
-                follows = self.replicas.follows(node)  # (Note [follows] in follows.py)
-                if follows is not None:
-                    self.links.send_to(peer, follows)
+                self._say_again(peer, node)
                 # A beat at once: its answer makes the node `fresh` (its offers readable)
                 # now, not a beat from now.
                 self.links.send_to(peer, {"op": "beat", "t": time.monotonic()})
@@ -395,8 +376,18 @@ class Cluster:
                     self._forget_node(peer.node, mutual=True)
                 elif same:
                     self.links.kept(peer.node, m.get("t"), m.get("heard_ago"), m.get("down_after"))
+                if m.get("resync"):  # requests of this one's were lost on the way there
+                    self._say_again(peer, peer.node)
         except (KeyError, TypeError, ValueError, BrokerError, OSError) as exc:
             log.warning("a cluster answer %r from %s could not be used: %s", op, peer.address, exc)
+
+    def _say_again(self, peer: Peer, node: str) -> None:
+        """Tell `node` (on `peer`) what this node holds, and what it follows of `node`'s
+        (Note [follows] in follows.py): after its welcome, or requests lost on the link."""
+        self.links.send_to(peer, {"op": "keys", "keys": self.replicas.own()})
+        follows = self.replicas.follows(node)
+        if follows is not None:
+            self.links.send_to(peer, follows)
 
     def _stale(self, peer: Peer, m: dict[str, Any]) -> bool:
         """Whether welcome or beat answer `m` comes from an older incarnation of its node

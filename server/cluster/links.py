@@ -38,6 +38,7 @@ class Peer:
     node: str | None = None
     up: bool = False
     heard: float = 0.0  # when it last answered (monotonic)
+    sent: int = 0  # requests sent on it since its last hello (a beat says: `tally`)
 
 
 Message = dict[str, Any] | Callable[[], dict[str, Any]]  # (`after`: made as it is sent)
@@ -121,6 +122,7 @@ class Links:
         self.lease_until: Callable[[], float] = lambda: math.inf  # (Membership's, with etcd)
         self.lease_since: Callable[[], float] = lambda: -math.inf  # (when it was granted)
         self._safe_sent: dict[str, float] = {}  # node -> when the beat behind that was sent
+        self._heard: dict[bytes, int] = {}  # route -> the requests come on it since its hello
         self._after: list[tuple[str, Message]] = []  # (node, message): `after`
         self._kept: list[tuple[str, Message]] = []  # refused at a flush: next one
 
@@ -357,7 +359,23 @@ class Links:
             peer.socket.send(_pack(message), zmq.NOBLOCK)
         except zmq.Again:  # not connected (IMMEDIATE), or its queue is full: beats retry
             return False
+        peer.sent = 0 if message["op"] == "hello" else peer.sent + 1
         return True
+
+    def tally(self, route: bytes, m: dict[str, Any]) -> bool:
+        """Count request `m`, come on `route`. True if it is a beat that says more requests
+        were sent on its link since the hello than came here: ZeroMQ drops those it took
+        when the link's connection breaks and comes back (the route stays, so no hello
+        follows). The sender then says again what it holds and follows (cluster.py)."""
+        if m["op"] == "hello":
+            self._heard[route] = 0
+            return False
+        heard, said = self._heard.get(route, 0), m.get("n")
+        if m["op"] == "beat" and isinstance(said, int):
+            self._heard[route] = said + 1
+            return heard < said
+        self._heard[route] = heard + 1
+        return False
 
     def reply(self, route: bytes, message: dict[str, Any]) -> None:
         try:

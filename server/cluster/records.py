@@ -1,9 +1,11 @@
 """What the cluster's rooms share: the links to the other nodes as they use them (Links: the
-Cluster's), where another node's key lives (Remote), and a pull of one (Pull: pulls.py's;
-a relay lends one under way, Note [relays] in lending.py)."""
+Cluster's), where another node's key lives (Remote), a pull of one (Pull: pulls.py's; a relay lends
+one under way, Note [relays] in lending.py), and the broker's ready items that are the
+cluster's (Watched)."""
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -71,3 +73,21 @@ class Pull:
         if self.obj is None or self.handle is None or self.cut or self.suspect:
             return False
         return chunk < self.size and self.handle.ready() < self.size
+
+
+class Watched:
+    """The broker's ready items that are not its endpoint's: pidfds, and the cluster's sockets
+    and descriptors."""
+
+    def __init__(self, *parts: Collection[Any]) -> None:
+        self.parts = parts
+
+    def __contains__(self, item: object) -> bool:
+        return any(item in part for part in self.parts)
+
+    def __iter__(self) -> Iterator[Any]:
+        for part in self.parts:
+            yield from part
+
+    def __len__(self) -> int:
+        return sum(len(part) for part in self.parts)

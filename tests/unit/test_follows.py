@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tensorbroker.common.protocol import Request
 from tensorbroker.server.cluster.membership import Member
 from tensorbroker.server.cluster.replicas import PREFIXES
 from tests.nodes import Node, pair, run, trio
@@ -130,3 +131,32 @@ def test_a_broker_whose_lease_expired_keeps_what_it_lent_and_reads_nothing_stale
     assert run([a, b], 3, lambda: "k" in b.registry.objects)
     assert run([a, b], 3, lambda: b.registry.objects["k"].version == newest)
     assert all(p.suspect or p.cut for p in a.cluster.replicas.pulls.pulls.values())
+
+
+def test_requests_lost_on_a_link_that_reconnected_are_said_again(
+    pair: Callable[[str], Node],
+) -> None:
+    """ZeroMQ drops what it took for a link whose connection broke and came back (its route
+    stays: no hello follows). b's follow of k is lost so: a's next beat from b says how many
+    requests b sent, a finds one missing, and b says again what it follows; b hears of k's
+    next versions."""
+    a, b = pair("a"), pair("b")
+    assert run([a, b], 5, lambda: b.up("a") and a.up("b") and b.cluster.links.fresh("a"))
+    a.put("k", 2 * 65536)
+    assert run([a, b], 3, lambda: b.cluster.replicas.holds("k"))
+    links, lost = a.cluster.links, []
+    read = links.read
+
+    def losing(socket: Any) -> Any:
+        for route, peer, m in read(socket):
+            if m.get("op") == "follow" and not lost:
+                lost.append(m)  # (taken by b's ZeroMQ, never delivered)
+                continue
+            yield route, peer, m
+
+    links.read = losing  # type: ignore[method-assign]
+    watch = Request("get", 8, {"key": "k", "after": 1, "timeout": 10.0}, [])
+    assert not b.cluster.replicas.get(b.session, b"client", watch)  # it follows k now
+    assert run([a, b], 3, lambda: bool(lost))
+    v2 = a.put("k", 2 * 65536).version
+    assert run([a, b], 6, lambda: b.cluster.replicas.where()["k"][1] == v2)  # (a beat: 2 s)
