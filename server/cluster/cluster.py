@@ -377,13 +377,15 @@ class Cluster:
                 elif same:
                     self.links.kept(peer.node, m.get("t"), m.get("heard_ago"), m.get("down_after"))
                 if m.get("resync"):  # requests of this one's were lost on the way there
-                    self._say_again(peer, peer.node)
+                    log.warning("cluster: requests to node %r were lost; linking again", peer.node)
+                    self._down(peer)  # (as if it went down: each forgets what it lent the
+                    # other, and the hello and welcome that follow say all again)
         except (KeyError, TypeError, ValueError, BrokerError, OSError) as exc:
             log.warning("a cluster answer %r from %s could not be used: %s", op, peer.address, exc)
 
     def _say_again(self, peer: Peer, node: str) -> None:
         """Tell `node` (on `peer`) what this node holds, and what it follows of `node`'s
-        (Note [follows] in follows.py): after its welcome, or requests lost on the link."""
+        (Note [follows] in follows.py), after its welcome."""
         self.links.send_to(peer, {"op": "keys", "keys": self.replicas.own()})
         follows = self.replicas.follows(node)
         if follows is not None:

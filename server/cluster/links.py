@@ -366,7 +366,9 @@ class Links:
         """Count request `m`, come on `route`. True if it is a beat that says more requests
         were sent on its link since the hello than came here: ZeroMQ drops those it took
         when the link's connection breaks and comes back (the route stays, so no hello
-        follows). The sender then says again what it holds and follows (cluster.py)."""
+        follows). The sender then takes the link for down and links again (cluster.py):
+        the two forget what each lent the other (a queue item comes again), and the hello
+        and welcome say again what each holds and follows."""
         if m["op"] == "hello":
             self._heard[route] = 0
             return False

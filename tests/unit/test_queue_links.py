@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from tensorbroker.common.protocol import Request
 from tests.nodes import Node, pair, run
@@ -260,3 +261,30 @@ def test_a_qitem_made_before_a_new_segment_does_not_bring_back_older_agent_metad
     a.cluster.flush()
     assert run([a, b], 3, lambda: len(b.reads.started) == 1)
     assert b.reads.known["a"] == b"agent+s2"
+
+
+def test_a_queue_item_lost_on_a_link_that_reconnected_is_lent_again(
+    pair: Callable[[str], Node],
+) -> None:
+    """ZeroMQ drops what it took for a link whose connection broke and came back (its route
+    stays: no hello follows). b's qitem to a is lost so: b's next beat says how many
+    requests it sent, a finds one missing, b links again (each forgets what it lent the
+    other) and lends the item anew: at least once, as across a node's death."""
+    a, b = pair("a"), pair("b")
+    assert run([a, b], 5, lambda: a.up("b") and b.up("a") and a.cluster.links.fresh("b"))
+    a.cluster.queues.asked(a.queue("q"))
+    assert run([a, b], 3, lambda: bool(b.cluster.queues.wants.get("q")))
+    links, lost = a.cluster.links, []
+    read = links.read
+
+    def losing(socket: Any) -> Any:
+        for route, peer, m in read(socket):
+            if peer is None and m.get("op") == "qitem" and not lost:
+                lost.append(m)  # (taken by b's ZeroMQ, never delivered)
+                continue
+            yield route, peer, m
+
+    links.read = losing  # type: ignore[method-assign]
+    b.queue_put("q", 4096)
+    assert run([a, b], 3, lambda: bool(lost))
+    assert run([a, b], 6, lambda: bool(a.reads.started))  # (within a beat, and a hello)
