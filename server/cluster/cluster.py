@@ -103,7 +103,7 @@ class Cluster:
             record = {"address": self.address, "incarnation": links.incarnation}
             self.membership = Membership(joining.etcd, joining.etcd_prefix, self.node, record)
             links.lease_until = lambda: self.membership.alive_until  # type: ignore[union-attr]
-            links.lease_since = lambda: self.membership.lease_since  # type: ignore[union-attr]
+            links.registration = lambda: self.membership.registration  # type: ignore[union-attr]
             poller.register(self.membership.fd, zmq.POLLIN)
             fds.add(self.membership.fd)
         self.sockets = Watched(links.sockets, fds)  # (a peer linked to later: in links.sockets)
@@ -197,6 +197,8 @@ class Cluster:
                     self.replicas.pulls.forget(other)  # them stays pinned until then)
                 continue
             if record is not None:
+                if isinstance(record.get("registration"), int):  # (said in its beat answers)
+                    self.links.registrations[node] = record["registration"]
                 address = str(record.get("address", ""))
                 for peer in [p for p in self.peers if p.node == node and p.address != address]:
                     if not peer.up:  # (it restarted elsewhere: a pod's new IP, say)
@@ -273,7 +275,8 @@ class Cluster:
                 replicas.lending.open_pulls(node, m.get("pulls"), m.get("t"))
                 heard, forgot = links.heard_ago(node), links.forgot.get(node, 0)
                 answer = {"op": "beat", "t": m.get("t"), "heard_ago": heard, "forgot": forgot,
-                          "down_after": links.down_after, "resync": lost}  # fmt: skip
+                          "down_after": links.down_after, "resync": lost,
+                          "registration": links.registrations.get(node)}  # fmt: skip
                 links.reply(route, {**answer, "incarnation": links.incarnation})
             elif op == "announce":
                 acked = links.acked(node, m)
@@ -375,7 +378,8 @@ class Cluster:
                 if same is False:  # it forgot this one: forgotten too
                     self._forget_node(peer.node, mutual=True)
                 elif same:
-                    self.links.kept(peer.node, m.get("t"), m.get("heard_ago"), m.get("down_after"))
+                    got = m.get("t"), m.get("heard_ago"), m.get("down_after"), m.get("registration")
+                    self.links.kept(peer.node, *got)
                 if m.get("resync"):  # requests of this one's were lost on the way there
                     log.warning("cluster: requests to node %r were lost; linking again", peer.node)
                     self._down(peer)  # (as if it went down: each forgets what it lent the

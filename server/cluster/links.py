@@ -76,9 +76,10 @@ class Links:
     for over TTL less LEASE_MARGIN (2.5 s), this broker pulls nothing, and its gets wait
     within their timeout. A broker whose lease expired gives back the offers it holds as it
     joins again, and its reads under way are not sealed (cluster.py, `_members`); it reads
-    nothing more until a beat sent under its new lease is answered (`lease_since`): a peer
-    that took it for down says so then, and each forgets the other (what this one lent
-    them stays pinned until then)."""
+    nothing more of a peer's until the peer answers a beat having seen its new entry in
+    etcd (each entry is numbered: `registration`), so having seen the one before go: a
+    peer that took it for down says so then, and each forgets the other (what this one
+    lent them stays pinned until then)."""
 
     def __init__(self, joining: Joining, poller: zmq.Poller) -> None:
         self.address, self._keys, self._poller = joining.address, joining.keys, poller
@@ -120,8 +121,9 @@ class Links:
         self.beat = ETCD_BEAT if etcd else BEAT
         self.down_after = ETCD_DOWN_AFTER if etcd else DOWN_AFTER
         self.lease_until: Callable[[], float] = lambda: math.inf  # (Membership's, with etcd)
-        self.lease_since: Callable[[], float] = lambda: -math.inf  # (when it was granted)
-        self._safe_sent: dict[str, float] = {}  # node -> when the beat behind that was sent
+        self.registration: Callable[[], int] = lambda: 0  # (Membership's: entries it put)
+        self.registrations: dict[str, int] = {}  # node -> its entry in etcd, as seen here
+        self._safe_seen: dict[str, Any] = {}  # node -> which of this one's entries it had seen
         self._heard: dict[bytes, int] = {}  # route -> the requests come on it since its hello
         self._after: list[tuple[str, Message]] = []  # (node, message): `after`
         self._kept: list[tuple[str, Message]] = []  # refused at a flush: next one
@@ -231,17 +233,20 @@ class Links:
         self.forgot[node] = self.forgot.get(node, 0) + 1
         self._safe_until.pop(node, None)
 
-    def kept(self, node: str, sent: Any, heard_ago: Any, down_after: Any = DOWN_AFTER) -> None:
+    def kept(
+        self, node: str, sent: Any, heard_ago: Any, down_after: Any = DOWN_AFTER, seen: Any = None
+    ) -> None:
         """`node` answered a beat sent at `sent` (this broker's clock), having heard from this
-        broker `heard_ago` seconds before, and taking a peer for down after `down_after`: it
-        will not take this one for down before sent + down_after - heard_ago (less BEAT, for
-        the clocks' drift and the loops' delays)."""
+        broker `heard_ago` seconds before, taking a peer for down after `down_after`, and
+        having seen this broker's entry number `seen` in etcd: it will not take this one for
+        down before sent + down_after - heard_ago (less BEAT, for the clocks' drift and the
+        loops' delays)."""
         if not isinstance(down_after, (int, float)):
             down_after = DOWN_AFTER
         if isinstance(sent, float) and isinstance(heard_ago, (int, float)):
             until = sent + float(down_after) - float(heard_ago) - BEAT
             if until > self._safe_until.get(node, 0.0):
-                self._safe_until[node], self._safe_sent[node] = until, sent
+                self._safe_until[node], self._safe_seen[node] = until, seen
 
     def heard_ago(self, node: str) -> float:
         """Seconds since a link of this broker's last heard `node` answer; 0 if none is up:
@@ -274,13 +279,13 @@ class Links:
         (`kept`). A node takes a peer whose answers stopped DOWN_AFTER ago for down, and lets
         go what it offered it (Note [offers]): a broker must not read from those offers then
         (after a long pause of its loop, say, or a link that stalled one way); with etcd, one
-        whose lease expired too, or one whose last answer is to a beat sent before its
-        lease of now (its peer may have taken it for down as the one before expired: Note
-        [beats])."""
+        whose lease expired too, or whose peer had not seen its entry in etcd of now (it may
+        yet take it for down as it sees the one before go: Note [beats])."""
         now = time.monotonic()
         if not (now < self._safe_until.get(node, 0.0) and now < self.lease_until()):
-            return False  # (a beat sent before this broker's lease: its peer may have let go
-        return self._safe_sent[node] >= self.lease_since() and self.up(node)  # as it expired)
+            return False
+        seen = self._safe_seen.get(node)  # (None: a peer without etcd, or that saw none)
+        return (not isinstance(seen, int) or seen >= self.registration()) and self.up(node)
 
     def send(self, node: str, message: dict[str, Any]) -> bool:
         peer = self.peer(node)

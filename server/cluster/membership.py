@@ -62,14 +62,14 @@ class Membership:
     def __init__(self, urls: tuple[str, ...], prefix: str, node: str, record: dict[str, Any]):
         self.urls, self.node, self.address = urls, node, record.get("address")
         self.prefix = f"{prefix.rstrip('/')}/members/".encode()
-        self._key, self._value = self.prefix + node.encode(), json.dumps(record).encode()
+        self._key, self._record = self.prefix + node.encode(), record
         self.events: deque[Member] = deque()
         self.fd, self._wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._stop = threading.Event()
         self._streams: list[socket.socket] = []  # the watch's, shut to end it
         self._lease = 0
         self.alive_until = 0.0  # (monotonic) this broker's lease surely runs until then
-        self.lease_since = 0.0  # (monotonic) when the lease of now was asked for
+        self.registration = 0  # its entries put (in `registration`: a peer says which it saw)
         self._watching = ""  # the member the watch's stream is on
         self._present: set[str] = set()  # the other nodes in etcd (the watch's thread's)
         self._threads: list[threading.Thread] = []
@@ -135,11 +135,12 @@ class Membership:
         An entry of this node at another address (a broker restarted elsewhere, its old
         lease not expired yet) is waited for to go, up to TTL + 1 s; NodeTaken if it stays
         (another broker serves this --node and renews it)."""
-        asked = time.monotonic()
+        asked, registration = time.monotonic(), self.registration + 1
+        value = json.dumps({**self._record, "registration": registration}).encode()
         lease = etcd.grant(TTL)
         deadline = time.monotonic() + TTL + 1.0
         while True:
-            found = etcd.put_new(self._key, self._value, lease)
+            found = etcd.put_new(self._key, value, lease)
             if found is None:
                 break
             try:
@@ -147,7 +148,7 @@ class Membership:
             except (ValueError, AttributeError):
                 there = None
             if found and (there == self.address or there is None):  # (restarted in place)
-                etcd.put(self._key, self._value, lease)
+                etcd.put(self._key, value, lease)
                 break
             if time.monotonic() > deadline:
                 raise NodeTaken(
@@ -156,7 +157,7 @@ class Membership:
                     "stop that one"
                 )
             time.sleep(0.2)
-        self._lease, self.lease_since = lease, asked
+        self._lease, self.registration = lease, registration
         self.alive_until = asked + TTL - LEASE_MARGIN
 
     def _keep(self, first: int) -> None:

@@ -160,3 +160,21 @@ def test_requests_lost_on_a_link_that_reconnected_are_said_again(
     assert run([a, b], 3, lambda: bool(lost))
     v2 = a.put("k", 2 * 65536).version
     assert run([a, b], 6, lambda: b.cluster.replicas.where()["k"][1] == v2)  # (a beat: 2 s)
+
+
+def test_a_broker_that_joined_etcd_again_reads_nothing_of_a_peer_that_has_not_seen_it(
+    pair: Callable[[str], Node],
+) -> None:
+    """a's lease expired and a put its entry again (its second): b's watch of etcd lags,
+    so b may still take a for down as it sees a's first entry go, and let go what it lent
+    a. a reads nothing of b's until b answers a beat having seen the second entry."""
+    a, b = pair("a"), pair("b")
+    assert run([a, b], 5, lambda: a.up("b") and b.up("a") and a.cluster.links.fresh("b"))
+    first = {"address": a.cluster.address, "registration": 1}
+    b.cluster._members([Member("a", first)])  # (what b's watch saw when a joined)
+    a.cluster.links.registration = lambda: 2  # a joined again: its second entry
+    a.cluster._members([Member("a", None)])
+    run([a, b], 1.5)  # beats answered: b has not seen a's second entry
+    assert not a.cluster.links.fresh("b")
+    b.cluster._members([Member("a", None), Member("a", {**first, "registration": 2})])
+    assert run([a, b], 3, lambda: a.cluster.links.fresh("b"))
