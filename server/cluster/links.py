@@ -267,6 +267,7 @@ class Links:
         self._kept = [(n, m) for n, m in self._kept if n != node]
         for route in [r for r, n in self.routes.items() if n == node]:
             del self.routes[route]
+            self._heard.pop(route, None)  # (counted again from its next hello: `tally`)
 
     # -- what the rooms ask (the Links of replicas.py) --------------------------------------------
 
