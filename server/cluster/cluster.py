@@ -32,12 +32,11 @@ ZeroMQ carries only these control messages (msgpack, never pickle); the bytes go
 (welcome, beat, lent) come back on it. A peer heard from within `down_after` seconds is
 up (Note [beats] in links.py); a peer that restarts gets this broker's hello again (its
 DEALER keeps trying; a broker that gets a message from a link that has not said hello
-answers `hello_first`) and its keys are
-listed again from its welcome. A peer that goes down: its keys raise PeerUnavailable, the
-replicas pulled from it stay readable, its loans here are unpinned. A `lent` carries the
-lender's agent metadata of now: NIXL learns a peer's registered memory from its metadata
-only, and a segment may be newer than the welcome (an arena grows; a broker that restarted
-adopts segments after it joined).
+answers `hello_first`) and its keys are listed again from its welcome. A peer that goes
+down: its keys raise PeerUnavailable, the replicas pulled from it stay readable, its loans
+here are unpinned. A `lent` carries the lender's agent metadata of now: NIXL learns a
+peer's registered memory from its metadata only, and a segment may be newer than the
+welcome (an arena grows; a broker that restarted adopts segments after it joined).
 
 A hello, welcome or beat answer carries the broker's incarnation (new at each start) and how
 often it forgot the peer (took it for down, or found it restarted): the peer forgets what it
@@ -225,8 +224,9 @@ class Cluster:
                     if not peer.up:
                         links.send_to(peer, self._hello(to=peer.node))
                     elif beat:  # (`n`: what it sent on that link since its hello: Links.tally)
-                        beat_m = {"op": "beat", "t": now, "pulls": pulls, "n": peer.sent}
-                        links.send_to(peer, beat_m)
+                        links.send_to(
+                            peer, {"op": "beat", "t": now, "pulls": pulls, "n": peer.sent}
+                        )
                 self.queues.beat()
             self.replicas.pulls.poll(now)
             self.queues.poll()
@@ -350,8 +350,12 @@ class Cluster:
                 peer.node, peer.up = node, True
                 self.replicas.welcome(node, m["keys"])
                 # What this node holds now, again: a put sealed while the peer was not up
-                # yet here was announced to the others only (its hello went before it).
-                self._say_again(peer, node)
+                # yet here was announced to the others only (its hello went before it); and
+                # what it follows of the peer's (Note [follows] in follows.py).
+                self.links.send_to(peer, {"op": "keys", "keys": self.replicas.own()})
+                follows = self.replicas.follows(node)
+                if follows is not None:
+                    self.links.send_to(peer, follows)
                 # A beat at once: its answer makes the node `fresh` (its offers readable)
                 # now, not a beat from now.
                 self.links.send_to(peer, {"op": "beat", "t": time.monotonic()})
@@ -386,14 +390,6 @@ class Cluster:
                     # other, and the hello and welcome that follow say all again)
         except (KeyError, TypeError, ValueError, BrokerError, OSError) as exc:
             log.warning("a cluster answer %r from %s could not be used: %s", op, peer.address, exc)
-
-    def _say_again(self, peer: Peer, node: str) -> None:
-        """Tell `node` (on `peer`) what this node holds, and what it follows of `node`'s
-        (Note [follows] in follows.py), after its welcome."""
-        self.links.send_to(peer, {"op": "keys", "keys": self.replicas.own()})
-        follows = self.replicas.follows(node)
-        if follows is not None:
-            self.links.send_to(peer, follows)
 
     def _stale(self, peer: Peer, m: dict[str, Any]) -> bool:
         """Whether welcome or beat answer `m` comes from an older incarnation of its node

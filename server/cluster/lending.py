@@ -139,10 +139,15 @@ class Lending:
             offers = offering.get(n, {})  # incarnation of their receiver they are for, and
             entries = [offers.get(e[0], e) for e in everyone] + followers.get(n, [])
             if entries and links.up(n):  # how often this one forgot it: Links.acked)
-                links.after(n, {"op": "announce", "keys": entries, **links.ack(n)})
+                self._announce_to(n, entries)
                 told.add(n)
         for obj, to in offered:
             self.offered.pin(obj, told & to)
+
+    def _announce_to(self, node: str, entries: list[list[Any]]) -> None:
+        """An `announce` of `entries` to `node`, after the loop's replies (kept while its
+        link reconnects: Links.after), for its incarnation as this broker knows it."""
+        self.links.after(node, {"op": "announce", "keys": entries, **self.links.ack(node)})
 
     # -- loans -----------------------------------------------------------------------------------
 
@@ -275,12 +280,7 @@ class Lending:
     def offer_read(self, node: str, key: str, version: int) -> None:
         """`node` read the version of `key` offered to it (its bytes are counted as sent)."""
         self.bytes_sent += self.offered.size(node, key, version)
-        obj = self.registry.objects.get(key)
-        if obj is not None and key not in self.index:  # a replica there now: it follows
-            self.followers.follow(node, key)
-            if obj.version > version:  # (put again since that offer: told of this one)
-                entry = [key, obj.version, int(obj.nbytes), None]
-                self.links.after(node, {"op": "announce", "keys": [entry], **self.links.ack(node)})
+        self.follow(node, [[key, version]], [])  # (a replica there now; put again since?)
 
     def follow(self, node: str, keys: list[Any], prefixes: list[Any], prefetch: int = 0) -> None:
         """`node` follows these keys ([[key, the version it heard of], ...]), prefixes and
@@ -296,7 +296,7 @@ class Lending:
             if obj.version > heard:
                 newer.append([key, obj.version, int(obj.nbytes), None])
         if newer:
-            self.links.after(node, {"op": "announce", "keys": newer, **self.links.ack(node)})
+            self._announce_to(node, newer)
 
     def claim_again(self, key: str, version: int) -> None:
         """A node claimed `key` with a version that loses to this node's `version`: every

@@ -23,9 +23,7 @@ log = logging.getLogger(__name__)
 
 BEAT = 0.5  # seconds between beats (and hellos to a peer not up)
 DOWN_AFTER = 2.0  # a peer not heard from for this long is down (at most 3 s, says issue 33)
-# With etcd, a node that dies is seen down as its lease expires (Note [membership]): beats
-# only find a link that stalled, and cost each broker a message a peer each (Note [beats]).
-ETCD_BEAT, ETCD_DOWN_AFTER = 2.0, 8.0
+ETCD_BEAT, ETCD_DOWN_AFTER = 2.0, 8.0  # the same with etcd (Note [beats])
 MAX_MESSAGE = 64 * 2**20  # a peer's message (a welcome lists its keys): at most this
 
 
@@ -71,15 +69,18 @@ class Links:
     0.5 s cost each broker about 0.45% of a core idle). A beat's answer says how long its
     sender waits before it takes this broker for down, and when it last heard it: until
     when it surely holds this one up (`fresh`, the offers' safety: Note [offers]). With
-    etcd it also lets go of this broker once its lease expires: `fresh` holds only while
-    this broker's lease surely runs (`lease_until`: Membership): while etcd is out of reach
-    for over TTL less LEASE_MARGIN (2.5 s), this broker pulls nothing, and its gets wait
-    within their timeout. A broker whose lease expired gives back the offers it holds as it
-    joins again, and its reads under way are not sealed (cluster.py, `_members`); it reads
-    nothing more of a peer's until the peer answers a beat having seen its new entry in
-    etcd (each entry is numbered: `registration`), so having seen the one before go: a
-    peer that took it for down says so then, and each forgets the other (what this one
-    lent them stays pinned until then)."""
+    etcd `fresh` also needs this broker's lease to surely run (`lease_until`): while etcd
+    is out of reach for over TTL less LEASE_MARGIN (2.5 s), it pulls nothing. One whose
+    lease expired gives back the offers it holds as it joins again, and its reads under way
+    are not sealed (cluster.py, `_members`); it reads nothing more of a peer's until the
+    peer answers a beat having seen its new entry in etcd (entries are numbered:
+    `registration`), so having seen the one before go: a peer that took it for down says
+    so then, and each forgets the other (what it lent them stays pinned until then).
+
+    ZeroMQ drops what it holds for a link whose connection breaks and comes back (the route
+    stays: no hello follows). So each beat says how many requests its link carried since
+    the hello (`tally`); one short makes the sender take the link for down and link again
+    (cluster.py): each forgets what it lent the other, the welcome says all again."""
 
     def __init__(self, joining: Joining, poller: zmq.Poller) -> None:
         self.address, self._keys, self._poller = joining.address, joining.keys, poller
@@ -370,11 +371,7 @@ class Links:
 
     def tally(self, route: bytes, m: dict[str, Any]) -> bool:
         """Count request `m`, come on `route`. True if it is a beat that says more requests
-        were sent on its link since the hello than came here: ZeroMQ drops those it took
-        when the link's connection breaks and comes back (the route stays, so no hello
-        follows). The sender then takes the link for down and links again (cluster.py):
-        the two forget what each lent the other (a queue item comes again), and the hello
-        and welcome say again what each holds and follows."""
+        were sent on its link since the hello than came here (Note [beats])."""
         if m["op"] == "hello":
             self._heard[route] = 0
             return False
