@@ -190,6 +190,8 @@ class Broker:
             self.objects, self.seals, self.queues, self.sessions, self.inventory, chunks,
             self._on_stats,
         )  # fmt: skip
+        if self.cluster is not None:  # (a request that asked a key's home runs again: its op)
+            self.cluster.replicas.directory.handlers = self._handlers
         if found is not None:
             try:
                 others = {*self.slots.names, *self.mailboxes.names}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from itertools import chain
 from typing import Any
 
@@ -40,7 +40,7 @@ class Inventory:
         )
         self._objects = objects  # (its `elsewhere`: the keys of a cluster's other nodes)
 
-    def objects(self, session: Session, route: bytes, req: Request) -> Reply:
+    def objects(self, session: Session, route: bytes, req: Request) -> Reply | None:
         """A page of objects: by key after `after` (with "more" if keys remain), or the
         `limit` largest (by="size"). Leases count the broker's and the directory's readers."""
         f = req.fields
@@ -48,7 +48,13 @@ class Inventory:
         if not 1 <= limit <= LIST_LIMIT:
             raise InvalidRequest(f"limit must be 1 to {LIST_LIMIT}, got {limit}")
         objects, elsewhere = self.registry.objects, self._objects.elsewhere
-        there = {} if elsewhere is None else elsewhere.where()  # key -> (node, version, size)
+        if elsewhere is not None and by == "key":  # every node is asked for its own keys
+            query = {"prefix": prefix, "after": f.get("after"), "limit": limit, "by": by}
+            if elsewhere.gather(session, route, req, query):
+                return None  # (and this runs again with them)
+        there: Mapping[str, tuple[str, int, int]] = {}  # key -> (node, version, size)
+        if elsewhere is not None:  # (by size: this node's objects, its replicas' owners)
+            there = elsewhere.rows(req) if by == "key" else elsewhere.where()
         chosen: list[StoredObject | dict[str, Any]]
         if by == "size":
             # By block first (cheap), then by the tensors' bytes among the blocks at least as

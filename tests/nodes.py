@@ -16,6 +16,7 @@ import zmq
 
 from tensorbroker.common.protocol import Request
 from tensorbroker.server.cluster.cluster import Cluster, Joining
+from tensorbroker.server.cluster.directory import Directory
 from tensorbroker.server.durability.journal import Journal
 from tensorbroker.server.queues.queue_state import BrokerQueue
 from tensorbroker.server.queues.queues import Queues
@@ -144,6 +145,7 @@ class Node:
         self.queues.elsewhere = self.cluster.queues
         self.session = Session(name * 8, None)
         self.name, self.closed = name, False
+        self.asked: set[str] = set()  # keys this node asked the home of (`knows`)
         links, events = self.cluster.links, self.journal.events
         send_to = links.send_to
 
@@ -158,6 +160,18 @@ class Node:
         put, _ = self.registry.begin_put(self.session, key, specs, False, device=device)
         self.objects.seal(self.session, put, False)
         return self.registry.objects[key]
+
+    def knows(self, key: str) -> bool:
+        """Whether this node knows where `key` lives (its index): asked of the key's home,
+        once, as a client's `exists` does (Note [directory] in directory.py)."""
+        replicas = self.cluster.replicas
+        if not replicas.holds(key) and key not in self.asked:
+            directory = replicas.directory  # (its answer, none: a test's `_send` sees no more)
+            directory.handlers["knows"] = lambda session, route, req: None
+            asking = Request("knows", 9, {"key": key}, [])
+            if directory.lookup(self.session, b"client", asking, [key]):
+                self.asked.add(key)
+        return replicas.holds(key)
 
     def get(self, key: str) -> bool:
         req = Request("get", 7, {"key": key, "timeout": 10.0}, [])
@@ -194,6 +208,14 @@ class Node:
             self.cluster.close()
             self.arena.close()
             self.registry.devices.close()
+
+
+def homed(homes: str, names: str, stem: str = "k") -> str:
+    """A key whose home is node `homes[0]` of nodes `names`, all up, and its second home
+    `homes[1]`, if named (Note [directory])."""
+    members = tuple(sorted(names))
+    keys = (f"{stem}{i}" for i in range(10_000))
+    return next(k for k in keys if "".join(Directory.homes_of(k, members)).startswith(homes))
 
 
 def run(nodes: list[Node], seconds: float, until: Callable[[], bool] | None = None) -> bool:

@@ -7,11 +7,12 @@ Note [cluster]
     broker A (node a)                                   broker B (node b)
     ROUTER at --cluster  <──── DEALER ── hello(b, agent metadata, b's keys)
                          ──── welcome(a, agent metadata, a's keys) ───>  (and beats both ways)
-    a put sealed on A  ── announce(k, version) ─> every peer if k is new on A, else the
-                          peers that follow k (Note [follows]): B's index says k lives on a
+    a put sealed on A  ── announce(k, version) ─> k's two homes if k is new on A (Note
+                          [directory]), and the peers that follow k (Note [follows]): B's
+                          index says k lives on a (a node that knows nothing of k asks a home)
                           (the puts of ANNOUNCE_EVERY in one message, each key's last)
-                          (and keys(all of A's) to a peer as it comes up, in case a put
-                          came between A's hello and the peer's welcome)
+                          (and keys(A's homed at the peer) to a peer as it comes up, in
+                          case a put came between A's hello and the peer's welcome)
     client of B: get k ── not listed on B ──> B: lend k? ──> A pins it: lent(version, layout,
                                                               address of its bytes)
                           B allocates a block, NIXL READs the bytes from A's registered
@@ -229,6 +230,7 @@ class Cluster:
                         )
                 self.queues.beat()
             self.replicas.pulls.poll(now)
+            self.replicas.directory.tick(now)
             self.queues.poll()
         except Exception:
             log.exception("cluster: the beat or a pull failed")
@@ -268,6 +270,8 @@ class Cluster:
                 elif op == "lend":  # asked again after the hello, else its get waits it out
                     again = ("op", "pull", "key", "direct", "ask", "t")
                     first["again"] = {k: m[k] for k in again if k in m}
+                elif op == "where":  # (so is a lookup: Note [directory])
+                    first["again"] = {k: m[k] for k in ("op", "ask", "keys") if k in m}
                 elif op == "qitem":  # not read: its lender puts it back in its part
                     first["qback"] = [m["loan"]]
                 links.reply(route, first)
@@ -293,8 +297,11 @@ class Cluster:
                 replicas.lending.offers_back(node, m["offers"])
             elif op == "agent":
                 self.transfers.add_peer(node, bytes(m["agent"]), m.get("agent_v"))
-            elif op == "keys":
-                replicas.welcome(node, m["keys"])
+            elif op == "keys":  # (its link here is up: what this node follows is said again,
+                replicas.welcome(node, m["keys"])  # as what went while it was not was lost)
+                follows = replicas.follows(node)
+                if follows is not None:
+                    links.after(node, follows)
             elif op == "follow":
                 replicas.lending.follow(
                     node, m.get("keys", []), m.get("prefixes", []), m.get("prefetch", 0)
@@ -306,15 +313,17 @@ class Cluster:
                 replicas.lending.returned(node, int(m["pull"]), int(m.get("ask", 0)))
             elif op == "delete":
                 replicas.deleted(node, str(m["key"]))
+            elif op in ("where", "dir", "ls"):  # (Note [directory] in directory.py)
+                replicas.request(node, op, m)
             elif op.startswith("q") or op in ("want", "subs"):
                 self.queues.request(node, op, m)
         except (KeyError, TypeError, ValueError, BrokerError) as exc:
             log.warning("a cluster message %r from %r could not be used: %s", op, route, exc)
 
     def _hello(self, op: str = "hello", to: str | None = None) -> dict[str, Any]:
-        """This broker, its address, its agent, and the keys it holds (not its replicas);
+        """This broker, its address, its agent, and the keys it holds homed at `to`;
         its incarnation, and how often it forgot node `to` (the node forgets it as often)."""
-        keys, links = self.replicas.own(), self.links
+        keys, links = ([] if to is None else self.replicas.own(to)), self.links
         forgot = 0 if to is None else links.forgot.get(to, 0)
         return {
             "op": op, "node": self.node, "address": self.address, "keys": keys,
@@ -348,11 +357,12 @@ class Cluster:
                 if not same and heard:  # it restarted, or forgot this one
                     self._forget_node(node, mutual=True)
                 peer.node, peer.up = node, True
+                self.replicas.changed()  # (keys' homes move: Note [directory])
                 self.replicas.welcome(node, m["keys"])
                 # What this node holds now, again: a put sealed while the peer was not up
                 # yet here was announced to the others only (its hello went before it); and
                 # what it follows of the peer's (Note [follows] in follows.py).
-                self.links.send_to(peer, {"op": "keys", "keys": self.replicas.own()})
+                self.links.send_to(peer, {"op": "keys", "keys": self.replicas.own(node)})
                 follows = self.replicas.follows(node)
                 if follows is not None:
                     self.links.send_to(peer, follows)
@@ -368,13 +378,13 @@ class Cluster:
                         self.queues.back(peer.node, int(loan))
                 self.links.send_to(peer, self._hello(to=peer.node))
                 again = m.get("again")
-                if isinstance(again, dict) and peer.node is not None and again.get("op") == "lend":
-                    if self.replicas.pulls.waits_for(
-                        peer.node, int(again["pull"]), again.get("ask")
-                    ):
+                if isinstance(again, dict) and peer.node is not None:
+                    if self.replicas.again(peer.node, again):
                         self.links.send_to(peer, again)  # (after the hello, on the same link)
             elif op == "lent":
                 self.replicas.pulls.lent(peer.node or "", m)
+            elif op in ("where", "ls"):  # (Note [directory] in directory.py)
+                self.replicas.directory.answered(peer.node or "", m)
             elif op == "more":
                 self.replicas.pulls.more(peer.node or "", m)
             elif op == "beat" and peer.node is not None:
@@ -402,6 +412,7 @@ class Cluster:
         peer.up = False
         log.warning("cluster: node %r at %s is down", peer.node, peer.address)
         if peer.node is not None and not self.links.up(peer.node):
+            self.replicas.changed()  # (keys' homes move: Note [directory])
             self.replicas.node_down(peer.node)
             self.queues.node_down(peer.node)
             self._forget_node(peer.node)
@@ -429,6 +440,7 @@ class Cluster:
             "offered": len(r.lending.offered), "offers_held": len(r.held),
             "pulled": dict(r.pulls.done), "prefetched": r.prefetched,
             "lent_early": r.lending.lent_early, "followers": len(r.lending.followers),
+            "lookers": len(r.directory.lookers), "lookups": r.directory.asked_count,
         }  # fmt: skip
 
     def close(self) -> None:

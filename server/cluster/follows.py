@@ -4,9 +4,9 @@ Note [follows]
 
 Every put was announced to every node, and each node paid about 50 us to hear it: a cluster
 of N spent O(N) on each put, though most nodes never read most keys. Now a key's first
-version on its node (its claim: the key is this node's now) and its delete go to every node,
-so each node still knows where every key lives (`exists`, `keys`, `ls`, a get that waits for
-a key); the versions after it go only to the nodes that follow the key:
+version on its node (its claim: the key is this node's now) and its delete go to the key's
+homes (Note [directory] in directory.py), which tell the nodes that ask where it lives; the
+versions after it go only to the nodes that follow the key:
 
 - a node that read the key from here (its lend, or the offer it read): it holds a replica,
   and pulls the next version as it is announced;
@@ -14,8 +14,8 @@ a key); the versions after it go only to the nodes that follow the key:
 - a node that follows a prefix the key starts with: where `watch_prefix` was asked for it;
 - for a version of at most its `--prefetch` size, every node that prefetches.
 
-A node that follows nothing of a key keeps the version of its claim in its index (`ls` shows
-that one); its first get is lent the version of now, and the index moves up to it. A
+A node that follows nothing of a key knows the version of its claim at most (its home's
+answer); its first get is lent the version of now, and the index moves up to it. A
 follower stays one until it (or this node) restarts or goes down, or the key is deleted here
 or goes to another node; it asks again as it comes back (`follow` after its welcome), or
 asks the key's new owner, whose claim it heard.
@@ -23,8 +23,8 @@ asks the key's new owner, whose claim it heard.
 Which version wins is as before (the highest, then the greatest node name), but a node that
 does not follow a key puts above the versions it heard of, its claim, not above the later
 ones it was not told of: two nodes' puts of one key are ordered by version, not by time. The
-owner of a version that wins over a claim it hears claims the key again, to every node, so
-all converge on it.
+owner of a version that wins over a claim it hears claims the key again, to its homes and to
+the claim's node, so all converge on it.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class Followers:
         self.keys: dict[str, set[str]] = {}  # key -> the nodes that follow it
         self.prefixes: dict[str, set[str]] = {}  # node -> the prefixes it follows
         self.small: dict[str, int] = {}  # node -> the versions it prefetches: at most this big
-        self.claimed: set[str] = set()  # this node's keys whose claim went to every node
+        self.claimed: set[str] = set()  # this node's keys whose claim went to their homes
 
     def follow(self, node: str, key: str) -> None:
         self.keys.setdefault(key, set()).add(node)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..store.records import StoredObject
@@ -57,9 +57,11 @@ class Lending:
     def __init__(
         self, node: str, registry: Registry, transfers: Transfers, links: Links,
         index: Mapping[str, Remote], pulling: Mapping[str, Pull],
+        told: Callable[[str], set[str]],
     ) -> None:  # fmt: skip
         self.node, self.registry, self.transfers, self.links = node, registry, transfers, links
         self.index, self.pulling = index, pulling
+        self.told = told  # a key's home, or its lookers if this is its home: Directory.told
         self.loans: dict[tuple[str, int, int], StoredObject] = {}  # (node, pull, ask) -> pinned
         # (node, pull, ask) -> when its borrower asked, on its clock (Lending.open_pulls):
         self._asked_at: dict[tuple[str, int, int], float] = {}  # asked, not yet lent
@@ -68,6 +70,7 @@ class Lending:
         self.followers = Followers()  # who hears of which versions (Note [follows])
         self._lent_to: dict[str, tuple[int, list[str]]] = {}  # key -> (version, borrowers)
         self.announcing: list[tuple[str, int]] = []  # sent after the loop's replies (`flush`)
+        self.beaten: dict[str, str] = {}  # key -> the node whose version a put here beat
         self._announced_at = -math.inf  # when the last batch went
         self.bytes_sent = 0
         self.lent_early = 0  # versions lent while still pulled here (Note [relays])
@@ -78,7 +81,7 @@ class Lending:
 
     def announce(self, key: str, version: int) -> None:
         """`key` sealed here at `version` (0: deleted): the peers are told (its claim and
-        delete, every peer; a later version, its followers: Note [follows]), once this loop's
+        delete, its homes; a later version, its followers: Note [follows]), once this loop's
         replies are out (a put's reply does not wait for the messages to its peers)."""
         self.announcing.append((key, version))
 
@@ -104,13 +107,17 @@ class Lending:
             latest.setdefault(key, version)
             if version:
                 put.setdefault(key, version)
-        everyone: list[list[Any]] = []  # claims and deletes (Note [follows])
-        followers: dict[str, list[list[Any]]] = {}  # node -> the versions it follows
-        offering: dict[str, dict[str, list[Any]]] = {}  # node -> key -> its claim, offered
+        out: dict[str, list[list[Any]]] = {}  # node -> what it hears
         offered: list[tuple[StoredObject, set[str]]] = []  # a version, its followers
         for key, version in reversed(latest.items()):
+            told = self.told(key)  # (a claim or a delete goes to the key's home too, and to
+            beaten = self.beaten.pop(key, None)  # the node whose version it beat)
+            if beaten is not None:
+                told.add(beaten)
             if not version:  # deleted (the version it put and deleted since: it beat others')
-                everyone.append([key, 0, 0, None, put.get(key, 0)])
+                entry = [key, 0, 0, None, put.get(key, 0)]
+                for node in told | self.followers.of(key, 0):
+                    out.setdefault(node, []).append(entry)
                 self.followers.drop(key)
                 continue
             obj = self.registry.objects.get(key)
@@ -123,24 +130,20 @@ class Lending:
                     offer = self.transfers.offer(obj, agent=False)
             except Exception as exc:  # (its segment could not be registered): lent when asked
                 log.warning("could not offer %r with its announcement: %s", key, exc)
-            entry = [key, version, size, offer]
-            if key not in self.followers.claimed:  # its claim: every node hears of it
+            for node in to:
+                out.setdefault(node, []).append([key, version, size, offer])
+            if key not in self.followers.claimed:  # its claim (Note [directory])
                 self.followers.claimed.add(key)
-                everyone.append([key, version, size, None])
-                for node in to if offer is not None else ():
-                    offering.setdefault(node, {})[key] = entry
-            else:
-                for node in to:
-                    followers.setdefault(node, []).append(entry)
+                for node in told - to:
+                    out.setdefault(node, []).append([key, version, size, None])
             if offer is not None:
                 offered.append((obj, to))
-        links, told = self.links, set()  # (sent after the loop's replies, and kept while a
-        for n in links.nodes():  # link reconnects: Links.after; the offers say which
-            offers = offering.get(n, {})  # incarnation of their receiver they are for, and
-            entries = [offers.get(e[0], e) for e in everyone] + followers.get(n, [])
-            if entries and links.up(n):  # how often this one forgot it: Links.acked)
-                self._announce_to(n, entries)
-                told.add(n)
+        out.pop(self.node, None)
+        told = set()  # (sent after the loop's replies, and kept while a link reconnects:
+        for node, entries in out.items():  # Links.after; the offers say which incarnation
+            if self.links.up(node):  # of their receiver they are for, and how often this
+                self._announce_to(node, entries)  # one forgot it: Links.acked)
+                told.add(node)
         for obj, to in offered:
             self.offered.pin(obj, told & to)
 
@@ -290,6 +293,8 @@ class Lending:
         newer = []
         for key, heard in keys:
             obj = self.registry.objects.get(key)
+            if obj is None and key not in self.index and key not in self.pulling:
+                newer.append([key, 0, 0, None])  # deleted here (said while `node` was away)
             if obj is None or key in self.index or key in self.pulling:
                 continue  # not this node's (its owner's claim reached `node`, or will)
             self.followers.follow(node, key)
@@ -298,11 +303,19 @@ class Lending:
         if newer:
             self._announce_to(node, newer)
 
-    def claim_again(self, key: str, version: int) -> None:
-        """A node claimed `key` with a version that loses to this node's `version`: every
-        node is told of this one again (Note [follows]), so all converge on it."""
+    def claim_again(self, key: str, version: int, loser: str) -> None:
+        """Node `loser` claimed `key` with a version that loses to this node's `version`:
+        it and the key's home are told of this one (Note [directory]), so all converge on
+        it."""
         self.followers.claimed.discard(key)
         self.announce(key, version)
+        obj = self.registry.objects.get(key)
+        if obj is not None and obj.version == version:
+            self._announce_to(loser, [[key, version, int(obj.nbytes), None]])
+
+    def claim_to(self, node: str, entries: list[list[Any]]) -> None:
+        """Claims ([key, version, size, None], ...) of keys now homed at `node`."""
+        self._announce_to(node, entries)
 
     def offers_back(self, node: str, offers: list[Any]) -> None:
         """`node` gave back these offers ([[key, version], ...]): unpinned once all did."""

@@ -35,6 +35,7 @@ from ...common.protocol import Request
 from ..store.objects import Objects
 from ..store.parking import ParkingLot
 from ..store.records import Session
+from .directory import Directory
 from .lending import Lending
 from .offers import Held
 from .pulls import PULL_WAIT, Pulls
@@ -63,7 +64,11 @@ class Replicas:
             lambda node, pull, obj, ask: self.lending.loan(node, pull, obj, ask),
         )  # fmt: skip
         self.session, self._pulling = self.pulls.session, self.pulls.pulling
-        self.lending = Lending(node, self.registry, transfers, links, self.index, self._pulling)
+        # Where keys live (Note [directory] in directory.py): their homes, asked by lookups.
+        self.directory = Directory(node, objects, links, self.index, self.own, self.listed)
+        self.lending = Lending(
+            node, self.registry, transfers, links, self.index, self._pulling, self.directory.told
+        )
         # What this node follows (Note [follows] in follows.py): keys where a get or watch
         # waited (key -> the node asked), besides those it holds replicas of; and prefixes.
         self.following: dict[str, str] = {}
@@ -72,11 +77,14 @@ class Replicas:
     # -- what Objects asks (the Elsewhere protocol) ----------------------------------------------
 
     def announce(self, key: str, version: int) -> None:
-        """A key sealed here (version > 0) or deleted (0): every peer is told (Lending)."""
+        """A key sealed here (version > 0) or deleted (0): its homes and followers are told
+        (Lending)."""
         if key in self._pulling and version:  # a replica being listed: not ours to announce
             return
         if version:
-            self.index.pop(key, None)  # put here: this node holds it now
+            known = self.index.pop(key, None)  # put here: this node holds it now
+            if known is not None:  # (the node whose version this one beats hears its claim)
+                self.lending.beaten[key] = known.node
             self.held.drop(key)
             self.following.pop(key, None)
         self.lending.announce(key, version)
@@ -123,6 +131,54 @@ class Replicas:
 
     def keys(self) -> list[str]:
         return list(self.index)
+
+    def lookup(self, session: Session, route: bytes, req: Request, keys: list[str]) -> bool:
+        """A request of keys this node knows nothing of: their homes are asked (Directory)."""
+        return self.directory.lookup(session, route, req, keys)
+
+    def gather(self, session: Session, route: bytes, req: Request, query: dict[str, Any]) -> bool:
+        """A listing: every node is asked for its keys (Directory); then `rows`."""
+        return self.directory.gather(session, route, req, query)
+
+    def rows(self, req: Request) -> Mapping[str, tuple[str, int, int]]:
+        return self.directory.rows(req)
+
+    def request(self, node: str, op: str, m: dict[str, Any]) -> None:
+        """A message of the directory's from `node` (Note [directory]): `where` (a lookup),
+        `dir` (where keys live now, from their home), `ls` (a listing)."""
+        if op == "where":
+            self.directory.where(node, m)
+        elif op == "ls":
+            self.directory.own_rows(node, m)
+        else:
+            for key, owner, version, size, gone in m["keys"]:
+                if owner != self.node:
+                    self.listed(str(owner), str(key), int(version), int(size), None, int(gone))
+
+    def again(self, node: str, m: dict[str, Any]) -> bool:
+        """Whether request `m`, which `node` did not take (it said hello_first), is still
+        wanted: a lend of a pull still waiting for it, or a lookup (Note [directory])."""
+        if m.get("op") == "where":
+            return int(m.get("ask", 0)) in self.directory.asks
+        return m.get("op") == "lend" and self.pulls.waits_for(node, int(m["pull"]), m.get("ask"))
+
+    def changed(self) -> None:
+        """The nodes up changed: the keys' homes move (Directory.changed)."""
+        links = self.links
+        up = [n for n in links.nodes() if links.up(n)]
+        self.directory.changed(up, self.lending.claim_to, self._kept, self._drop)
+
+    def _kept(self, key: str) -> bool:
+        """Whether this node keeps `key`'s place in its index although it is not its home:
+        a replica here, a pull, a get or watch waiting, a follow."""
+        return (
+            key in self.registry.objects or key in self._pulling or key in self.following
+            or bool(self.lot.line(("get", key)))
+        )  # fmt: skip
+
+    def _drop(self, key: str) -> None:
+        self.index.pop(key, None)
+        self.held.drop(key)
 
     def follow_prefix(self, prefix: str) -> None:
         """`watch_prefix` was asked for `prefix` here: every node tells this one of each
@@ -183,23 +239,38 @@ class Replicas:
 
     # -- what the other nodes hold ---------------------------------------------------------------
 
-    def own(self) -> list[list[Any]]:
-        """The keys this node holds, not its replicas: [[key, version, size], ...]."""
-        return [
+    def own(self, home: str | None = None) -> list[list[Any]]:
+        """The keys this node holds, not its replicas: [[key, version, size], ...]; those
+        whose home is node `home` (up with the nodes up here), if named."""
+        own = [
             [k, o.version, int(o.nbytes)]
             for k, o in self.registry.objects.items()
             if k not in self.index and k not in self._pulling
         ]
+        if home is None:
+            return own
+        members = tuple(sorted({*self.directory.members, home}))
+        return [e for e in own if home in self.directory.homes(str(e[0]), members)]
 
     def welcome(self, node: str, keys: list[Any]) -> None:
-        """What `node` holds, as it (re)joined: its keys known from before and gone are
-        forgotten."""
+        """What `node` holds of the keys homed here, as it (re)joined: those known from
+        before and gone are forgotten (the others' owners tell their followers: `follow`)."""
         listed = set()
         for key, version, size in keys:
             listed.add(str(key))
             self.listed(node, str(key), int(version), int(size))
-        for key in [k for k, r in self.index.items() if r.node == node and k not in listed]:
-            self._forget(key)
+        homes = self.directory.homes
+        gone = [k for k, r in self.index.items() if r.node == node and k not in listed]
+        for key in gone:
+            kept = key in self.following or key in self.registry.objects
+            if self.node in homes(key) and not kept:
+                self._forget(key)
+            elif key in self.index and key not in self._pulling:  # gets that waited for it
+                line = self.lot.line(("get", key))  # to be back are pulled now
+                after = self.index[key].version
+                waiting = [w for w in line if w.request.fields.get("after", 0) < after]
+                if waiting:
+                    self.pulls.want(key, node, waiting)
 
     def listed(
         self, node: str, key: str, version: int, size: int,
@@ -209,14 +280,21 @@ class Replicas:
         and deleted before announcing it, if it did), and may offer it."""
         here = self.registry.objects.get(key)
         known = self.index.get(key)
+        home = self.directory.is_home(key)  # (it tells the key's lookers: Note [directory])
         if version == 0:  # (`gone`: as if told of that put, then of the delete)
             if gone:
                 self.registry.seen_version(key, gone)
             put = (gone, node)  # what beat a version, or this node's own, goes too
+            beaten = []  # (the node whose version the put deleted beat: told by the home)
             if known is not None and (known.node == node or (known.version, known.node) < put):
                 self._forget(key)
-            elif here is not None and known is None and (here.version, self.node) < put:
+                beaten = [known.node] if known.node != node else []
+            elif here is not None and known is None:
+                if (here.version, self.node) > put:
+                    return  # this node's version wins
                 self.objects.forget(key)
+            if home:
+                self.directory.tell([key, node, 0, 0, gone], to=beaten, lookers=True)
             return
         mine = here is not None and known is None  # put here (a replica's key is indexed)
         if (known is not None and (known.version, known.node) > (version, node)) or (
@@ -224,8 +302,10 @@ class Replicas:
         ):
             if offer is not None:  # a version that lost here: its offer is not wanted
                 self.held.refuse(node, key, version)
-            if mine:  # a claim that loses to this node's version: all are told of this one
-                self.lending.claim_again(key, here.version)  # type: ignore[union-attr]
+            if mine:  # a claim that loses to this node's version: its node and the home
+                self.lending.claim_again(key, here.version, node)  # type: ignore[union-attr]
+            elif home:  # a claim that loses at its home: its node is told of the winner
+                self.directory.tell([key, *known, 0], to=[node])  # type: ignore[misc]
             return
         self.index[key] = Remote(node, version, size)
         if offer is not None:
@@ -235,11 +315,16 @@ class Replicas:
         if known is None or (known.node, known.version) != (node, version):  # heard once
             self.registry.seen_version(key, version)  # a put here from now on goes above it
             self.objects.arrived(key, version)  # an event for watch_prefix; waits for keys told
+            if home:  # its lookers are told, and the node whose version lost
+                beaten = [known.node] if known is not None and known.node != node else []
+                self.directory.tell([key, node, version, size, 0], to=beaten, lookers=True)
         stale = known is not None and (known.node != node or known.version < version)
         if here is not None and (mine or stale):  # a put that lost, or a replica of a loser's
             self.registry.delete(key)
-        if mine:
-            self.lending.followers.drop(key)  # (its followers follow it on `node` now)
+        if mine:  # (its followers follow it on `node` now)
+            to = self.lending.followers.of(key, size)
+            self.directory.tell([key, node, version, size, 0], to=to)
+            self.lending.followers.drop(key)
         if key in self.following and self.following[key] != node:
             self._follow(key, Remote(node, version, size))
         # Gets and watches waiting for a version: pulled now. So is the new version of a key
@@ -278,6 +363,7 @@ class Replicas:
         """`node` went down or restarted: what it was lent or offered is unpinned (it will not
         say), and what it offered is void (its addresses are new, if it restarted)."""
         self.lending.let_go(node)
+        self.directory.let_go(node)
         self.held.forget(node)
         self.pulls.forget(node)
         follows = self.follows(node)  # (it forgot what this node follows, or will)

@@ -41,6 +41,11 @@ class Elsewhere(Protocol):
     def announce(self, key: str, version: int) -> None: ...
     def get(self, session: Session, route: bytes, req: Request) -> bool: ...
     def keys(self) -> list[str]: ...
+    def lookup(self, session: Session, route: bytes, req: Request, keys: list[str]) -> bool: ...
+    def gather(
+        self, session: Session, route: bytes, req: Request, query: dict[str, Any]
+    ) -> bool: ...
+    def rows(self, req: Request) -> Mapping[str, tuple[str, int, int]]: ...
     def follow_prefix(self, prefix: str) -> None: ...
     def holds(self, key: str) -> bool: ...
     def delete(self, key: str) -> bool: ...
@@ -263,6 +268,8 @@ class Objects:
         if obj is not None and obj.version > after:
             return self.describe(session, obj, req.id)
         elsewhere = self.elsewhere is not None and self.elsewhere.holds(key)
+        if obj is None and not elsewhere and self._lookup(session, route, req, [key]):
+            return None  # its home is asked where it lives, and the get runs again
         if obj is None and after and f.get("deletes", False) and not elsewhere:
             return {"deleted": True}  # gone since the watcher's version
         if elsewhere and self.elsewhere.get(session, route, req):  # type: ignore[union-attr]
@@ -286,6 +293,9 @@ class Objects:
             raise InvalidRequest(f"wait: num must be 1 to the {len(keys)} keys named, not {num}")
         present = self._present(req)
         timeout = req.fields.get("timeout", 0.0)
+        missing = [k for k in keys if k not in present]
+        if len(present) < num and self._lookup(session, route, req, missing):
+            return None  # their homes are asked where they live (and it runs again)
         if len(present) >= num or timeout == 0.0:
             return {"keys": present}
         w = self.lot.park(session, route, req, timeout, deque(), "")
@@ -311,10 +321,12 @@ class Objects:
             if k in objects or (elsewhere is not None and elsewhere.holds(k))
         ]  # fmt: skip
 
-    def delete(self, session: Session, route: bytes, req: Request) -> Reply:
+    def delete(self, session: Session, route: bytes, req: Request) -> Reply | None:
         key = req.fields["key"]
         if self.elsewhere is not None and self.elsewhere.delete(key):
             return {}  # another node's: deleted there (and its replica here)
+        if key not in self.registry.objects and self._lookup(session, route, req, [key]):
+            return None  # its home is asked where it lives (and the delete runs again)
         self.forget(key)
         return {}
 
@@ -323,10 +335,18 @@ class Objects:
         version = self.registry.delete(key)
         self._gone(key, version)
 
-    def exists(self, session: Session, route: bytes, req: Request) -> Reply:
+    def exists(self, session: Session, route: bytes, req: Request) -> Reply | None:
         key = req.fields["key"]
         there = self.elsewhere is not None and self.elsewhere.holds(key)
+        if not there and key not in self.registry.objects:
+            if self._lookup(session, route, req, [key]):
+                return None  # its home is asked where it lives (and it runs again)
         return {"exists": key in self.registry.objects or there}
+
+    def _lookup(self, session: Session, route: bytes, req: Request, keys: list[str]) -> bool:
+        """In a cluster, keys this node knows nothing of: their homes are asked where they
+        live, and `req` waits to run again (Note [directory] in cluster/directory.py)."""
+        return self.elsewhere is not None and self.elsewhere.lookup(session, route, req, keys)
 
     def watch_prefix(self, session: Session, route: bytes, req: Request) -> Reply | None:
         """The events under a prefix (EventLog); in a cluster, the other nodes tell this one
@@ -335,6 +355,10 @@ class Objects:
             self.elsewhere.follow_prefix(req.fields["prefix"])
         return self.events.watch(session, route, req)
 
-    def keys(self, session: Session, route: bytes, req: Request) -> Reply:
-        there = self.elsewhere.keys() if self.elsewhere is not None else ()
-        return {"keys": sorted({*self.registry.objects, *there})}
+    def keys(self, session: Session, route: bytes, req: Request) -> Reply | None:
+        """Every key; in a cluster, every node is asked for its own (and this runs again)."""
+        if self.elsewhere is None:
+            return {"keys": sorted(self.registry.objects)}
+        if self.elsewhere.gather(session, route, req, {}):
+            return None
+        return {"keys": sorted({*self.registry.objects, *self.elsewhere.rows(req)})}

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import tensorbroker as tb
+from tensorbroker.server.cluster.directory import Directory
 from tests.support import free_port, wait_until
 
 NODES = ("a", "b", "c")
@@ -63,6 +64,12 @@ def follow(reader: tb.Client, owner: tb.Client, prefix: str = "") -> Iterator[tb
     events = reader.watch_prefix(prefix)
     assert wait_until(lambda: figures(owner)["followers"] > before, 5)
     return events
+
+
+def homed(homes: tuple[str, ...], stem: str, nodes: tuple[str, ...] = NODES) -> str:
+    """A key whose homes are `homes` among `nodes`, all up (Note [directory])."""
+    keys = (f"{stem}{i}" for i in range(10_000))
+    return next(k for k in keys if {*Directory.homes_of(k, nodes)} == {*homes})
 
 
 def figures(c: tb.Client) -> dict[str, Any]:

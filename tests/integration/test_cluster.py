@@ -170,26 +170,30 @@ def _listed(c: tb.Client, key: str) -> int:
     return int(rows[0]["version"]) if rows else 0
 
 
-def test_only_the_nodes_that_follow_a_key_hear_of_its_versions_after_the_first(
-    clients: dict[str, tb.Client],
-) -> None:
-    """Note [follows]: a key's first version reaches every node; the next ones, the nodes
-    that read it; a first get elsewhere reads the newest, and follows it from then on."""
+def test_only_the_homes_and_followers_of_a_key_hear_of_it(clients: dict[str, tb.Client]) -> None:
+    """Note [directory], Note [follows]: a key's claim reaches its two homes only, its next
+    versions the nodes that read it; another node asks a home once, its first get reads the
+    newest version, and it follows the key from then on."""
     a, b, c = clients["a"], clients["b"], clients["c"]
+    key = clusters.homed(("a", "b"), "fol/k")  # (c is not one of its homes)
     big = 20_000  # float64s: above the nodes' --prefetch 64KiB (those follow small versions)
-    a.put("fol/k", np.zeros(big))
-    assert wait_until(lambda: b.exists("fol/k") and c.exists("fol/k"), 5)
-    assert b.get("fol/k").version == 1  # b reads it: b follows it
+    a.put(key, np.zeros(big))
+    asked = {n: clusters.figures(clients[n])["lookups"] for n in "bc"}
+    assert wait_until(lambda: b.exists(key), 5)
+    assert clusters.figures(b)["lookups"] == asked["b"]  # b, a home, heard of the claim
+    assert b.get(key).version == 1  # b reads it: b follows it
+    before = {n: clusters.received(clients[n]) for n in "bc"}
     for v in range(2, 6):
-        a.put("fol/k", np.full(big, v, np.float64))
-    assert wait_until(lambda: _listed(b, "fol/k") == 5, 5)
+        a.put(key, np.full(big, v, np.float64))
+    assert wait_until(lambda: clusters.received(b) >= before["b"] + 8 * big, 5)  # pulled as told
     time.sleep(0.2)  # (c would have been told with b)
-    assert _listed(c, "fol/k") == 1, "a node that follows nothing of a key heard of its version"
-    got = c.get("fol/k")
+    assert clusters.received(c) == before["c"], "a node that follows nothing of a key pulled it"
+    assert c.exists(key) and clusters.figures(c)["lookups"] == asked["c"] + 1  # (asked a home)
+    got = c.get(key)
     assert got.version == 5 and (got.numpy() == 5).all()  # lent the version of now
-    assert _listed(c, "fol/k") == 5
-    a.put("fol/k", np.full(big, 6, np.float64))
-    assert wait_until(lambda: _listed(c, "fol/k") == 6, 5)  # c follows it now
+    pulled = clusters.received(c)
+    a.put(key, np.full(big, 6, np.float64))
+    assert wait_until(lambda: clusters.received(c) >= pulled + 8 * big, 5)  # c follows it now
     del got
 
 

@@ -27,7 +27,7 @@ def test_loans_of_an_owner_restarted_quickly_stay_pinned_while_they_are_read(
     a, b = pair("a"), pair("b")
     a.put("k1", MiB)
     a.put("k2", MiB)
-    assert run([a, b], 5, lambda: a.up("b") and b.up("a") and b.cluster.replicas.holds("k2"))
+    assert run([a, b], 5, lambda: a.up("b") and b.up("a") and b.knows("k2"))
     a.close()  # it crashed
     run([b], 0.2)
     assert b.up("a") and b.get("k1") and b.get("k2")
@@ -113,7 +113,7 @@ def test_a_loan_answered_before_its_lender_took_this_node_for_down_is_not_read(
     any more, it gives the loan back and asks again."""
     a, b = pair("a"), pair("b")
     a.put("k", MiB)
-    assert run([a, b], 5, lambda: a.up("b") and b.up("a") and b.cluster.replicas.holds("k"))
+    assert run([a, b], 5, lambda: a.up("b") and b.up("a") and b.knows("k"))
     assert run([a, b], 3, lambda: b.cluster.links.fresh("a"))
     assert b.get("k")
     end = time.monotonic() + 3.0
@@ -158,11 +158,11 @@ def test_a_hello_of_a_replaced_incarnation_is_ignored(pair: Callable[[str], Node
     b must not take it for a again, forget the new a, and unpin what it lent it."""
     a, b = pair("a"), pair("b")
     b.put("k", MiB)
-    assert run([a, b], 5, lambda: a.up("b") and b.up("a") and a.cluster.replicas.holds("k"))
+    assert run([a, b], 5, lambda: a.up("b") and b.up("a") and a.knows("k"))
     old = a.cluster._hello(to="b")
     a.close()
     a = pair("a")
-    assert run([a, b], 5, lambda: a.up("b") and b.up("a") and a.cluster.replicas.holds("k"))
+    assert run([a, b], 5, lambda: a.up("b") and b.up("a") and a.knows("k"))
     assert run([a, b], 3, lambda: a.cluster.links.fresh("b"))
     assert a.get("k")
     assert run([a, b], 3, lambda: bool(b.cluster.replicas.lending.loans))
@@ -179,13 +179,13 @@ def test_a_node_restarted_twice_while_its_peer_did_not_read_is_heard_again(
     b must end up with a's third process, not ignore it as older."""
     a, b = pair("a"), pair("b")
     b.put("k", MiB)
-    assert run([a, b], 5, lambda: a.up("b") and b.up("a") and a.cluster.replicas.holds("k"))
+    assert run([a, b], 5, lambda: a.up("b") and b.up("a") and a.knows("k"))
     for _ in range(2):
         a.close()
         a = pair("a")
         run([a], 0.6)  # it says hello; b does not read
     assert run([a, b], 4, lambda: a.up("b") and b.cluster.links.fresh("a"))
-    assert a.cluster.replicas.holds("k") and a.get("k")
+    assert a.knows("k") and a.get("k")
     assert run([a, b], 3, lambda: "k" in a.reads.started)
 
 
@@ -199,7 +199,7 @@ def test_a_loan_is_read_from_a_peer_whose_link_back_never_came_up(
     link = b.cluster.links.peers[0]
     link.socket.disconnect(link.address)
     b.put("k", MiB)
-    assert run([a, b], 5, lambda: a.up("b") and a.cluster.replicas.holds("k"))
+    assert run([a, b], 5, lambda: a.up("b") and a.knows("k"))
     assert not b.up("a") and a.get("k")
     assert run([a, b], 3, lambda: "k" in a.reads.started)
 
@@ -210,7 +210,7 @@ def test_answers_go_to_the_link_a_peer_reconnected_on(pair: Callable[[str], Node
     a, b = pair("a"), pair("b")
     a.put("k1", MiB)
     a.put("k2", MiB)
-    assert run([a, b], 5, lambda: b.cluster.replicas.holds("k2") and b.cluster.links.fresh("a"))
+    assert run([a, b], 5, lambda: b.knows("k2") and b.cluster.links.fresh("a"))
     assert b.get("k1")
     assert run([a, b], 3, lambda: "k1" in b.reads.started)
     link = b.cluster.links.peers[0]
@@ -231,12 +231,12 @@ def test_a_node_restarted_after_its_clock_went_back_is_heard_as_new(
     ahead = a.cluster.links.incarnation + (3600 * 10**6 << 10)  # its clock, an hour ahead
     a.cluster.links.incarnation = ahead
     a.put("k", MiB)
-    assert run([a, b], 5, lambda: b.cluster.replicas.holds("k") and b.cluster.links.fresh("a"))
+    assert run([a, b], 5, lambda: b.knows("k") and b.cluster.links.fresh("a"))
     a.close()
     a = pair("a")
     assert a.cluster.links.follow(ahead) == ahead + 1
     a.put("k2", MiB)
-    assert run([a, b], 5, lambda: b.cluster.replicas.holds("k2"))
+    assert run([a, b], 5, lambda: b.knows("k2"))
 
 
 def test_puts_close_together_are_announced_in_one_message_with_each_keys_last_version(
@@ -263,7 +263,7 @@ def test_puts_close_together_are_announced_in_one_message_with_each_keys_last_ve
     a.step()
     assert a.journal.events.count(("sent", "announce")) == sent + 1
     assert len(a.cluster.replicas.lending.offered) == 3  # first, j, and k's version 2
-    assert run([a, b], 3, lambda: b.cluster.replicas.holds("j"))
+    assert run([a, b], 3, lambda: b.knows("j"))
     assert b.cluster.replicas.index["k"].version == 2 and len(b.cluster.replicas.held) == 3
 
 
@@ -275,7 +275,7 @@ def test_a_loan_whose_returned_was_lost_is_unpinned_once_the_borrowers_beats_lea
     a beat sent after its lend leaves out."""
     a, b = pair("a"), pair("b")
     a.put("k", 2 * OFFER_MAX)  # (lent when asked, not offered)
-    assert run([a, b], 5, lambda: b.cluster.replicas.holds("k") and b.cluster.links.fresh("a"))
+    assert run([a, b], 5, lambda: b.knows("k") and b.cluster.links.fresh("a"))
     after = b.cluster.links.after
 
     def losing(node: str, message: dict[str, Any]) -> None:
@@ -302,7 +302,9 @@ def test_a_beat_held_up_on_a_second_link_does_not_unpin_a_loan_being_read(
     b.cluster.links.meet(f"tcp://localhost:{port}")
     a.put("k", 2 * OFFER_MAX)  # (lent when asked, not offered)
     links = b.cluster.links
-    assert run([a, b], 5, lambda: links.fresh("a") and all(p.up for p in links.peers))
+    assert run(
+        [a, b], 5, lambda: links.fresh("a") and all(p.up for p in links.peers) and b.knows("k")
+    )
     second, held, send_to = links.peers[1], [], links.send_to
 
     def stalled(peer: Any, message: dict[str, Any]) -> bool:
@@ -333,11 +335,11 @@ def test_a_put_then_a_delete_in_one_batch_deletes_the_key_everywhere(
     nodes = [a, b, c]
     assert run(nodes, 5, lambda: all(n.up(m) for n in nodes for m in "abc" if m != n.name))
     b.put("k", 4096)
-    assert run(nodes, 5, lambda: a.cluster.replicas.holds("k") and c.cluster.replicas.holds("k"))
+    assert run(nodes, 5, lambda: a.knows("k") and c.knows("k"))
     a.put("k", 4096)
     a.objects.delete(a.session, b"client", Request("delete", 8, {"key": "k"}, []))
     run(nodes, 1.0)
-    held = [n.name for n in nodes if "k" in n.registry.objects or n.cluster.replicas.holds("k")]
+    held = [n.name for n in nodes if "k" in n.registry.objects or n.knows("k")]
     assert held == []
 
 
@@ -350,7 +352,7 @@ def test_a_watch_of_a_replica_sees_a_put_then_a_delete_in_one_batch_as_a_delete(
     a, b = pair("a"), pair("b")
     assert run([a, b], 5, lambda: b.up("a") and b.cluster.links.fresh("a"))
     v1 = a.put("k", 2 * OFFER_MAX).version  # (lent when asked, not offered)
-    assert run([a, b], 3, lambda: b.cluster.replicas.holds("k"))
+    assert run([a, b], 3, lambda: b.knows("k"))
     b.reads.over = True
     assert b.get("k")
     assert run([a, b], 3, lambda: "k" in b.registry.objects and not b.cluster.replicas.pulls.pulls)
@@ -376,7 +378,7 @@ def test_a_lend_waiting_for_a_pull_is_dropped_once_its_borrower_gave_up(
     assert run(nodes, 5, lambda: all(n.cluster.links.fresh(m) for n in nodes for m in "abc"
                                      if m != n.name))  # fmt: skip
     a.put("k", 2 * OFFER_MAX)
-    assert run(nodes, 3, lambda: b.cluster.replicas.holds("k") and c.cluster.replicas.holds("k"))
+    assert run(nodes, 3, lambda: b.knows("k") and c.knows("k"))
     assert c.get("k")
     assert run(nodes, 3, lambda: "k" in c.reads.started)  # c reads; a lent it once
     assert b.get("k")
@@ -402,7 +404,7 @@ def test_a_watch_of_a_key_deleted_while_its_new_version_is_pulled_sees_the_delet
     a, b = pair("a"), pair("b")
     assert run([a, b], 5, lambda: b.up("a") and b.cluster.links.fresh("a"))
     v1 = a.put("k", 2 * OFFER_MAX).version  # (lent when asked, not offered)
-    assert run([a, b], 3, lambda: b.cluster.replicas.holds("k"))
+    assert run([a, b], 3, lambda: b.knows("k"))
     answers: list[dict[str, Any]] = []
     b.objects._send = lambda route, payload, last=False: answers.append(decode(payload))
     fields = {"key": "k", "timeout": 10.0, "after": v1, "deletes": True}
@@ -410,7 +412,7 @@ def test_a_watch_of_a_key_deleted_while_its_new_version_is_pulled_sees_the_delet
     a.put("k", 2 * OFFER_MAX)
     assert run([a, b], 3, lambda: "k" in b.reads.started)  # its pull reads version 2
     a.objects.delete(a.session, b"client", Request("delete", 8, {"key": "k"}, []))
-    assert run([a, b], 3, lambda: not b.cluster.replicas.holds("k"))
+    assert run([a, b], 3, lambda: not b.knows("k"))
     b.reads.over = True
     assert run([a, b], 2, lambda: bool(answers))
     assert answers[-1].get("deleted") is True, answers
@@ -425,14 +427,14 @@ def test_a_put_then_a_delete_of_a_key_indexed_from_its_node_raise_the_version_se
     a, b = pair("a"), pair("b")
     assert run([a, b], 5, lambda: a.up("b") and b.up("a"))
     a.put("k", 4096)
-    assert run([a, b], 3, lambda: b.cluster.replicas.holds("k"))
+    assert run([a, b], 3, lambda: b.knows("k"))
     assert a.put("k", 4096).version == 2
     a.objects.delete(a.session, b"client", Request("delete", 8, {"key": "k"}, []))
     answers: list[dict[str, Any]] = []
     a.objects._send = lambda route, payload, last=False: answers.append(decode(payload))
     fields = {"key": "k", "timeout": 10.0, "after": 2}  # a reader on a saw version 2
     assert a.objects.get(a.session, b"watch", Request("get", 9, fields, [])) is None
-    assert run([a, b], 3, lambda: not b.cluster.replicas.holds("k"))
+    assert run([a, b], 3, lambda: not b.knows("k"))
     assert b.put("k", 4096).version == 3
     a.reads.over = True
     assert run([a, b], 2, lambda: bool(answers))
@@ -445,7 +447,7 @@ def test_a_watch_of_a_key_on_a_node_with_no_replica_of_it_hears_its_delete(
     a, b = pair("a"), pair("b")
     assert run([a, b], 5, lambda: a.up("b") and b.up("a"))
     v1 = a.put("k", 4096).version
-    assert run([a, b], 3, lambda: b.cluster.replicas.holds("k"))
+    assert run([a, b], 3, lambda: b.knows("k"))
     answers: list[dict[str, Any]] = []
     b.objects._send = lambda route, payload, last=False: answers.append(decode(payload))
     fields = {"key": "k", "timeout": 10.0, "after": v1, "deletes": True}
@@ -465,7 +467,7 @@ def test_a_watch_whose_key_now_lives_on_a_node_down_is_not_told_it_was_deleted(
     nodes = [a, b, c]
     assert run(nodes, 5, lambda: all(x.up(y) for x in nodes for y in "abc" if y != x.name))
     v1 = a.put("k", 2 * OFFER_MAX).version
-    assert run(nodes, 3, lambda: b.cluster.replicas.holds("k") and c.cluster.replicas.holds("k"))
+    assert run(nodes, 3, lambda: b.knows("k") and c.knows("k"))
     answers: list[dict[str, Any]] = []
     b.objects._send = lambda route, payload, last=False: answers.append(decode(payload))
     fields = {"key": "k", "timeout": 30.0, "after": v1, "deletes": True}
@@ -495,7 +497,7 @@ def test_a_get_that_may_wait_keeps_waiting_when_the_version_it_pulls_is_deleted(
     a, b = pair("a"), pair("b")
     assert run([a, b], 5, lambda: b.up("a") and b.cluster.links.fresh("a"))
     v1 = a.put("k", 2 * OFFER_MAX).version
-    assert run([a, b], 3, lambda: b.cluster.replicas.holds("k"))
+    assert run([a, b], 3, lambda: b.knows("k"))
     answers: list[dict[str, Any]] = []
     b.objects._send = lambda route, payload, last=False: answers.append(decode(payload))
     fields = {"key": "k", "timeout": 10.0, "after": v1}
@@ -503,7 +505,7 @@ def test_a_get_that_may_wait_keeps_waiting_when_the_version_it_pulls_is_deleted(
     a.put("k", 2 * OFFER_MAX)
     assert run([a, b], 3, lambda: "k" in b.reads.started)
     a.objects.delete(a.session, b"client", Request("delete", 8, {"key": "k"}, []))
-    assert run([a, b], 3, lambda: not b.cluster.replicas.holds("k"))
+    assert run([a, b], 3, lambda: not b.knows("k"))
     b.reads.over = True
     run([a, b], 0.5)
     assert not answers, answers  # still waiting
@@ -519,7 +521,7 @@ def test_a_timed_get_of_a_key_its_owner_will_not_lend_ends(pair: Callable[[str],
     a, b = pair("a"), pair("b")
     assert run([a, b], 5, lambda: b.up("a") and b.cluster.links.fresh("a"))
     obj = a.put("k", 2 * OFFER_MAX)
-    assert run([a, b], 3, lambda: b.cluster.replicas.holds("k"))
+    assert run([a, b], 3, lambda: b.knows("k"))
     obj.device, a.reads.vram = "cuda:0", False  # (announced, never lent)
     answers: list[dict[str, Any]] = []
     b.objects._send = lambda route, payload, last=False: answers.append(decode(payload))
@@ -539,7 +541,7 @@ def test_a_get_whose_owner_stalled_past_down_after_waits_for_it_and_has_the_vers
     a, b = pair("a"), pair("b")
     assert run([a, b], 5, lambda: b.up("a") and b.cluster.links.fresh("a"))
     a.put("k", 2 * OFFER_MAX)  # (lent when asked, not offered)
-    assert run([a, b], 3, lambda: b.cluster.replicas.holds("k"))
+    assert run([a, b], 3, lambda: b.knows("k"))
     answers: list[dict[str, Any]] = []
     b.objects._send = lambda route, payload, last=False: answers.append(decode(payload))
     assert (
@@ -564,7 +566,7 @@ def test_a_get_whose_reads_fail_while_their_owner_is_up_is_answered_not_pulled_a
     a, b = pair("a"), pair("b")
     assert run([a, b], 5, lambda: b.up("a") and b.cluster.links.fresh("a"))
     a.put("k", 2 * OFFER_MAX)
-    assert run([a, b], 3, lambda: b.cluster.replicas.holds("k"))
+    assert run([a, b], 3, lambda: b.knows("k"))
 
     def done(handle: Any) -> bool:
         raise OSError("a NIXL read ended in state ERR")

@@ -1,5 +1,5 @@
 """Who hears of a version (Note [follows] in server/cluster/follows.py): a key's claim and
-delete reach every node, its later versions the nodes that follow it. Cluster objects
+delete reach its homes, its later versions the nodes that follow it. Cluster objects
 stepped by hand in this process (tests/nodes.py); the whole brokers: test_cluster.py."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 from tensorbroker.common.protocol import Request
 from tensorbroker.server.cluster.membership import Member
 from tensorbroker.server.cluster.replicas import PREFIXES
-from tests.nodes import Node, pair, run, trio
+from tests.nodes import Node, homed, pair, run, trio
 
 __all__ = ["pair", "trio"]  # the fixtures
 
@@ -24,7 +24,7 @@ def test_a_first_get_of_a_small_key_put_again_since_reads_the_newest(
     a, b = pair("a"), pair("b")
     assert run([a, b], 5, lambda: b.up("a") and a.up("b") and b.cluster.links.fresh("a"))
     a.put("k", 4096)
-    assert run([a, b], 3, lambda: b.cluster.replicas.holds("k"))
+    assert run([a, b], 3, lambda: b.knows("k"))
     a.put("k", 4096)
     run([a, b], 0.3)
     assert b.cluster.replicas.where()["k"][1] == 1  # (not told of version 2)
@@ -57,8 +57,9 @@ def test_an_announcement_its_link_refused_goes_once_the_link_takes_it(
     pair: Callable[[str], Node],
 ) -> None:
     """A claim is sent once (the versions after it go to followers only): one that b's link
-    refused (its queue full, or it reconnects while b is up) must still reach b."""
+    refused (its queue full, or it reconnects while b is up) must still reach b, its home."""
     a, b = pair("a"), pair("b")
+    k = homed("b", "ab")
     assert run([a, b], 5, lambda: b.up("a") and a.up("b"))
     links, refused = a.cluster.links, []
     send_to = links.send_to
@@ -70,8 +71,8 @@ def test_an_announcement_its_link_refused_goes_once_the_link_takes_it(
         return send_to(peer, message)
 
     links.send_to = refusing  # type: ignore[method-assign]
-    a.put("k", 2 * 65536)
-    assert run([a, b], 3, lambda: b.cluster.replicas.holds("k"))
+    a.put(k, 2 * 65536)
+    assert run([a, b], 3, lambda: b.cluster.replicas.holds(k))
     assert refused
 
 
@@ -117,7 +118,7 @@ def test_a_broker_whose_lease_expired_keeps_what_it_lent_and_reads_nothing_stale
     assert run([a, b], 5, lambda: b.up("a") and a.up("b") and b.cluster.links.fresh("a"))
     v1 = a.put("k", 2 * 65536)  # (above OFFER_MAX: lent, not offered)
     b.put("j", 2 * 65536)
-    assert run([a, b], 3, lambda: b.cluster.replicas.holds("k") and a.cluster.replicas.holds("j"))
+    assert run([a, b], 3, lambda: b.knows("k") and a.knows("j"))
     assert b.get("k") and a.get("j")
     both = [a.cluster.replicas.pulls.pulls, b.cluster.replicas.pulls.pulls]
     assert run([a, b], 3, lambda: all(p.handle for ps in both for p in ps.values()))
@@ -143,7 +144,7 @@ def test_requests_lost_on_a_link_that_reconnected_are_said_again(
     a, b = pair("a"), pair("b")
     assert run([a, b], 5, lambda: b.up("a") and a.up("b") and b.cluster.links.fresh("a"))
     a.put("k", 2 * 65536)
-    assert run([a, b], 3, lambda: b.cluster.replicas.holds("k"))
+    assert run([a, b], 3, lambda: b.knows("k"))
     links, lost = a.cluster.links, []
     read = links.read
 

@@ -26,7 +26,7 @@ def _d_sent_to_a_relay(quad: Callable[[str], Node]) -> list[Node]:
     and a sends it to b or c. The four nodes, a to d."""
     a, b, c, d = nodes = _four_up(quad)
     a.put("w", MiB)
-    assert run(nodes, 5, lambda: all("w" in n.cluster.replicas.index for n in (b, c, d)))
+    assert run(nodes, 5, lambda: all(n.knows("w") for n in (b, c, d)))
     for n in (b, c):
         assert n.get("w")
     assert run(nodes, 5, lambda: b.reads.started == ["w"] and c.reads.started == ["w"])

@@ -1,0 +1,103 @@
+"""Where keys live (Note [directory] in server/cluster/directory.py): a key's claim reaches
+its two homes only, a node that knows nothing of a key asks its home, and the homes move
+with joins and leaves. Cluster objects stepped by hand in this process (tests/nodes.py); the
+whole brokers: test_cluster.py."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tensorbroker.common.protocol import Request, decode
+from tensorbroker.server.cluster.offers import OFFER_MAX
+from tests.nodes import Node, homed, quad, run
+
+__all__ = ["quad"]  # the fixture
+
+
+def _started(quad: Callable[[str], Node]) -> list[Node]:
+    nodes = [quad(n) for n in "abcd"]
+    assert run(nodes, 5, lambda: all(n.up(m.name) for n in nodes for m in nodes if m is not n))
+    return nodes
+
+
+def test_a_new_key_is_heard_of_by_its_two_homes_only(quad: Callable[[str], Node]) -> None:
+    """A put of a new key costs the other nodes one message each at its two homes, none
+    elsewhere, whatever the cluster's size (it went to every node)."""
+    a, b, c, d = _started(quad)
+    key = homed("bc", "abcd")
+    heard: list[str] = []
+    listed = d.cluster.replicas.listed
+
+    def hearing(node: str, k: str, *more: Any) -> None:
+        heard.append(k)
+        listed(node, k, *more)
+
+    d.cluster.replicas.listed = hearing  # type: ignore[method-assign]
+    a.put(key, 4096)
+    assert run(
+        [a, b, c, d], 3, lambda: b.cluster.replicas.holds(key) and c.cluster.replicas.holds(key)
+    )
+    run([a, b, c, d], 0.3)
+    assert not heard and not d.cluster.replicas.holds(key)
+
+
+def test_a_get_on_a_node_that_knows_nothing_of_a_key_waits_for_its_put_elsewhere(
+    quad: Callable[[str], Node],
+) -> None:
+    """d asks the key's home, which has not heard of it; the get waits, and the home tells
+    d of the put on a (d is a looker of the key): d pulls it for the get."""
+    a, b, c, d = _started(quad)
+    key = homed("bc", "abcd")
+    answers: list[dict[str, Any]] = []
+    d.objects._send = lambda route, payload, last=False: answers.append(decode(payload))
+    assert (
+        d.objects.get(d.session, b"client", Request("get", 9, {"key": key, "timeout": 10.0}, []))
+        is None
+    )
+    run([a, b, c, d], 0.3)
+    assert not answers and key in b.cluster.replicas.directory.lookers
+    a.put(key, 2 * OFFER_MAX)
+    assert run([a, b, c, d], 3, lambda: key in d.reads.started)
+    d.reads.over = True
+    assert run([a, b, c, d], 3, lambda: bool(answers))
+    assert answers[-1].get("version") == 1, answers
+
+
+def test_claims_of_one_key_on_two_nodes_that_are_not_its_homes_converge_at_its_home(
+    quad: Callable[[str], Node],
+) -> None:
+    """c and d put k at once, neither hears of the other's: its home picks the winner (d's:
+    its name) and tells c, which drops its version; every node that knows k names d."""
+    a, b, c, d = _started(quad)
+    nodes = [a, b, c, d]
+    key = homed("ab", "abcd")
+    c.put(key, 4096)
+    d.put(key, 4096)
+    assert run(nodes, 3, lambda: key not in c.registry.objects or c.cluster.replicas.holds(key))
+    run(nodes, 0.3)
+    assert key in d.registry.objects and not d.cluster.replicas.holds(key)
+    assert c.knows(key) and c.cluster.replicas.where()[key][0] == "d"
+    for n in (a, b):
+        assert n.cluster.replicas.where()[key][:2] == ("d", 1), n.name
+
+
+def test_a_key_whose_home_went_down_is_found_at_its_second_and_claimed_to_its_new(
+    quad: Callable[[str], Node],
+) -> None:
+    """b, k's home, dies: c, its second home, still knows where k lives (on a), d asks it,
+    and a claims k to the node that is one of its homes now."""
+    a, b, c, d = _started(quad)
+    key = homed("bc", "abcd")
+    a.put(key, 4096)
+    assert run([a, b, c, d], 3, lambda: c.cluster.replicas.holds(key))
+    b.close()
+    rest = [a, c, d]
+    assert run(rest, 6, lambda: not any(n.up("b") for n in rest))
+    homes = d.cluster.replicas.directory.homes(key)
+    assert "c" in homes
+    assert run(rest, 3, lambda: d.knows(key)) and d.cluster.replicas.where()[key][0] == "a"
+    other = next(h for h in homes if h != "c")
+    if other != "a":  # (its owner is its own home: no message)
+        node = {"d": d}[other]
+        assert run(rest, 3, lambda: node.cluster.replicas.holds(key))
