@@ -111,6 +111,11 @@ class Directory:
     def is_home(self, key: str) -> bool:
         return self.home(key) == self.node
 
+    def heard(self, key: str, beaten: list[str]) -> bool:
+        """Whether this node, as `key`'s home, tells others of a change of it: its lookers,
+        the node whose version lost (`beaten`). (Its home is found only if there are.)"""
+        return bool(beaten or key in self.lookers) and self.is_home(key)
+
     def told(self, key: str) -> set[str]:
         """Who hears of a claim or a delete of `key` here, besides its followers: its homes;
         its lookers too if this node is its home."""

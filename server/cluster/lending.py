@@ -110,8 +110,11 @@ class Lending:
         out: dict[str, list[list[Any]]] = {}  # node -> what it hears
         offered: list[tuple[StoredObject, set[str]]] = []  # a version, its followers
         for key, version in reversed(latest.items()):
-            told = self.told(key)  # (a claim or a delete goes to the key's home too, and to
-            beaten = self.beaten.pop(key, None)  # the node whose version it beat)
+            claim = key not in self.followers.claimed
+            told: set[str] = set()  # a claim or a delete goes to the key's homes too (Note
+            if claim or not version:  # [directory]), and to the node whose version it beat
+                told = self.told(key)
+            beaten = self.beaten.pop(key, None)
             if beaten is not None:
                 told.add(beaten)
             if not version:  # deleted (the version it put and deleted since: it beat others')
@@ -132,7 +135,7 @@ class Lending:
                 log.warning("could not offer %r with its announcement: %s", key, exc)
             for node in to:
                 out.setdefault(node, []).append([key, version, size, offer])
-            if key not in self.followers.claimed:  # its claim (Note [directory])
+            if claim:  # (Note [directory])
                 self.followers.claimed.add(key)
                 for node in told - to:
                     out.setdefault(node, []).append([key, version, size, None])

@@ -280,7 +280,7 @@ class Replicas:
         and deleted before announcing it, if it did), and may offer it."""
         here = self.registry.objects.get(key)
         known = self.index.get(key)
-        home = self.directory.is_home(key)  # (it tells the key's lookers: Note [directory])
+        tell = self.directory.tell  # (a key's home tells its lookers: Note [directory])
         if version == 0:  # (`gone`: as if told of that put, then of the delete)
             if gone:
                 self.registry.seen_version(key, gone)
@@ -293,8 +293,8 @@ class Replicas:
                 if (here.version, self.node) > put:
                     return  # this node's version wins
                 self.objects.forget(key)
-            if home:
-                self.directory.tell([key, node, 0, 0, gone], to=beaten, lookers=True)
+            if self.directory.heard(key, beaten):
+                tell([key, node, 0, 0, gone], to=beaten, lookers=True)
             return
         mine = here is not None and known is None  # put here (a replica's key is indexed)
         if (known is not None and (known.version, known.node) > (version, node)) or (
@@ -304,8 +304,8 @@ class Replicas:
                 self.held.refuse(node, key, version)
             if mine:  # a claim that loses to this node's version: its node and the home
                 self.lending.claim_again(key, here.version, node)  # type: ignore[union-attr]
-            elif home:  # a claim that loses at its home: its node is told of the winner
-                self.directory.tell([key, *known, 0], to=[node])  # type: ignore[misc]
+            elif self.directory.is_home(key):  # a claim that loses at its home: its node
+                tell([key, *known, 0], to=[node])  # type: ignore[misc]  # is told the winner
             return
         self.index[key] = Remote(node, version, size)
         if offer is not None:
@@ -315,15 +315,15 @@ class Replicas:
         if known is None or (known.node, known.version) != (node, version):  # heard once
             self.registry.seen_version(key, version)  # a put here from now on goes above it
             self.objects.arrived(key, version)  # an event for watch_prefix; waits for keys told
-            if home:  # its lookers are told, and the node whose version lost
-                beaten = [known.node] if known is not None and known.node != node else []
-                self.directory.tell([key, node, version, size, 0], to=beaten, lookers=True)
+            beaten = [known.node] if known is not None and known.node != node else []
+            if self.directory.heard(key, beaten):  # its lookers are told, and the node
+                tell([key, node, version, size, 0], to=beaten, lookers=True)  # that lost
         stale = known is not None and (known.node != node or known.version < version)
         if here is not None and (mine or stale):  # a put that lost, or a replica of a loser's
             self.registry.delete(key)
         if mine:  # (its followers follow it on `node` now)
             to = self.lending.followers.of(key, size)
-            self.directory.tell([key, node, version, size, 0], to=to)
+            tell([key, node, version, size, 0], to=to)
             self.lending.followers.drop(key)
         if key in self.following and self.following[key] != node:
             self._follow(key, Remote(node, version, size))
