@@ -154,7 +154,7 @@ def main() -> int:
         f"broker's put: {lone:.0f} us (median). Options: {args.serve or 'the defaults'}. "
         "The other brokers' CPU is above their idle CPU (measured just before): of puts to "
         "20 keys put before (a new version of a key), and of puts to new keys (each heard "
-        "of by every node: Note [follows]).", "",
+        "of by its two homes: Note [homes]).", "",
         "| brokers | idle CPU per broker | put (median) | other brokers' CPU per put | "
         "per put of a new key |",
         "|---|---|---|---|---|", *rows, "",

@@ -1,10 +1,12 @@
 """Where the cluster's control plane stops scaling: a model of each node's CPU, from per-message
 costs measured on the 2-core VM, at N = 10, 100 and 1,000 nodes. No brokers run.
 
-Measured (bench/results/scaling.md, 2026-12-02 05:03, 4 KiB puts; idle by /proc):
+Measured (bench/results/scaling.md, 2026-12-02 05:03 and 07:10, 4 KiB puts; idle by /proc):
     CLAIM_US      CPU a node spends hearing of a key new on another node (its claim, with
-                  its offer): the other brokers' CPU per put of a new key over N - 1
-                  (115/3, 639/7 and 2474/15 us: 38 to 165; the largest taken)
+                  its offer): the other brokers' CPU per put of a new key over N - 1 when
+                  every node heard it (115/3, 639/7 and 2474/15 us: 38 to 165); over its two
+                  homes with Note [homes] (334/2 at 16 brokers: 167). 165 taken; a
+                  lookup (a node asks a key's home) is taken to cost the home as much
     FOLLOW_US     CPU a follower spends on a new version of a key it follows (an
                   announcement, then its read: 115 us before Note [follows], when every node
                   heard every put)
@@ -19,8 +21,9 @@ Measured (bench/results/scaling.md, 2026-12-02 05:03, 4 KiB puts; idle by /proc)
 The workload: each node puts P versions a second; a fraction `new` of them are of keys new
 on that node (the rest new versions of keys it put before), and each key has F followers on
 other nodes (Note [follows]: readers, watchers). Modelled: before Note [follows] (every put
-told to every node, beats every 0.5 s: the costs measured then), now, and with a directory
-(a key's claim told to its home node only: not built). Usage: python bench/simulate.py
+told to every node, beats every 0.5 s: the costs measured then), with Note [follows] only
+(a key's claim told to every node), and now (Note [homes]: a key's claim told to its
+two homes, each follower's first get asking one of them). Usage: python bench/simulate.py
 [--out FILE]
 """
 
@@ -40,6 +43,7 @@ SEND_US = 20.0
 BEAT_US = 75.0
 PROGRESS_PCT = 0.33
 LONE_PUT_US = 182.0
+HOMES = 2  # the nodes a key's claim goes to (server/cluster/homes.py)
 BEFORE_BEAT_US, BEFORE_PROGRESS_PCT = 350.0, 2.0  # (measured 2026-12-01/02, before)
 NODES = (10, 100, 1000)
 PUTS = (10, 100, 1000)
@@ -52,8 +56,8 @@ def before(n: int, puts: float) -> float:
     return (own + heard + BEFORE_BEAT_US * (n - 1)) / 1e4 + BEFORE_PROGRESS_PCT
 
 
-def now(n: int, puts: float, new: float, followers: int = 1) -> float:
-    """Now (Note [follows]): a new key's claim goes to every node, a new version of a key to
+def follows(n: int, puts: float, new: float, followers: int = 1) -> float:
+    """Note [follows] alone: a new key's claim goes to every node, a new version of a key to
     its `followers`; this node hears the claims of the N - 1 others and, on average, as many
     followed versions as it sends."""
     told = new * (n - 1) + (1 - new) * followers
@@ -62,12 +66,15 @@ def now(n: int, puts: float, new: float, followers: int = 1) -> float:
     return (own + heard + BEAT_US * (n - 1)) / 1e4 + PROGRESS_PCT
 
 
-def directory(n: int, puts: float, new: float, followers: int = 1) -> float:
-    """With a home node per key (not built): a claim goes to one node, the home (which hears,
-    on average, as many as it makes), and beats give way to etcd's lease."""
-    own = puts * (LONE_PUT_US + SEND_US * (new + (1 - new) * followers))
-    heard = puts * (new * CLAIM_US + (1 - new) * followers * FOLLOW_US)
-    return (own + heard) / 1e4 + PROGRESS_PCT
+def now(n: int, puts: float, new: float, followers: int = 1) -> float:
+    """Now (Note [homes]): a new key's claim goes to its two homes, and each follower's
+    first get of it asks one of them; a new version of a key to its `followers`. A node
+    hears, on average, as many claims, lookups and followed versions as it makes; the
+    beats between every pair (every 2 s) stay."""
+    homes = min(HOMES, n - 1)
+    own = puts * (LONE_PUT_US + SEND_US * (new * (homes + followers) + (1 - new) * followers))
+    heard = puts * (new * (homes + followers) * CLAIM_US + (1 - new) * followers * FOLLOW_US)
+    return (own + heard + BEAT_US * (n - 1)) / 1e4 + PROGRESS_PCT
 
 
 def limit(cpu: object, puts: float) -> int:
@@ -102,12 +109,13 @@ def main() -> int:
         "", "In % of one core; over 100% the node cannot keep up. Each key has one follower "
         "on another node (a reader).", "",
         *table("Before Note [follows]: every put told to every node, beats every 0.5 s", before),
+        *table("Note [follows] alone (claims to every node), every put of a new key (a key "
+               "per step)", lambda n, p: follows(n, p, 1.0)),
         *table("Now, puts of keys put before (new versions: weight sync, a parameter "
                "server)", lambda n, p: now(n, p, 0.0)),
         *table("Now, one put in ten of a new key", lambda n, p: now(n, p, 0.1)),
-        *table("Now, every put of a new key (a key per step)", lambda n, p: now(n, p, 1.0)),
-        *table("With a directory (not built), every put of a new key: its claim to its "
-               "home node", lambda n, p: directory(n, p, 1.0)),
+        *table("Now, every put of a new key (a key per step): its claim to its two homes, "
+               "its reader's lookup", lambda n, p: now(n, p, 1.0)),
         "Not modelled: keys put unevenly (a hot home, or a key with many followers), "
         "watch_prefix and --prefetch (each node that asks for them hears their puts), "
         "etcd's own CPU (about 0.5 ms a lease renewal: 1,000 nodes renewing every second "

@@ -191,7 +191,7 @@ class Broker:
             self._on_stats,
         )  # fmt: skip
         if self.cluster is not None:  # (a request that asked a key's home runs again: its op)
-            self.cluster.replicas.directory.handlers = self._handlers
+            self.cluster.replicas.homes.handlers = self._handlers
         if found is not None:
             try:
                 others = {*self.slots.names, *self.mailboxes.names}

@@ -16,7 +16,7 @@ import zmq
 
 from tensorbroker.common.protocol import Request
 from tensorbroker.server.cluster.cluster import Cluster, Joining
-from tensorbroker.server.cluster.directory import Directory
+from tensorbroker.server.cluster.homes import Homes
 from tensorbroker.server.durability.journal import Journal
 from tensorbroker.server.queues.queue_state import BrokerQueue
 from tensorbroker.server.queues.queues import Queues
@@ -163,13 +163,13 @@ class Node:
 
     def knows(self, key: str) -> bool:
         """Whether this node knows where `key` lives (its index): asked of the key's home,
-        once, as a client's `exists` does (Note [directory] in directory.py)."""
+        once, as a client's `exists` does (Note [homes] in homes.py)."""
         replicas = self.cluster.replicas
         if not replicas.holds(key) and key not in self.asked:
-            directory = replicas.directory  # (its answer, none: a test's `_send` sees no more)
-            directory.handlers["knows"] = lambda session, route, req: None
+            homes = replicas.homes  # (its answer, none: a test's `_send` sees no more)
+            homes.handlers["knows"] = lambda session, route, req: None
             asking = Request("knows", 9, {"key": key}, [])
-            if directory.lookup(self.session, b"client", asking, [key]):
+            if homes.lookup(self.session, b"client", asking, [key]):
                 self.asked.add(key)
         return replicas.holds(key)
 
@@ -212,10 +212,10 @@ class Node:
 
 def homed(homes: str, names: str, stem: str = "k") -> str:
     """A key whose home is node `homes[0]` of nodes `names`, all up, and its second home
-    `homes[1]`, if named (Note [directory])."""
+    `homes[1]`, if named (Note [homes])."""
     members = tuple(sorted(names))
     keys = (f"{stem}{i}" for i in range(10_000))
-    return next(k for k in keys if "".join(Directory.homes_of(k, members)).startswith(homes))
+    return next(k for k in keys if "".join(Homes.homes_of(k, members)).startswith(homes))
 
 
 def run(nodes: list[Node], seconds: float, until: Callable[[], bool] | None = None) -> bool:

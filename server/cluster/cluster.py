@@ -8,7 +8,7 @@ Note [cluster]
     ROUTER at --cluster  <──── DEALER ── hello(b, agent metadata, b's keys)
                          ──── welcome(a, agent metadata, a's keys) ───>  (and beats both ways)
     a put sealed on A  ── announce(k, version) ─> k's two homes if k is new on A (Note
-                          [directory]), and the peers that follow k (Note [follows]): B's
+                          [homes]), and the peers that follow k (Note [follows]): B's
                           index says k lives on a (a node that knows nothing of k asks a home)
                           (the puts of ANNOUNCE_EVERY in one message, each key's last)
                           (and keys(A's homed at the peer) to a peer as it comes up, in
@@ -230,7 +230,7 @@ class Cluster:
                         )
                 self.queues.beat()
             self.replicas.pulls.poll(now)
-            self.replicas.directory.tick(now)
+            self.replicas.homes.tick(now)
             self.queues.poll()
         except Exception:
             log.exception("cluster: the beat or a pull failed")
@@ -270,8 +270,8 @@ class Cluster:
                 elif op == "lend":  # asked again after the hello, else its get waits it out
                     again = ("op", "pull", "key", "direct", "ask", "t")
                     first["again"] = {k: m[k] for k in again if k in m}
-                elif op == "where":  # (so is a lookup: Note [directory])
-                    first["again"] = {k: m[k] for k in ("op", "ask", "keys") if k in m}
+                elif op in ("where", "ls"):  # (so is a lookup, or a listing: Note [homes])
+                    first["again"] = m
                 elif op == "qitem":  # not read: its lender puts it back in its part
                     first["qback"] = [m["loan"]]
                 links.reply(route, first)
@@ -313,7 +313,7 @@ class Cluster:
                 replicas.lending.returned(node, int(m["pull"]), int(m.get("ask", 0)))
             elif op == "delete":
                 replicas.deleted(node, str(m["key"]))
-            elif op in ("where", "dir", "ls"):  # (Note [directory] in directory.py)
+            elif op in ("where", "dir", "ls"):  # (Note [homes] in homes.py)
                 replicas.request(node, op, m)
             elif op.startswith("q") or op in ("want", "subs"):
                 self.queues.request(node, op, m)
@@ -357,7 +357,7 @@ class Cluster:
                 if not same and heard:  # it restarted, or forgot this one
                     self._forget_node(node, mutual=True)
                 peer.node, peer.up = node, True
-                self.replicas.changed()  # (keys' homes move: Note [directory])
+                self.replicas.changed()  # (keys' homes move: Note [homes])
                 self.replicas.welcome(node, m["keys"])
                 # What this node holds now, again: a put sealed while the peer was not up
                 # yet here was announced to the others only (its hello went before it); and
@@ -383,8 +383,8 @@ class Cluster:
                         self.links.send_to(peer, again)  # (after the hello, on the same link)
             elif op == "lent":
                 self.replicas.pulls.lent(peer.node or "", m)
-            elif op in ("where", "ls"):  # (Note [directory] in directory.py)
-                self.replicas.directory.answered(peer.node or "", m)
+            elif op in ("where", "ls"):  # (Note [homes] in homes.py)
+                self.replicas.homes.answered(peer.node or "", m)
             elif op == "more":
                 self.replicas.pulls.more(peer.node or "", m)
             elif op == "beat" and peer.node is not None:
@@ -412,7 +412,7 @@ class Cluster:
         peer.up = False
         log.warning("cluster: node %r at %s is down", peer.node, peer.address)
         if peer.node is not None and not self.links.up(peer.node):
-            self.replicas.changed()  # (keys' homes move: Note [directory])
+            self.replicas.changed()  # (keys' homes move: Note [homes])
             self.replicas.node_down(peer.node)
             self.queues.node_down(peer.node)
             self._forget_node(peer.node)
@@ -440,7 +440,7 @@ class Cluster:
             "offered": len(r.lending.offered), "offers_held": len(r.held),
             "pulled": dict(r.pulls.done), "prefetched": r.prefetched,
             "lent_early": r.lending.lent_early, "followers": len(r.lending.followers),
-            "lookers": len(r.directory.lookers), "lookups": r.directory.asked_count,
+            "lookers": len(r.homes.lookers), "lookups": r.homes.asked_count,
         }  # fmt: skip
 
     def close(self) -> None:

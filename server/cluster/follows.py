@@ -5,7 +5,7 @@ Note [follows]
 Every put was announced to every node, and each node paid about 50 us to hear it: a cluster
 of N spent O(N) on each put, though most nodes never read most keys. Now a key's first
 version on its node (its claim: the key is this node's now) and its delete go to the key's
-homes (Note [directory] in directory.py), which tell the nodes that ask where it lives; the
+homes (Note [homes] in homes.py), which tell the nodes that ask where it lives; the
 versions after it go only to the nodes that follow the key:
 
 - a node that read the key from here (its lend, or the offer it read): it holds a replica,

@@ -61,7 +61,7 @@ class Lending:
     ) -> None:  # fmt: skip
         self.node, self.registry, self.transfers, self.links = node, registry, transfers, links
         self.index, self.pulling = index, pulling
-        self.told = told  # a key's home, or its lookers if this is its home: Directory.told
+        self.told = told  # a key's home, or its lookers if this is its home: Homes.told
         self.loans: dict[tuple[str, int, int], StoredObject] = {}  # (node, pull, ask) -> pinned
         # (node, pull, ask) -> when its borrower asked, on its clock (Lending.open_pulls):
         self._asked_at: dict[tuple[str, int, int], float] = {}  # asked, not yet lent
@@ -112,7 +112,7 @@ class Lending:
         for key, version in reversed(latest.items()):
             claim = key not in self.followers.claimed
             told: set[str] = set()  # a claim or a delete goes to the key's homes too (Note
-            if claim or not version:  # [directory]), and to the node whose version it beat
+            if claim or not version:  # [homes]), and to the node whose version it beat
                 told = self.told(key)
             beaten = self.beaten.pop(key, None)
             if beaten is not None:
@@ -135,7 +135,7 @@ class Lending:
                 log.warning("could not offer %r with its announcement: %s", key, exc)
             for node in to:
                 out.setdefault(node, []).append([key, version, size, offer])
-            if claim:  # (Note [directory])
+            if claim:  # (Note [homes])
                 self.followers.claimed.add(key)
                 for node in told - to:
                     out.setdefault(node, []).append([key, version, size, None])
@@ -293,22 +293,26 @@ class Lending:
         versions of at most `prefetch` bytes (Note [follows]): told at once of the version of
         a key here newer than it heard of."""
         self.followers.follow_prefixes(node, [str(p) for p in prefixes], int(prefetch))
-        newer = []
+        newer, moved = [], []
         for key, heard in keys:
-            obj = self.registry.objects.get(key)
-            if obj is None and key not in self.index and key not in self.pulling:
+            obj, remote = self.registry.objects.get(key), self.index.get(key)
+            if remote is not None and remote.node != node:  # another node's now: where
+                moved.append([key, *remote, 0])  # (`node` may not have heard: Note [homes])
+            elif obj is None and remote is None and key not in self.pulling:
                 newer.append([key, 0, 0, None])  # deleted here (said while `node` was away)
-            if obj is None or key in self.index or key in self.pulling:
-                continue  # not this node's (its owner's claim reached `node`, or will)
+            if obj is None or remote is not None or key in self.pulling:
+                continue
             self.followers.follow(node, key)
             if obj.version > heard:
                 newer.append([key, obj.version, int(obj.nbytes), None])
         if newer:
             self._announce_to(node, newer)
+        if moved:
+            self.links.after(node, {"op": "dir", "keys": moved})
 
     def claim_again(self, key: str, version: int, loser: str) -> None:
         """Node `loser` claimed `key` with a version that loses to this node's `version`:
-        it and the key's home are told of this one (Note [directory]), so all converge on
+        it and the key's home are told of this one (Note [homes]), so all converge on
         it."""
         self.followers.claimed.discard(key)
         self.announce(key, version)

@@ -197,7 +197,8 @@ class Pulls:
                 self._again(pull, gone)
             else:
                 self._fail(pull, gone)
-            return
+                if remote is not None and remote.node == pull.node and "at" not in m:
+                    self.listed(pull.node, pull.key, 0, 0)  # its owner has none: forgotten
         version, remote = int(m["version"]), self.index.get(pull.key)
         if remote is not None and remote.node == pull.node and remote.version < version:
             # A version this node was not told of (it did not follow the key: Note [follows])

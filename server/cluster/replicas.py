@@ -25,6 +25,7 @@ at 4 brokers, 3.6 ms at 8 and 15.2 ms at 16; without, 0.33, 0.87 and 1.77 ms.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -35,12 +36,14 @@ from ...common.protocol import Request
 from ..store.objects import Objects
 from ..store.parking import ParkingLot
 from ..store.records import Session
-from .directory import Directory
+from .homes import Homes
 from .lending import Lending
 from .offers import Held
 from .pulls import PULL_WAIT, Pulls
 from .records import Links, Remote
 from .transfers import Transfers
+
+log = logging.getLogger(__name__)
 
 PREFIXES = 64  # prefixes followed (watch_prefix) before this node follows every key
 
@@ -64,10 +67,10 @@ class Replicas:
             lambda node, pull, obj, ask: self.lending.loan(node, pull, obj, ask),
         )  # fmt: skip
         self.session, self._pulling = self.pulls.session, self.pulls.pulling
-        # Where keys live (Note [directory] in directory.py): their homes, asked by lookups.
-        self.directory = Directory(node, objects, links, self.index, self.own, self.listed)
+        # Where keys live (Note [homes] in homes.py): their homes, asked by lookups.
+        self.homes = Homes(node, objects, links, self.index, self.own, self.listed)
         self.lending = Lending(
-            node, self.registry, transfers, links, self.index, self._pulling, self.directory.told
+            node, self.registry, transfers, links, self.index, self._pulling, self.homes.told
         )
         # What this node follows (Note [follows] in follows.py): keys where a get or watch
         # waited (key -> the node asked), besides those it holds replicas of; and prefixes.
@@ -133,23 +136,23 @@ class Replicas:
         return list(self.index)
 
     def lookup(self, session: Session, route: bytes, req: Request, keys: list[str]) -> bool:
-        """A request of keys this node knows nothing of: their homes are asked (Directory)."""
-        return self.directory.lookup(session, route, req, keys)
+        """A request of keys this node knows nothing of: their homes are asked (Homes)."""
+        return self.homes.lookup(session, route, req, keys)
 
     def gather(self, session: Session, route: bytes, req: Request, query: dict[str, Any]) -> bool:
-        """A listing: every node is asked for its keys (Directory); then `rows`."""
-        return self.directory.gather(session, route, req, query)
+        """A listing: every node is asked for its keys (Homes); then `rows`."""
+        return self.homes.gather(session, route, req, query)
 
     def rows(self, req: Request) -> Mapping[str, tuple[str, int, int]]:
-        return self.directory.rows(req)
+        return self.homes.rows(req)
 
     def request(self, node: str, op: str, m: dict[str, Any]) -> None:
-        """A message of the directory's from `node` (Note [directory]): `where` (a lookup),
+        """A message of the homes' from `node` (Note [homes]): `where` (a lookup),
         `dir` (where keys live now, from their home), `ls` (a listing)."""
         if op == "where":
-            self.directory.where(node, m)
+            self.homes.where(node, m)
         elif op == "ls":
-            self.directory.own_rows(node, m)
+            self.homes.own_rows(node, m)
         else:
             for key, owner, version, size, gone in m["keys"]:
                 if owner != self.node:
@@ -157,16 +160,18 @@ class Replicas:
 
     def again(self, node: str, m: dict[str, Any]) -> bool:
         """Whether request `m`, which `node` did not take (it said hello_first), is still
-        wanted: a lend of a pull still waiting for it, or a lookup (Note [directory])."""
-        if m.get("op") == "where":
-            return int(m.get("ask", 0)) in self.directory.asks
+        wanted: a lend of a pull still waiting for it, or a lookup (Note [homes])."""
+        if m.get("op") == "where" and not m.get("ask"):  # (a looker's: its keys still asked)
+            return any(self.homes.asked.get(str(k)) == node for k in m.get("keys", ()))
+        if m.get("op") in ("where", "ls"):
+            return int(m.get("ask", 0)) in self.homes.asks
         return m.get("op") == "lend" and self.pulls.waits_for(node, int(m["pull"]), m.get("ask"))
 
     def changed(self) -> None:
-        """The nodes up changed: the keys' homes move (Directory.changed)."""
+        """The nodes up changed: the keys' homes move (Homes.changed)."""
         links = self.links
         up = [n for n in links.nodes() if links.up(n)]
-        self.directory.changed(up, self.lending.claim_to, self._kept, self._drop)
+        self.homes.changed(up, self.lending.claim_to, self._kept, self._drop)
 
     def _kept(self, key: str) -> bool:
         """Whether this node keeps `key`'s place in its index although it is not its home:
@@ -249,8 +254,8 @@ class Replicas:
         ]
         if home is None:
             return own
-        members = tuple(sorted({*self.directory.members, home}))
-        return [e for e in own if home in self.directory.homes(str(e[0]), members)]
+        members = tuple(sorted({*self.homes.members, home}))
+        return [e for e in own if home in self.homes.homes(str(e[0]), members)]
 
     def welcome(self, node: str, keys: list[Any]) -> None:
         """What `node` holds of the keys homed here, as it (re)joined: those known from
@@ -259,7 +264,7 @@ class Replicas:
         for key, version, size in keys:
             listed.add(str(key))
             self.listed(node, str(key), int(version), int(size))
-        homes = self.directory.homes
+        homes = self.homes.homes
         gone = [k for k, r in self.index.items() if r.node == node and k not in listed]
         for key in gone:
             kept = key in self.following or key in self.registry.objects
@@ -280,7 +285,7 @@ class Replicas:
         and deleted before announcing it, if it did), and may offer it."""
         here = self.registry.objects.get(key)
         known = self.index.get(key)
-        tell = self.directory.tell  # (a key's home tells its lookers: Note [directory])
+        tell = self.homes.tell  # (a key's home tells its lookers: Note [homes])
         if version == 0:  # (`gone`: as if told of that put, then of the delete)
             if gone:
                 self.registry.seen_version(key, gone)
@@ -290,10 +295,11 @@ class Replicas:
                 self._forget(key)
                 beaten = [known.node] if known.node != node else []
             elif here is not None and known is None:
-                if (here.version, self.node) > put:
-                    return  # this node's version wins
+                if (here.version, self.node) > put:  # this node's version wins: the home
+                    self.lending.claim_again(key, here.version, node)  # (which forgot it) hears
+                    return
                 self.objects.forget(key)
-            if self.directory.heard(key, beaten):
+            if self.homes.heard(key, beaten):
                 tell([key, node, 0, 0, gone], to=beaten, lookers=True)
             return
         mine = here is not None and known is None  # put here (a replica's key is indexed)
@@ -304,7 +310,7 @@ class Replicas:
                 self.held.refuse(node, key, version)
             if mine:  # a claim that loses to this node's version: its node and the home
                 self.lending.claim_again(key, here.version, node)  # type: ignore[union-attr]
-            elif self.directory.is_home(key):  # a claim that loses at its home: its node
+            elif self.homes.is_home(key):  # a claim that loses at its home: its node
                 tell([key, *known, 0], to=[node])  # type: ignore[misc]  # is told the winner
             return
         self.index[key] = Remote(node, version, size)
@@ -316,10 +322,17 @@ class Replicas:
             self.registry.seen_version(key, version)  # a put here from now on goes above it
             self.objects.arrived(key, version)  # an event for watch_prefix; waits for keys told
             beaten = [known.node] if known is not None and known.node != node else []
-            if self.directory.heard(key, beaten):  # its lookers are told, and the node
+            if self.homes.heard(key, beaten):  # its lookers are told, and the node
                 tell([key, node, version, size, 0], to=beaten, lookers=True)  # that lost
         stale = known is not None and (known.node != node or known.version < version)
         if here is not None and (mine or stale):  # a put that lost, or a replica of a loser's
+            if mine:  # (said: its client was answered, and a get here now has the winner)
+                log.warning(
+                    "the put of %r here (version %d) lost to node %r's version %d: puts of a "
+                    "key on two nodes are ordered by version (a node puts above the versions "
+                    "it heard of: get the key first to follow it)", key, here.version, node,
+                    version,
+                )  # fmt: skip
             self.registry.delete(key)
         if mine:  # (its followers follow it on `node` now)
             to = self.lending.followers.of(key, size)
@@ -363,7 +376,7 @@ class Replicas:
         """`node` went down or restarted: what it was lent or offered is unpinned (it will not
         say), and what it offered is void (its addresses are new, if it restarted)."""
         self.lending.let_go(node)
-        self.directory.let_go(node)
+        self.homes.let_go(node)
         self.held.forget(node)
         self.pulls.forget(node)
         follows = self.follows(node)  # (it forgot what this node follows, or will)

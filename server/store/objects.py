@@ -345,7 +345,7 @@ class Objects:
 
     def _lookup(self, session: Session, route: bytes, req: Request, keys: list[str]) -> bool:
         """In a cluster, keys this node knows nothing of: their homes are asked where they
-        live, and `req` waits to run again (Note [directory] in cluster/directory.py)."""
+        live, and `req` waits to run again (Note [homes] in cluster/homes.py)."""
         return self.elsewhere is not None and self.elsewhere.lookup(session, route, req, keys)
 
     def watch_prefix(self, session: Session, route: bytes, req: Request) -> Reply | None:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import tensorbroker as tb
-from tensorbroker.server.cluster.directory import Directory
+from tensorbroker.server.cluster.homes import Homes
 from tests.support import free_port, wait_until
 
 NODES = ("a", "b", "c")
@@ -67,9 +67,9 @@ def follow(reader: tb.Client, owner: tb.Client, prefix: str = "") -> Iterator[tb
 
 
 def homed(homes: tuple[str, ...], stem: str, nodes: tuple[str, ...] = NODES) -> str:
-    """A key whose homes are `homes` among `nodes`, all up (Note [directory])."""
+    """A key whose homes are `homes` among `nodes`, all up (Note [homes])."""
     keys = (f"{stem}{i}" for i in range(10_000))
-    return next(k for k in keys if {*Directory.homes_of(k, nodes)} == {*homes})
+    return next(k for k in keys if {*Homes.homes_of(k, nodes)} == {*homes})
 
 
 def figures(c: tb.Client) -> dict[str, Any]:

@@ -171,7 +171,7 @@ def _listed(c: tb.Client, key: str) -> int:
 
 
 def test_only_the_homes_and_followers_of_a_key_hear_of_it(clients: dict[str, tb.Client]) -> None:
-    """Note [directory], Note [follows]: a key's claim reaches its two homes only, its next
+    """Note [homes], Note [follows]: a key's claim reaches its two homes only, its next
     versions the nodes that read it; another node asks a home once, its first get reads the
     newest version, and it follows the key from then on."""
     a, b, c = clients["a"], clients["b"], clients["c"]

@@ -1,7 +1,7 @@
 """Where each key of a cluster lives, found in O(1) whatever the cluster's size (Note
-[directory]).
+[homes]).
 
-Note [directory]
+Note [homes]
 
 A key's claim (its first version on a node, Note [follows] in follows.py) and its delete
 went to every node, so that each knew where every key lived: a new key cost each of N nodes
@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -50,7 +51,9 @@ from ..store.parking import Waiter
 from ..store.records import Session
 from .records import Links, Remote
 
-HOMES = 2  # the nodes that keep a key's claim: its home, and the next (Note [directory])
+log = logging.getLogger(__name__)
+
+HOMES = 2  # the nodes that keep a key's claim: its home, and the next (Note [homes])
 ASK_WAIT = 2.0  # seconds a request waits for a home's (or, listing, every node's) answer
 Handler = Callable[[Session, bytes, Request], "dict[str, Any] | None"]
 Row = tuple[str, int, int]  # where a key lives: (node, version, size)
@@ -68,13 +71,15 @@ class Ask:
 
     id: int
     nodes: set[str]
-    sent: float
+    until: float  # when it runs with what came (its request's timeout, at most ASK_WAIT)
     line: deque[Waiter] = field(default_factory=deque)
     rows: dict[str, Row] | None = None
+    answered: set[str] = field(default_factory=set)
+    began: float = 0.0
 
 
-class Directory:
-    """The homes of keys (Note [directory]): the lookers of those homed here, and the
+class Homes:
+    """The homes of keys (Note [homes]): the lookers of those homed here, and the
     requests parked while a home, or every node, is asked. `index` is Replicas' (where the
     other nodes' keys live); `listed` is how Replicas hears where a key lives."""
 
@@ -138,7 +143,7 @@ class Directory:
             home = self.home(key)
             if home != self.node:
                 homes.setdefault(home, []).append(key)
-        ask = Ask(next(self._ids), set(), time.monotonic())
+        ask = self._ask(req)
         for home, named in homes.items():
             if self.links.send(home, {"op": "where", "ask": ask.id, "keys": named}):
                 ask.nodes.add(home)
@@ -152,7 +157,7 @@ class Directory:
         False if no node is asked."""
         if id(req) in self._again:
             return False
-        ask = Ask(next(self._ids), set(), time.monotonic(), rows={})
+        ask = self._ask(req, rows={})
         for node in self.members:
             if node != self.node and self.links.send(node, {"op": "ls", "ask": ask.id, **query}):
                 ask.nodes.add(node)
@@ -161,6 +166,14 @@ class Directory:
     def rows(self, req: Request) -> dict[str, Row]:
         """The rows gathered for listing `req` (Mapping of key -> (node, version, size))."""
         return self._rows.get(id(req), {})
+
+    def _ask(self, req: Request, rows: dict[str, Row] | None = None) -> Ask:
+        """An ask for `req`: it waits at most ASK_WAIT, or its own timeout if shorter (and
+        runs with what came: a get then waits in its key's line for the rest of it)."""
+        timeout = req.fields.get("timeout")
+        wait = ASK_WAIT if not timeout else min(ASK_WAIT, timeout)
+        now = time.monotonic()
+        return Ask(next(self._ids), set(), now + wait, rows=rows, began=now)
 
     def _park(self, session: Session, route: bytes, req: Request, ask: Ask) -> bool:
         if not ask.nodes:
@@ -182,6 +195,7 @@ class Directory:
                 ask.rows[str(key)] = (node, int(version), int(size))
         if ask is not None:
             ask.nodes.discard(node)
+            ask.answered.add(node)
             if not ask.nodes:
                 self._done(ask)
 
@@ -189,13 +203,21 @@ class Directory:
         """Asks whose nodes went down, or did not answer within ASK_WAIT: run with what came."""
         for ask in list(self.asks.values()):
             ask.nodes = {n for n in ask.nodes if self.links.up(n)}
-            if not ask.nodes or now - ask.sent > ASK_WAIT:
+            if not ask.nodes or now > ask.until:
                 self._done(ask)
 
     def _done(self, ask: Ask) -> None:
         del self.asks[ask.id]
+        if ask.rows is not None:  # the keys of nodes that did not answer: as known here
+            for key, remote in self.index.items():
+                if remote.node not in ask.answered:
+                    ask.rows.setdefault(key, remote)
+        spent = time.monotonic() - ask.began
         for w in list(ask.line):
             if not w.done:
+                timeout = w.request.fields.get("timeout")
+                if timeout:  # (what is left of it)
+                    w.request.fields["timeout"] = max(0.001, timeout - spent)
                 self._again_run(w, ask.rows)
 
     def _again_run(self, w: Waiter, rows: dict[str, Row] | None) -> None:
@@ -208,6 +230,9 @@ class Directory:
             reply = self.handlers[req.op](w.session, w.route, req)
         except BrokerError as exc:
             objects.answer(w, reply_error(req.id, exc))
+        except Exception as exc:  # (a bug: said, not a request left unanswered)
+            log.exception("%s could not run again", req.op)
+            objects.answer(w, reply_error(req.id, BrokerError(f"internal error: {exc!r}")))
         else:
             if reply is not None:
                 objects.answer(w, reply_ok(req.id, **reply))

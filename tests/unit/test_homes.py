@@ -1,4 +1,4 @@
-"""Where keys live (Note [directory] in server/cluster/directory.py): a key's claim reaches
+"""Where keys live (Note [homes] in server/cluster/homes.py): a key's claim reaches
 its two homes only, a node that knows nothing of a key asks its home, and the homes move
 with joins and leaves. Cluster objects stepped by hand in this process (tests/nodes.py); the
 whole brokers: test_cluster.py."""
@@ -56,7 +56,7 @@ def test_a_get_on_a_node_that_knows_nothing_of_a_key_waits_for_its_put_elsewhere
         is None
     )
     run([a, b, c, d], 0.3)
-    assert not answers and key in b.cluster.replicas.directory.lookers
+    assert not answers and key in b.cluster.replicas.homes.lookers
     a.put(key, 2 * OFFER_MAX)
     assert run([a, b, c, d], 3, lambda: key in d.reads.started)
     d.reads.over = True
@@ -94,10 +94,80 @@ def test_a_key_whose_home_went_down_is_found_at_its_second_and_claimed_to_its_ne
     b.close()
     rest = [a, c, d]
     assert run(rest, 6, lambda: not any(n.up("b") for n in rest))
-    homes = d.cluster.replicas.directory.homes(key)
+    homes = d.cluster.replicas.homes.homes(key)
     assert "c" in homes
     assert run(rest, 3, lambda: d.knows(key)) and d.cluster.replicas.where()[key][0] == "a"
     other = next(h for h in homes if h != "c")
     if other != "a":  # (its owner is its own home: no message)
         node = {"d": d}[other]
         assert run(rest, 3, lambda: node.cluster.replicas.holds(key))
+
+
+def _get(node: Node, key: str, answers: list[dict[str, Any]]) -> None:
+    """A get of `key` on `node` that may wait 10 s; its answers go to `answers`."""
+    node.objects._send = lambda route, payload, last=False: answers.append(decode(payload))
+    req = Request("get", 9, {"key": key, "timeout": 10.0}, [])
+    assert node.objects.get(node.session, b"client", req) is None
+
+
+def test_a_get_waiting_for_a_key_is_told_of_its_put_after_the_keys_home_restarted(
+    quad: Callable[[str], Node],
+) -> None:
+    """b, k's home, restarts at once (before any node takes it for down): it forgot that d
+    asks of k. d asks again (its ask, refused by b's new process, goes again after its
+    hello), so a's put of k still reaches the get waiting on d."""
+    a, b, c, d = _started(quad)
+    key = homed("bc", "abcd")
+    answers: list[dict[str, Any]] = []
+    _get(d, key, answers)
+    run([a, b, c, d], 0.3)
+    assert key in b.cluster.replicas.homes.lookers
+    b.close()
+    b = quad("b")
+    nodes = [a, b, c, d]
+    assert run(nodes, 5, lambda: all(n.up(m.name) for n in nodes for m in nodes if m is not n))
+    assert run(nodes, 3, lambda: key in b.cluster.replicas.homes.lookers)
+    a.put(key, 2 * OFFER_MAX)
+    assert run(nodes, 3, lambda: key in d.reads.started)
+
+
+def test_a_key_its_owner_no_longer_has_is_forgotten_once_a_get_asks_it(
+    quad: Callable[[str], Node],
+) -> None:
+    """d knows k lives on a, but missed its delete (told by k's home, which had forgotten
+    that d asks of it): d's get asks a, which has none. The get raises NotFound, and d
+    forgets k: `exists` is not True for good."""
+    a, b, c, d = _started(quad)
+    key = homed("bc", "abcd")
+    a.put(key, 2 * OFFER_MAX)
+    assert run([a, b, c, d], 3, lambda: d.knows(key))
+    b.cluster.replicas.homes.lookers.pop(key)  # (as if the home forgot d)
+    a.objects.delete(a.session, b"client", Request("delete", 8, {"key": key}, []))
+    run([a, b, c, d], 0.3)
+    assert d.cluster.replicas.holds(key)  # stale
+    answers: list[dict[str, Any]] = []
+    _get(d, key, answers)
+    assert run([a, b, c, d], 3, lambda: bool(answers))
+    assert "not_found" in str(answers[-1]), answers
+    assert not d.cluster.replicas.holds(key)
+
+
+def test_a_put_and_delete_that_lose_to_the_owners_later_version_leave_it_findable(
+    quad: Callable[[str], Node],
+) -> None:
+    """c claimed k (its home a heard of version 1), then put versions 2 and 3 (no follower:
+    nobody heard). d, which knew of version 1, puts k (2) and deletes it in one batch: the
+    home forgets k, but c's version 3 wins over d's 2, and c claims k again, so its home
+    knows where it lives."""
+    a, b, c, d = nodes = _started(quad)
+    key = homed("ab", "abcd")
+    c.put(key, 4096)
+    assert run(nodes, 3, lambda: a.cluster.replicas.holds(key) and d.knows(key))
+    c.put(key, 4096)
+    c.put(key, 4096)
+    run(nodes, 0.3)
+    d.put(key, 4096)
+    d.objects.delete(d.session, b"client", Request("delete", 8, {"key": key}, []))
+    run(nodes, 1.0)
+    assert c.registry.objects[key].version == 3
+    assert a.cluster.replicas.where()[key][:2] == ("c", 3)
