@@ -70,6 +70,7 @@ from ..queues.queues import Queues
 from ..store.devices import RECLAIM_POLL, DeviceChunk
 from ..store.objects import Objects
 from ..store.parking import ParkingLot
+from .answers import Answers
 from .joining import Joining as Joining  # (the broker takes it from here)
 from .links import BEAT, Links, Peer
 from .membership import Member, Membership
@@ -81,9 +82,10 @@ from .transfers import Transfers
 log = logging.getLogger(__name__)
 
 
-class Cluster:
-    """The links to the peers (Note [cluster]) and the messages on them; what the peers hold
-    and the pulls are `replicas`' (replicas.py). The broker registers `sockets` in its poller,
+class Cluster(Answers):
+    """The links to the peers (Note [cluster]) and the messages on them (their answers to this
+    broker's requests: Answers, answers.py); what the peers hold and the pulls are
+    `replicas`' (replicas.py). The broker registers `sockets` in its poller,
     calls `ready` for them and `tick` each loop; Objects asks `replicas` about keys not held
     here."""
 
@@ -339,73 +341,6 @@ class Cluster:
         self.queues.let_go(node)
         if not mutual:
             self.links.forgetting(node)
-
-    # -- answers from peers (on our DEALERs) ---------------------------------------------------
-
-    def _answer(self, peer: Peer, m: dict[str, Any]) -> None:
-        op = m["op"]
-        if op in ("welcome", "beat") and self._stale(peer, m):
-            return  # from an older incarnation of the node: it says nothing of the link now
-        peer.heard = time.monotonic()
-        try:
-            if op == "welcome":
-                node = str(m["node"])
-                self.transfers.add_peer(node, bytes(m["agent"]), m.get("agent_v"))
-                heard, same = self.links.heard_of(node), self.links.same(node, m)
-                if same is None:  # from an incarnation that a newer one replaced
-                    return
-                if not same and heard:  # it restarted, or forgot this one
-                    self._forget_node(node, mutual=True)
-                peer.node, peer.up = node, True
-                self.replicas.changed()  # (keys' homes move: Note [homes])
-                self.replicas.welcome(node, m["keys"])
-                # What this node holds now, again: a put sealed while the peer was not up
-                # yet here was announced to the others only (its hello went before it); and
-                # what it follows of the peer's (Note [follows] in follows.py).
-                self.links.send_to(peer, {"op": "keys", "keys": self.replicas.own(node)})
-                follows = self.replicas.follows(node)
-                if follows is not None:
-                    self.links.send_to(peer, follows)
-                # A beat at once: its answer makes the node `fresh` (its offers readable)
-                # now, not a beat from now.
-                self.links.send_to(peer, {"op": "beat", "t": time.monotonic()})
-                self.queues.node_up(node)
-                log.info("cluster: node %r at %s is up", node, peer.address)
-            elif op == "hello_first":
-                if peer.node is not None:  # an announcement, or queue items, it dropped
-                    self.replicas.lending.offers_back(peer.node, m.get("unoffered", ()))
-                    for loan in m.get("qback", ()):
-                        self.queues.back(peer.node, int(loan))
-                self.links.send_to(peer, self._hello(to=peer.node))
-                again = m.get("again")
-                if isinstance(again, dict) and peer.node is not None:
-                    if self.replicas.again(peer.node, again):
-                        self.links.send_to(peer, again)  # (after the hello, on the same link)
-            elif op == "lent":
-                self.replicas.pulls.lent(peer.node or "", m)
-            elif op in ("where", "ls"):  # (Note [homes] in homes.py)
-                self.replicas.homes.answered(peer.node or "", m)
-            elif op == "more":
-                self.replicas.pulls.more(peer.node or "", m)
-            elif op == "beat" and peer.node is not None:
-                same = self.links.same(peer.node, m)
-                if same is False:  # it forgot this one: forgotten too
-                    self._forget_node(peer.node, mutual=True)
-                elif same:
-                    got = m.get("t"), m.get("heard_ago"), m.get("down_after"), m.get("registration")
-                    self.links.kept(peer.node, *got)
-                if m.get("resync"):  # requests of this one's were lost on the way there
-                    log.warning("cluster: requests to node %r were lost; linking again", peer.node)
-                    self._down(peer)  # (as if it went down: each forgets what it lent the
-                    # other, and the hello and welcome that follow say all again)
-        except (KeyError, TypeError, ValueError, BrokerError, OSError) as exc:
-            log.warning("a cluster answer %r from %s could not be used: %s", op, peer.address, exc)
-
-    def _stale(self, peer: Peer, m: dict[str, Any]) -> bool:
-        """Whether welcome or beat answer `m` comes from an older incarnation of its node
-        than one heard already."""
-        node, incarnation = m.get("node", peer.node), m.get("incarnation")
-        return self.links.older(str(node), incarnation) if node is not None else False
 
     def _down(self, peer: Peer) -> None:
         """A link whose peer stopped answering: its node is down once no link to it is up."""
