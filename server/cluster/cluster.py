@@ -376,6 +376,7 @@ class Cluster(Answers):
             "pulled": dict(r.pulls.done), "prefetched": r.prefetched,
             "lent_early": r.lending.lent_early, "followers": len(r.lending.followers),
             "lookers": len(r.homes.lookers), "lookups": r.homes.asked_count,
+            "puts_lost": r.puts_lost,
         }  # fmt: skip
 
     def close(self) -> None:

@@ -60,6 +60,7 @@ class Replicas:
         self.transfers, self.links = transfers, links
         self.prefetch = prefetch  # versions offered of at most this many bytes: read as listed
         self.prefetched = 0  # pulls started as a version was listed, for no get
+        self.puts_lost = 0  # puts here that lost to another node's version (`listed`)
         self.index: dict[str, Remote] = {}  # key -> where it lives (other nodes only)
         self.held = Held()  # the offers of other nodes' versions (Note [offers] in offers.py)
         self.pulls = Pulls(
@@ -327,6 +328,7 @@ class Replicas:
         stale = known is not None and (known.node != node or known.version < version)
         if here is not None and (mine or stale):  # a put that lost, or a replica of a loser's
             if mine:  # (said: its client was answered, and a get here now has the winner)
+                self.puts_lost += 1
                 log.warning(
                     "the put of %r here (version %d) lost to node %r's version %d: puts of a "
                     "key on two nodes are ordered by version (a node puts above the versions "

@@ -78,6 +78,7 @@ def test_claims_of_one_key_on_two_nodes_that_are_not_its_homes_converge_at_its_h
     run(nodes, 0.3)
     assert key in d.registry.objects and not d.cluster.replicas.holds(key)
     assert c.knows(key) and c.cluster.replicas.where()[key][0] == "d"
+    assert c.cluster.stats()["puts_lost"] == 1 and d.cluster.stats()["puts_lost"] == 0
     for n in (a, b):
         assert n.cluster.replicas.where()[key][:2] == ("d", 1), n.name
 
