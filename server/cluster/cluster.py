@@ -315,7 +315,7 @@ class Cluster(Answers):
                 replicas.lending.returned(node, int(m["pull"]), int(m.get("ask", 0)))
             elif op == "delete":
                 replicas.deleted(node, str(m["key"]))
-            elif op in ("where", "dir", "ls"):  # (Note [homes] in homes.py)
+            elif op in ("where", "dir", "ls", "renumber"):  # (Note [homes] in homes.py)
                 replicas.request(node, op, m)
             elif op.startswith("q") or op in ("want", "subs"):
                 self.queues.request(node, op, m)

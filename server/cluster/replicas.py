@@ -35,7 +35,7 @@ from ...common.errors import PeerUnavailable
 from ...common.protocol import Request
 from ..store.objects import Objects
 from ..store.parking import ParkingLot
-from ..store.records import Session
+from ..store.records import Session, StoredObject
 from .homes import Homes
 from .lending import Lending
 from .offers import Held
@@ -46,6 +46,9 @@ from .transfers import Transfers
 log = logging.getLogger(__name__)
 
 PREFIXES = 64  # prefixes followed (watch_prefix) before this node follows every key
+# Seconds after which a version sealed here surely came before a put elsewhere that had heard
+# of no version of its key, when this node hears of that put (Note [homes]).
+SETTLED = 1.0
 
 
 class Replicas:
@@ -154,10 +157,14 @@ class Replicas:
             self.homes.where(node, m)
         elif op == "ls":
             self.homes.own_rows(node, m)
+        elif op == "renumber":
+            self.renumber(node, str(m["key"]), int(m["above"]))
         else:
             for key, owner, version, size, gone in m["keys"]:
                 if owner != self.node:
-                    self.listed(str(owner), str(key), int(version), int(size), None, int(gone))
+                    self.listed(
+                        str(owner), str(key), int(version), int(size), None, int(gone), True
+                    )
 
     def again(self, node: str, m: dict[str, Any]) -> bool:
         """Whether request `m`, which `node` did not take (it said hello_first), is still
@@ -280,10 +287,11 @@ class Replicas:
 
     def listed(
         self, node: str, key: str, version: int, size: int,
-        offer: dict[str, Any] | None = None, gone: int = 0,
+        offer: dict[str, Any] | None = None, gone: int = 0, relayed: bool = False,
     ) -> None:  # fmt: skip
         """`node` holds `key` at `version` now (0: deleted there; `gone`: the version it put
-        and deleted before announcing it, if it did), and may offer it."""
+        and deleted before announcing it, if it did), and may offer it. `relayed`: told by
+        the key's home (Note [homes])."""
         here = self.registry.objects.get(key)
         known = self.index.get(key)
         tell = self.homes.tell  # (a key's home tells its lookers: Note [homes])
@@ -309,10 +317,13 @@ class Replicas:
         ):
             if offer is not None:  # a version that lost here: its offer is not wanted
                 self.held.refuse(node, key, version)
-            if mine:  # a claim that loses to this node's version: its node and the home
-                self.lending.claim_again(key, here.version, node)  # type: ignore[union-attr]
-            elif self.homes.is_home(key):  # a claim that loses at its home: its node
-                tell([key, *known, 0], to=[node])  # type: ignore[misc]  # is told the winner
+            home = self.homes.is_home(key)
+            if mine:  # a claim that loses to this node's version
+                self._beats(node, key, version, here)  # type: ignore[arg-type]
+            elif version == 1 and home and known.node != node:  # type: ignore[union-attr]
+                tell([key, node, 1, size, 0], to=[known.node])  # type: ignore[union-attr]
+            elif home or (relayed and version == 1):  # its node is told the winner
+                tell([key, *known, 0], to=[node])  # type: ignore[misc]
             return
         self.index[key] = Remote(node, version, size)
         if offer is not None:
@@ -327,13 +338,12 @@ class Replicas:
                 tell([key, node, version, size, 0], to=beaten, lookers=True)  # that lost
         stale = known is not None and (known.node != node or known.version < version)
         if here is not None and (mine or stale):  # a put that lost, or a replica of a loser's
-            if mine:  # (said: its client was answered, and a get here now has the winner)
-                self.puts_lost += 1
+            if mine and version <= here.version:  # (a put at the same time as another node's:
+                self.puts_lost += 1  # said, as its client was answered ok)
                 log.warning(
-                    "the put of %r here (version %d) lost to node %r's version %d: puts of a "
-                    "key on two nodes are ordered by version (a node puts above the versions "
-                    "it heard of: get the key first to follow it)", key, here.version, node,
-                    version,
+                    "the put of %r here (version %d) lost to node %r's, made at the same "
+                    "time: puts of a key on two nodes are ordered by version, then by node "
+                    "name", key, here.version, node,
                 )  # fmt: skip
             self.registry.delete(key)
         if mine:  # (its followers follow it on `node` now)
@@ -352,6 +362,27 @@ class Replicas:
             if early and key not in self._pulling:
                 self.prefetched += 1
             self.pulls.want(key, node, waiting)
+
+    def _beats(self, node: str, key: str, version: int, here: StoredObject) -> None:
+        """`node`'s version of `key` loses to this node's, `here`. A put made on a node that
+        had heard of no version of the key (its version is 1), SETTLED after this one was
+        sealed, came later: it goes above this one (`renumber`, Note [homes]). Else its node
+        and the key's homes are told of this one."""
+        if version == 1 and time.monotonic() - here.sealed_at >= SETTLED:
+            self.links.after(node, {"op": "renumber", "key": key, "above": here.version})
+        else:
+            self.lending.claim_again(key, here.version, node)
+
+    def renumber(self, node: str, key: str, above: int) -> None:
+        """`node` holds a version of `key` (`above`) sealed before this node's put of it,
+        made without having heard of any: this one goes on above it, and is claimed again."""
+        obj = self.registry.objects.get(key)
+        if obj is None or key in self.index or key in self._pulling or obj.version > above:
+            return  # (not this node's put now, or above it already)
+        self.registry.renumber(obj, above + 1)
+        self.lending.beaten[key] = node
+        self.lending.followers.claimed.discard(key)
+        self.lending.announce(key, obj.version)
 
     def _room_for(self, size: int) -> bool:
         """Whether a version of `size` bytes is prefetched: at most `prefetch` bytes, and

@@ -33,6 +33,7 @@ class StoredObject:
     granted: bool = False  # a block granted ahead, not yet written (Note [grants])
     evictable: bool = False  # may be freed to make room (eviction.py)
     last_use: float = 0.0  # when it was put, or last read through the broker (monotonic)
+    sealed_at: float = 0.0  # when it was sealed (monotonic)
 
     @property
     def nbytes(self) -> int:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import itertools
 import logging
 import sys
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -191,7 +192,7 @@ class Registry:
         queue numbers) live and unkeyed, for the queue to hand over."""
         self.pending_put(session, put_id, "seal")
         obj = self._unpend(session, put_id)
-        obj.live = True
+        obj.live, obj.sealed_at = True, time.monotonic()
         self.published += 1
         if obj.events is not None:  # forget the finished ones: the list stays short
             session.writing = [o for o in session.writing if not self._written(o)]
@@ -217,6 +218,19 @@ class Registry:
         if not keep:
             self.release(session, put_id)
         return obj
+
+    def renumber(self, obj: StoredObject, version: int) -> None:
+        """`obj`, the live version of its key, goes on as `version`: a put on this node
+        that had heard of no version of its key goes above another node's it lost to (Note
+        [homes] in cluster/homes.py). Its readers keep what they read (the same bytes)."""
+        obj.version = version
+        self._versions[obj.key] = max(version, self._versions.get(obj.key, 0))
+        if obj.device == "cpu":
+            if self.directory is not None:
+                obj.listed = self.directory.publish(
+                    obj.key, obj.oid, obj.version, obj.bundle, obj.wire
+                )
+            self.journal.sealed(obj)
 
     def abort(self, session: Session, put_id: int, keep: bool) -> None:
         self.pending_put(session, put_id, "abort")

@@ -8,7 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from tensorbroker.common.protocol import Request, decode
+from tensorbroker.server.cluster import replicas
 from tensorbroker.server.cluster.offers import OFFER_MAX
 from tests.nodes import Node, homed, quad, run
 
@@ -172,3 +175,43 @@ def test_a_put_and_delete_that_lose_to_the_owners_later_version_leave_it_findabl
     run(nodes, 1.0)
     assert c.registry.objects[key].version == 3
     assert a.cluster.replicas.where()[key][:2] == ("c", 3)
+
+
+def test_a_put_on_a_node_that_heard_of_no_version_of_a_key_goes_above_the_owners(
+    quad: Callable[[str], Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The owner put k (versions 1 to 3) a while ago; a node that never heard of k puts it
+    (its version 1): that put came later, and wins everywhere, above the owner's version 3
+    (it was lost to the older version 3). Both orders of the two nodes' names (a tie of
+    claims goes to the greater)."""
+    monkeypatch.setattr(replicas, "SETTLED", 0.2)
+    a, b, c, d = nodes = _started(quad)
+    _a_late_put_wins(nodes, a, d, homed("bc", "abcd", "x"))
+    _a_late_put_wins(nodes, d, a, homed("bc", "abcd", "y"))
+
+
+def _a_late_put_wins(nodes: list[Node], owner: Node, late: Node, key: str) -> None:
+    for _ in range(3):
+        owner.put(key, 4096)
+    run(nodes, 0.4)
+    late.put(key, 4096)
+    home = nodes[1].cluster.replicas
+    assert run(nodes, 3, lambda: key not in owner.registry.objects), owner.name
+    assert run(nodes, 3, lambda: home.where().get(key) == (late.name, 4, 4096))
+    assert late.registry.objects[key].version == 4 and not late.cluster.replicas.holds(key)
+    assert owner.knows(key) and owner.cluster.replicas.where()[key][:2] == (late.name, 4)
+    assert late.cluster.stats()["puts_lost"] == 0, late.name
+
+
+def test_puts_of_a_new_key_on_two_nodes_at_once_go_to_the_greater_name(
+    quad: Callable[[str], Node],
+) -> None:
+    """a and d put k within SETTLED of each other, neither having heard of it: neither came
+    surely later, and d's (its name) wins; a's is dropped (and counted)."""
+    a, b, c, d = nodes = _started(quad)
+    key = homed("bc", "abcd")
+    a.put(key, 4096)
+    d.put(key, 4096)
+    assert run(nodes, 3, lambda: key not in a.registry.objects)
+    run(nodes, 0.3)
+    assert d.registry.objects[key].version == 1 and a.cluster.stats()["puts_lost"] == 1
