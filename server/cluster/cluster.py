@@ -291,8 +291,8 @@ class Cluster(Answers):
                     if offer is not None and not acked:  # it will let it go
                         replicas.held.refuse(node, str(key), int(version))
                         offer = None
-                    was = int(gone[0]) if gone else 0
-                    replicas.listed(node, str(key), int(version), int(size), offer, was)
+                    was, age = (gone + [0, None])[:2]  # (a claim's age: Note [homes])
+                    replicas.listed(node, str(key), int(version), int(size), offer, was, age)
             elif op == "offers_back":  # (the reads first: a version read, then given back)
                 for key, version in m.get("read", ()):
                     replicas.lending.offer_read(node, str(key), int(version))
@@ -315,7 +315,7 @@ class Cluster(Answers):
                 replicas.lending.returned(node, int(m["pull"]), int(m.get("ask", 0)))
             elif op == "delete":
                 replicas.deleted(node, str(m["key"]))
-            elif op in ("where", "dir", "ls", "renumber"):  # (Note [homes] in homes.py)
+            elif op in ("where", "dir", "ls", "renumber", "claimed"):  # (Note [homes])
                 replicas.request(node, op, m)
             elif op.startswith("q") or op in ("want", "subs"):
                 self.queues.request(node, op, m)

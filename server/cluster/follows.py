@@ -38,7 +38,8 @@ class Followers:
         self.keys: dict[str, set[str]] = {}  # key -> the nodes that follow it
         self.prefixes: dict[str, set[str]] = {}  # node -> the prefixes it follows
         self.small: dict[str, int] = {}  # node -> the versions it prefetches: at most this big
-        self.claimed: set[str] = set()  # this node's keys whose claim went to their homes
+        self.claimed: dict[str, int] = {}  # this node's keys whose claim went to their
+        # homes -> the version claimed
 
     def follow(self, node: str, key: str) -> None:
         self.keys.setdefault(key, set()).add(node)
@@ -61,7 +62,7 @@ class Followers:
         """`key` is not this node's now (deleted, or another node's version won): its next
         version here is a claim again."""
         self.keys.pop(key, None)
-        self.claimed.discard(key)
+        self.claimed.pop(key, None)
 
     def let_go(self, node: str) -> None:
         """`node` went down or restarted: it follows nothing until it says so again."""

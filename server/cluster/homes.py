@@ -24,11 +24,14 @@ node hears of them.
   claims again, to the home and to the loser (Replicas.listed).
 - A put on a node that had heard of no version of its key is its version 1, and would lose
   to any version put before on another node (a key put once, then put by another node that
-  never read it). So a claim of version 1 that loses at the home goes on to the owner, and
-  the owner, if its version was sealed SETTLED (1 s) before, says `renumber`: the put came
-  later, and goes on above the owner's version (the same bytes; Registry.renumber), claimed
-  again. Two such puts within SETTLED of each other are ordered as any (the greater node
-  name wins), and the one that lost is counted (`puts_lost`) and logged.
+  never read it). So such a claim says how long ago it was put, and one that loses at the
+  home goes on to the owner (`claimed`; if the owner is down, the claim's node is told the
+  winner). The owner, if its version was sealed SETTLED (1 s) before that put, says
+  `renumber`: the put came later, and goes on above the owner's version (the same object,
+  relisted), claimed again. Two puts within SETTLED of each other are ordered as any (the
+  greater node name wins), and a claim that lost within SETTLED of its put is counted
+  (`puts_lost`) and logged. A claim sent on to a node that no longer holds the key makes
+  its node claim again (`renumber` above 0), so that its homes hear of it.
 - `keys` and `ls` ask every node for its own keys (a scatter-gather: a listing costs O(N)).
 - A join or a leave (`changed`): each node sends the claims of its keys whose home changed
   to the new home (a node that came up gets them with its welcome), asks the new home of the

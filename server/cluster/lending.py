@@ -133,12 +133,15 @@ class Lending:
                     offer = self.transfers.offer(obj, agent=False)
             except Exception as exc:  # (its segment could not be registered): lent when asked
                 log.warning("could not offer %r with its announcement: %s", key, exc)
+            # A claim says how long ago it was put (a put of version 1 may go above an older
+            # version on another node: Note [homes]).
+            age = [0, time.monotonic() - obj.sealed_at] if claim and version == 1 else []
             for node in to:
-                out.setdefault(node, []).append([key, version, size, offer])
+                out.setdefault(node, []).append([key, version, size, offer, *age])
             if claim:  # (Note [homes])
-                self.followers.claimed.add(key)
+                self.followers.claimed[key] = version
                 for node in told - to:
-                    out.setdefault(node, []).append([key, version, size, None])
+                    out.setdefault(node, []).append([key, version, size, None, *age])
             if offer is not None:
                 offered.append((obj, to))
         out.pop(self.node, None)
@@ -314,7 +317,7 @@ class Lending:
         """Node `loser` claimed `key` with a version that loses to this node's `version`:
         it and the key's home are told of this one (Note [homes]), so all converge on
         it."""
-        self.followers.claimed.discard(key)
+        self.followers.claimed.pop(key, None)
         self.announce(key, version)
         obj = self.registry.objects.get(key)
         if obj is not None and obj.version == version:

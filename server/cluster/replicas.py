@@ -159,12 +159,13 @@ class Replicas:
             self.homes.own_rows(node, m)
         elif op == "renumber":
             self.renumber(node, str(m["key"]), int(m["above"]))
+        elif op == "claimed":  # (a claim its home sent on to this node, the key's owner)
+            for key, owner, version, size, _, age in m["keys"]:
+                self.listed(str(owner), str(key), int(version), int(size), None, 0, age, True)
         else:
             for key, owner, version, size, gone in m["keys"]:
                 if owner != self.node:
-                    self.listed(
-                        str(owner), str(key), int(version), int(size), None, int(gone), True
-                    )
+                    self.listed(str(owner), str(key), int(version), int(size), None, int(gone))
 
     def again(self, node: str, m: dict[str, Any]) -> bool:
         """Whether request `m`, which `node` did not take (it said hello_first), is still
@@ -287,11 +288,13 @@ class Replicas:
 
     def listed(
         self, node: str, key: str, version: int, size: int,
-        offer: dict[str, Any] | None = None, gone: int = 0, relayed: bool = False,
+        offer: dict[str, Any] | None = None, gone: int = 0, age: Any = None,
+        relayed: bool = False,
     ) -> None:  # fmt: skip
         """`node` holds `key` at `version` now (0: deleted there; `gone`: the version it put
-        and deleted before announcing it, if it did), and may offer it. `relayed`: told by
-        the key's home (Note [homes])."""
+        and deleted before announcing it, if it did), and may offer it. `age`: a claim's,
+        how long ago it was put (None: not said); `relayed`: a claim its home sent on here,
+        to its owner (Note [homes])."""
         here = self.registry.objects.get(key)
         known = self.index.get(key)
         tell = self.homes.tell  # (a key's home tells its lookers: Note [homes])
@@ -319,9 +322,10 @@ class Replicas:
                 self.held.refuse(node, key, version)
             home = self.homes.is_home(key)
             if mine:  # a claim that loses to this node's version
-                self._beats(node, key, version, here)  # type: ignore[arg-type]
-            elif version == 1 and home and known.node != node:  # type: ignore[union-attr]
-                tell([key, node, 1, size, 0], to=[known.node])  # type: ignore[union-attr]
+                self._beats(node, key, version, here, age)  # type: ignore[arg-type]
+            elif version == 1 and home and self.links.up(known.node):  # type: ignore[union-attr]
+                claim = [key, node, 1, size, 0, age]  # its owner decides (Note [homes])
+                self.links.after(known.node, {"op": "claimed", "keys": [claim]})  # type: ignore[union-attr]
             elif home or (relayed and version == 1):  # its node is told the winner
                 tell([key, *known, 0], to=[node])  # type: ignore[misc]
             return
@@ -338,18 +342,25 @@ class Replicas:
                 tell([key, node, version, size, 0], to=beaten, lookers=True)  # that lost
         stale = known is not None and (known.node != node or known.version < version)
         if here is not None and (mine or stale):  # a put that lost, or a replica of a loser's
-            if mine and version <= here.version:  # (a put at the same time as another node's:
-                self.puts_lost += 1  # said, as its client was answered ok)
+            claimed = self.lending.followers.claimed.get(key, here.version) == here.version
+            recent = time.monotonic() - here.sealed_at < SETTLED
+            if mine and claimed and recent:  # (a claim that lost within SETTLED of its put: to
+                self.puts_lost += 1  # one at the same time, or a version it had not heard
+                # of. Said, as its client was answered ok)
                 log.warning(
-                    "the put of %r here (version %d) lost to node %r's, made at the same "
-                    "time: puts of a key on two nodes are ordered by version, then by node "
-                    "name", key, here.version, node,
+                    "the put of %r here (version %d) lost to node %r's version %d: puts of a "
+                    "key on two nodes are ordered by version, then by node name (a node that "
+                    "has not read a key puts above the versions it heard of)", key,
+                    here.version, node, version,
                 )  # fmt: skip
             self.registry.delete(key)
         if mine:  # (its followers follow it on `node` now)
             to = self.lending.followers.of(key, size)
             tell([key, node, version, size, 0], to=to)
             self.lending.followers.drop(key)
+        if relayed and not self.homes.is_home(key):  # a claim sent on here that wins here
+            self.links.after(node, {"op": "renumber", "key": key, "above": 0})  # (its homes:
+            # this node had let go of the key meanwhile, say): it claims again
         if key in self.following and self.following[key] != node:
             self._follow(key, Remote(node, version, size))
         # Gets and watches waiting for a version: pulled now. So is the new version of a key
@@ -363,25 +374,32 @@ class Replicas:
                 self.prefetched += 1
             self.pulls.want(key, node, waiting)
 
-    def _beats(self, node: str, key: str, version: int, here: StoredObject) -> None:
+    def _beats(self, node: str, key: str, version: int, here: StoredObject, age: Any) -> None:
         """`node`'s version of `key` loses to this node's, `here`. A put made on a node that
-        had heard of no version of the key (its version is 1), SETTLED after this one was
-        sealed, came later: it goes above this one (`renumber`, Note [homes]). Else its node
-        and the key's homes are told of this one."""
-        if version == 1 and time.monotonic() - here.sealed_at >= SETTLED:
+        had heard of no version of the key (its version is 1) SETTLED after this one was
+        sealed (it was put `age` seconds ago) came later: it goes above this one
+        (`renumber`, Note [homes]). Else its node and the key's homes are told of this one."""
+        put = time.monotonic() - float(age) if isinstance(age, (int, float)) else None
+        if version == 1 and put is not None and here.sealed_at < put - SETTLED:
             self.links.after(node, {"op": "renumber", "key": key, "above": here.version})
         else:
             self.lending.claim_again(key, here.version, node)
 
     def renumber(self, node: str, key: str, above: int) -> None:
         """`node` holds a version of `key` (`above`) sealed before this node's put of it,
-        made without having heard of any: this one goes on above it, and is claimed again."""
+        made without having heard of any: this one goes on above it (the same object, its
+        readers keep what they read), and is claimed again (to its homes, and `node`)."""
         obj = self.registry.objects.get(key)
-        if obj is None or key in self.index or key in self._pulling or obj.version > above:
-            return  # (not this node's put now, or above it already)
-        self.registry.renumber(obj, above + 1)
-        self.lending.beaten[key] = node
-        self.lending.followers.claimed.discard(key)
+        if obj is None or key in self.index or key in self._pulling:
+            return  # (not this node's now)
+        if obj.version <= above:
+            obj.version = above + 1
+            self.registry.relist(obj)
+            if obj.device == "cpu":
+                self.registry.journal.sealed(obj)
+            self.lending.beaten[key] = node
+            self.objects.arrived(key, obj.version)
+        self.lending.followers.claimed.pop(key, None)
         self.lending.announce(key, obj.version)
 
     def _room_for(self, size: int) -> bool:

@@ -204,13 +204,7 @@ class Registry:
             self._versions[obj.key] = max(obj.version, self._versions.get(obj.key, 0))
             old = self.objects.get(obj.key)
             self.objects[obj.key] = obj
-            if self.directory is not None:  # listed before the old version can be freed
-                if obj.device == "cpu":
-                    obj.listed = self.directory.publish(
-                        obj.key, obj.oid, obj.version, obj.bundle, obj.wire
-                    )
-                else:
-                    self.directory.remove(obj.key)
+            self._list(obj)  # (before the old version can be freed)
             if old is not None:
                 self._retire(old)
         if obj.device == "cpu" and not (version and obj.queue is None):
@@ -219,18 +213,12 @@ class Registry:
             self.release(session, put_id)
         return obj
 
-    def renumber(self, obj: StoredObject, version: int) -> None:
-        """`obj`, the live version of its key, goes on as `version`: a put on this node
-        that had heard of no version of its key goes above another node's it lost to (Note
-        [homes] in cluster/homes.py). Its readers keep what they read (the same bytes)."""
-        obj.version = version
-        self._versions[obj.key] = max(version, self._versions.get(obj.key, 0))
-        if obj.device == "cpu":
-            if self.directory is not None:
-                obj.listed = self.directory.publish(
-                    obj.key, obj.oid, obj.version, obj.bundle, obj.wire
-                )
-            self.journal.sealed(obj)
+    def _list(self, obj: StoredObject) -> None:
+        """List `obj` in the directory as its key's version (a device object: unlisted)."""
+        if self.directory is not None and obj.device == "cpu":
+            obj.listed = self.directory.publish(obj.key, obj.oid, obj.version, obj.bundle, obj.wire)
+        elif self.directory is not None:
+            self.directory.remove(obj.key)
 
     def abort(self, session: Session, put_id: int, keep: bool) -> None:
         self.pending_put(session, put_id, "abort")
@@ -436,15 +424,15 @@ class Registry:
 
     def relist(self, obj: StoredObject) -> None:
         """A live object of a broker that died, live again: the current version of its key,
-        or an item waiting in its queue."""
+        or an item waiting in its queue. (Also a live object whose version changed: Note
+        [homes] in cluster/homes.py.)"""
         obj.live = True
         self.seen_version(obj.key, obj.version)
         if obj.queue is not None:
             obj.queue.items.append(obj)
             return
         self.objects[obj.key] = obj
-        if self.directory is not None:
-            obj.listed = self.directory.publish(obj.key, obj.oid, obj.version, obj.bundle, obj.wire)
+        self._list(obj)
 
     def stats(self) -> dict[str, int]:
         slotted = sum(self.slots.held().values()) if self.slots is not None else 0

@@ -215,3 +215,23 @@ def test_puts_of_a_new_key_on_two_nodes_at_once_go_to_the_greater_name(
     assert run(nodes, 3, lambda: key not in a.registry.objects)
     run(nodes, 0.3)
     assert d.registry.objects[key].version == 1 and a.cluster.stats()["puts_lost"] == 1
+
+
+def test_a_put_that_loses_to_the_version_of_a_node_that_is_down_is_told_so(
+    quad: Callable[[str], Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """d owns k and is down; a, which never heard of k, puts it (its claim loses to d's:
+    the name). Its home cannot ask d, so it tells a that d's version wins (a get of k raises
+    PeerUnavailable until d is back): a does not go on holding a version only its own
+    readers see, while the homes name d."""
+    monkeypatch.setattr(replicas, "SETTLED", 0.2)
+    a, b, c, d = _started(quad)
+    key = homed("bc", "abcd", "z")
+    d.put(key, 4096)
+    rest = [a, b, c]
+    assert run([*rest, d], 3, lambda: b.cluster.replicas.holds(key))
+    d.close()
+    assert run(rest, 6, lambda: not any(n.up("d") for n in rest))
+    a.put(key, 4096)
+    assert run(rest, 3, lambda: key not in a.registry.objects)
+    assert a.cluster.replicas.where()[key][0] == "d" and a.cluster.stats()["puts_lost"] == 1
