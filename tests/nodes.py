@@ -171,7 +171,7 @@ class Node:
             asking = Request("knows", 9, {"key": key}, [])
             if homes.lookup(self.session, b"client", asking, [key]):
                 self.asked.add(key)
-        return replicas.holds(key)
+        return replicas.holds(key) and not replicas.homes.asks  # (and its ask answered)
 
     def get(self, key: str) -> bool:
         req = Request("get", 7, {"key": key, "timeout": 10.0}, [])
