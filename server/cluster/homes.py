@@ -131,13 +131,14 @@ class Homes:
         the node whose version lost (`beaten`). (Its home is found only if there are.)"""
         return bool(beaten or key in self.lookers) and self.is_home(key)
 
-    def told(self, key: str) -> set[str]:
-        """Who hears of a claim or a delete of `key` here, besides its followers: its homes;
-        its lookers too if this node is its home."""
+    def told(self, key: str, deleted: bool = False) -> set[str]:
+        """Who hears of a claim or a delete (`deleted`) of `key` here, besides its
+        followers: its homes; its lookers too if this node is its home (forgotten once told
+        of a delete: `deleted`)."""
         homes = self.homes(key)
         told = set(homes) - {self.node}
         if homes[0] == self.node:
-            told.update(self.lookers.get(key, ()))
+            told.update(self.lookers.pop(key, ()) if deleted else self.lookers.get(key, ()))
         return told
 
     # -- a request of a key this node knows nothing of ------------------------------------------
@@ -326,6 +327,17 @@ class Homes:
                 self.lookers.pop(key, None)  # (they ask its new home)
             if self.node not in homes and key not in self.asked and not keep(key):
                 drop(key)
+
+    def deleted(self, key: str, waiting: bool) -> None:
+        """`key` was deleted (its lookers were told): they are forgotten here, and this node
+        forgets it asked of it, unless a request here waits for it (it asks again, so that
+        its home tells it of the key's next put). So neither grows with every key that
+        ever lived."""
+        self.lookers.pop(key, None)
+        home = self.asked.pop(key, None)
+        if waiting and home is not None and self.links.up(home):
+            self.asked[key] = home
+            self.links.after(home, {"op": "where", "ask": 0, "keys": [key]})
 
     def let_go(self, node: str) -> None:
         """`node` went down or restarted: it looks at nothing until it asks again."""

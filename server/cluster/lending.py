@@ -57,7 +57,7 @@ class Lending:
     def __init__(
         self, node: str, registry: Registry, transfers: Transfers, links: Links,
         index: Mapping[str, Remote], pulling: Mapping[str, Pull],
-        told: Callable[[str], set[str]],
+        told: Callable[[str, bool], set[str]],
     ) -> None:  # fmt: skip
         self.node, self.registry, self.transfers, self.links = node, registry, transfers, links
         self.index, self.pulling = index, pulling
@@ -113,7 +113,7 @@ class Lending:
             claim = key not in self.followers.claimed
             told: set[str] = set()  # a claim or a delete goes to the key's homes too (Note
             if claim or not version:  # [homes]), and to the node whose version it beat
-                told = self.told(key)
+                told = self.told(key, not version)
             beaten = self.beaten.pop(key, None)
             if beaten is not None:
                 told.add(beaten)

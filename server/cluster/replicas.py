@@ -313,6 +313,7 @@ class Replicas:
                 self.objects.forget(key)
             if self.homes.heard(key, beaten):
                 tell([key, node, 0, 0, gone], to=beaten, lookers=True)
+            self.homes.deleted(key, bool(self.lot.line(("get", key))) or self.objects.waits(key))
             return
         mine = here is not None and known is None  # put here (a replica's key is indexed)
         if (known is not None and (known.version, known.node) > (version, node)) or (

@@ -314,6 +314,10 @@ class Objects:
             self._waits.setdefault(key, set()).add(w)
         return None
 
+    def waits(self, key: str) -> bool:
+        """Whether a wait for keys that names `key` is parked."""
+        return key in self._waits
+
     def _present(self, req: Request) -> list[str]:
         objects, elsewhere = self.registry.objects, self.elsewhere
         return [

@@ -235,3 +235,17 @@ def test_a_put_that_loses_to_the_version_of_a_node_that_is_down_is_told_so(
     a.put(key, 4096)
     assert run(rest, 3, lambda: key not in a.registry.objects)
     assert a.cluster.replicas.where()[key][0] == "d" and a.cluster.stats()["puts_lost"] == 1
+
+
+def test_a_deleted_keys_lookers_are_forgotten(quad: Callable[[str], Node]) -> None:
+    """d asked b (k's home) where k lives; a deletes k: b tells d, then forgets that d asked,
+    and d that it did (neither grows with every key that ever lived)."""
+    a, b, c, d = nodes = _started(quad)
+    key = homed("bc", "abcd")
+    a.put(key, 4096)
+    assert run(nodes, 3, lambda: d.knows(key))
+    assert key in b.cluster.replicas.homes.lookers and key in d.cluster.replicas.homes.asked
+    a.objects.delete(a.session, b"client", Request("delete", 8, {"key": key}, []))
+    assert run(nodes, 3, lambda: not d.cluster.replicas.holds(key))
+    assert key not in b.cluster.replicas.homes.lookers
+    assert key not in d.cluster.replicas.homes.asked
