@@ -159,7 +159,7 @@ class Cluster(Answers):
         """Seconds until the loop must look again: reads under way are polled (Replicas),
         announcements go once ANNOUNCE_EVERY passed; at once if messages wait for a flush
         (made after this loop's: an eviction, say)."""
-        if self.links.holding:
+        if self.links.holding or self.replicas.homes.moving:  # (a move of keys: a slice a turn)
             return 0.0
         lending = self.replicas.lending
         announce = lending.announce_in(time.monotonic())

@@ -50,7 +50,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +63,8 @@ from .records import Links, Remote
 
 log = logging.getLogger(__name__)
 
+MOVE_SLICE = 1000  # keys looked at a turn of the loop as the nodes up change (`changed`)
+_DONE: Iterator[None] = iter(())
 HOMES = 2  # the nodes that keep a key's claim: its home, and the next (Note [homes])
 ASK_WAIT = 2.0  # seconds a request waits for a home's (or, listing, every node's) answer
 Handler = Callable[[Session, bytes, Request], "dict[str, Any] | None"]
@@ -111,6 +113,7 @@ class Homes:
         self._ids = itertools.count(1)
         self._again: set[int] = set()  # requests run again now: not asked twice
         self._rows: dict[int, dict[str, Row]] = {}  # a listing's rows, as it runs again
+        self._moving: Iterator[None] = _DONE  # keys moving to their new homes (`changed`)
 
     def homes(self, key: str, members: tuple[str, ...] | None = None) -> list[str]:
         """`key`'s home, then its second home, among `members` (those up here if None)."""
@@ -211,7 +214,9 @@ class Homes:
                 self._done(ask)
 
     def tick(self, now: float) -> None:
-        """Asks whose nodes went down, or did not answer within ASK_WAIT: run with what came."""
+        """A slice of a move under way (`changed`); asks whose nodes went down, or did not
+        answer within ASK_WAIT: run with what came."""
+        next(self._moving, None)
         for ask in list(self.asks.values()):
             ask.nodes = {n for n in ask.nodes if self.links.up(n)}
             if not ask.nodes or now > ask.until:
@@ -297,36 +302,65 @@ class Homes:
         """The nodes up are `up` now: the claims of this node's keys whose home changed go to
         the new home (`claim`), unless it just came up (its welcome lists them); the keys
         asked of are asked of their new home; the claims kept as their home that are not
-        this node's to keep now, and are not kept for another reason (`keep`), `drop`."""
+        this node's to keep now, and are not kept for another reason (`keep`), `drop`. In
+        slices of MOVE_SLICE keys, one a turn of the loop (`tick`): 100,000 keys take 1.5 s
+        of hashing at 16 nodes, and the loop must answer meanwhile. A move under way when
+        the nodes change again ends first."""
         old, new = self.members, tuple(sorted({self.node, *up}))
         if new == old:
             return
+        for _ in self._moving:  # (what is left of the move before)
+            pass
         self.members = new
-        claims: dict[str, list[list[Any]]] = {}
-        for key, version, size in self.own():
-            before = self.homes(key, old)
-            for home in self.homes(key, new):
-                if home not in before and home != self.node and home in old:
-                    claims.setdefault(home, []).append([key, version, size, None])
-        for home, entries in claims.items():
-            claim(home, entries)
-        asks: dict[str, list[str]] = {}
-        for key, was in list(self.asked.items()):
-            home = self.home(key, new)
-            if home != was:
+        self._moving = self._move(old, new, claim, keep, drop)
+        next(self._moving, None)  # (its first slice now)
+
+    @property
+    def moving(self) -> bool:
+        """Whether a move of keys to their new homes is under way (`changed`)."""
+        return self._moving is not _DONE
+
+    def _move(self, old: tuple[str, ...], new: tuple[str, ...],
+              claim: Callable[[str, list[list[Any]]], None], keep: Callable[[str], bool],
+              drop: Callable[[str], None]) -> Iterator[None]:  # fmt: skip
+        objects, own = self.objects.registry.objects, self.own()
+        for start in range(0, len(own), MOVE_SLICE):
+            claims: dict[str, list[list[Any]]] = {}
+            for key, version, size in own[start : start + MOVE_SLICE]:
+                obj = objects.get(key)
+                if obj is None or obj.version != version or key in self.index:
+                    continue  # (not this node's now, as it was)
+                before = self.homes(key, old)
+                for home in self.homes(key, new):
+                    if home not in before and home != self.node and home in old:
+                        claims.setdefault(home, []).append([key, version, size, None])
+            for home, entries in claims.items():
+                claim(home, entries)
+            yield
+        asked = list(self.asked.items())
+        for start in range(0, len(asked), MOVE_SLICE):
+            asks: dict[str, list[str]] = {}
+            for key, was in asked[start : start + MOVE_SLICE]:
+                home = self.home(key, new)
                 if home == self.node:
-                    del self.asked[key]
-                else:
+                    self.asked.pop(key, None)
+                elif home != was and key in self.asked:
                     asks.setdefault(home, []).append(key)
                     self.asked[key] = home
-        for home, keys in asks.items():
-            self.links.send(home, {"op": "where", "ask": 0, "keys": keys})
-        for key in [k for k in self.index if self.node in self.homes(k, old)]:
-            homes = self.homes(key, new)
-            if homes[0] != self.node:
-                self.lookers.pop(key, None)  # (they ask its new home)
-            if self.node not in homes and key not in self.asked and not keep(key):
-                drop(key)
+            for home, keys in asks.items():
+                self.links.send(home, {"op": "where", "ask": 0, "keys": keys})
+            yield
+        for n, key in enumerate(list(self.index), 1):
+            homes = self.homes(key, old)
+            if self.node in homes and key in self.index:
+                homes = self.homes(key, new)
+                if homes[0] != self.node:
+                    self.lookers.pop(key, None)  # (they ask its new home)
+                if self.node not in homes and key not in self.asked and not keep(key):
+                    drop(key)
+            if n % MOVE_SLICE == 0:
+                yield
+        self._moving = _DONE
 
     def deleted(self, key: str, waiting: bool) -> None:
         """`key` was deleted (its lookers were told): they are forgotten here, and this node

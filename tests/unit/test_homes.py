@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tensorbroker.common.protocol import Request, decode
-from tensorbroker.server.cluster import replicas
+from tensorbroker.server.cluster import homes, replicas
 from tensorbroker.server.cluster.offers import OFFER_MAX
 from tests.nodes import Node, homed, quad, run
 
@@ -249,3 +249,45 @@ def test_a_deleted_keys_lookers_are_forgotten(quad: Callable[[str], Node]) -> No
     assert run(nodes, 3, lambda: not d.cluster.replicas.holds(key))
     assert key not in b.cluster.replicas.homes.lookers
     assert key not in d.cluster.replicas.homes.asked
+
+
+def test_keys_move_to_their_new_homes_in_slices_when_a_node_leaves(
+    quad: Callable[[str], Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """d leaves: a's keys that had d for a home are claimed to their new one, a slice of
+    keys a turn of the loop (so that it answers meanwhile), until every key's homes among
+    a, b and c know where it lives."""
+    monkeypatch.setattr(homes, "MOVE_SLICE", 10)
+    a, b, c, d = _started(quad)
+    keys = [f"m{i}" for i in range(60)]
+    for key in keys:
+        a.put(key, 4096)
+    run([a, b, c, d], 0.5)
+    d.close()
+    rest, slices = [a, b, c], []
+    a.cluster.replicas.homes.tick = _counting(a.cluster.replicas.homes, slices)  # type: ignore[method-assign]
+    assert run(rest, 6, lambda: not any(n.up("d") for n in rest))
+    nodes = {"a": a, "b": b, "c": c}
+
+    def placed() -> bool:
+        return all(
+            nodes[h].cluster.replicas.holds(k)
+            for k in keys
+            for h in homes.Homes.homes_of(k, "abc")
+            if h != "a"
+        )
+
+    assert run(rest, 3, placed)
+    assert len(slices) >= 6  # (60 keys of a's, 10 a turn)
+
+
+def _counting(h: homes.Homes, slices: list[None]) -> Callable[[float], None]:
+    """`h.tick`, counting the turns that found a move under way."""
+    tick = h.tick
+
+    def counted(now: float) -> None:
+        if h.moving:
+            slices.append(None)
+        tick(now)
+
+    return counted
