@@ -292,7 +292,7 @@ class Cluster(Answers):
                         replicas.held.refuse(node, str(key), int(version))
                         offer = None
                     was, age = (gone + [0, None])[:2]  # (a claim's age: Note [homes])
-                    replicas.listed(node, str(key), int(version), int(size), offer, was, age)
+                    replicas.listed(node, str(key), int(version), int(size), offer, int(was), age)
             elif op == "offers_back":  # (the reads first: a version read, then given back)
                 for key, version in m.get("read", ()):
                     replicas.lending.offer_read(node, str(key), int(version))

@@ -59,12 +59,11 @@ from ...common.protocol import Request, reply_error, reply_ok
 from ..store.objects import Objects
 from ..store.parking import Waiter
 from ..store.records import Session
+from .moves import _DONE, Moves
 from .records import Links, Remote
 
 log = logging.getLogger(__name__)
 
-MOVE_SLICE = 1000  # keys looked at a turn of the loop as the nodes up change (`changed`)
-_DONE: Iterator[None] = iter(())
 HOMES = 2  # the nodes that keep a key's claim: its home, and the next (Note [homes]; homes_of)
 ASK_WAIT = 2.0  # seconds a request waits for a home's (or, listing, every node's) answer
 Handler = Callable[[Session, bytes, Request], "dict[str, Any] | None"]
@@ -95,7 +94,7 @@ class Ask:
     began: float = 0.0
 
 
-class Homes:
+class Homes(Moves):
     """The homes of keys (Note [homes]): the lookers of those homed here, and the
     requests parked while a home, or every node, is asked. `index` is Replicas' (where the
     other nodes' keys live); `listed` is how Replicas hears where a key lives."""
@@ -233,7 +232,10 @@ class Homes:
     def tick(self, now: float) -> None:
         """A slice of a move under way (`changed`); asks whose nodes went down, or did not
         answer within ASK_WAIT: run with what came."""
-        next(self._moving, None)
+        try:
+            next(self._moving, None)
+        except Exception:  # (the move ends: `_move` says so as it unwinds)
+            log.exception("could not move keys to their homes")
         for ask in list(self.asks.values()):
             ask.nodes = {n for n in ask.nodes if self.links.up(n)}
             if not ask.nodes or now > ask.until:
@@ -312,83 +314,17 @@ class Homes:
             rows = pick(int(limit) + 1, rows, key=lambda r: r[2] if by_size else r[0])
         self.links.answer(node, {"op": "ls", "ask": m.get("ask", 0), "keys": rows})
 
-    # -- joins and leaves --------------------------------------------------------------------------
-
-    def changed(self, up: list[str], claim: Callable[[str, list[list[Any]]], None],
-                keep: Callable[[str], bool], drop: Callable[[str], None]) -> None:  # fmt: skip
-        """The nodes up are `up` now: the claims of this node's keys whose home changed go to
-        the new home (`claim`), unless it just came up (its welcome lists them); the keys
-        asked of are asked of their new home; the claims kept as their home that are not
-        this node's to keep now, and are not kept for another reason (`keep`), `drop`. In
-        slices of MOVE_SLICE keys, one a turn of the loop (`tick`): 100,000 keys take 1.5 s
-        of hashing at 16 nodes, and the loop must answer meanwhile. A move under way when
-        the nodes change again ends first."""
-        old, new = self.members, tuple(sorted({self.node, *up}))
-        if new == old:
-            return
-        for _ in self._moving:  # (what is left of the move before)
-            pass
-        self.members = new
-        self._moving = self._move(old, new, claim, keep, drop)
-        next(self._moving, None)  # (its first slice now)
-
-    @property
-    def moving(self) -> bool:
-        """Whether a move of keys to their new homes is under way (`changed`)."""
-        return self._moving is not _DONE
-
-    def _move(self, old: tuple[str, ...], new: tuple[str, ...],
-              claim: Callable[[str, list[list[Any]]], None], keep: Callable[[str], bool],
-              drop: Callable[[str], None]) -> Iterator[None]:  # fmt: skip
-        objects, own = self.objects.registry.objects, self.own()
-        for start in range(0, len(own), MOVE_SLICE):
-            claims: dict[str, list[list[Any]]] = {}
-            for key, version, size in own[start : start + MOVE_SLICE]:
-                obj = objects.get(key)
-                if obj is None or obj.version != version or key in self.index:
-                    continue  # (not this node's now, as it was)
-                before = self.homes(key, old)
-                for home in self.homes(key, new):
-                    if home not in before and home != self.node and home in old:
-                        claims.setdefault(home, []).append([key, version, size, None])
-            for home, entries in claims.items():
-                claim(home, entries)
-            yield
-        asked = list(self.asked.items())
-        for start in range(0, len(asked), MOVE_SLICE):
-            asks: dict[str, list[str]] = {}
-            for key, was in asked[start : start + MOVE_SLICE]:
-                home = self.home(key, new)
-                if home == self.node:
-                    self.asked.pop(key, None)
-                elif home != was and key in self.asked:
-                    asks.setdefault(home, []).append(key)
-                    self.asked[key] = home
-            for home, keys in asks.items():
-                self.links.send(home, {"op": "where", "ask": 0, "keys": keys})
-            yield
-        for n, key in enumerate(list(self.index), 1):
-            homes = self.homes(key, old)
-            if self.node in homes and key in self.index:
-                homes = self.homes(key, new)
-                if homes[0] != self.node:
-                    self.lookers.pop(key, None)  # (they ask its new home)
-                if self.node not in homes and key not in self.asked and not keep(key):
-                    drop(key)
-            if n % MOVE_SLICE == 0:
-                yield
-        self._moving = _DONE
-
     def deleted(self, key: str, waiting: bool) -> None:
         """`key` was deleted (its lookers were told): they are forgotten here, and this node
         forgets it asked of it, unless a request here waits for it (it asks again, so that
         its home tells it of the key's next put). So neither grows with every key that
         ever lived."""
         self.lookers.pop(key, None)
-        home = self.asked.pop(key, None)
-        if waiting and home is not None and self.links.up(home):
-            self.asked[key] = home
-            self.links.after(home, {"op": "where", "ask": 0, "keys": [key]})
+        if self.asked.pop(key, None) is not None and waiting:
+            home = self.home(key)  # (its home of now: a move may be under way)
+            if home != self.node:
+                self.asked[key] = home
+                self.links.after(home, {"op": "where", "ask": 0, "keys": [key]})
 
     def let_go(self, node: str) -> None:
         """`node` went down or restarted: it looks at nothing until it asks again."""

@@ -88,6 +88,8 @@ class Replicas:
         (Lending)."""
         if key in self._pulling and version:  # a replica being listed: not ours to announce
             return
+        if not version and key in self.index:  # a replica dropped (evicted, say): the key
+            return  # lives on (its owner announces its delete)
         if version:
             known = self.index.pop(key, None)  # put here: this node holds it now
             if known is not None:  # (the node whose version this one beats hears its claim)
@@ -161,7 +163,8 @@ class Replicas:
             self.renumber(node, str(m["key"]), int(m["above"]))
         elif op == "claimed":  # (a claim its home sent on to this node, the key's owner)
             for key, owner, version, size, _, age in m["keys"]:
-                self.listed(str(owner), str(key), int(version), int(size), None, 0, age, True)
+                if owner != self.node:
+                    self.listed(str(owner), str(key), int(version), int(size), None, 0, age, True)
         else:
             for key, owner, version, size, gone in m["keys"]:
                 if owner != self.node:
@@ -303,17 +306,21 @@ class Replicas:
                 self.registry.seen_version(key, gone)
             put = (gone, node)  # what beat a version, or this node's own, goes too
             beaten = []  # (the node whose version the put deleted beat: told by the home)
+            done = known is None and here is None  # (else: if it deleted what is known here)
             if known is not None and (known.node == node or (known.version, known.node) < put):
                 self._forget(key)
-                beaten = [known.node] if known.node != node else []
+                beaten, done = ([known.node] if known.node != node else []), True
             elif here is not None and known is None:
                 if (here.version, self.node) > put:  # this node's version wins: the home
                     self.lending.claim_again(key, here.version, node)  # (which forgot it) hears
                     return
                 self.objects.forget(key)
-            if self.homes.heard(key, beaten):
-                tell([key, node, 0, 0, gone], to=beaten, lookers=True)
-            self.homes.deleted(key, bool(self.lot.line(("get", key))) or self.objects.waits(key))
+                done = True
+            if done:  # (the key's lookers are told, then forgotten)
+                if self.homes.heard(key, beaten):
+                    tell([key, node, 0, 0, gone], to=beaten, lookers=True)
+                waits = bool(self.lot.line(("get", key))) or self.objects.waits(key)
+                self.homes.deleted(key, waits)
             return
         mine = here is not None and known is None  # put here (a replica's key is indexed)
         if (known is not None and (known.version, known.node) > (version, node)) or (
@@ -324,7 +331,7 @@ class Replicas:
             home = self.homes.is_home(key)
             if mine:  # a claim that loses to this node's version
                 self._beats(node, key, version, here, age)  # type: ignore[arg-type]
-            elif version == 1 and home and self.links.up(known.node):  # type: ignore[union-attr]
+            elif version == 1 and home and known.node != node and self.links.up(known.node):  # type: ignore[union-attr]
                 claim = [key, node, 1, size, 0, age]  # its owner decides (Note [homes])
                 self.links.after(known.node, {"op": "claimed", "keys": [claim]})  # type: ignore[union-attr]
             elif home or (relayed and version == 1):  # its node is told the winner
@@ -412,13 +419,14 @@ class Replicas:
     def _forget(self, key: str) -> None:
         """`key` is no other node's now: its replica here goes too, as a delete (its watchers
         are told; else it would pass for a put of this node's)."""
-        version = self.index.pop(key).version
+        version = self.index[key].version
         self.held.drop(key)
         self.following.pop(key, None)
         if key in self.registry.objects and key not in self._pulling:
-            self.objects.forget(key)
+            self.objects.forget(key)  # (still indexed: not announced as this node's delete)
         else:
             self.objects.gone(key, version)
+        self.index.pop(key, None)
 
     def node_down(self, node: str) -> None:
         self.pulls.node_down(node)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tensorbroker.common.protocol import Request, decode
-from tensorbroker.server.cluster import homes, replicas
+from tensorbroker.server.cluster import homes, moves, replicas
 from tensorbroker.server.cluster.offers import OFFER_MAX
 from tests.nodes import Node, homed, quad, run
 
@@ -257,7 +257,7 @@ def test_keys_move_to_their_new_homes_in_slices_when_a_node_leaves(
     """d leaves: a's keys that had d for a home are claimed to their new one, a slice of
     keys a turn of the loop (so that it answers meanwhile), until every key's homes among
     a, b and c know where it lives."""
-    monkeypatch.setattr(homes, "MOVE_SLICE", 10)
+    monkeypatch.setattr(moves, "MOVE_SLICE", 10)
     a, b, c, d = _started(quad)
     keys = [f"m{i}" for i in range(60)]
     for key in keys:
@@ -291,3 +291,21 @@ def _counting(h: homes.Homes, slices: list[None]) -> Callable[[float], None]:
         tick(now)
 
     return counted
+
+
+def test_a_replica_dropped_on_a_node_is_no_delete_of_its_key(quad: Callable[[str], Node]) -> None:
+    """d's replica of a's k is evicted: k lives on, so neither its homes nor its lookers hear
+    of a delete, and when a deletes k, d (a looker of it) is told."""
+    a, b, c, d = nodes = _started(quad)
+    key = homed("bc", "abcd")
+    a.put(key, 2 * OFFER_MAX)
+    assert run(nodes, 3, lambda: d.knows(key))
+    d.reads.over = True
+    assert d.get(key)
+    assert run(nodes, 3, lambda: key in d.registry.objects and not d.cluster.replicas.pulls.pulls)
+    d.objects._evicted(d.registry.objects[key])  # (as the eviction of a replica tells)
+    run(nodes, 0.3)
+    assert "d" in b.cluster.replicas.homes.lookers.get(key, ())
+    assert b.cluster.replicas.holds(key) and c.cluster.replicas.holds(key)
+    a.objects.delete(a.session, b"client", Request("delete", 8, {"key": key}, []))
+    assert run(nodes, 3, lambda: not d.cluster.replicas.holds(key))

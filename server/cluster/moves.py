@@ -1,0 +1,112 @@
+"""Keys moving to their new homes as the nodes up change (Note [homes] in homes.py): Homes'
+joins and leaves, in slices of MOVE_SLICE keys a turn of the loop."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+MOVE_SLICE = 1000  # keys looked at a turn of the loop as the nodes up change (`changed`)
+_DONE: Iterator[None] = iter(())
+
+
+class Moves:
+    """Homes' moves of keys (`changed`); what it uses of Homes is named here."""
+
+    node: str
+    members: tuple[str, ...]
+    index: Any  # Mapping[str, Remote]
+    asked: dict[str, str]
+    lookers: dict[str, set[str]]
+    links: Any  # Links
+    objects: Any  # Objects
+    own: Callable[[], list[list[Any]]]
+    _moving: Iterator[None] = _DONE
+
+    def homes(self, key: str, members: tuple[str, ...] | None = None) -> list[str]:
+        raise NotImplementedError
+
+    def home(self, key: str, members: tuple[str, ...] | None = None) -> str:
+        raise NotImplementedError
+
+    def tick(self, now: float) -> None:
+        raise NotImplementedError
+
+    def changed(self, up: list[str], claim: Callable[[str, list[list[Any]]], None],
+                keep: Callable[[str], bool], drop: Callable[[str], None]) -> None:  # fmt: skip
+        """The nodes up are `up` now: the claims of this node's keys whose home changed go to
+        the new home (`claim`), unless it just came up (its welcome lists them); the keys
+        asked of are asked of their new home; the claims kept as their home that are not
+        this node's to keep now, and are not kept for another reason (`keep`), `drop`. In
+        slices of MOVE_SLICE keys, one a turn of the loop (`tick`): 100,000 keys take 1.5 s
+        of hashing at 16 nodes, and the loop must answer meanwhile. A move under way when
+        the nodes change again ends first."""
+        old, new = self.members, tuple(sorted({self.node, *up}))
+        if new == old:
+            return
+        self.members = new
+        try:
+            for _ in self._moving:  # (what is left of the move before)
+                pass
+        except Exception:  # (a fault: logged, and the move goes on)
+            log.exception("could not move keys to their homes")
+        self._moving = self._move(old, new, claim, keep, drop)
+        self.tick(time.monotonic())  # (its first slice now)
+
+    @property
+    def moving(self) -> bool:
+        """Whether a move of keys to their new homes is under way (`changed`)."""
+        return self._moving is not _DONE
+
+    def _move(self, old: tuple[str, ...], new: tuple[str, ...],
+              claim: Callable[[str, list[list[Any]]], None], keep: Callable[[str], bool],
+              drop: Callable[[str], None]) -> Iterator[None]:  # fmt: skip
+        try:
+            yield from self._moves(old, new, claim, keep, drop)
+        finally:
+            self._moving = _DONE
+
+    def _moves(self, old: tuple[str, ...], new: tuple[str, ...],
+               claim: Callable[[str, list[list[Any]]], None], keep: Callable[[str], bool],
+               drop: Callable[[str], None]) -> Iterator[None]:  # fmt: skip
+        objects, own = self.objects.registry.objects, self.own()
+        for start in range(0, len(own), MOVE_SLICE):
+            claims: dict[str, list[list[Any]]] = {}
+            for key, version, size in own[start : start + MOVE_SLICE]:
+                obj = objects.get(key)
+                if obj is None or obj.version != version or key in self.index:
+                    continue  # (not this node's now, as it was)
+                before = self.homes(key, old)
+                for home in self.homes(key, new):
+                    if home not in before and home != self.node and home in old:
+                        claims.setdefault(home, []).append([key, version, size, None])
+            for home, entries in claims.items():
+                claim(home, entries)
+            yield
+        asked = list(self.asked.items())
+        for start in range(0, len(asked), MOVE_SLICE):
+            asks: dict[str, list[str]] = {}
+            for key, was in asked[start : start + MOVE_SLICE]:
+                home = self.home(key, new)
+                if home == self.node:
+                    self.asked.pop(key, None)
+                elif home != was and key in self.asked:
+                    asks.setdefault(home, []).append(key)
+                    self.asked[key] = home
+            for home, keys in asks.items():
+                self.links.send(home, {"op": "where", "ask": 0, "keys": keys})
+            yield
+        for n, key in enumerate(list(self.index), 1):
+            homes = self.homes(key, old)
+            if self.node in homes and key in self.index:
+                homes = self.homes(key, new)
+                if homes[0] != self.node:
+                    self.lookers.pop(key, None)  # (they ask its new home)
+                if self.node not in homes and key not in self.asked and not keep(key):
+                    drop(key)
+            if n % MOVE_SLICE == 0:
+                yield
