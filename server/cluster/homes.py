@@ -22,16 +22,18 @@ node hears of them.
 - A claim that loses at its home: its node is told of the winner (and drops its version).
   One that loses to its owner's later version (the home heard of its claim only): the owner
   claims again, to the home and to the loser (Replicas.listed).
-- A put on a node that had heard of no version of its key is its version 1, and would lose
-  to any version put before on another node (a key put once, then put by another node that
-  never read it). So such a claim says how long ago it was put, and one that loses at the
-  home goes on to the owner (`claimed`; if the owner is down, the claim's node is told the
-  winner). The owner, if its version was sealed SETTLED (1 s) before that put, says
-  `renumber`: the put came later, and goes on above the owner's version (the same object,
-  relisted), claimed again. Two puts within SETTLED of each other are ordered as any (the
-  greater node name wins), and a claim that lost within SETTLED of its put is counted
-  (`puts_lost`) and logged. A claim sent on to a node that no longer holds the key makes
-  its node claim again (`renumber` above 0), so that its homes hear of it.
+- A put on a node that does not follow a key goes above the versions it heard of: none
+  (its version is 1), or the first (its home's answer). It would lose to the owner's later
+  versions, which it was not told of: a key put by one node, then by another that never
+  read it. So a claim says how long ago it was put, and the owner decides: the home sends
+  on a claim that loses there, or one that beat the owner's version there (`claimed`; if
+  the owner is down, the claim's node is told the winner). The owner, if its version was
+  sealed SETTLED (1 s) before that put, says `renumber`: the put came later, and goes on
+  above the owner's version (the same object, relisted), claimed again. Puts within
+  SETTLED of each other are ordered by version, then node name, and a claim that lost
+  within SETTLED of its put is counted (`puts_lost`) and logged. A claim sent on to a node
+  that no longer holds the key makes its node claim again (`renumber` above 0), so that
+  its homes hear of it.
 - `keys` and `ls` ask every node for its own keys (a scatter-gather: a listing costs O(N)).
 - A join or a leave (`changed`): each node sends the claims of its keys whose home changed
   to the new home (a node that came up gets them with its welcome), asks the new home of the

@@ -133,9 +133,9 @@ class Lending:
                     offer = self.transfers.offer(obj, agent=False)
             except Exception as exc:  # (its segment could not be registered): lent when asked
                 log.warning("could not offer %r with its announcement: %s", key, exc)
-            # A claim says how long ago it was put (a put of version 1 may go above an older
-            # version on another node: Note [homes]).
-            age = [0, time.monotonic() - obj.sealed_at] if claim and version == 1 else []
+            # A claim says how long ago it was put (it may go above an older version on
+            # another node that it had not heard of: Note [homes]).
+            age = [0, time.monotonic() - obj.sealed_at] if claim else []
             for node in to:
                 out.setdefault(node, []).append([key, version, size, offer, *age])
             if claim:  # (Note [homes])

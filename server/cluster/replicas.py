@@ -331,10 +331,10 @@ class Replicas:
             home = self.homes.is_home(key)
             if mine:  # a claim that loses to this node's version
                 self._beats(node, key, version, here, age)  # type: ignore[arg-type]
-            elif version == 1 and home and known.node != node and self.links.up(known.node):  # type: ignore[union-attr]
-                claim = [key, node, 1, size, 0, age]  # its owner decides (Note [homes])
+            elif age is not None and home and known.node != node and self.links.up(known.node):  # type: ignore[union-attr]
+                claim = [key, node, version, size, 0, age]  # its owner decides (Note [homes])
                 self.links.after(known.node, {"op": "claimed", "keys": [claim]})  # type: ignore[union-attr]
-            elif home or (relayed and version == 1):  # its node is told the winner
+            elif home or relayed:  # its node is told the winner
                 tell([key, *known, 0], to=[node])  # type: ignore[misc]
             return
         self.index[key] = Remote(node, version, size)
@@ -346,8 +346,12 @@ class Replicas:
             self.registry.seen_version(key, version)  # a put here from now on goes above it
             self.objects.arrived(key, version)  # an event for watch_prefix; waits for keys told
             beaten = [known.node] if known is not None and known.node != node else []
-            if self.homes.heard(key, beaten):  # its lookers are told, and the node
-                tell([key, node, version, size, 0], to=beaten, lookers=True)  # that lost
+            if self.homes.heard(key, beaten):  # its lookers are told, and the node that lost
+                if age is not None and beaten and self.links.up(beaten[0]):  # (a claim: with
+                    claim = [key, node, version, size, 0, age]  # its age, as the owner may
+                    self.links.after(beaten[0], {"op": "claimed", "keys": [claim]})  # beat it)
+                    beaten = []
+                tell([key, node, version, size, 0], to=beaten, lookers=True)
         stale = known is not None and (known.node != node or known.version < version)
         if here is not None and (mine or stale):  # a put that lost, or a replica of a loser's
             claimed = self.lending.followers.claimed.get(key, here.version) == here.version
@@ -366,9 +370,9 @@ class Replicas:
             to = self.lending.followers.of(key, size)
             tell([key, node, version, size, 0], to=to)
             self.lending.followers.drop(key)
-        if relayed and not self.homes.is_home(key):  # a claim sent on here that wins here
-            self.links.after(node, {"op": "renumber", "key": key, "above": 0})  # (its homes:
-            # this node had let go of the key meanwhile, say): it claims again
+        if relayed and known is None and here is None and not self.homes.is_home(key):
+            self.links.after(node, {"op": "renumber", "key": key, "above": 0})  # a claim sent
+            # on here, which let go of the key meanwhile: it claims again (its homes hear)
         if key in self.following and self.following[key] != node:
             self._follow(key, Remote(node, version, size))
         # Gets and watches waiting for a version: pulled now. So is the new version of a key
@@ -383,12 +387,12 @@ class Replicas:
             self.pulls.want(key, node, waiting)
 
     def _beats(self, node: str, key: str, version: int, here: StoredObject, age: Any) -> None:
-        """`node`'s version of `key` loses to this node's, `here`. A put made on a node that
-        had heard of no version of the key (its version is 1) SETTLED after this one was
-        sealed (it was put `age` seconds ago) came later: it goes above this one
-        (`renumber`, Note [homes]). Else its node and the key's homes are told of this one."""
+        """`node`'s claim of `key` loses to this node's version, `here`. A claim put (`age`
+        seconds ago) SETTLED after this one was sealed came later: it goes above this one
+        (`renumber`, Note [homes]), whatever versions its node had heard of. Else its node
+        and the key's homes are told of this one."""
         put = time.monotonic() - float(age) if isinstance(age, (int, float)) else None
-        if version == 1 and put is not None and here.sealed_at < put - SETTLED:
+        if put is not None and here.sealed_at < put - SETTLED:
             self.links.after(node, {"op": "renumber", "key": key, "above": here.version})
         else:
             self.lending.claim_again(key, here.version, node)

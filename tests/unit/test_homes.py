@@ -309,3 +309,23 @@ def test_a_replica_dropped_on_a_node_is_no_delete_of_its_key(quad: Callable[[str
     assert b.cluster.replicas.holds(key) and c.cluster.replicas.holds(key)
     a.objects.delete(a.session, b"client", Request("delete", 8, {"key": key}, []))
     assert run(nodes, 3, lambda: not d.cluster.replicas.holds(key))
+
+
+def test_a_put_made_after_the_owners_versions_wins_though_its_node_heard_only_the_first(
+    quad: Callable[[str], Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """d asked where k lives and heard of a's version 1 only; a put versions 2 to 4, then
+    nothing for a while; d's put of k (its version 2) came after all of them: it wins,
+    above a's 4, though d had not heard of them."""
+    monkeypatch.setattr(replicas, "SETTLED", 0.2)
+    a, b, c, d = nodes = _started(quad)
+    key = homed("bc", "abcd")
+    a.put(key, 4096)
+    assert run(nodes, 3, lambda: d.knows(key))
+    for _ in range(3):
+        a.put(key, 4096)
+    run(nodes, 0.4)
+    assert d.put(key, 4096).version == 2
+    assert run(nodes, 3, lambda: key not in a.registry.objects)
+    assert run(nodes, 3, lambda: b.cluster.replicas.where().get(key) == ("d", 5, 4096))
+    assert d.registry.objects[key].version == 5
