@@ -22,9 +22,10 @@ asks the key's new owner, whose claim it heard.
 
 Which version wins is as before (the highest, then the greatest node name), but a node that
 does not follow a key puts above the versions it heard of, its claim, not above the later
-ones it was not told of: two nodes' puts of one key are ordered by version, not by time. The
-owner of a version that wins over a claim it hears claims the key again, to its homes and to
-the claim's node, so all converge on it.
+ones it was not told of. The owner of a version that wins over a claim it hears claims the
+key again, to its homes and to the claim's node, so all converge on it; unless the claim
+was put over a second after the owner's version: then it goes above it (`renumber`, Note
+[homes] in homes.py).
 """
 
 from __future__ import annotations
