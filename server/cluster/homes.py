@@ -18,7 +18,8 @@ node hears of them.
 - A request of a key that this node knows nothing of (get, watch, exists, wait, delete)
   asks the key's home (`where`), and runs again with its answer. The home keeps the asker
   as a looker of the key: it tells it (`dir`) of each claim or delete that changes what the
-  home knows of the key, and the node that owned the version a claim beat, too.
+  home knows of the key, and the node that owned the version a claim beat, too. Once told
+  of a delete, the lookers are forgotten (one with a request still waiting asks again).
 - A claim that loses at its home: its node is told of the winner (and drops its version).
   One that loses to its owner's later version (the home heard of its claim only): the owner
   claims again, to the home and to the loser (Replicas.listed).
@@ -37,7 +38,8 @@ node hears of them.
 - `keys` and `ls` ask every node for its own keys (a scatter-gather: a listing costs O(N)).
 - A join or a leave (`changed`): each node sends the claims of its keys whose home changed
   to the new home (a node that came up gets them with its welcome), asks the new home of the
-  keys it asked of, and drops the claims it kept as their home that are not its to keep.
+  keys it asked of, and drops the claims it kept as their home that are not its to keep; in
+  slices, a turn of the loop each (moves.py).
 
 While the nodes do not yet agree on who is up (within a beat of a join or a leave), a
 request may ask a home that has not heard of its key yet: a get with no timeout may raise
