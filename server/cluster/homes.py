@@ -296,6 +296,41 @@ class Homes(Moves):
                 entries.append([key, None, 0, 0])
         self.links.answer(node, {"op": "where", "ask": m.get("ask", 0), "keys": entries})
 
+    def lost(
+        self, key: str, winner: Remote, node: str, version: int, size: int, age: Any,
+        relayed: bool,
+    ) -> None:  # fmt: skip
+        """`node`'s version of `key` (a claim put `age` seconds ago, if said) lost here to
+        `winner`, another node's. As `key`'s home: sent on to the winner's node, which
+        decides (`claimed`, Note [homes]); that node down, or this a node the claim was sent
+        on to (`relayed`), its node is told of the winner."""
+        home = self.is_home(key)
+        claim = [key, node, version, size, 0, age]
+        if age is not None and home and winner.node != node and self._send_on(winner.node, claim):
+            return
+        if home or relayed:
+            self.tell([key, *winner, 0], to=[node])
+
+    def won(
+        self, key: str, beaten: list[str], node: str, version: int, size: int, age: Any
+    ) -> None:
+        """`node`'s version of `key` (a claim put `age` seconds ago, if said) is the one known
+        here now, over `beaten`'s version if any. As its home: its lookers are told, and the
+        node that lost (a claim with its age: sent on, as that node may beat it)."""
+        if not self.heard(key, beaten):
+            return
+        claim = [key, node, version, size, 0, age]
+        if age is not None and beaten and self._send_on(beaten[0], claim):
+            beaten = []
+        self.tell([key, node, version, size, 0], to=beaten, lookers=True)
+
+    def _send_on(self, owner: str, claim: list[Any]) -> bool:
+        """Send `claim` on to `owner` (`claimed`: it decides), if it is up."""
+        if not self.links.up(owner):
+            return False
+        self.links.after(owner, {"op": "claimed", "keys": [claim]})
+        return True
+
     def tell(self, entry: list[Any], to: Iterable[str] = (), lookers: bool = False) -> None:
         """Where a key lives now, `entry` ([key, owner, version (0: deleted there), size,
         the version put and deleted before]), told (`dir`) to `to`, and to the key's lookers

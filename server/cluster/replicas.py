@@ -328,14 +328,10 @@ class Replicas:
         ):
             if offer is not None:  # a version that lost here: its offer is not wanted
                 self.held.refuse(node, key, version)
-            home = self.homes.is_home(key)
             if mine:  # a claim that loses to this node's version
                 self._beats(node, key, version, here, age)  # type: ignore[arg-type]
-            elif age is not None and home and known.node != node and self.links.up(known.node):  # type: ignore[union-attr]
-                claim = [key, node, version, size, 0, age]  # its owner decides (Note [homes])
-                self.links.after(known.node, {"op": "claimed", "keys": [claim]})  # type: ignore[union-attr]
-            elif home or relayed:  # its node is told the winner
-                tell([key, *known, 0], to=[node])  # type: ignore[misc]
+            else:
+                self.homes.lost(key, known, node, version, size, age, relayed)  # type: ignore[arg-type]
             return
         self.index[key] = Remote(node, version, size)
         if offer is not None:
@@ -346,12 +342,7 @@ class Replicas:
             self.registry.seen_version(key, version)  # a put here from now on goes above it
             self.objects.arrived(key, version)  # an event for watch_prefix; waits for keys told
             beaten = [known.node] if known is not None and known.node != node else []
-            if self.homes.heard(key, beaten):  # its lookers are told, and the node that lost
-                if age is not None and beaten and self.links.up(beaten[0]):  # (a claim: with
-                    claim = [key, node, version, size, 0, age]  # its age, as the owner may
-                    self.links.after(beaten[0], {"op": "claimed", "keys": [claim]})  # beat it)
-                    beaten = []
-                tell([key, node, version, size, 0], to=beaten, lookers=True)
+            self.homes.won(key, beaten, node, version, size, age)
         stale = known is not None and (known.node != node or known.version < version)
         if here is not None and (mine or stale):  # a put that lost, or a replica of a loser's
             claimed = self.lending.followers.claimed.get(key, here.version) == here.version
