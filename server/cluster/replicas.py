@@ -35,10 +35,11 @@ from ...common.errors import PeerUnavailable
 from ...common.protocol import Request
 from ..store.objects import Objects
 from ..store.parking import ParkingLot
-from ..store.records import Session, StoredObject
+from ..store.records import Session
 from .homes import Homes
 from .lending import Lending
 from .offers import Held
+from .ordering import Ordering
 from .pulls import PULL_WAIT, Pulls
 from .records import Links, Remote
 from .transfers import Transfers
@@ -46,12 +47,9 @@ from .transfers import Transfers
 log = logging.getLogger(__name__)
 
 PREFIXES = 64  # prefixes followed (watch_prefix) before this node follows every key
-# Seconds after which a version sealed here surely came before a put elsewhere that had heard
-# of no version of its key, when this node hears of that put (Note [homes]).
-SETTLED = 1.0
 
 
-class Replicas:
+class Replicas(Ordering):
     """The index of the other nodes' keys; the pulls under way (`pulls`: Pulls) and the
     loans out (`lending`: Lending)."""
 
@@ -345,17 +343,8 @@ class Replicas:
             self.homes.won(key, beaten, node, version, size, age)
         stale = known is not None and (known.node != node or known.version < version)
         if here is not None and (mine or stale):  # a put that lost, or a replica of a loser's
-            claimed = self.lending.followers.claimed.get(key, here.version) == here.version
-            recent = time.monotonic() - here.sealed_at < SETTLED
-            if mine and claimed and recent:  # (a claim that lost within SETTLED of its put: to
-                self.puts_lost += 1  # one at the same time, or a version it had not heard
-                # of. Said, as its client was answered ok)
-                log.warning(
-                    "the put of %r here (version %d) lost to node %r's version %d: puts of a "
-                    "key on two nodes are ordered by version, then by node name (a node that "
-                    "has not read a key puts above the versions it heard of)", key,
-                    here.version, node, version,
-                )  # fmt: skip
+            if mine:
+                self._lost(key, here, node, version)
             self.registry.delete(key)
         if mine:  # (its followers follow it on `node` now)
             to = self.lending.followers.of(key, size)
@@ -376,34 +365,6 @@ class Replicas:
             if early and key not in self._pulling:
                 self.prefetched += 1
             self.pulls.want(key, node, waiting)
-
-    def _beats(self, node: str, key: str, version: int, here: StoredObject, age: Any) -> None:
-        """`node`'s claim of `key` loses to this node's version, `here`. A claim put (`age`
-        seconds ago) SETTLED after this one was sealed came later: it goes above this one
-        (`renumber`, Note [homes]), whatever versions its node had heard of. Else its node
-        and the key's homes are told of this one."""
-        put = time.monotonic() - float(age) if isinstance(age, (int, float)) else None
-        if put is not None and here.sealed_at < put - SETTLED:
-            self.links.after(node, {"op": "renumber", "key": key, "above": here.version})
-        else:
-            self.lending.claim_again(key, here.version, node)
-
-    def renumber(self, node: str, key: str, above: int) -> None:
-        """`node` holds a version of `key` (`above`) sealed before this node's put of it,
-        made without having heard of any: this one goes on above it (the same object, its
-        readers keep what they read), and is claimed again (to its homes, and `node`)."""
-        obj = self.registry.objects.get(key)
-        if obj is None or key in self.index or key in self._pulling:
-            return  # (not this node's now)
-        if obj.version <= above:
-            obj.version = above + 1
-            self.registry.relist(obj)
-            if obj.device == "cpu":
-                self.registry.journal.sealed(obj)
-            self.lending.beaten[key] = node
-            self.objects.arrived(key, obj.version)
-        self.lending.followers.claimed.pop(key, None)
-        self.lending.announce(key, obj.version)
 
     def _room_for(self, size: int) -> bool:
         """Whether a version of `size` bytes is prefetched: at most `prefetch` bytes, and

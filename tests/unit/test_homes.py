@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tensorbroker.common.protocol import Request, decode
-from tensorbroker.server.cluster import homes, moves, replicas
+from tensorbroker.server.cluster import homes, moves, ordering
 from tensorbroker.server.cluster.offers import OFFER_MAX
 from tests.nodes import Node, homed, quad, run
 
@@ -184,7 +184,7 @@ def test_a_put_on_a_node_that_heard_of_no_version_of_a_key_goes_above_the_owners
     (its version 1): that put came later, and wins everywhere, above the owner's version 3
     (it was lost to the older version 3). Both orders of the two nodes' names (a tie of
     claims goes to the greater)."""
-    monkeypatch.setattr(replicas, "SETTLED", 0.2)
+    monkeypatch.setattr(ordering, "SETTLED", 0.2)
     a, b, c, d = nodes = _started(quad)
     _a_late_put_wins(nodes, a, d, homed("bc", "abcd", "x"))
     _a_late_put_wins(nodes, d, a, homed("bc", "abcd", "y"))
@@ -224,7 +224,7 @@ def test_a_put_that_loses_to_the_version_of_a_node_that_is_down_is_told_so(
     the name). Its home cannot ask d, so it tells a that d's version wins (a get of k raises
     PeerUnavailable until d is back): a does not go on holding a version only its own
     readers see, while the homes name d."""
-    monkeypatch.setattr(replicas, "SETTLED", 0.2)
+    monkeypatch.setattr(ordering, "SETTLED", 0.2)
     a, b, c, d = _started(quad)
     key = homed("bc", "abcd", "z")
     d.put(key, 4096)
@@ -317,7 +317,7 @@ def test_a_put_made_after_the_owners_versions_wins_though_its_node_heard_only_th
     """d asked where k lives and heard of a's version 1 only; a put versions 2 to 4, then
     nothing for a while; d's put of k (its version 2) came after all of them: it wins,
     above a's 4, though d had not heard of them."""
-    monkeypatch.setattr(replicas, "SETTLED", 0.2)
+    monkeypatch.setattr(ordering, "SETTLED", 0.2)
     a, b, c, d = nodes = _started(quad)
     key = homed("bc", "abcd")
     a.put(key, 4096)
