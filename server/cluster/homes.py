@@ -10,7 +10,10 @@ each key has a home, the node with the highest hash of (node, key) among those u
 (rendezvous hashing: each node finds the same home from the nodes it sees up, and a join or
 a leave moves only the keys of the node that came or went), and a second home, the node of
 the next hash. A claim and a delete go to the key's two homes and to its followers; no other
-node hears of them.
+node hears of them. A home that is not a follower of the key hears of a claim or a delete
+once CLAIM_EVERY (10 ms) passed since the last announcement to it, or with the next (a
+follower's hears at once): a stream of new keys costs each home a wake-up every CLAIM_EVERY,
+not one a key, and a single put is told at once.
 
 - The homes list the claim in their index, as every node did. The second is there for when
   the first dies (or the owner, if it was its own home): it still knows where the key lives,

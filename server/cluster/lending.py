@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 
 FANOUT = 2  # the nodes a version's owner lends it to itself; later pullers go to theirs
 ANNOUNCE_EVERY = 0.001  # seconds: announcements made sooner after the last batch wait for it
+# seconds: a claim or delete to a node that does not follow the key (its homes, the node it
+# beat) waits until this long after the last announcement to that node (Note [homes])
+CLAIM_EVERY = 0.01
 
 
 class Lending:
@@ -72,6 +75,9 @@ class Lending:
         self.announcing: list[tuple[str, int]] = []  # sent after the loop's replies (`flush`)
         self.beaten: dict[str, str] = {}  # key -> the node whose version a put here beat
         self._announced_at = -math.inf  # when the last batch went
+        self._told_at: dict[str, float] = {}  # node -> when the last announcement went to it
+        # node -> its claims and deletes waiting for CLAIM_EVERY: (when made, entry)
+        self._held: dict[str, list[tuple[float, list[Any]]]] = {}
         self.bytes_sent = 0
         self.lent_early = 0  # versions lent while still pulled here (Note [relays])
         # Lends of GPU objects whose copy has not run yet: (node, pull, key, direct, ask).
@@ -87,19 +93,49 @@ class Lending:
 
     def announce_in(self, now: float) -> float:
         """Seconds until the announcements waiting go out (inf: none wait)."""
-        if not self.announcing:
-            return math.inf
-        return max(0.0, self._announced_at + ANNOUNCE_EVERY - now)
+        due = math.inf
+        if self.announcing:
+            due = self._announced_at + ANNOUNCE_EVERY
+        if self._held:
+            due = min(due, min(self._told_at.get(n, -math.inf) for n in self._held) + CLAIM_EVERY)
+        return max(0.0, due - now)
 
     def flush(self) -> None:
         """The announcements, once ANNOUNCE_EVERY passed since the last went: one message to
         each peer, [key, version, size, offer] of each key's latest version, or [key, 0, 0,
         None, the version put and deleted since the last batch, if one was] for a delete; a
-        small version goes with its offer, pinned for the peers it reached (Note [offers])."""
+        small version goes with its offer, pinned for the peers it reached (Note [offers]).
+        What a node hears only as a key's home (a claim, a delete) waits for the next
+        message to it or CLAIM_EVERY after the last: a stream of new keys costs each home
+        at most one wake-up per CLAIM_EVERY, not one per key (Note [homes])."""
         now = time.monotonic()
-        if self.announce_in(now) > 0.0:
-            return
-        self._announced_at = now
+        out: dict[str, list[list[Any]]] = {}  # node -> what it hears now
+        offered: list[tuple[StoredObject, set[str]]] = []  # a version, its followers
+        if self.announcing and now >= self._announced_at + ANNOUNCE_EVERY:
+            self._announced_at = now
+            self._batch(now, out, offered)
+        for node in [n for n in self._held if n in out or self._due(n, now)]:
+            out.setdefault(node, [])  # (its held entries go first: `_announce_to`)
+        out.pop(self.node, None)
+        told = set()  # (sent after the loop's replies, and kept while a link reconnects:
+        for node, entries in out.items():  # Links.after; the offers say which incarnation
+            if self.links.up(node):  # of their receiver they are for, and how often this
+                self._announce_to(node, entries)  # one forgot it: Links.acked)
+                told.add(node)
+            else:  # (a home down: its keys are claimed again as it comes up)
+                self._held.pop(node, None)
+        for obj, to in offered:
+            self.offered.pin(obj, told & to)
+
+    def _due(self, node: str, now: float) -> bool:
+        return now >= self._told_at.get(node, -math.inf) + CLAIM_EVERY
+
+    def _batch(
+        self, now: float, out: dict[str, list[list[Any]]],
+        offered: list[tuple[StoredObject, set[str]]],
+    ) -> None:  # fmt: skip
+        """The announcements made since the last batch, each key's last: to `out` for its
+        followers, held (`_held`) for the nodes that hear of it only as its homes."""
         announcing, self.announcing = self.announcing, []
         latest: dict[str, int] = {}  # key -> its last version, the last put first
         put: dict[str, int] = {}  # key -> its last put's version
@@ -107,8 +143,7 @@ class Lending:
             latest.setdefault(key, version)
             if version:
                 put.setdefault(key, version)
-        out: dict[str, list[list[Any]]] = {}  # node -> what it hears
-        offered: list[tuple[StoredObject, set[str]]] = []  # a version, its followers
+        held = self._held
         for key, version in reversed(latest.items()):
             claim = key not in self.followers.claimed
             told: set[str] = set()  # a claim or a delete goes to the key's homes too (Note
@@ -119,8 +154,11 @@ class Lending:
                 told.add(beaten)
             if not version:  # deleted (the version it put and deleted since: it beat others')
                 entry = [key, 0, 0, None, put.get(key, 0)]
-                for node in told | self.followers.of(key, 0):
+                to = self.followers.of(key, 0)
+                for node in to:
                     out.setdefault(node, []).append(entry)
+                for node in told - to:
+                    held.setdefault(node, []).append((now, entry))
                 self.followers.drop(key)
                 continue
             obj = self.registry.objects.get(key)
@@ -135,27 +173,28 @@ class Lending:
                 log.warning("could not offer %r with its announcement: %s", key, exc)
             # A claim says how long ago it was put (it may go above an older version on
             # another node that it had not heard of: Note [homes]).
-            age = [0, time.monotonic() - obj.sealed_at] if claim else []
+            age = [0, now - obj.sealed_at] if claim else []
             for node in to:
                 out.setdefault(node, []).append([key, version, size, offer, *age])
             if claim:  # (Note [homes])
                 self.followers.claimed[key] = version
                 for node in told - to:
-                    out.setdefault(node, []).append([key, version, size, None, *age])
+                    held.setdefault(node, []).append((now, [key, version, size, None, *age]))
             if offer is not None:
                 offered.append((obj, to))
-        out.pop(self.node, None)
-        told = set()  # (sent after the loop's replies, and kept while a link reconnects:
-        for node, entries in out.items():  # Links.after; the offers say which incarnation
-            if self.links.up(node):  # of their receiver they are for, and how often this
-                self._announce_to(node, entries)  # one forgot it: Links.acked)
-                told.add(node)
-        for obj, to in offered:
-            self.offered.pin(obj, told & to)
 
     def _announce_to(self, node: str, entries: list[list[Any]]) -> None:
         """An `announce` of `entries` to `node`, after the loop's replies (kept while its
-        link reconnects: Links.after), for its incarnation as this broker knows it."""
+        link reconnects: Links.after), for its incarnation as this broker knows it; what was
+        held for it goes first (a claim's age counts the time it was held)."""
+        now = time.monotonic()
+        held = self._held.pop(node, ())
+        for made, entry in held:
+            if len(entry) == 6:  # (a claim's age)
+                entry[5] += now - made
+        if held:
+            entries = [entry for _, entry in held] + entries
+        self._told_at[node] = now
         self.links.after(node, {"op": "announce", "keys": entries, **self.links.ack(node)})
 
     # -- loans -----------------------------------------------------------------------------------
@@ -340,6 +379,7 @@ class Lending:
         for asked in [k for k in self._asked_at if k[0] == node]:
             del self._asked_at[asked]
         self.unwritten = [u for u in self.unwritten if u[0] != node]
+        self._held.pop(node, None)  # (its homed keys are claimed again as it comes up)
         self.offered.let_go(node)
         self.followers.let_go(node)
         for pull in self.pulling.values():  # its pulls waiting here for a replica: forgotten

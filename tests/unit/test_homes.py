@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tensorbroker.common.protocol import Request, decode
-from tensorbroker.server.cluster import homes, moves, ordering
+from tensorbroker.server.cluster import homes, lending, moves, ordering
 from tensorbroker.server.cluster.offers import OFFER_MAX
 from tests.nodes import Node, homed, quad, run
 
@@ -43,6 +43,40 @@ def test_a_new_key_is_heard_of_by_its_two_homes_only(quad: Callable[[str], Node]
     )
     run([a, b, c, d], 0.3)
     assert not heard and not d.cluster.replicas.holds(key)
+
+
+def test_new_keys_put_close_together_cost_each_home_one_message(
+    quad: Callable[[str], Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream of new keys: a home told of a claim hears of the next ones once CLAIM_EVERY
+    passed, all in one message, so it wakes once per CLAIM_EVERY, not once per key. A home
+    told of nothing lately hears at once."""
+    every = 1.0  # (this test's steps take a while on a loaded machine)
+    monkeypatch.setattr(lending, "CLAIM_EVERY", every)
+    a, b, c, d = _started(quad)
+    nodes = [a, b, c, d]
+    first, second, third = (
+        homed("bc", "abcd", "x"),
+        homed("bc", "abcd", "y"),
+        homed("cb", "abcd", "z"),
+    )
+    a.put(first, 4096)
+    assert run(nodes, 0.3, lambda: b.knows(first) and c.knows(first))
+    sent = a.journal.events.count(("sent", "announce"))
+    a.put(second, 4096)
+    a.put(third, 4096)
+    run(nodes, 0.1)
+    assert not b.cluster.replicas.holds(second) and not c.cluster.replicas.holds(third)
+    assert a.journal.events.count(("sent", "announce")) == sent
+    fresh = homed("db", "abcd", "w")  # d was told nothing lately: at once (b waits)
+    a.put(fresh, 4096)
+    assert run(nodes, 0.2, lambda: d.cluster.replicas.holds(fresh))
+    assert not b.cluster.replicas.holds(fresh)
+    assert run(
+        nodes, 2 * every, lambda: all(b.cluster.replicas.holds(k) for k in (second, third, fresh))
+    )
+    assert all(c.cluster.replicas.holds(k) for k in (second, third))
+    assert a.journal.events.count(("sent", "announce")) == sent + 3  # d, then b and c
 
 
 def test_a_get_on_a_node_that_knows_nothing_of_a_key_waits_for_its_put_elsewhere(
