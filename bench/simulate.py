@@ -17,6 +17,13 @@ Measured (bench/results/scaling.md, 2026-12-02 05:03 and 07:10, 4 KiB puts; idle
                   at 4 brokers, 0.44% at 16: about 75 us a second a peer
     PROGRESS_PCT  the rest of idle (NIXL's progress thread, the loop): about 0.33%
     LONE_PUT_US   a put on a lone broker (182 us in that run)
+    POLL_PEER_US  what each peer added to a loop turn when ZeroMQ polled every peer's DEALER
+                  (bench/results/polling.md, 2026-12-02 09:41: 37 us a turn at 16 peers,
+                  797 at 1,000): 0.77 us. Every message heard is a turn, and beats alone are
+                  N - 1 messages a second (a beat and an answer each 2 s with each peer), so
+                  that grew as N squared; with one epoll for the DEALERs (dealers.py) a turn
+                  costs 35-37 us whatever N, as the per-message costs above, measured at 16
+                  brokers, already count
 
 The workload: each node puts P versions a second; a fraction `new` of them are of keys new
 on that node (the rest new versions of keys it put before), and each key has F followers on
@@ -43,6 +50,8 @@ SEND_US = 20.0
 BEAT_US = 75.0
 PROGRESS_PCT = 0.33
 LONE_PUT_US = 182.0
+POLL_PEER_US = 0.77
+BEATS_A_SECOND = 1.0  # messages a second a peer: a beat and an answer, each every 2 s
 HOMES = 2  # the nodes a key's claim goes to (server/cluster/homes.py)
 BEFORE_BEAT_US, BEFORE_PROGRESS_PCT = 350.0, 2.0  # (measured 2026-12-01/02, before)
 NODES = (10, 100, 1000)
@@ -53,7 +62,15 @@ def before(n: int, puts: float) -> float:
     """A node's CPU, in % of a core, when every put was told to every node."""
     own = puts * (LONE_PUT_US + SEND_US * (n - 1))
     heard = (n - 1) * puts * FOLLOW_US
-    return (own + heard + BEFORE_BEAT_US * (n - 1)) / 1e4 + BEFORE_PROGRESS_PCT
+    polls = _polls(n, (n - 1) * puts, 4.0)  # (beats every 0.5 s)
+    return (own + heard + polls + BEFORE_BEAT_US * (n - 1)) / 1e4 + BEFORE_PROGRESS_PCT
+
+
+def _polls(n: int, heard: float, beats: float = BEATS_A_SECOND) -> float:
+    """The CPU (us a second) that ZeroMQ's poll of every peer's DEALER added to the turns
+    of `heard` messages a second and the beats, past the 15 peers the costs were measured
+    with (bench/polling.py)."""
+    return (heard + beats * (n - 1)) * POLL_PEER_US * max(0, n - 16)
 
 
 def follows(n: int, puts: float, new: float, followers: int = 1) -> float:
@@ -63,18 +80,22 @@ def follows(n: int, puts: float, new: float, followers: int = 1) -> float:
     told = new * (n - 1) + (1 - new) * followers
     own = puts * (LONE_PUT_US + SEND_US * told)
     heard = puts * (new * (n - 1) * CLAIM_US + (1 - new) * followers * FOLLOW_US)
-    return (own + heard + BEAT_US * (n - 1)) / 1e4 + PROGRESS_PCT
+    polls = _polls(n, puts * told)
+    return (own + heard + polls + BEAT_US * (n - 1)) / 1e4 + PROGRESS_PCT
 
 
-def now(n: int, puts: float, new: float, followers: int = 1) -> float:
+def now(n: int, puts: float, new: float, followers: int = 1, epoll: bool = True) -> float:
     """Now (Note [homes]): a new key's claim goes to its two homes, and each follower's
     first get of it asks one of them; a new version of a key to its `followers`. A node
     hears, on average, as many claims, lookups and followed versions as it makes; the
-    beats between every pair (every 2 s) stay."""
+    beats between every pair (every 2 s) stay. `epoll`: the peers' DEALERs polled through
+    one epoll (dealers.py), else each by ZeroMQ's poll."""
     homes = min(HOMES, n - 1)
-    own = puts * (LONE_PUT_US + SEND_US * (new * (homes + followers) + (1 - new) * followers))
+    told = new * (homes + followers) + (1 - new) * followers
+    own = puts * (LONE_PUT_US + SEND_US * told)
     heard = puts * (new * (homes + followers) * CLAIM_US + (1 - new) * followers * FOLLOW_US)
-    return (own + heard + BEAT_US * (n - 1)) / 1e4 + PROGRESS_PCT
+    polls = 0.0 if epoll else _polls(n, puts * told)
+    return (own + heard + polls + BEAT_US * (n - 1)) / 1e4 + PROGRESS_PCT
 
 
 def limit(cpu: object, puts: float) -> int:
@@ -116,6 +137,8 @@ def main() -> int:
         *table("Now, one put in ten of a new key", lambda n, p: now(n, p, 0.1)),
         *table("Now, every put of a new key (a key per step): its claim to its two homes, "
                "its reader's lookup", lambda n, p: now(n, p, 1.0)),
+        *table("The same with a DEALER a peer in ZeroMQ's poll (before one epoll for them: "
+               "bench/polling.py)", lambda n, p: now(n, p, 1.0, epoll=False)),
         "Not modelled: keys put unevenly (a hot home, or a key with many followers), "
         "watch_prefix and --prefetch (each node that asks for them hears their puts), "
         "etcd's own CPU (about 0.5 ms a lease renewal: 1,000 nodes renewing every second "

@@ -9,7 +9,8 @@ import time
 from typing import Any
 
 from ...common.errors import BrokerError
-from .links import Links, Peer
+from .dealers import Peer
+from .links import Links
 from .queue_links import QueueLinks
 from .replicas import Replicas
 from .transfers import Transfers

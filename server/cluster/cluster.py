@@ -71,8 +71,9 @@ from ..store.devices import RECLAIM_POLL, DeviceChunk
 from ..store.objects import Objects
 from ..store.parking import ParkingLot
 from .answers import Answers
+from .dealers import Peer
 from .joining import Joining as Joining  # (the broker takes it from here)
-from .links import BEAT, Links, Peer
+from .links import BEAT, Links
 from .membership import Member, Membership
 from .queue_links import QueueLinks
 from .records import Watched as Watched  # (the broker takes it from here)
@@ -108,7 +109,7 @@ class Cluster(Answers):
             links.registration = lambda: self.membership.registration  # type: ignore[union-attr]
             poller.register(self.membership.fd, zmq.POLLIN)
             fds.add(self.membership.fd)
-        self.sockets = Watched(links.sockets, fds)  # (a peer linked to later: in links.sockets)
+        self.sockets = links.sockets | fds  # (the peers' DEALERs: links.fd)
 
     def start(self) -> None:
         """Join the cluster's etcd, if it has one (Note [membership]): EtcdUnavailable if
@@ -159,7 +160,8 @@ class Cluster(Answers):
         """Seconds until the loop must look again: reads under way are polled (Replicas),
         announcements go once ANNOUNCE_EVERY passed; at once if messages wait for a flush
         (made after this loop's: an eviction, say)."""
-        if self.links.holding or self.replicas.homes.moving:  # (a move of keys: a slice a turn)
+        links = self.links  # (a move of keys: a slice a turn; answers a send found: Links.read)
+        if links.holding or links.unread or self.replicas.homes.moving:
             return 0.0
         lending = self.replicas.lending
         announce = lending.announce_in(time.monotonic())
@@ -231,6 +233,8 @@ class Cluster(Answers):
                             peer, {"op": "beat", "t": now, "pulls": pulls, "n": peer.sent}
                         )
                 self.queues.beat()
+            if self.links.unread:  # (found by this turn's sends: Links)
+                self.ready(self.links.fd)
             self.replicas.pulls.poll(now)
             self.replicas.homes.tick(now)
             self.queues.poll()

@@ -1,7 +1,7 @@
 """The links between the brokers of a cluster (Note [cluster] in cluster.py): this broker's
 ROUTER, where the peers' requests come in, and a DEALER to each peer, where their answers
-come back; which peers are up, the routes back to each, and sending. ZeroMQ carries msgpack
-only, never pickle. What the messages mean is cluster.py's."""
+come back (dealers.py); which peers are up, the routes back to each, and sending. ZeroMQ
+carries msgpack only, never pickle. What the messages mean is cluster.py's."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import zmq
 
 from ...common.errors import InvalidRequest
+from .dealers import MAX_MESSAGE, Dealers, Peer, readable
 from .joining import Joining, loopback, tcp_host
 
 log = logging.getLogger(__name__)
@@ -24,19 +24,6 @@ log = logging.getLogger(__name__)
 BEAT = 0.5  # seconds between beats (and hellos to a peer not up)
 DOWN_AFTER = 2.0  # a peer not heard from for this long is down (at most 3 s, says issue 33)
 ETCD_BEAT, ETCD_DOWN_AFTER = 2.0, 8.0  # the same with etcd (Note [beats])
-MAX_MESSAGE = 64 * 2**20  # a peer's message (a welcome lists its keys): at most this
-
-
-@dataclass(slots=True)
-class Peer:
-    """A broker this one links to at `address`; `node` once it answered."""
-
-    address: str
-    socket: zmq.Socket[bytes]
-    node: str | None = None
-    up: bool = False
-    heard: float = 0.0  # when it last answered (monotonic)
-    sent: int = 0  # requests sent on it since its last hello (a beat says: `tally`)
 
 
 Message = dict[str, Any] | Callable[[], dict[str, Any]]  # (`after`: made as it is sent)
@@ -83,8 +70,9 @@ class Links:
     (cluster.py): each forgets what it lent the other, the welcome says all again."""
 
     def __init__(self, joining: Joining, poller: zmq.Poller) -> None:
-        self.address, self._keys, self._poller = joining.address, joining.keys, poller
-        self._ctx = zmq.Context()
+        self.address, self._keys = joining.address, joining.keys
+        self._ctx = zmq.Context()  # (a DEALER a peer: more than ZeroMQ's default 1,023)
+        self._ctx.set(zmq.MAX_SOCKETS, self._ctx.get(zmq.SOCKET_LIMIT))
         self._authenticator: Any = None
         self.router = self._ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
@@ -101,8 +89,10 @@ class Links:
                 self._authenticator.start()
                 self._authenticator.configure_curve(domain="*", location=keys.clients)
         self.router.bind(self.address)
-        self.peers = [self._link(a) for a in joining.peers if a != self.address]
-        self.sockets = {self.router, *(p.socket for p in self.peers)}
+        self.dealers = Dealers(self._ctx, keys)
+        self.fd = self.dealers.fd  # (all the DEALERs: dealers.py)
+        self.peers = [self.dealers.link(a) for a in joining.peers if a != self.address]
+        self.sockets = {self.router, self.fd}
         for s in self.sockets:
             poller.register(s, zmq.POLLIN)
         self.routes: dict[bytes, str] = {}  # a peer's route to this ROUTER -> its node
@@ -137,21 +127,6 @@ class Links:
             self.incarnation = max(self.incarnation, last + 1)
         return self.incarnation
 
-    def _link(self, address: str) -> Peer:
-        socket = self._ctx.socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
-        socket.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued for a peer not connected
-        # Its route at the peer, the same after a reconnect: what it sends then is still
-        # this broker's (a new route is unknown there until a hello: its messages dropped).
-        socket.setsockopt(zmq.ROUTING_ID, b"tb" + os.urandom(8))
-        if self._keys is not None:  # the pair every broker of the cluster serves
-            socket.curve_serverkey = self._keys.public
-            socket.curve_publickey = self._keys.public
-            socket.curve_secretkey = self._keys.secret
-        socket.connect(address)
-        return Peer(address, socket)
-
     def meet(self, address: str) -> None:
         """A broker said hello from `address`: link to it too, if this one has no link there
         (it joined later than this broker's --peers were resolved: a new node, say)."""
@@ -163,26 +138,28 @@ class Links:
             return
         if self._keys is None and not loopback(host):
             return  # without keys, loopback only
-        peer = self._link(address)
-        self.peers.append(peer)
-        self.sockets.add(peer.socket)
-        self._poller.register(peer.socket, zmq.POLLIN)
+        self.peers.append(self.dealers.link(address))
         log.info("cluster: a broker at %s joined; linked to it", address)
 
-    def read(self, socket: Any) -> Iterator[tuple[bytes | None, Peer | None, dict[str, Any]]]:
-        """The messages `socket` has: (route, None, request) off the ROUTER, (None, peer,
-        answer) off a peer's DEALER; what is not msgpack with an op is dropped."""
-        while socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            frames = socket.recv_multipart()
-            if socket is self.router:
-                message = _unpack(frames[1]) if len(frames) == 2 else None
+    def read(self, item: Any) -> Iterator[tuple[bytes | None, Peer | None, dict[str, Any]]]:
+        """The messages `item` has: (route, None, request) off the ROUTER, (None, peer,
+        answer) off the DEALERs (item `fd`); what is not msgpack with an op is dropped."""
+        if item is not self.router:
+            for peer, frames in self.dealers.read():
+                message = _unpack(frames[0]) if len(frames) == 1 else None
                 if message is not None:
-                    yield frames[0], None, message
-                continue
-            message = _unpack(frames[0]) if len(frames) == 1 else None
-            peer = next((p for p in self.peers if p.socket is socket), None)
-            if message is not None and peer is not None:
-                yield None, peer, message
+                    yield None, peer, message
+            return
+        while readable(item):
+            frames = item.recv_multipart()
+            message = _unpack(frames[1]) if len(frames) == 2 else None
+            if message is not None:
+                yield frames[0], None, message
+
+    @property
+    def unread(self) -> bool:
+        """Whether a send found answers to read (Cluster.tick reads them: dealers.py)."""
+        return bool(self.dealers.unread)
 
     def same(self, node: str, m: dict[str, Any]) -> bool | None:
         """Whether `node`'s hello, welcome or beat `m` comes from the broker heard before
@@ -362,9 +339,7 @@ class Links:
         return next((p for p in links if p.up), links[0] if links else None)
 
     def send_to(self, peer: Peer, message: dict[str, Any]) -> bool:
-        try:
-            peer.socket.send(_pack(message), zmq.NOBLOCK)
-        except zmq.Again:  # not connected (IMMEDIATE), or its queue is full: beats retry
+        if not self.dealers.send(peer, _pack(message)):
             return False
         peer.sent = 0 if message["op"] == "hello" else peer.sent + 1
         return True
@@ -390,15 +365,15 @@ class Links:
 
     def unlink(self, peer: Peer) -> None:
         """Drop the link to `peer` (an address its node no longer has)."""
-        self._poller.unregister(peer.socket)
-        self.sockets.discard(peer.socket)
+        self.dealers.drop(peer)
         self.peers.remove(peer)
-        peer.socket.close(0)
         log.info("cluster: node %r left %s; unlinked", peer.node, peer.address)
 
     def close(self) -> None:
-        for s in self.sockets:
-            s.close(0)
+        for peer in self.peers:
+            self.dealers.drop(peer)
+        self.dealers.close()
+        self.router.close(0)
         if self._authenticator is not None:
             self._authenticator.stop()
         self._ctx.term()
