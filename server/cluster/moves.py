@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,10 @@ class Moves:
     def home(self, key: str, members: tuple[str, ...] | None = None) -> str:
         raise NotImplementedError
 
+    @staticmethod
+    def homed_at(key: str, node: str, members: Iterable[str]) -> bool:
+        raise NotImplementedError
+
     def tick(self, now: float) -> None:
         raise NotImplementedError
 
@@ -42,9 +46,10 @@ class Moves:
         the new home (`claim`), unless it just came up (its welcome lists them); the keys
         asked of are asked of their new home; the claims kept as their home that are not
         this node's to keep now, and are not kept for another reason (`keep`), `drop`. In
-        slices of MOVE_SLICE keys, one a turn of the loop (`tick`): 100,000 keys take 1.5 s
-        of hashing at 16 nodes, and the loop must answer meanwhile. A move under way when
-        the nodes change again ends first."""
+        slices of MOVE_SLICE keys, one a turn of the loop (`tick`), and the loop answers
+        meanwhile. Only the keys homed at a node that came or went change homes, and
+        `homed_at` finds them in a few hashes each: a key's homes among all nodes (N hashes)
+        are found for those only. A move under way when the nodes change again ends first."""
         old, new = self.members, tuple(sorted({self.node, *up}))
         if new == old:
             return
@@ -74,12 +79,21 @@ class Moves:
                claim: Callable[[str, list[list[Any]]], None], keep: Callable[[str], bool],
                drop: Callable[[str], None]) -> Iterator[None]:  # fmt: skip
         objects, own = self.objects.registry.objects, self.own()
+        came, went, homed_at = set(new) - set(old), set(old) - set(new), self.homed_at
+
+        def moved(key: str) -> bool:  # (whether its homes changed)
+            return any(homed_at(key, n, new) for n in came) or any(
+                homed_at(key, n, old) for n in went
+            )
+
         for start in range(0, len(own), MOVE_SLICE):
             claims: dict[str, list[list[Any]]] = {}
             for key, version, size in own[start : start + MOVE_SLICE]:
                 obj = objects.get(key)
                 if obj is None or obj.version != version or key in self.index:
                     continue  # (not this node's now, as it was)
+                if not any(homed_at(key, n, old) for n in went):
+                    continue  # (a new home that came up hears of it with its welcome)
                 before = self.homes(key, old)
                 for home in self.homes(key, new):
                     if home not in before and home != self.node and home in old:
@@ -91,6 +105,8 @@ class Moves:
         for start in range(0, len(asked), MOVE_SLICE):
             asks: dict[str, list[str]] = {}
             for key, was in asked[start : start + MOVE_SLICE]:
+                if was in new and not any(homed_at(key, n, new) for n in came):
+                    continue  # (its home is still `was`)
                 home = self.home(key, new)
                 if home == self.node:
                     self.asked.pop(key, None)
@@ -101,8 +117,7 @@ class Moves:
                 self.links.send(home, {"op": "where", "ask": 0, "keys": keys})
             yield
         for n, key in enumerate(list(self.index), 1):
-            homes = self.homes(key, old)
-            if self.node in homes and key in self.index:
+            if key in self.index and homed_at(key, self.node, old) and moved(key):
                 homes = self.homes(key, new)
                 if homes[0] != self.node:
                     self.lookers.pop(key, None)  # (they ask its new home)

@@ -265,7 +265,7 @@ class Replicas(Ordering):
         if home is None:
             return own
         members = tuple(sorted({*self.homes.members, home}))
-        return [e for e in own if home in self.homes.homes(str(e[0]), members)]
+        return [e for e in own if self.homes.homed_at(str(e[0]), home, members)]
 
     def welcome(self, node: str, keys: list[Any]) -> None:
         """What `node` holds of the keys homed here, as it (re)joined: those known from

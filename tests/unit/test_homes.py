@@ -363,3 +363,45 @@ def test_a_put_made_after_the_owners_versions_wins_though_its_node_heard_only_th
     assert run(nodes, 3, lambda: key not in a.registry.objects)
     assert run(nodes, 3, lambda: b.cluster.replicas.where().get(key) == ("d", 5, 4096))
     assert d.registry.objects[key].version == 5
+
+
+def test_homed_at_says_what_homes_of_says() -> None:
+    """`homed_at` (a few hashes a key: welcomes and moves) against the two homes that
+    `homes_of` finds with a hash a node, for clusters of 1 to 100 nodes."""
+    for n in (1, 2, 3, 16, 100):
+        members = tuple(f"node{i}" for i in range(n))
+        for key in (f"key{i}" for i in range(300)):
+            two = homes.Homes.homes_of(key, members)
+            assert {m for m in members if homes.Homes.homed_at(key, m, members)} == set(two)
+
+
+def test_a_node_that_comes_up_costs_a_move_a_few_hashes_a_key(
+    quad: Callable[[str], Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """d comes back: only the keys homed at d change homes, and it hears of them with its
+    welcome. a finds that without the homes of each of its keys among every node (N hashes
+    a key: 100 s for 100,000 keys at 1,000 nodes), and d knows where each of its keys lives."""
+    a, b, c, d = _started(quad)
+    keys = [f"m{i}" for i in range(60)]
+    for key in keys:
+        a.put(key, 4096)
+    d.close()
+    rest = [a, b, c]
+    moving = a.cluster.replicas.homes
+    assert run(rest, 6, lambda: not any(n.up("d") for n in rest) and not moving.moving)
+    found: list[str] = []
+    homes_of = homes.Homes.homes_of
+
+    def counting(key: str, members: Any) -> list[str]:
+        found.append(key)
+        return homes_of(key, members)
+
+    monkeypatch.setattr(homes.Homes, "homes_of", staticmethod(counting))
+    d = quad("d")
+    nodes = [a, b, c, d]
+    assert run(nodes, 6, lambda: all(n.up(m.name) for n in nodes for m in nodes if m is not n))
+    run(nodes, 0.5)
+    assert len(found) < len(keys), len(found)  # (2 a key before)
+    monkeypatch.setattr(homes.Homes, "homes_of", homes_of)
+    at_d = [k for k in keys if "d" in homes_of(k, "abcd")]
+    assert at_d and run(nodes, 3, lambda: all(d.cluster.replicas.holds(k) for k in at_d))
