@@ -50,7 +50,8 @@ class Answers:
                     return
                 if not same and heard:  # it restarted, or forgot this one
                     self._forget_node(node, mutual=True)
-                peer.node, peer.up = node, True
+                self.links.named(peer, node)
+                peer.up = True
                 self.replicas.changed()  # (keys' homes move: Note [homes])
                 self.replicas.welcome(node, m["keys"])
                 # What this node holds now, again: a put sealed while the peer was not up

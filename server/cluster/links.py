@@ -96,6 +96,9 @@ class Links:
         for s in self.sockets:
             poller.register(s, zmq.POLLIN)
         self.routes: dict[bytes, str] = {}  # a peer's route to this ROUTER -> its node
+        # (node -> its routes, the newest last; its links: each found in O(1) at a send)
+        self._routes_of: dict[str, list[bytes]] = {}
+        self._links_of: dict[str, list[Peer]] = {}
         # A broker's incarnation (new at each start, and larger than its last one's: the
         # microseconds since the epoch, then random bits) tells a peer that restarted from one
         # that said hello on a second link, or again, and its late messages from the new
@@ -232,7 +235,7 @@ class Links:
         then silent), and if it took it for down already, its `forgot` count, in the same
         answer, says so first (the node then forgets it, and reads nothing it offered)."""
         now = time.monotonic()
-        ages = [now - p.heard for p in self.peers if p.node == node and p.up]
+        ages = [now - p.heard for p in self._links_of.get(node, ()) if p.up]
         return min(ages) if ages else 0.0
 
     def heard_of(self, node: str) -> bool:
@@ -243,7 +246,7 @@ class Links:
         what those messages name, or will)."""
         self._after = [(n, m) for n, m in self._after if n != node]
         self._kept = [(n, m) for n, m in self._kept if n != node]
-        for route in [r for r, n in self.routes.items() if n == node]:
+        for route in self._routes_of.pop(node, ()):
             del self.routes[route]
             self._heard.pop(route, None)  # (counted again from its next hello: `tally`)
 
@@ -308,13 +311,16 @@ class Links:
 
     def route(self, route: bytes, node: str) -> None:
         """`node` said hello on `route`: the newest of its routes (answers go there first)."""
-        self.routes.pop(route, None)
+        was = self.routes.pop(route, None)
+        if was is not None:
+            self._routes_of[was].remove(route)
         self.routes[route] = node
+        self._routes_of.setdefault(node, []).append(route)
 
     def answer(self, node: str, message: dict[str, Any]) -> None:
         """Answer a request of `node`'s, on the newest link it opened to this broker that
         is still there (a link that reconnected has a new route; the old one is dropped)."""
-        for route in [r for r, n in reversed(self.routes.items()) if n == node]:
+        for route in reversed(self._routes_of.get(node, [])[:]):
             try:
                 self.router.send_multipart([route, _pack(message)], zmq.NOBLOCK)
                 return
@@ -323,6 +329,7 @@ class Links:
                     log.warning("a cluster answer to %r was dropped: %s", node, exc)
                     return
                 del self.routes[route]
+                self._routes_of[node].remove(route)
 
     def everyone(self, message: dict[str, Any]) -> None:
         for peer in self.peers:
@@ -335,7 +342,7 @@ class Links:
 
     def peer(self, node: str) -> Peer | None:
         """A link to `node`: one that is up, if one is."""
-        links = [p for p in self.peers if p.node == node]
+        links = self._links_of.get(node, ())
         return next((p for p in links if p.up), links[0] if links else None)
 
     def send_to(self, peer: Peer, message: dict[str, Any]) -> bool:
@@ -363,8 +370,17 @@ class Links:
         except zmq.ZMQError as exc:
             log.warning("a cluster reply to %r was dropped: %s", self.routes.get(route), exc)
 
+    def named(self, peer: Peer, node: str) -> None:
+        """`peer` is a link to `node` (its welcome said)."""
+        if peer.node is not None:
+            self._links_of[peer.node].remove(peer)
+        peer.node = node
+        self._links_of.setdefault(node, []).append(peer)
+
     def unlink(self, peer: Peer) -> None:
         """Drop the link to `peer` (an address its node no longer has)."""
+        if peer.node is not None:
+            self._links_of[peer.node].remove(peer)
         self.dealers.drop(peer)
         self.peers.remove(peer)
         log.info("cluster: node %r left %s; unlinked", peer.node, peer.address)
