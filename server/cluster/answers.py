@@ -10,6 +10,7 @@ from typing import Any
 
 from ...common.errors import BrokerError
 from .dealers import Peer
+from .joining import speaks
 from .links import Links
 from .queue_links import QueueLinks
 from .replicas import Replicas
@@ -43,6 +44,8 @@ class Answers:
         peer.heard = time.monotonic()
         try:
             if op == "welcome":
+                if not speaks(m, self.links.refused):
+                    return
                 node = str(m["node"])
                 self.transfers.add_peer(node, bytes(m["agent"]), m.get("agent_v"))
                 heard, same = self.links.heard_of(node), self.links.same(node, m)

@@ -72,6 +72,7 @@ from ..store.objects import Objects
 from ..store.parking import ParkingLot
 from .answers import Answers
 from .dealers import Peer
+from .joining import PROTOCOL, speaks
 from .joining import Joining as Joining  # (the broker takes it from here)
 from .links import BEAT, Links
 from .membership import Member, Membership
@@ -257,6 +258,8 @@ class Cluster(Answers):
         lost = links.tally(route, m)
         try:
             if op == "hello":
+                if not speaks(m, links.refused):
+                    return
                 node = str(m["node"])
                 self.transfers.add_peer(node, bytes(m["agent"]), m.get("agent_v"))
                 same = links.same(node, m)
@@ -333,6 +336,7 @@ class Cluster(Answers):
         forgot = 0 if to is None else links.forgot.get(to, 0)
         return {
             "op": op, "node": self.node, "address": self.address, "keys": keys,
+            "protocol": PROTOCOL,
             "incarnation": links.incarnation, "forgot": forgot, **self.transfers.agent_fields(),
         }  # fmt: skip
 

@@ -6,14 +6,14 @@ Note [homes]
 A key's claim (its first version on a node, Note [follows] in follows.py) and its delete
 went to every node, so that each knew where every key lived: a new key cost each of N nodes
 a message (at 16 brokers, 2.1 ms of the other brokers' CPU a key: bench/scaling.py). Now
-each key has a home, the node with the highest hash of (node, key) among those up
-(rendezvous hashing: each node finds the same home from the nodes it sees up, and a join or
-a leave moves only the keys of the node that came or went), and a second home, the node of
-the next hash. A claim and a delete go to the key's two homes and to its followers; no other
-node hears of them. A home that is not a follower of the key hears of a claim or a delete
-once CLAIM_EVERY (10 ms) passed since the last announcement to it, or with the next (a
-follower's hears at once): a stream of new keys costs each home a wake-up every CLAIM_EVERY,
-not one a key, and a single put is told at once.
+each key has a home, the node with the highest score for the key among those up
+(rendezvous hashing, rendezvous.py: each node finds the same home from the nodes it sees
+up, and a join or a leave moves only the keys of the node that came or went), and a second
+home, the node of the next score. A claim and a delete go to the key's two homes and to
+its followers; no other node hears of them. A home that is not a follower of the key hears
+of a claim or a delete once CLAIM_EVERY (10 ms) passed since the last announcement to it, or
+with the next (a follower's hears at once): a stream of new keys costs each home a wake-up
+every CLAIM_EVERY, not one a key, and a single put is told at once.
 
 - The homes list the claim in their index, as every node did. The second is there for when
   the first dies (or the owner, if it was its own home): it still knows where the key lives,
@@ -47,12 +47,13 @@ not one a key, and a single put is told at once.
 
 While the nodes do not yet agree on who is up (within a beat of a join or a leave), a
 request may ask a home that has not heard of its key yet: a get with no timeout may raise
-NotFound then; a get that waits is told when the key's new home hears of it.
+NotFound then; a get that waits is told when the key's new home hears of it. So may a get
+of a key whose owner died within CLAIM_EVERY of its put (its homes had not heard of it),
+until the owner is back.
 """
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import itertools
 import logging
@@ -67,6 +68,7 @@ from ...common.protocol import Request, reply_error, reply_ok
 from ..store.objects import Objects
 from ..store.parking import Waiter
 from ..store.records import Session
+from . import rendezvous
 from .moves import _DONE, Moves
 from .records import Links, Remote
 
@@ -76,16 +78,6 @@ HOMES = 2  # the nodes that keep a key's claim: its home, and the next (Note [ho
 ASK_WAIT = 2.0  # seconds a request waits for a home's (or, listing, every node's) answer
 Handler = Callable[[Session, bytes, Request], "dict[str, Any] | None"]
 Row = tuple[str, int, int]  # where a key lives: (node, version, size)
-
-
-_PREFIXES: dict[str, bytes] = {}  # node -> what its hashes start with
-
-
-def _prefix(node: str) -> bytes:
-    prefix = _PREFIXES.get(node)
-    if prefix is None:
-        prefix = _PREFIXES[node] = f"{node}\0".encode()
-    return prefix
 
 
 @dataclass(eq=False)
@@ -131,37 +123,8 @@ class Homes(Moves):
         """`key`'s home, then its second home, among `members` (those up here if None)."""
         return self.homes_of(key, members or self.members)
 
-    @staticmethod
-    def homes_of(key: str, members: Iterable[str]) -> list[str]:
-        """The two nodes of `members` with the highest hashes (blake2b) of (node, key),
-        highest first (one pass, the nodes' bytes made once: 8 us a key at 16 nodes, 12
-        with heapq.nlargest)."""
-        named, blake2b = key.encode(), hashlib.blake2b
-        best = second = b""
-        first = after = ""
-        for node in members:
-            score = blake2b(_prefix(node) + named, digest_size=8).digest()
-            if score > best:
-                second, after, best, first = best, first, score, node
-            elif score > second:
-                second, after = score, node
-        return [first, after] if after else [first]
-
-    @staticmethod
-    def homed_at(key: str, node: str, members: Iterable[str]) -> bool:
-        """Whether `node` is one of `key`'s two homes among `members`: whether at most one
-        other member's hash of `key` beats its own. It stops at the second that does, so it
-        takes about 2 ln N hashes a key, not N (a welcome's keys, a move: 100,000 keys took
-        0.8 s at 16 nodes with homes_of, and would take 100 s at 1,000)."""
-        named, blake2b = key.encode(), hashlib.blake2b
-        mine = blake2b(_prefix(node) + named, digest_size=8).digest()
-        beaten = False
-        for other in members:
-            if other != node and blake2b(_prefix(other) + named, digest_size=8).digest() > mine:
-                if beaten:
-                    return False
-                beaten = True
-        return True
+    homes_of = staticmethod(rendezvous.homes_of)  # (key, members) -> its two homes
+    homed_at = staticmethod(rendezvous.homed_at)  # (key, node, members) -> whether one
 
     def home(self, key: str, members: tuple[str, ...] | None = None) -> str:
         return self.homes(key, members)[0]

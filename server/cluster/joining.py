@@ -1,19 +1,44 @@
 """What `serve --node --cluster --etcd --peers` says, checked: this node, the etcd where the
 brokers find each other (Note [membership] in membership.py) or the addresses of its peers (a
 DNS name standing for every address it resolves to), and the keys the brokers of a cluster
-share (Note [cluster] in cluster.py)."""
+share (Note [cluster] in cluster.py); and whether a broker that says hello speaks this
+cluster's protocol."""
 
 from __future__ import annotations
 
 import ipaddress
+import logging
 import socket
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ...common.config import format_size, parse_size
 from ...common.curve import ServerKeys, server_keys
 from ...common.errors import InvalidRequest
 from .etcd import endpoints
 from .offers import OFFER_MAX
+
+log = logging.getLogger(__name__)
+
+# The cluster's messages and where keys live (rendezvous.py): every broker of a cluster
+# speaks the same (a hello or welcome says which; none said: 1).
+PROTOCOL = 2
+
+
+def speaks(m: dict[str, Any], refused: set[str]) -> bool:
+    """Whether hello or welcome `m` comes from a broker of this PROTOCOL: one that does not
+    is not linked to (it would look for keys at other homes), and is logged once (`refused`
+    names those logged)."""
+    theirs = m.get("protocol", 1)
+    if theirs == PROTOCOL:
+        return True
+    who = f"{m.get('node')!r} at {m.get('address')}"
+    if who not in refused:
+        refused.add(who)
+        log.error(
+            "cluster: node %s speaks cluster protocol %s, this broker %s: not linked (run "
+            "the same release of tensorbroker on every node)", who, theirs, PROTOCOL
+        )  # fmt: skip
+    return False
 
 
 class Joining(NamedTuple):

@@ -120,6 +120,7 @@ class Links:
         self._safe_seen: dict[str, Any] = {}  # node -> which of this one's entries it had seen
         self._heard: dict[bytes, int] = {}  # route -> the requests come on it since its hello
         self._after: list[tuple[str, Message]] = []  # (node, message): `after`
+        self.refused: set[str] = set()  # brokers of another PROTOCOL, logged (joining.py)
         self._kept: list[tuple[str, Message]] = []  # refused at a flush: next one
 
     def follow(self, last: Any) -> int:

@@ -13,7 +13,7 @@ import pytest
 from tensorbroker.common.protocol import Request, decode
 from tensorbroker.server.cluster import lending
 from tensorbroker.server.cluster.offers import OFFER_MAX
-from tests.nodes import MiB, Node, pair, run, trio
+from tests.nodes import MiB, Node, homed, pair, run, trio
 
 __all__ = ["pair", "trio"]  # the fixtures
 
@@ -464,26 +464,26 @@ def test_a_watch_whose_key_now_lives_on_a_node_down_is_not_told_it_was_deleted(
     goes down; the read ends. k was never deleted (it lives on c): the watch must not hear
     that it was. It waits for c to be back, until its own deadline."""
     a, b, c = trio("a"), trio("b"), trio("c")
-    nodes = [a, b, c]
+    nodes, k = [a, b, c], homed("ab", "abc")  # (its homes: a, then b)
     assert run(nodes, 5, lambda: all(x.up(y) for x in nodes for y in "abc" if y != x.name))
-    v1 = a.put("k", 2 * OFFER_MAX).version
-    assert run(nodes, 3, lambda: b.knows("k") and c.knows("k"))
+    v1 = a.put(k, 2 * OFFER_MAX).version
+    assert run(nodes, 3, lambda: b.knows(k) and c.knows(k))
     answers: list[dict[str, Any]] = []
     b.objects._send = lambda route, payload, last=False: answers.append(decode(payload))
-    fields = {"key": "k", "timeout": 30.0, "after": v1, "deletes": True}
+    fields = {"key": k, "timeout": 30.0, "after": v1, "deletes": True}
     asked = time.monotonic()
     assert b.objects.get(b.session, b"watch", Request("get", 9, fields, [])) is None
-    a.put("k", 2 * OFFER_MAX)
-    assert run(nodes, 3, lambda: "k" in b.reads.started)
+    a.put(k, 2 * OFFER_MAX)
+    assert run(nodes, 3, lambda: k in b.reads.started)
     # (c follows nothing of k: it heard of version 1 only, and its 2 wins by its name)
-    assert c.put("k", 2 * OFFER_MAX).version == 2
-    assert run(nodes, 3, lambda: b.cluster.replicas.where()["k"][:2] == ("c", 2))
+    assert c.put(k, 2 * OFFER_MAX).version == 2
+    assert run(nodes, 3, lambda: b.cluster.replicas.where()[k][:2] == ("c", 2))
     c.close()  # it crashed
     assert run([a, b], 5, lambda: not b.up("c"))
     b.reads.over = True
     run([a, b], 0.5)
     assert not answers, answers  # (not told it was deleted)
-    (w,) = b.objects.lot.line(("get", "k"))  # waits for c, until its own deadline
+    (w,) = b.objects.lot.line(("get", k))  # waits for c, until its own deadline
     assert "'c', which is down, and stayed down" in w.timeout_message
     assert w.deadline is not None and w.deadline < asked + 30.1  # (not from now)
 

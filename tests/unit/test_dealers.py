@@ -1,13 +1,17 @@
-"""The peers' DEALERs behind one epoll descriptor (server/cluster/dealers.py): the broker's
-loop polls the same two cluster sockets whatever the number of peers, and an answer whose
-signal a send took in is still read at once. Cluster objects stepped by hand in this
+"""The links between brokers as a cluster grows (server/cluster/dealers.py, links.py): the
+broker's loop polls the same two cluster sockets whatever the number of peers, an answer
+whose signal a send took in is still read at once, more than ZeroMQ's default number of
+sockets, and a broker of another release is refused. Cluster objects stepped by hand in this
 process (tests/nodes.py)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
+
+import pytest
 
 from tensorbroker.server.sessions.sockets import raise_fd_limit
 from tests.nodes import Node, pair, quad, run
@@ -67,3 +71,25 @@ def test_a_broker_links_to_more_peers_than_zeromqs_default_limit_of_sockets(
         links.meet(f"tcp://127.0.0.1:{port}")
     assert len(links.peers) >= 1100
     assert all(peer.fd in links.dealers._by_fd for peer in links.peers)
+
+
+def test_a_broker_of_another_cluster_protocol_is_not_linked_and_said_so_once(
+    pair: Callable[[str], Node], caplog: pytest.LogCaptureFixture
+) -> None:
+    """b is an older release (its hello and welcome name no protocol): it finds keys at
+    other homes than a would, so a does not link to it, and logs why once, not at each of
+    b's hellos."""
+    a, b = pair("a"), pair("b")
+    hello = b.cluster._hello
+
+    def older(op: str = "hello", to: str | None = None) -> dict[str, Any]:
+        m = hello(op, to)
+        del m["protocol"]
+        return m
+
+    b.cluster._hello = older  # type: ignore[method-assign]
+    with caplog.at_level(logging.ERROR):
+        run([a, b], 2.0)
+    assert not a.up("b")
+    said = [r for r in caplog.records if "speaks cluster protocol 1" in r.getMessage()]
+    assert len(said) == 1 and "run the same release" in said[0].getMessage()
