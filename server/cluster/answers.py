@@ -41,11 +41,13 @@ class Answers:
         op = m["op"]
         if op in ("welcome", "beat") and self._stale(peer, m):
             return  # from an older incarnation of the node: it says nothing of the link now
+        if op == "welcome" and not speaks(m, self.links.refused):
+            if peer.up:  # (it restarted on another release: down, as it forgot this one)
+                self._down(peer)
+            return
         peer.heard = time.monotonic()
         try:
             if op == "welcome":
-                if not speaks(m, self.links.refused):
-                    return
                 node = str(m["node"])
                 self.transfers.add_peer(node, bytes(m["agent"]), m.get("agent_v"))
                 heard, same = self.links.heard_of(node), self.links.same(node, m)

@@ -74,14 +74,21 @@ class Dealers:
         return peer
 
     def read(self) -> Iterator[tuple[Peer, list[bytes]]]:
-        """The messages of the DEALERs the epoll names and of those `unread`."""
+        """The messages of the DEALERs the epoll names and of those `unread`. A DEALER not
+        read to its end (its reader stopped: a fault handling a message) is `unread` again:
+        its signal was taken in, and it would not come again."""
         ready, self.unread = self.unread, set()
         ready.update(fd for fd, _ in self._epoll.poll(0))
-        for fd in ready:
-            peer = self._by_fd.get(fd)
-            while peer is not None and readable(peer.socket):
-                yield peer, peer.socket.recv_multipart()
-                peer = self._by_fd.get(fd)  # (None once dropped meanwhile)
+        left = list(ready)
+        try:
+            while left:
+                peer = self._by_fd.get(left[-1])
+                while peer is not None and readable(peer.socket):
+                    yield peer, peer.socket.recv_multipart()
+                    peer = self._by_fd.get(left[-1])  # (None once dropped meanwhile)
+                left.pop()
+        finally:
+            self.unread.update(fd for fd in left if fd in self._by_fd)
 
     def send(self, peer: Peer, data: bytes) -> bool:
         """Send `data` to `peer`: False if ZeroMQ would not take it (not connected:

@@ -114,6 +114,7 @@ class Lending:
         if self.announcing and now >= self._announced_at + ANNOUNCE_EVERY:
             self._announced_at = now
             self._batch(now, out, offered)
+        self._held.pop(self.node, None)
         for node in [n for n in self._held if n in out or self._due(n, now)]:
             out.setdefault(node, [])  # (its held entries go first: `_announce_to`)
         out.pop(self.node, None)
@@ -188,14 +189,22 @@ class Lending:
         link reconnects: Links.after), for its incarnation as this broker knows it; what was
         held for it goes first (a claim's age counts the time it was held)."""
         now = time.monotonic()
-        held = self._held.pop(node, ())
-        for made, entry in held:
-            if len(entry) == 6:  # (a claim's age)
-                entry[5] += now - made
+        held = [entry for made, entry in self._held.pop(node, ()) if self._still(entry, now - made)]
         if held:
-            entries = [entry for _, entry in held] + entries
+            entries = held + entries
         self._told_at[node] = now
         self.links.after(node, {"op": "announce", "keys": entries, **self.links.ack(node)})
+
+    def _still(self, entry: list[Any], held: float) -> bool:
+        """Whether held `entry` is still to be sent: not a claim of a key whose version on
+        another node won here meanwhile (its homes hear of that one); a claim's age counts
+        the `held` seconds it waited."""
+        if len(entry) < 6:  # (a delete)
+            return True
+        if entry[0] in self.index:
+            return False
+        entry[5] += held
+        return True
 
     # -- loans -----------------------------------------------------------------------------------
 

@@ -373,6 +373,8 @@ class Links:
 
     def named(self, peer: Peer, node: str) -> None:
         """`peer` is a link to `node` (its welcome said)."""
+        if peer.node == node:
+            return
         if peer.node is not None:
             self._links_of[peer.node].remove(peer)
         peer.node = node
