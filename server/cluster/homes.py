@@ -118,6 +118,7 @@ class Homes(Moves):
         self._again: set[int] = set()  # requests run again now: not asked twice
         self._rows: dict[int, dict[str, Row]] = {}  # a listing's rows, as it runs again
         self._moving: Iterator[None] = _DONE  # keys moving to their new homes (`changed`)
+        self._queued = deque()
 
     def homes(self, key: str, members: tuple[str, ...] | None = None) -> list[str]:
         """`key`'s home, then its second home, among `members` (those up here if None)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -26,6 +27,7 @@ class Moves:
     objects: Any  # Objects
     own: Callable[[], list[list[Any]]]
     _moving: Iterator[None] = _DONE
+    _queued: deque[tuple[tuple[str, ...], tuple[str, ...]]]  # (old, new): moves to make
 
     def homes(self, key: str, members: tuple[str, ...] | None = None) -> list[str]:
         raise NotImplementedError
@@ -49,29 +51,32 @@ class Moves:
         slices of MOVE_SLICE keys, one a turn of the loop (`tick`), and the loop answers
         meanwhile. Only the keys homed at a node that came or went change homes, and
         `homed_at` finds them in a few hashes each: a key's homes among all nodes (N hashes)
-        are found for those only. A move under way when the nodes change again ends first."""
+        are found for those only. A move under way when the nodes change again goes on first
+        (its slices too: as brokers join one by one, each change a move)."""
         old, new = self.members, tuple(sorted({self.node, *up}))
         if new == old:
             return
         self.members = new
-        try:
-            for _ in self._moving:  # (what is left of the move before)
-                pass
-        except Exception:  # (a fault: logged, and the move goes on)
-            log.exception("could not move keys to their homes")
-        self._moving = self._move(old, new, claim, keep, drop)
-        self.tick(time.monotonic())  # (its first slice now)
+        self._queued.append((old, new))
+        if self._moving is _DONE:
+            self._moving = self._move(claim, keep, drop)
+        self.tick(time.monotonic())  # (a slice now)
 
     @property
     def moving(self) -> bool:
         """Whether a move of keys to their new homes is under way (`changed`)."""
         return self._moving is not _DONE
 
-    def _move(self, old: tuple[str, ...], new: tuple[str, ...],
-              claim: Callable[[str, list[list[Any]]], None], keep: Callable[[str], bool],
+    def _move(self, claim: Callable[[str, list[list[Any]]], None], keep: Callable[[str], bool],
               drop: Callable[[str], None]) -> Iterator[None]:  # fmt: skip
+        """The moves queued, in order (the nodes up changed from `old` to `new`, each)."""
         try:
-            yield from self._moves(old, new, claim, keep, drop)
+            while self._queued:
+                old, new = self._queued.popleft()
+                try:
+                    yield from self._moves(old, new, claim, keep, drop)
+                except Exception:  # (a fault: logged, and the next move goes on)
+                    log.exception("could not move keys to their homes")
         finally:
             self._moving = _DONE
 

@@ -421,3 +421,31 @@ def test_the_homes_are_spread_evenly_and_scored_alike_by_python_and_numpy(
     vector = [homes.Homes.homes_of(k, members) for k in keys[:500]]
     monkeypatch.setattr(rendezvous, "VECTOR", 1000)
     assert [homes.Homes.homes_of(k, members) for k in keys[:500]] == vector
+
+
+def test_moves_one_after_the_other_go_a_slice_a_turn(
+    quad: Callable[[str], Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """d goes, then c, before a's first move ended: the second waits for the first, a slice
+    a turn of the loop each (it ran the rest of the first at once: as brokers come up one
+    by one in a large cluster, the loop stopped at each), and b gets the claim of each key
+    of a's that had it for no home before."""
+    monkeypatch.setattr(moves, "MOVE_SLICE", 10)
+    a, b, c, d = _started(quad)
+    keys = [f"m{i}" for i in range(120)]
+    for key in keys:
+        a.put(key, 4096)
+    h = a.cluster.replicas.homes
+    assert not h.moving
+    claims: list[tuple[str, str]] = []
+
+    def claim(node: str, entries: list[list[Any]]) -> None:
+        claims.extend((node, e[0]) for e in entries)
+
+    h.changed(["b", "c"], claim, lambda key: False, lambda key: None)
+    h.changed(["b"], claim, lambda key: False, lambda key: None)
+    assert h.moving and len(claims) <= 20  # (two slices of 10 keys ran, of 120)
+    while h.moving:
+        h.tick(0.0)
+    to_b = {k for node, k in claims if node == "b"}  # (c's, of the first move, are moot)
+    assert to_b == {k for k in keys if "b" not in homes.Homes.homes_of(k, "abcd")}
