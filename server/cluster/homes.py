@@ -162,8 +162,9 @@ class Homes(Moves):
             if home != self.node:
                 homes.setdefault(home, []).append(key)
         ask = self._ask(req)
+        look = req.fields.get("timeout", 0.0) != 0  # (it waits: told of a later put)
         for home, named in homes.items():
-            if self.links.send(home, {"op": "where", "ask": ask.id, "keys": named}):
+            if self.links.send(home, {"op": "where", "ask": ask.id, "keys": named, "look": look}):
                 ask.nodes.add(home)
                 self.asked.update(dict.fromkeys(named, home))
                 self.asked_count += 1
@@ -208,6 +209,8 @@ class Homes(Moves):
             for key, owner, version, size in m["keys"]:
                 if owner is not None and owner != self.node:
                     self.listed(str(owner), str(key), int(version), int(size))
+                elif owner is None and not m.get("look", True) and not self._waited(key):
+                    self.asked.pop(str(key), None)  # (not a looker there: nothing to hear)
         elif ask is not None and ask.rows is not None:
             for key, version, size in m["keys"]:
                 ask.rows[str(key)] = (node, int(version), int(size))
@@ -267,10 +270,11 @@ class Homes(Moves):
 
     def where(self, node: str, m: dict[str, Any]) -> None:
         """`node` asks where these keys live: answered with what this node knows, and `node`
-        is a looker of each from now on."""
-        entries = []
+        is a looker of each from now on; of a key not known here only if its request waits
+        for it (`look`: a get with a timeout, a watch, a wait), so that an `exists` or a get
+        of keys that never live leaves nothing behind here or there."""
+        entries, look = [], m.get("look", True)
         for key in map(str, m["keys"]):
-            self.lookers.setdefault(key, set()).add(node)
             remote, obj = self.index.get(key), self.objects.registry.objects.get(key)
             if remote is not None:
                 entries.append([key, *remote])
@@ -278,7 +282,11 @@ class Homes(Moves):
                 entries.append([key, self.node, obj.version, int(obj.nbytes)])
             else:
                 entries.append([key, None, 0, 0])
-        self.links.answer(node, {"op": "where", "ask": m.get("ask", 0), "keys": entries})
+                if not look:
+                    continue
+            self.lookers.setdefault(key, set()).add(node)
+        answer = {"op": "where", "ask": m.get("ask", 0), "keys": entries, "look": look}
+        self.links.answer(node, answer)
 
     def lost(
         self, key: str, winner: Remote, node: str, version: int, size: int, age: Any,
@@ -348,6 +356,10 @@ class Homes(Moves):
             if home != self.node:
                 self.asked[key] = home
                 self.links.after(home, {"op": "where", "ask": 0, "keys": [key]})
+
+    def _waited(self, key: str) -> bool:
+        """Whether a request here waits for `key` (a get, a watch, a wait)."""
+        return bool(self.objects.lot.line(("get", key))) or self.objects.waits(key)
 
     def let_go(self, node: str) -> None:
         """`node` went down or restarted: it looks at nothing until it asks again."""

@@ -285,6 +285,33 @@ def test_a_deleted_keys_lookers_are_forgotten(quad: Callable[[str], Node]) -> No
     assert key not in d.cluster.replicas.homes.asked
 
 
+def test_exists_of_keys_that_never_live_leaves_nothing_behind(
+    quad: Callable[[str], Node],
+) -> None:
+    """d asks whether 30 keys that no node holds exist (a poll on unique names): each asks
+    the key's home once and is answered False; neither the homes' lookers nor d's asks
+    keep them (they grew with every name ever asked). A get that waits for such a key still
+    hears of its put."""
+    a, b, c, d = nodes = _started(quad)
+    keys = [homed("b", "abcd", f"never{i}-") for i in range(30)]
+    answers: list[dict[str, Any]] = []
+    d.objects._send = lambda route, payload, last=False: answers.append(decode(payload))
+    for i, key in enumerate(keys):
+        req = Request("exists", 100 + i, {"key": key}, [])
+        assert d.objects.exists(d.session, b"client", req) is None  # (its home is asked)
+    assert run(nodes, 3, lambda: len(answers) == len(keys))
+    assert all(m.get("exists") is False for m in answers), answers
+    assert not set(keys) & set(b.cluster.replicas.homes.lookers)
+    assert not set(keys) & set(d.cluster.replicas.homes.asked)
+    waiting = Request("get", 9, {"key": keys[0], "timeout": 10.0}, [])
+    assert d.objects.get(d.session, b"client", waiting) is None
+    assert run(nodes, 3, lambda: keys[0] in b.cluster.replicas.homes.lookers)
+    a.put(keys[0], 2 * OFFER_MAX)
+    assert run(nodes, 3, lambda: keys[0] in d.reads.started)
+    d.reads.over = True
+    assert run(nodes, 3, lambda: any(m.get("version") == 1 for m in answers))
+
+
 def test_keys_move_to_their_new_homes_in_slices_when_a_node_leaves(
     quad: Callable[[str], Node], monkeypatch: pytest.MonkeyPatch
 ) -> None:
