@@ -209,8 +209,12 @@ class Homes(Moves):
             for key, owner, version, size in m["keys"]:
                 if owner is not None and owner != self.node:
                     self.listed(str(owner), str(key), int(version), int(size))
-                elif owner is None and not m.get("look", True) and not self._waited(key):
-                    self.asked.pop(str(key), None)  # (not a looker there: nothing to hear)
+                elif owner is not None:
+                    continue
+                elif m.get("look", True):  # (a looker there: a non-waiting ask's answer,
+                    self.asked.setdefault(str(key), node)  # come first, forgot it)
+                elif self.asked.get(str(key)) == node and not self._waited(str(key)):
+                    del self.asked[str(key)]  # (not a looker there: nothing to hear)
         elif ask is not None and ask.rows is not None:
             for key, version, size in m["keys"]:
                 ask.rows[str(key)] = (node, int(version), int(size))

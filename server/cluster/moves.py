@@ -109,10 +109,11 @@ class Moves:
         asked = list(self.asked.items())
         for start in range(0, len(asked), MOVE_SLICE):
             asks: dict[str, list[str]] = {}
-            for key, was in asked[start : start + MOVE_SLICE]:
-                if was in new and not any(homed_at(key, n, new) for n in came):
+            for key, _ in asked[start : start + MOVE_SLICE]:
+                was = self.asked.get(key)
+                if was is None or (was in new and not any(homed_at(key, n, new) for n in came)):
                     continue  # (its home is still `was`)
-                home = self.home(key, new)
+                home = self.home(key)  # (among the nodes up now: a later move may be queued)
                 if home == self.node:
                     self.asked.pop(key, None)
                 elif home != was and key in self.asked:
@@ -123,7 +124,7 @@ class Moves:
             yield
         for n, key in enumerate(list(self.index), 1):
             if key in self.index and homed_at(key, self.node, old) and moved(key):
-                homes = self.homes(key, new)
+                homes = self.homes(key)  # (among the nodes up now, as above)
                 if homes[0] != self.node:
                     self.lookers.pop(key, None)  # (they ask its new home)
                 if self.node not in homes and key not in self.asked and not keep(key):

@@ -476,3 +476,41 @@ def test_moves_one_after_the_other_go_a_slice_a_turn(
         h.tick(0.0)
     to_b = {k for node, k in claims if node == "b"}  # (c's, of the first move, are moot)
     assert to_b == {k for k in keys if "b" not in homes.Homes.homes_of(k, "abcd")}
+
+
+def test_a_waiting_get_that_races_an_exists_of_its_key_stays_a_looker(
+    quad: Callable[[str], Node],
+) -> None:
+    """d asks whether k exists (not a looker at its home b), then a get waits for k (a
+    looker): the exists' answer comes first, and must not make d forget that it asked b,
+    or a restart of b or a move of k would leave the get unheard of."""
+    a, b, c, d = nodes = _started(quad)
+    key = homed("b", "abcd")
+    d.objects._send = lambda route, payload, last=False: None
+    assert d.objects.exists(d.session, b"client", Request("exists", 1, {"key": key}, [])) is None
+    waiting = Request("get", 2, {"key": key, "timeout": 10.0}, [])
+    assert d.objects.get(d.session, b"client", waiting) is None
+    h = d.cluster.replicas.homes
+    assert run(nodes, 3, lambda: not h.asks)
+    assert h.asked.get(key) == "b" and "d" in b.cluster.replicas.homes.lookers[key]
+
+
+def test_a_queued_move_asks_by_the_nodes_up_now(
+    quad: Callable[[str], Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """d goes and comes back before a's first move reaches its asks; meanwhile a get on a
+    asked d (k's home again, a its second) where k lives. The first move must not take a for
+    k's home (it was, while d was away) and forget that ask: the nodes up now decide."""
+    monkeypatch.setattr(moves, "MOVE_SLICE", 10)
+    a, b, c, d = _started(quad)
+    for i in range(20):  # (a's own keys: the move's first slices)
+        a.put(f"m{i}", 4096)
+    names = (f"q{i}" for i in range(10_000))
+    key = next(k for k in names if homes.Homes.homes_of(k, "abcd") == ["d", "a"])
+    h = a.cluster.replicas.homes
+    h.changed(["b", "c"], lambda node, entries: None, lambda k: False, lambda k: None)
+    h.changed(["b", "c", "d"], lambda node, entries: None, lambda k: False, lambda k: None)
+    h.asked[key] = "d"  # (a get here asked d, up again)
+    while h.moving:
+        h.tick(0.0)
+    assert h.asked.get(key) == "d"
