@@ -11,9 +11,9 @@ each key has a home, the node with the highest score for the key among those up
 up, and a join or a leave moves only the keys of the node that came or went), and a second
 home, the node of the next score. A claim and a delete go to the key's two homes and to
 its followers; no other node hears of them. A home that is not a follower of the key hears
-of a claim or a delete once CLAIM_EVERY (10 ms) passed since the last announcement to it, or
-with the next (a follower's hears at once): a stream of new keys costs each home a wake-up
-every CLAIM_EVERY, not one a key, and a single put is told at once.
+of a claim once CLAIM_EVERY (10 ms) passed since the last announcement to it, or with the
+next (a follower's hears at once; a delete goes at once): a stream of new keys costs each
+home a wake-up every CLAIM_EVERY, not one a key, and a single put is told at once.
 
 - The homes list the claim in their index, as every node did. The second is there for when
   the first dies (or the owner, if it was its own home): it still knows where the key lives,
@@ -76,6 +76,7 @@ log = logging.getLogger(__name__)
 
 HOMES = 2  # the nodes that keep a key's claim: its home, and the next (Note [homes]; homes_of)
 ASK_WAIT = 2.0  # seconds a request waits for a home's (or, listing, every node's) answer
+DELETING = 5.0  # seconds a delete sent to a key's owner outweighs its homes' word (`deleting`)
 Handler = Callable[[Session, bytes, Request], "dict[str, Any] | None"]
 Row = tuple[str, int, int]  # where a key lives: (node, version, size)
 
@@ -114,6 +115,9 @@ class Homes(Moves):
             "delete": objects.delete, "keys": objects.keys,
         }  # fmt: skip
         self.asked_count = 0  # lookups sent (stats)
+        # key -> (node, version, until when): deletes this node sent to the key's owner, whose
+        # homes may not have heard yet (`deleting`)
+        self._deleting: dict[str, tuple[str, int, float]] = {}
         self._ids = itertools.count(1)
         self._again: set[int] = set()  # requests run again now: not asked twice
         self._rows: dict[int, dict[str, Row]] = {}  # a listing's rows, as it runs again
@@ -208,7 +212,8 @@ class Homes(Moves):
         if m["op"] == "where":  # (a looker's ask again, for no request: ask 0)
             for key, owner, version, size in m["keys"]:
                 if owner is not None and owner != self.node:
-                    self.listed(str(owner), str(key), int(version), int(size))
+                    if not self._deleted(str(key), str(owner), int(version)):
+                        self.listed(str(owner), str(key), int(version), int(size))
                 elif owner is not None:
                     continue
                 elif m.get("look", True):  # (a looker there: a non-waiting ask's answer,
@@ -360,6 +365,21 @@ class Homes(Moves):
             if home != self.node:
                 self.asked[key] = home
                 self.links.after(home, {"op": "where", "ask": 0, "keys": [key]})
+
+    def deleting(self, key: str, node: str, version: int) -> None:
+        """This node sent a delete of `key`'s `version` to its owner `node`: for DELETING
+        seconds a home that says it lives there (it had not heard of the delete yet: an
+        `exists` right after the delete asks it) is not believed."""
+        now = time.monotonic()
+        if len(self._deleting) > 1000:  # (those whose time is up go)
+            self._deleting = {k: d for k, d in self._deleting.items() if d[2] > now}
+        self._deleting[key] = (node, version, now + DELETING)
+
+    def _deleted(self, key: str, owner: str, version: int) -> bool:
+        d = self._deleting.get(key)
+        if d is None or time.monotonic() > d[2]:
+            return False
+        return owner == d[0] and version <= d[1]
 
     def _waited(self, key: str) -> bool:
         """Whether a request here waits for `key` (a get, a watch, a wait)."""

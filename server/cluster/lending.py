@@ -46,8 +46,8 @@ log = logging.getLogger(__name__)
 
 FANOUT = 2  # the nodes a version's owner lends it to itself; later pullers go to theirs
 ANNOUNCE_EVERY = 0.001  # seconds: announcements made sooner after the last batch wait for it
-# seconds: a claim or delete to a node that does not follow the key (its homes, the node it
-# beat) waits until this long after the last announcement to that node (Note [homes])
+# seconds: a claim to a node that does not follow the key (its homes, the node it beat)
+# waits until this long after the last announcement to that node (Note [homes])
 CLAIM_EVERY = 0.01
 
 
@@ -76,7 +76,7 @@ class Lending:
         self.beaten: dict[str, str] = {}  # key -> the node whose version a put here beat
         self._announced_at = -math.inf  # when the last batch went
         self._told_at: dict[str, float] = {}  # node -> when the last announcement went to it
-        # node -> its claims and deletes waiting for CLAIM_EVERY: (when made, entry)
+        # node -> its claims waiting for CLAIM_EVERY: (when made, entry)
         self._held: dict[str, list[tuple[float, list[Any]]]] = {}
         self.bytes_sent = 0
         self.lent_early = 0  # versions lent while still pulled here (Note [relays])
@@ -105,9 +105,9 @@ class Lending:
         each peer, [key, version, size, offer] of each key's latest version, or [key, 0, 0,
         None, the version put and deleted since the last batch, if one was] for a delete; a
         small version goes with its offer, pinned for the peers it reached (Note [offers]).
-        What a node hears only as a key's home (a claim, a delete) waits for the next
-        message to it or CLAIM_EVERY after the last: a stream of new keys costs each home
-        at most one wake-up per CLAIM_EVERY, not one per key (Note [homes])."""
+        What a node hears only as a key's home (a claim) waits for the next message to it
+        or CLAIM_EVERY after the last: a stream of new keys costs each home at most one
+        wake-up per CLAIM_EVERY, not one per key (Note [homes])."""
         now = time.monotonic()
         out: dict[str, list[list[Any]]] = {}  # node -> what it hears now
         offered: list[tuple[StoredObject, set[str]]] = []  # a version, its followers
@@ -154,12 +154,9 @@ class Lending:
             if beaten is not None:
                 told.add(beaten)
             if not version:  # deleted (the version it put and deleted since: it beat others')
-                entry = [key, 0, 0, None, put.get(key, 0)]
-                to = self.followers.of(key, 0)
-                for node in to:
-                    out.setdefault(node, []).append(entry)
-                for node in told - to:
-                    held.setdefault(node, []).append((now, entry))
+                entry = [key, 0, 0, None, put.get(key, 0)]  # (at once, to all: a node that
+                for node in told | self.followers.of(key, 0):  # asks a home right after
+                    out.setdefault(node, []).append(entry)  # must not hear it lives)
                 self.followers.drop(key)
                 continue
             obj = self.registry.objects.get(key)

@@ -241,6 +241,7 @@ class Replicas(Ordering):
             raise PeerUnavailable(
                 f"{key!r} lives on node {remote.node!r}, which is down: delete it once it is back"
             )
+        self.homes.deleting(key, remote.node, remote.version)
         self._forget(key)
         return True
 
