@@ -354,13 +354,13 @@ class Homes(Moves):
             rows = pick(int(limit) + 1, rows, key=lambda r: r[2] if by_size else r[0])
         self.links.answer(node, {"op": "ls", "ask": m.get("ask", 0), "keys": rows})
 
-    def deleted(self, key: str, waiting: bool) -> None:
+    def deleted(self, key: str) -> None:
         """`key` was deleted (its lookers were told): they are forgotten here, and this node
         forgets it asked of it, unless a request here waits for it (it asks again, so that
         its home tells it of the key's next put). So neither grows with every key that
         ever lived."""
         self.lookers.pop(key, None)
-        if self.asked.pop(key, None) is not None and waiting:
+        if self.asked.pop(key, None) is not None and self._waited(key):
             home = self.home(key)  # (its home of now: a move may be under way)
             if home != self.node:
                 self.asked[key] = home

@@ -318,8 +318,7 @@ class Replicas(Ordering):
             if done:  # (the key's lookers are told, then forgotten)
                 if self.homes.heard(key, beaten):
                     tell([key, node, 0, 0, gone], to=beaten, lookers=True)
-                waits = bool(self.lot.line(("get", key))) or self.objects.waits(key)
-                self.homes.deleted(key, waits)
+                self.homes.deleted(key)
             return
         mine = here is not None and known is None  # put here (a replica's key is indexed)
         if (known is not None and (known.version, known.node) > (version, node)) or (

@@ -39,17 +39,8 @@ def test_an_answer_whose_signal_a_send_took_in_is_read_in_the_same_turn(
     which takes in ZeroMQ's signal of the answer (its descriptor is quiet again): a reads
     the answer in its next turn, not once something else comes."""
     a, b = quad("a"), quad("b")
-    assert run([a, b], 5, lambda: a.up("b") and b.up("a"))
-    peer = a.cluster.links.peer("b")
-    assert peer is not None
-    heard: list[dict[str, Any]] = []
-    answer = a.cluster._answer
-
-    def answering(p: Any, m: dict[str, Any]) -> None:
-        heard.append(m)
-        answer(p, m)
-
-    a.cluster._answer = answering  # type: ignore[method-assign]
+    peer = _linked(a, b)
+    heard = _hearing(a)
     beat = {"op": "beat", "t": time.monotonic(), "pulls": [], "n": peer.sent}
     assert a.cluster.links.send_to(peer, beat)
     run([b], 0.5)  # (b answers it)
@@ -80,14 +71,7 @@ def test_a_broker_of_another_cluster_protocol_is_not_linked_and_said_so_once(
     other homes than a would, so a does not link to it, and logs why once, not at each of
     b's hellos."""
     a, b = pair("a"), pair("b")
-    hello = b.cluster._hello
-
-    def older(op: str = "hello", to: str | None = None) -> dict[str, Any]:
-        m = hello(op, to)
-        del m["protocol"]
-        return m
-
-    b.cluster._hello = older  # type: ignore[method-assign]
+    _older(b)
     with caplog.at_level(logging.ERROR):
         run([a, b], 2.0)
     assert not a.up("b")
@@ -102,20 +86,9 @@ def test_answers_left_behind_by_a_fault_are_read_in_the_same_turn(
     read in the same turn of a's loop, though ZeroMQ signalled both at once (it would wait
     for a's next send to b: a beat, up to 2 s)."""
     a, b = pair("a"), pair("b")
-    assert run([a, b], 5, lambda: a.up("b") and b.up("a"))
-    peer = a.cluster.links.peer("b")
-    assert peer is not None
-    heard: list[dict[str, Any]] = []
-    answer = a.cluster._answer
-
-    def failing(p: Any, m: dict[str, Any]) -> None:
-        heard.append(m)
-        if len(heard) == 1:
-            raise RuntimeError("a fault handling an answer")
-        answer(p, m)
-
+    peer = _linked(a, b)
     run([a, b], 0.1)
-    a.cluster._answer = failing  # type: ignore[method-assign]
+    heard = _hearing(a, fail_first=True)
     a.cluster._next_tick = time.monotonic() + 60  # (no beat of a's sends to b meanwhile)
     for _ in range(2):
         assert a.cluster.links.send_to(peer, {"op": "beat", "t": time.monotonic(), "pulls": [],
@@ -136,6 +109,36 @@ def test_a_peer_that_restarts_on_another_cluster_protocol_is_down(
     assert run([a, b], 5, lambda: a.up("b") and b.up("a"))
     b.close()
     b = pair("b")
+    _older(b)
+    assert run([a, b], 6, lambda: not a.up("b"))
+
+
+def _linked(a: Node, b: Node) -> Any:
+    """a's link to b, once both are up."""
+    assert run([a, b], 5, lambda: a.up("b") and b.up("a"))
+    peer = a.cluster.links.peer("b")
+    assert peer is not None
+    return peer
+
+
+def _hearing(a: Node, fail_first: bool = False) -> list[dict[str, Any]]:
+    """The answers a's peers send it from now on, as a handles them (the first failing, if
+    `fail_first`)."""
+    heard: list[dict[str, Any]] = []
+    answer = a.cluster._answer
+
+    def hearing(p: Any, m: dict[str, Any]) -> None:
+        heard.append(m)
+        if fail_first and len(heard) == 1:
+            raise RuntimeError("a fault handling an answer")
+        answer(p, m)
+
+    a.cluster._answer = hearing  # type: ignore[method-assign]
+    return heard
+
+
+def _older(b: Node) -> None:
+    """b says hello and welcome as an older release does: naming no protocol."""
     hello = b.cluster._hello
 
     def older(op: str = "hello", to: str | None = None) -> dict[str, Any]:
@@ -144,4 +147,3 @@ def test_a_peer_that_restarts_on_another_cluster_protocol_is_down(
         return m
 
     b.cluster._hello = older  # type: ignore[method-assign]
-    assert run([a, b], 6, lambda: not a.up("b"))
