@@ -29,6 +29,8 @@ from tensorbroker.server.store.registry import Registry
 from tests.simcuda import SimRuntime
 from tests.support import free_port
 
+ASK_AGAIN = 0.1  # seconds (`Node.knows`)
+
 MiB = 2**20
 
 
@@ -145,7 +147,7 @@ class Node:
         self.queues.elsewhere = self.cluster.queues
         self.session = Session(name * 8, None)
         self.name, self.closed = name, False
-        self.asked: set[str] = set()  # keys this node asked the home of (`knows`)
+        self.asked: dict[str, float] = {}  # when this node last asked a key's home (`knows`)
         links, events = self.cluster.links, self.journal.events
         send_to = links.send_to
 
@@ -162,15 +164,18 @@ class Node:
         return self.registry.objects[key]
 
     def knows(self, key: str) -> bool:
-        """Whether this node knows where `key` lives (its index): asked of the key's home,
-        once, as a client's `exists` does (Note [homes] in homes.py)."""
-        replicas = self.cluster.replicas
-        if not replicas.holds(key) and key not in self.asked:
-            homes = replicas.homes  # (its answer, none: a test's `_send` sees no more)
+        """Whether this node knows where `key` lives (its index): asked of the key's home as
+        a client's `exists` does (Note [homes] in homes.py), again every ASK_AGAIN while the
+        home answers it knows none: an ask can reach the home before the owner's claim."""
+        replicas, now = self.cluster.replicas, time.monotonic()
+        homes = replicas.homes
+        unasked = key not in homes.asked and now - self.asked.get(key, -ASK_AGAIN) >= ASK_AGAIN
+        if not replicas.holds(key) and unasked:
+            # (its answer, none: a test's `_send` sees no more)
             homes.handlers["knows"] = lambda session, route, req: None
             asking = Request("knows", 9, {"key": key}, [])
             if homes.lookup(self.session, b"client", asking, [key]):
-                self.asked.add(key)
+                self.asked[key] = now
         return replicas.holds(key) and not replicas.homes.asks  # (and its ask answered)
 
     def get(self, key: str) -> bool:
