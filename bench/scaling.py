@@ -9,7 +9,7 @@ found through etcd (UCX over TCP), default options. For N in --nodes:
 
 Written to bench/results/scaling.md. On one 2-core host the brokers compete for the same
 cores: the figures are the cost, not what N machines would see as latency. Usage:
-python bench/scaling.py [--nodes 2,4,8,16] [--puts 2000] [--idle 10] [--serve OPTIONS]
+python bench/scaling.py [--nodes 2,4,8,16] [--puts 8000] [--idle 10] [--serve OPTIONS]
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def lone_put(puts: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", default="2,4,8,16")
-    parser.add_argument("--puts", type=int, default=2000)
+    parser.add_argument("--puts", type=int, default=8000)
     parser.add_argument("--idle", type=float, default=10.0)
     parser.add_argument("--serve", default="", help="more serve options, e.g. '--prefetch 0'")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "scaling.md"))

@@ -13,7 +13,12 @@ home, the node of the next score. A claim and a delete go to the key's two homes
 its followers; no other node hears of them. A home that is not a follower of the key hears
 of a claim once CLAIM_EVERY (10 ms) passed since the last announcement to it, or with the
 next (a follower's hears at once; a delete goes at once): a stream of new keys costs each
-home a wake-up every CLAIM_EVERY, not one a key, and a single put is told at once.
+home a wake-up every CLAIM_EVERY, not one a key, and a single put is told at once. With
+more than 3 other nodes up, a home waits longer, one CLAIMS_A_SECOND-th (300th) of a second
+for each (Lending.claim_every): a stream of new keys costs the cluster at most 300 wake-ups
+a second whatever its size, up to 30 other nodes; beyond, CLAIM_WAIT_MAX
+(0.1 s) bounds the wait. A get elsewhere that waits for a key of such a stream hears of it
+that much later, at most.
 
 - The homes list the claim in their index, as every node did. The second is there for when
   the first dies (or the owner, if it was its own home): it still knows where the key lives,
@@ -48,7 +53,7 @@ home a wake-up every CLAIM_EVERY, not one a key, and a single put is told at onc
 While the nodes do not yet agree on who is up (within a beat of a join or a leave), a
 request may ask a home that has not heard of its key yet: a get with no timeout may raise
 NotFound then; a get that waits is told when the key's new home hears of it. So may a get
-of a key whose owner died within CLAIM_EVERY of its put (its homes had not heard of it),
+of a key whose owner died within `claim_every` of its put (its homes had not heard of it),
 until the owner is back.
 """
 

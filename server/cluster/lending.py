@@ -47,8 +47,13 @@ log = logging.getLogger(__name__)
 FANOUT = 2  # the nodes a version's owner lends it to itself; later pullers go to theirs
 ANNOUNCE_EVERY = 0.001  # seconds: announcements made sooner after the last batch wait for it
 # seconds: a claim to a node that does not follow the key (its homes, the node it beat)
-# waits until this long after the last announcement to that node (Note [homes])
+# waits until this long after the last announcement to that node (Note [homes]), or longer
+# in a cluster of more than CLAIMS_A_SECOND * CLAIM_EVERY nodes: peers / CLAIMS_A_SECOND,
+# so that a stream of new keys sends at most CLAIMS_A_SECOND claim messages a second,
+# whatever the cluster's size; never longer than CLAIM_WAIT_MAX (`claim_every`)
 CLAIM_EVERY = 0.01
+CLAIMS_A_SECOND = 300
+CLAIM_WAIT_MAX = 0.1
 
 
 class Lending:
@@ -76,7 +81,8 @@ class Lending:
         self.beaten: dict[str, str] = {}  # key -> the node whose version a put here beat
         self._announced_at = -math.inf  # when the last batch went
         self._told_at: dict[str, float] = {}  # node -> when the last announcement went to it
-        # node -> its claims waiting for CLAIM_EVERY: (when made, entry)
+        self.peers = 0  # the nodes up but this one (Replicas.changed): `claim_every`
+        # node -> its claims waiting for `claim_every`: (when made, entry)
         self._held: dict[str, list[tuple[float, list[Any]]]] = {}
         self.bytes_sent = 0
         self.lent_early = 0  # versions lent while still pulled here (Note [relays])
@@ -97,7 +103,8 @@ class Lending:
         if self.announcing:
             due = self._announced_at + ANNOUNCE_EVERY
         if self._held:
-            due = min(due, min(self._told_at.get(n, -math.inf) for n in self._held) + CLAIM_EVERY)
+            told = min(self._told_at.get(n, -math.inf) for n in self._held)
+            due = min(due, told + self.claim_every)
         return max(0.0, due - now)
 
     def flush(self) -> None:
@@ -106,8 +113,8 @@ class Lending:
         None, the version put and deleted since the last batch, if one was] for a delete; a
         small version goes with its offer, pinned for the peers it reached (Note [offers]).
         What a node hears only as a key's home (a claim) waits for the next message to it
-        or CLAIM_EVERY after the last: a stream of new keys costs each home at most one
-        wake-up per CLAIM_EVERY, not one per key (Note [homes])."""
+        or `claim_every` after the last: a stream of new keys costs each home at most one
+        wake-up per `claim_every`, not one per key (Note [homes])."""
         now = time.monotonic()
         out: dict[str, list[list[Any]]] = {}  # node -> what it hears now
         offered: list[tuple[StoredObject, set[str]]] = []  # a version, its followers
@@ -128,8 +135,14 @@ class Lending:
         for obj, to in offered:
             self.offered.pin(obj, told & to)
 
+    @property
+    def claim_every(self) -> float:
+        """Seconds a claim to a node that does not follow its key waits after the last
+        announcement to it: CLAIM_EVERY, longer in a large cluster (CLAIMS_A_SECOND)."""
+        return max(CLAIM_EVERY, min(CLAIM_WAIT_MAX, self.peers / CLAIMS_A_SECOND))
+
     def _due(self, node: str, now: float) -> bool:
-        return now >= self._told_at.get(node, -math.inf) + CLAIM_EVERY
+        return now >= self._told_at.get(node, -math.inf) + self.claim_every
 
     def _batch(
         self, now: float, out: dict[str, list[list[Any]]],

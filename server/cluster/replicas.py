@@ -181,6 +181,7 @@ class Replicas(Ordering):
         """The nodes up changed: the keys' homes move (Homes.changed)."""
         links = self.links
         up = [n for n in links.nodes() if links.up(n)]
+        self.lending.peers = len(up)  # (how long claims wait: Lending.claim_every)
         self.homes.changed(up, self.lending.claim_to, self._kept, self._drop)
 
     def _kept(self, key: str) -> bool:

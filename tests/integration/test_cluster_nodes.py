@@ -132,7 +132,7 @@ def test_small_versions_are_on_every_node_before_a_get_asks(
     assert wait_until(
         lambda: clusters.figures(b)["prefetched"] == 1 and clusters.received(b) == x.nbytes, 5
     )
-    assert b.exists("large")  # (its homes heard of it: a claim waits up to CLAIM_EVERY)
+    assert b.exists("large")  # (its homes heard of it: a claim waits up to claim_every)
     crash(brokers["a"])
     np.testing.assert_array_equal(b.get("small").numpy(), x)
     assert wait_until(lambda: b.stats()["cluster"]["peers"]["a"]["state"] == "down", 3.5)

@@ -48,12 +48,14 @@ def test_a_new_key_is_heard_of_by_its_two_homes_only(quad: Callable[[str], Node]
 def test_new_keys_put_close_together_cost_each_home_one_message(
     quad: Callable[[str], Node], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A stream of new keys: a home told of a claim hears of the next ones once CLAIM_EVERY
-    passed, all in one message, so it wakes once per CLAIM_EVERY, not once per key. A home
-    told of nothing lately hears at once."""
-    every = 2.0  # (this test's steps take a while on a loaded machine)
-    monkeypatch.setattr(lending, "CLAIM_EVERY", every)
+    """A stream of new keys: a home told of a claim hears of the next ones once
+    `claim_every` passed (longer as more nodes are up), all in one message, so it wakes once
+    per `claim_every`, not once per key. A home told of nothing lately hears at once."""
+    every = 3.0  # (this test's steps take a while on a loaded machine): with 3 peers up,
+    monkeypatch.setattr(lending, "CLAIMS_A_SECOND", 3 / every)  # a's claims wait `every`
+    monkeypatch.setattr(lending, "CLAIM_WAIT_MAX", 10.0)
     a, b, c, d = _started(quad)
+    assert a.cluster.replicas.lending.claim_every == every
     nodes = [a, b, c, d]
     first, second, third = (
         homed("bc", "abcd", "x"),
@@ -167,6 +169,24 @@ def test_a_get_waiting_for_a_key_is_told_of_its_put_after_the_keys_home_restarte
     assert run(nodes, 3, lambda: key in b.cluster.replicas.homes.lookers)
     a.put(key, 2 * OFFER_MAX)
     assert run(nodes, 3, lambda: key in d.reads.started)
+
+
+def test_a_stream_of_new_keys_costs_the_cluster_the_same_claims_a_second_whatever_its_size(
+    quad: Callable[[str], Node],
+) -> None:
+    """A node putting new keys as fast as it can sends a claim message to each home once
+    per `claim_every`: at most CLAIMS_A_SECOND such messages a second in all, whatever the
+    number of nodes, up to the size where CLAIM_WAIT_MAX bounds the wait."""
+    claims = quad("a").cluster.replicas.lending
+    largest = int(lending.CLAIM_WAIT_MAX * lending.CLAIMS_A_SECOND)  # peers
+    for peers in (1, 3, 4, 15, 20, largest):
+        claims.peers = peers
+        assert lending.CLAIM_EVERY <= claims.claim_every <= lending.CLAIM_WAIT_MAX
+        assert peers / claims.claim_every <= lending.CLAIMS_A_SECOND + 1e-9
+    claims.peers = 3  # (at 4 nodes, the 10 ms of a small cluster)
+    assert claims.claim_every == lending.CLAIM_EVERY
+    claims.peers = 999
+    assert claims.claim_every == lending.CLAIM_WAIT_MAX
 
 
 def test_a_key_its_owner_no_longer_has_is_forgotten_once_a_get_asks_it(
