@@ -88,7 +88,8 @@ class Ahead:
         """[[put, oid, segment, offset, size], ...], a device's with [device, handle, event]
         after those (Registry.grant)."""
         for put, oid, segment, offset, size, *device in grants:
-            self.conn.leases.hold(put, oid)
+            if not self.conn.leases.hold_put(put, oid):  # the broker that died granted it
+                continue  # (the one after aborts it)
             grant = Grant(put, oid, segment, offset, size, *device)
             self.grants.setdefault(grant.stock, []).append(grant)
 

@@ -136,7 +136,7 @@ class Connection:
             channel.watch_broker(self._broker_pidfd)  # hello: its answer is not coming
         hello = self.hello_message()
         if resume:
-            hello["leases"] = [n for pair in list(self.held.items()) for n in pair]  # flat
+            hello["leases"] = self.leases.resume()  # (no put held until it is answered)
             hello["calls"] = list(self._calls)
         try:
             reply = channel.call(hello, timeout)
@@ -377,6 +377,7 @@ class Connection:
                         raise BrokerUnavailable(self._broken) from None
             self._broken = None
             self.generation += 1
+            self.leases.resumed()
             self._pool.give_back(channel)
             log.warning(
                 "the broker at %s is back; %s", self.address,

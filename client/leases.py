@@ -35,11 +35,38 @@ class Leases:
         # Ring slots found idle, (queue id, version), for the broker (Note [broadcast ring]).
         self.done: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
         self.held: dict[int, int] = {}  # lease id -> object id, claimed again after a restart
+        self._lock = threading.Lock()  # (`hold_put` against `resume`)
+        self._resuming = False  # a resume hello listed `held`; not answered yet
 
     def hold(self, lease: int, oid: int) -> None:
         """This process holds `lease` on object `oid` (claimed again if the broker restarts);
         it ends when the lease id is released, or `forget`."""
         self.held[lease] = oid
+
+    def hold_put(self, put: int, oid: int) -> bool:
+        """Hold the block of `put` (a grant, or a put's memory), which a reply brought; False
+        (not held) if a broker that restarted is being told what this process holds: the
+        reply came from the broker that died, after the list went (another thread read it),
+        and the new broker aborts that put. Its seal would be answered as one sealed and
+        freed since (`sealed_before` in server/adoption.py), and the put lost: the caller
+        lets it go, and puts again."""
+        with self._lock:
+            if self._resuming:
+                return False
+            self.held[put] = oid
+            return True
+
+    def resume(self) -> list[int]:
+        """What this process holds, for the hello to a broker that restarted: [lease id,
+        object id, ...]. No put is held from now until `resumed`."""
+        with self._lock:
+            self._resuming = True
+            return [n for pair in list(self.held.items()) for n in pair]
+
+    def resumed(self) -> None:
+        """The broker that restarted answered the hello (`resume`)."""
+        with self._lock:
+            self._resuming = False
 
     def forget(self, lease: int) -> None:
         self.held.pop(lease, None)

@@ -22,7 +22,7 @@ from ..common.cudart import STREAM_LEGACY, device_index, parse_device
 from ..common.descriptors import DEVICE_ALIGN, TensorDesc, compact_strides, layout
 from ..common.dtypes import DType
 from ..common.dtypes import dtype as lookup_dtype
-from ..common.errors import BrokerError, CapacityError
+from ..common.errors import BrokerError, BrokerUnavailable, CapacityError
 from ..common.mailbox import Template, body_tail
 from ..common.protocol import Op
 from . import placement
@@ -38,6 +38,11 @@ from .tensor import DeviceLease, Tensor
 from .writes import Writes
 
 PLAN_CACHE = 256  # put plans of plain NumPy arrays, by dtype and shape
+
+
+class PutNotKept(BrokerUnavailable):
+    """The memory a put was given came from a broker that died, and the one after it does
+    not keep it (Leases.hold_put): nothing was written; the put asks again."""
 
 
 class WritePlan:
@@ -123,7 +128,11 @@ class Transfer:
         plan = self.plan_write(label, value, device, copy, fields)
         if plan.grant is not None:
             return self.write_granted(plan, wait, block)
-        return self.fill(plan, self.ask_memory(op, wait, **plan.request), block)
+        while True:
+            try:
+                return self.fill(plan, self.ask_memory(op, wait, **plan.request), block)
+            except PutNotKept:  # asked of a broker that died: now of the one after it
+                continue
 
     def ask_memory(
         self, op: str, wait: float | None, late: Callable[[dict[str, Any]], None] | None = None,
@@ -184,7 +193,7 @@ class Transfer:
         the copy fails)."""
         items, target, label, key = plan.items, plan.target, plan.label, plan.fields.get("key")
         put_id = reply["put"]
-        self.conn.leases.hold(put_id, reply["oid"])  # a broker that restarts keeps the put
+        self._hold_put(put_id, reply["oid"], label)  # a broker that restarts keeps the put
         try:
             if target == "cpu":
                 for (_, src, dt), wire in zip(items, reply["tensors"], strict=True):
@@ -202,6 +211,14 @@ class Transfer:
         seal = {"op": Op.SEAL, "put": put_id, **({} if key is not None else {"item": True})}
         sealed = self.writes.seal(seal, key, what, put_id, block)
         return None if sealed is None else int(sealed["version"])
+
+    def _hold_put(self, put: int, oid: int, label: str) -> None:
+        if not self.conn.leases.hold_put(put, oid):
+            raise PutNotKept(
+                f"the broker at {self.conn.address} restarted while {label!r} was being "
+                "put, and does not keep the memory the one before gave it: nothing was "
+                "stored; put it again"
+            )
 
     def write_granted(self, plan: WritePlan, wait: float | None, block: bool) -> int | None:
         """Copy into the block granted ahead and seal it in one trip (a bounded queue's item
@@ -342,7 +359,7 @@ class Transfer:
             fields["device"] = device
         reply = self.ask_memory(op, wait, late, tensors=specs, **fields)
         desc = TensorDesc.from_wire(reply["tensors"][0])
-        self.conn.leases.hold(reply["put"], reply["oid"])
+        self._hold_put(reply["put"], reply["oid"], label)
         try:
             lease = self.reads.lease(reply["put"], desc, reply, reader=False)
         except BaseException:
