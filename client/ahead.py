@@ -63,9 +63,10 @@ class Ahead:
         self.credits: dict[int, int] = {}  # queue id -> slots credited ahead
         self._unbounded: set[int] = set()  # queues that need no credits
 
-    def refill(self, reply: dict[str, Any], queue: int | None) -> None:
-        """What the reply to a seal (of a put to `queue`, if any) brings."""
-        self.add_grants(reply.get("grants", ()))
+    def refill(self, reply: dict[str, Any], queue: int | None, epoch: int) -> None:
+        """What the reply to a seal (of a put to `queue`, if any) brings, sent at `epoch`
+        (`Leases.hold_put`)."""
+        self.add_grants(reply.get("grants", ()), epoch)
         credits = reply.get("credits")
         if credits and queue is not None:
             self.credits[queue] = self.credits.get(queue, 0) + credits
@@ -84,12 +85,12 @@ class Ahead:
 
     # -- grants ----------------------------------------------------------------------------
 
-    def add_grants(self, grants: Any) -> None:
+    def add_grants(self, grants: Any, epoch: int) -> None:
         """[[put, oid, segment, offset, size], ...], a device's with [device, handle, event]
-        after those (Registry.grant)."""
+        after those (Registry.grant), a reply to a request sent at `epoch`."""
         for put, oid, segment, offset, size, *device in grants:
-            if not self.conn.leases.hold_put(put, oid):  # the broker that died granted it
-                continue  # (the one after aborts it)
+            if not self.conn.leases.hold_put(put, oid, epoch):  # maybe the broker's that died
+                continue
             grant = Grant(put, oid, segment, offset, size, *device)
             self.grants.setdefault(grant.stock, []).append(grant)
 
@@ -111,7 +112,8 @@ class Ahead:
             if time.monotonic() - self._refused.get(key, -1e9) < NO_GRANTS_BACKOFF:
                 return None
             where: dict[str, Any] = {} if device == "cpu" else {"device": device}
-            self.add_grants(self.conn.call(Op.GRANT, size=size, **where)["grants"])
+            epoch = self.conn.leases.epoch
+            self.add_grants(self.conn.call(Op.GRANT, size=size, **where)["grants"], epoch)
             stock = self.grants.get(key)
             if not stock:
                 self._refused[key] = time.monotonic()

@@ -265,10 +265,11 @@ class AsyncClient:
             return await asyncio.to_thread(transfer.write_granted, plan, wait, block)
         if plan.grant is not None:
             return transfer.write_granted(plan, wait, block)
+        epoch = transfer.conn.leases.epoch  # (Leases.hold_put)
         reply = await self._call(op, wait, Late(self._abort), **plan.request)
         if _nbytes(plan) > INLINE_BYTES:
-            return await asyncio.to_thread(transfer.fill, plan, reply, block)
-        return transfer.fill(plan, reply, block)
+            return await asyncio.to_thread(transfer.fill, plan, reply, block, epoch)
+        return transfer.fill(plan, reply, block, epoch)
 
     def _abort(self, reply: Reply) -> None:
         """Memory granted to a put after it was cancelled: given back."""

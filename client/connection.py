@@ -377,7 +377,6 @@ class Connection:
                         raise BrokerUnavailable(self._broken) from None
             self._broken = None
             self.generation += 1
-            self.leases.resumed()
             self._pool.give_back(channel)
             log.warning(
                 "the broker at %s is back; %s", self.address,

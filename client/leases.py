@@ -36,37 +36,33 @@ class Leases:
         self.done: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
         self.held: dict[int, int] = {}  # lease id -> object id, claimed again after a restart
         self._lock = threading.Lock()  # (`hold_put` against `resume`)
-        self._resuming = False  # a resume hello listed `held`; not answered yet
+        self.epoch = 0  # resume hellos said: a reply is of the broker of its request's epoch
 
     def hold(self, lease: int, oid: int) -> None:
         """This process holds `lease` on object `oid` (claimed again if the broker restarts);
         it ends when the lease id is released, or `forget`."""
         self.held[lease] = oid
 
-    def hold_put(self, put: int, oid: int) -> bool:
-        """Hold the block of `put` (a grant, or a put's memory), which a reply brought; False
-        (not held) if a broker that restarted is being told what this process holds: the
-        reply came from the broker that died, after the list went (another thread read it),
-        and the new broker aborts that put. Its seal would be answered as one sealed and
-        freed since (`sealed_before` in server/adoption.py), and the put lost: the caller
-        lets it go, and puts again."""
+    def hold_put(self, put: int, oid: int, epoch: int) -> bool:
+        """Hold the block of `put` (a grant, or a put's memory), which the reply to a request
+        sent at `epoch` brought (read before the request went); False, and the put let go,
+        if a hello to a broker that restarted listed what this process holds since: the
+        reply may be the broker's that died, the new one aborts such a put, and its seal
+        would be answered as one sealed and freed since (`sealed_before` in
+        server/adoption.py): the item lost. The caller puts again."""
         with self._lock:
-            if self._resuming:
-                return False
-            self.held[put] = oid
-            return True
+            if epoch == self.epoch:
+                self.held[put] = oid
+                return True
+        self.releases.put(put)  # (a put of the broker of now, if it was: aborted)
+        return False
 
     def resume(self) -> list[int]:
         """What this process holds, for the hello to a broker that restarted: [lease id,
-        object id, ...]. No put is held from now until `resumed`."""
+        object id, ...]. A put a reply brings is held only if its request went after."""
         with self._lock:
-            self._resuming = True
+            self.epoch += 1
             return [n for pair in list(self.held.items()) for n in pair]
-
-    def resumed(self) -> None:
-        """The broker that restarted answered the hello (`resume`)."""
-        with self._lock:
-            self._resuming = False
 
     def forget(self, lease: int) -> None:
         self.held.pop(lease, None)

@@ -87,11 +87,12 @@ def put(
     try:
         reserve(ring, claim, claimed)
         plan.fields["ring"] = claimed[1]
+        epoch = ring.transfer.conn.leases.epoch  # (Leases.hold_put)
         reply = ring.transfer.ask_memory(Op.QPUT, until, answered.append, **plan.request)
     except BaseException as exc:
         not_put(ring, claimed, answered, exc)
         raise
-    return ring.transfer.fill(plan, reply, block)  # (a failed fill is aborted: the broker's)
+    return ring.transfer.fill(plan, reply, block, epoch)  # (a failed fill is aborted: the broker's)
 
 
 def reserve(ring: QueueRing, timeout: float | None, claimed: list[int]) -> None:

@@ -129,8 +129,9 @@ class Transfer:
         if plan.grant is not None:
             return self.write_granted(plan, wait, block)
         while True:
+            epoch = self.conn.leases.epoch
             try:
-                return self.fill(plan, self.ask_memory(op, wait, **plan.request), block)
+                return self.fill(plan, self.ask_memory(op, wait, **plan.request), block, epoch)
             except PutNotKept:  # asked of a broker that died: now of the one after it
                 continue
 
@@ -188,12 +189,12 @@ class Transfer:
                 plan.grant = self.writes.ahead.take_grant(plan.size, target)
         return plan
 
-    def fill(self, plan: WritePlan, reply: dict[str, Any], block: bool) -> int | None:
-        """Copy into the memory the broker gave the put (`reply`), then seal it (aborted if
-        the copy fails)."""
+    def fill(self, plan: WritePlan, reply: dict[str, Any], block: bool, epoch: int) -> int | None:
+        """Copy into the memory the broker gave the put (`reply`, to a request sent at
+        `epoch`: Leases.hold_put), then seal it (aborted if the copy fails)."""
         items, target, label, key = plan.items, plan.target, plan.label, plan.fields.get("key")
         put_id = reply["put"]
-        self._hold_put(put_id, reply["oid"], label)  # a broker that restarts keeps the put
+        self._hold_put(put_id, reply["oid"], label, epoch)  # a broker that restarts keeps it
         try:
             if target == "cpu":
                 for (_, src, dt), wire in zip(items, reply["tensors"], strict=True):
@@ -212,8 +213,8 @@ class Transfer:
         sealed = self.writes.seal(seal, key, what, put_id, block)
         return None if sealed is None else int(sealed["version"])
 
-    def _hold_put(self, put: int, oid: int, label: str) -> None:
-        if not self.conn.leases.hold_put(put, oid):
+    def _hold_put(self, put: int, oid: int, label: str, epoch: int) -> None:
+        if not self.conn.leases.hold_put(put, oid, epoch):
             raise PutNotKept(
                 f"the broker at {self.conn.address} restarted while {label!r} was being "
                 "put, and does not keep the memory the one before gave it: nothing was "
@@ -357,9 +358,10 @@ class Transfer:
         specs = [["", dt.name, [int(d) for d in shape]]]
         if device != "cpu":
             fields["device"] = device
+        epoch = self.conn.leases.epoch
         reply = self.ask_memory(op, wait, late, tensors=specs, **fields)
         desc = TensorDesc.from_wire(reply["tensors"][0])
-        self._hold_put(reply["put"], reply["oid"], label)
+        self._hold_put(reply["put"], reply["oid"], label, epoch)
         try:
             lease = self.reads.lease(reply["put"], desc, reply, reader=False)
         except BaseException:

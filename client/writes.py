@@ -68,6 +68,7 @@ class Writes:
         self._lock = threading.Lock()  # the socket, and the tables below
         self._channel: Channel | None = None
         self._generation = conn.generation  # of the broker the channel talks to
+        self._epoch = conn.leases.epoch  # when the channel was opened (Leases.hold_put)
         self._out: dict[int, _Out] = {}  # request id -> seal not answered yet, in order
         self._keys: dict[str, int] = {}  # key -> the request id of its last seal out
         self._owed: set[int] = set()  # seals of items handed over, returned before answered
@@ -308,7 +309,7 @@ class Writes:
         out = self._out.get(rid) if isinstance(rid, int) else None
         if out is None:
             if rid == 0 and reply.get("ok"):  # grants topped up after a write's reply
-                self.ahead.add_grants(reply.get("grants", ()))
+                self.ahead.add_grants(reply.get("grants", ()), self._epoch)
             return
         if not reply.get("ok") and reply.get("code") == "hello_first":
             self._stale = True  # a broker that restarted: sent again once it knows us
@@ -320,7 +321,7 @@ class Writes:
             del self._keys[out.key]
         if out.put is not None:  # the put lease ends with the answer, whatever it is
             self.conn.leases.forget(out.put)
-        self.ahead.refill(reply, out.message.get("queue"))
+        self.ahead.refill(reply, out.message.get("queue"), self._epoch)
         if out.wait:
             self._answers[rid] = reply  # type: ignore[index]
         elif not reply.get("ok"):
@@ -340,6 +341,7 @@ class Writes:
             self._channel = None
             self.conn.discard_channel(channel)
             self.ahead.let_go()  # the old broker's
+        self._epoch = self.conn.leases.epoch  # before: its replies are of a later broker
         channel = self._channel = self.conn.open_channel()
         self._generation = self.conn.generation  # after: a hello waits for a reconnection
         self._stale = False

@@ -195,12 +195,14 @@ def test_a_parked_get_resumes_on_the_new_broker(crashable: tb.BrokerProcess) -> 
         writer.delete("late")
 
 
+@pytest.mark.parametrize("read", ["during", "after"])
 def test_blocks_the_dead_broker_granted_read_after_the_resume_hello_are_not_used(
-    crashable: tb.BrokerProcess, monkeypatch: pytest.MonkeyPatch
+    crashable: tb.BrokerProcess, monkeypatch: pytest.MonkeyPatch, read: str
 ) -> None:
     """Blocks granted ahead that a thread reads from the broker that died after another
-    thread's hello to the new one listed what this client holds: that broker aborts them.
-    Written into, a queue item was answered as put (version 0) and never delivered
+    thread's hello to the new one listed what this client holds (`read` while that
+    reconnection is under way, or after it), and that a put takes: the new broker aborted
+    them. Written into, a queue item was answered as put (version 0) and never delivered
     (test_chaos lost an item so); now they are not used, and the item goes in."""
     with tb.connect(crashable.address) as c:
         q = c.queue("late-grants")  # unbounded: no ring, every item through the broker
@@ -212,15 +214,23 @@ def test_blocks_the_dead_broker_granted_read_after_the_resume_hello_are_not_used
         assert late
         for g in late:  # not held when the hello lists what this client holds
             conn.leases.forget(g.put)
-        new_channel, take_grant, taken = conn.new_channel, ahead.take_grant, []
+        epoch, new_channel, take_grant, taken = (
+            conn.leases.epoch,
+            conn.new_channel,
+            ahead.take_grant,
+            [],
+        )
+
+        def read_late() -> None:  # off the dead broker's socket, and taken by a put
+            ahead.add_grants([[g.put, g.oid, g.segment, g.offset, g.size] for g in late], epoch)
+            for stock in ahead.grants.values():
+                taken.extend(g for g in stock if g.put in {x.put for x in late})
+                stock[:] = [g for g in stock if g not in taken]
 
         def hello(*args: Any, **kwargs: Any) -> Any:
             channel = new_channel(*args, **kwargs)
-            if kwargs.get("resume"):  # (answered; the reconnection not over yet): read now,
-                ahead.add_grants([[g.put, g.oid, g.segment, g.offset, g.size] for g in late])
-                for stock in ahead.grants.values():  # and taken by a put meanwhile
-                    taken.extend(g for g in stock if g.put in {x.put for x in late})
-                    stock[:] = [g for g in stock if g not in taken]
+            if kwargs.get("resume") and read == "during":  # (answered; not over yet)
+                read_late()
             return channel
 
         def take(size: int, device: str = "cpu") -> Any:
@@ -230,6 +240,9 @@ def test_blocks_the_dead_broker_granted_read_after_the_resume_hello_are_not_used
         monkeypatch.setattr(ahead, "take_grant", take)
         crash(crashable)
         crashable.restart()
+        if read == "after":
+            assert not c.exists("x")  # (the reconnection)
+            read_late()
         for n in range(len(late) + 2):
             assert q.put(np.array([n, n])) != 0  # (0: "sealed and freed since")
         for n in range(len(late) + 2):
