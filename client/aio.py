@@ -244,7 +244,7 @@ class AsyncClient:
             while True:
                 channel = await self._socket()
                 try:
-                    return await channel.call(message, wait, late)
+                    return conn.leases.leased(await channel.call(message, wait, late))
                 except BrokerUnavailable as exc:
                     if channel.broken is None or self._closed:  # out of time, or closed
                         raise

@@ -136,8 +136,9 @@ class Connection:
             channel.watch_broker(self._broker_pidfd)  # hello: its answer is not coming
         hello = self.hello_message()
         if resume:
-            hello["leases"] = self.leases.resume()  # (no put held until it is answered)
+            # The calls first: one that ends after, ended holding its lease (`in_flight`).
             hello["calls"] = list(self._calls)
+            hello["leases"] = self.leases.resume()
         try:
             reply = channel.call(hello, timeout)
         except BrokerExited:  # a broker that restarted, waiting for a hello with leases
@@ -239,7 +240,7 @@ class Connection:
         if releases:
             message["rel"] = releases
         with self.in_flight(message["id"]):
-            return self._call(message, op, wait, fields, bell, late)
+            return self.leases.leased(self._call(message, op, wait, fields, bell, late))
 
     def chunk_fd(self, device: str, name: str) -> tuple[int, int]:
         """A VMM chunk's size and file descriptor, passed by the broker (DeviceLink)."""

@@ -43,6 +43,15 @@ class Leases:
         it ends when the lease id is released, or `forget`."""
         self.held[lease] = oid
 
+    def leased(self, reply: dict[str, Any]) -> dict[str, Any]:
+        """`reply`, its lease held (a get's, a queue get's), while its call is still named in
+        the hello to a broker that restarts (Connection.in_flight): that hello names it, or
+        lists the lease. Held after, a queue item's lease was in neither, and the new broker
+        freed the item under the consumer's array."""
+        if "lease" in reply and "oid" in reply:
+            self.hold(reply["lease"], reply["oid"])
+        return reply
+
     def hold_put(self, put: int, oid: int, epoch: int) -> bool:
         """Hold the block of `put` (a grant, or a put's memory), which the reply to a request
         sent at `epoch` brought (read before the request went); False, and the put let go,

@@ -250,6 +250,38 @@ def test_blocks_the_dead_broker_granted_read_after_the_resume_hello_are_not_used
         q.close()
 
 
+def test_a_queue_item_taken_just_before_the_broker_died_keeps_its_memory(
+    crashable: tb.BrokerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A get's answer came from the broker that died, and the hello to the new one went
+    before the client held its lease: the new broker must still keep the item's memory
+    for the consumer (the get was still waiting when the hello listed the calls), not
+    free it for the next puts to reuse under the consumer's array."""
+    with tb.connect(crashable.address) as c:
+        q = c.queue("taken-late")  # unbounded: no ring, the item through the broker
+        q.put(np.full(512, 7, np.int64))
+        conn = c._conn
+        assert conn is not None
+        hold, restarted = conn.leases.hold, []
+
+        def hold_late(lease: int, oid: int) -> None:
+            if not restarted:  # the broker dies, and the hello goes, before the hold
+                restarted.append(lease)
+                crash(crashable)
+                crashable.restart()
+                conn.reconnect(conn.generation)
+            hold(lease, oid)
+
+        monkeypatch.setattr(conn.leases, "hold", hold_late)
+        item = q.get(timeout=5)
+        assert restarted
+        for _ in range(40):  # (blocks the new broker freed would be reused)
+            q.put(np.full(512, 9, np.int64))
+        assert item.numpy().tolist() == [7] * 512
+        del item
+        q.close()
+
+
 def test_a_client_whose_first_answer_from_the_new_broker_was_lost_keeps_its_state(
     crashable: tb.BrokerProcess,
 ) -> None:
