@@ -243,8 +243,12 @@ class AsyncClient:
         with conn.in_flight(message["id"]):
             while True:
                 channel = await self._socket()
+                epoch = conn.leases.epoch
                 try:
-                    return conn.leases.leased(await channel.call(message, wait, late))
+                    reply = await channel.call(message, wait, late)
+                    if conn.leases.leased(reply, epoch, again=op == Op.GET):
+                        return reply
+                    continue  # (a get answered by a broker that died: asked again)
                 except BrokerUnavailable as exc:
                     if channel.broken is None or self._closed:  # out of time, or closed
                         raise

@@ -240,7 +240,11 @@ class Connection:
         if releases:
             message["rel"] = releases
         with self.in_flight(message["id"]):
-            return self.leases.leased(self._call(message, op, wait, fields, bell, late))
+            while True:  # (a get answered by a broker that died asks the one of now again)
+                epoch = self.leases.epoch
+                reply = self._call(message, op, wait, fields, bell, late)
+                if self.leases.leased(reply, epoch, again=op == Op.GET):
+                    return reply
 
     def chunk_fd(self, device: str, name: str) -> tuple[int, int]:
         """A VMM chunk's size and file descriptor, passed by the broker (DeviceLink)."""

@@ -43,14 +43,26 @@ class Leases:
         it ends when the lease id is released, or `forget`."""
         self.held[lease] = oid
 
-    def leased(self, reply: dict[str, Any]) -> dict[str, Any]:
-        """`reply`, its lease held (a get's, a queue get's), while its call is still named in
-        the hello to a broker that restarts (Connection.in_flight): that hello names it, or
-        lists the lease. Held after, a queue item's lease was in neither, and the new broker
-        freed the item under the consumer's array."""
-        if "lease" in reply and "oid" in reply:
-            self.hold(reply["lease"], reply["oid"])
-        return reply
+    def leased(self, reply: dict[str, Any], epoch: int, again: bool) -> bool:
+        """Hold the lease `reply` brings (a get's, a queue get's), the answer to a call sent
+        at `epoch`, while the call is still named in the hello to a broker that restarts
+        (Connection.in_flight): that hello names the call, or lists the lease (held after,
+        a queue item's lease was in neither, and the new broker freed the item under the
+        consumer's array). If a hello went since the call was sent, the answer may be the
+        broker's that died, and the new one does not know the lease: a queue item it keeps
+        for the call, but a key's version it frees once replaced. Then, if `again`, False:
+        the lease is let go, and the caller asks again."""
+        if "lease" not in reply or "oid" not in reply:
+            return True
+        with self._lock:
+            if epoch == self.epoch:
+                self.held[reply["lease"]] = reply["oid"]
+                return True
+        if again:
+            self.releases.put(reply["lease"])
+            return False
+        self.hold(reply["lease"], reply["oid"])
+        return True
 
     def hold_put(self, put: int, oid: int, epoch: int) -> bool:
         """Hold the block of `put` (a grant, or a put's memory), which the reply to a request

@@ -3,6 +3,7 @@ come back to it with their sessions and leases (Note [recovery] in server/durabi
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -250,33 +251,36 @@ def test_blocks_the_dead_broker_granted_read_after_the_resume_hello_are_not_used
         q.close()
 
 
-def test_a_queue_item_taken_just_before_the_broker_died_keeps_its_memory(
-    crashable: tb.BrokerProcess, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("got", ["queue item", "key"])
+def test_what_a_get_took_just_before_the_broker_died_keeps_its_memory(
+    crashable: tb.BrokerProcess, monkeypatch: pytest.MonkeyPatch, got: str
 ) -> None:
     """A get's answer came from the broker that died, and the hello to the new one went
-    before the client held its lease: the new broker must still keep the item's memory
-    for the consumer (the get was still waiting when the hello listed the calls), not
-    free it for the next puts to reuse under the consumer's array."""
+    before the client held its lease: the new broker must still keep the memory under the
+    consumer's array (a queue item: its get was still waiting when the hello named the
+    calls; a key: asked again of the new broker), not free it for the next puts to reuse."""
     with tb.connect(crashable.address) as c:
         q = c.queue("taken-late")  # unbounded: no ring, the item through the broker
-        q.put(np.full(512, 7, np.int64))
-        conn = c._conn
+        put = q.put if got == "queue item" else functools.partial(c.put, "k")
+        put(np.full(512, 7, np.int64))
+        conn, reads = c._conn, c._transfer.reads
         assert conn is not None
-        hold, restarted = conn.leases.hold, []
+        monkeypatch.setattr(reads, "read_directly", lambda key: None)  # (the broker answers)
+        leased, restarted = conn.leases.leased, []
 
-        def hold_late(lease: int, oid: int) -> None:
-            if not restarted:  # the broker dies, and the hello goes, before the hold
-                restarted.append(lease)
+        def leased_late(*args: Any, **kwargs: Any) -> Any:
+            if not restarted:  # the broker dies, and the hello goes, before the lease
+                restarted.append(True)
                 crash(crashable)
                 crashable.restart()
                 conn.reconnect(conn.generation)
-            hold(lease, oid)
+            return leased(*args, **kwargs)
 
-        monkeypatch.setattr(conn.leases, "hold", hold_late)
-        item = q.get(timeout=5)
+        monkeypatch.setattr(conn.leases, "leased", leased_late)
+        item = q.get(timeout=5) if got == "queue item" else c.get("k")
         assert restarted
         for _ in range(40):  # (blocks the new broker freed would be reused)
-            q.put(np.full(512, 9, np.int64))
+            put(np.full(512, 9, np.int64))
         assert item.numpy().tolist() == [7] * 512
         del item
         q.close()
