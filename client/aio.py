@@ -44,6 +44,7 @@ from .aio_queue import AsyncQueue, _Turn
 from .aiosocket import AsyncChannel, Late, Reply
 from .client import Client
 from .connection import REQUEST_TIMEOUT
+from .leases import ASKED_AGAIN
 from .qring import QueueRing, rings_wanted
 from .reads import Item
 from .tensor import Tensor
@@ -246,7 +247,7 @@ class AsyncClient:
                 epoch = conn.leases.epoch
                 try:
                     reply = await channel.call(message, wait, late)
-                    if conn.leases.leased(reply, epoch, again=op == Op.GET):
+                    if conn.leases.leased(reply, epoch, again=op in ASKED_AGAIN):
                         return reply
                     continue  # (a get answered by a broker that died: asked again)
                 except BrokerUnavailable as exc:

@@ -36,7 +36,7 @@ from ..common.curve import client_keys
 from ..common.errors import BrokerError, BrokerUnavailable, ProtocolError
 from ..common.protocol import PROTOCOL_VERSION, Op
 from .cancel import cancel, given_up
-from .leases import Leases, ReleaseThread
+from .leases import ASKED_AGAIN, Leases, ReleaseThread
 from .resending import check_resent
 from .transport import BrokerExited, Channel, ChannelPool, NoReply, Unsent, waits
 
@@ -240,20 +240,7 @@ class Connection:
         if releases:
             message["rel"] = releases
         with self.in_flight(message["id"]):
-            while True:  # (a get answered by a broker that died asks the one of now again)
-                epoch = self.leases.epoch
-                reply = self._call(message, op, wait, fields, bell, late)
-                if self.leases.leased(reply, epoch, again=op == Op.GET):
-                    return reply
-
-    def chunk_fd(self, device: str, name: str) -> tuple[int, int]:
-        """A VMM chunk's size and file descriptor, passed by the broker (DeviceLink)."""
-        reply, fd = self.fetch_fd(Op.CHUNK, device=device, segment=name)
-        try:
-            return int(reply["size"]), fd
-        except (KeyError, TypeError, ValueError):
-            os.close(fd)
-            raise ProtocolError(f"chunk {name!r}: the broker's reply has no size") from None
+            return self._call(message, op, wait, fields, bell, late)
 
     def fetch_fd(self, op: str, **fields: Any) -> tuple[dict[str, Any], int]:
         """A request whose reply passes a file descriptor over the lane (Op.CHUNK): the reply
@@ -304,7 +291,10 @@ class Connection:
                 if bell is not None and (bell.generation != generation or not channel.rings):
                     bell = None  # the mailbox named by an earlier broker, or no lane to ring
                     message.pop("mailbox", None)
-                return channel.call(message, wait, bell)
+                epoch = self.leases.epoch  # (before it goes: Leases.leased)
+                reply = channel.call(message, wait, bell)
+                if self.leases.leased(reply, epoch, again=op in ASKED_AGAIN):
+                    return reply  # (else answered by a broker that died: asked again)
             except BrokerExited as exc:
                 sent = not isinstance(exc, Unsent) and channel is not None
                 if channel is not None:

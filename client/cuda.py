@@ -33,7 +33,8 @@ from ..common import cudart
 from ..common.cudart import STREAM_LEGACY, VMM_HANDLE, CudaUnavailable, Runtime
 from ..common.descriptors import compact_strides
 from ..common.dtypes import DType
-from ..common.errors import BrokerUnavailable, InvalidRequest
+from ..common.errors import BrokerUnavailable, InvalidRequest, ProtocolError
+from ..common.protocol import Op
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +185,7 @@ class DeviceLink:
         return found
 
     def ask_through(self, connection: Any) -> None:
-        """Ask `connection` (Connection.chunk_fd) for the descriptors of VMM chunks."""
+        """Ask `connection` (Connection.fetch_fd) for the descriptors of VMM chunks."""
         self._asks = weakref.ref(connection)
 
     def _map_fd(self, rt: Runtime, device: int, name: str) -> Opened:
@@ -193,7 +194,12 @@ class DeviceLink:
         connection = self._asks()
         if connection is None:
             raise BrokerUnavailable(f"{name}: the client this link belongs to is gone")
-        size, fd = connection.chunk_fd(f"cuda:{device}", name)
+        reply, fd = connection.fetch_fd(Op.CHUNK, device=f"cuda:{device}", segment=name)
+        try:
+            size = int(reply["size"])
+        except (KeyError, TypeError, ValueError):
+            os.close(fd)
+            raise ProtocolError(f"chunk {name!r}: the broker's reply has no size") from None
         try:
             ptr = rt.vmm_open(device, fd, size)
         except Exception as exc:

@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 
 RELEASE_WINDOW = 0.005  # releases wait at most this long for a request to carry them ...
 RELEASE_IDLE_WINDOW = 0.1  # ... or this long, in a client that has been idle
+# Calls whose answer from a broker that died, come after the hello to the next one, is let
+# go and asked for again (`Leases.leased`)
+ASKED_AGAIN = frozenset({Op.GET, Op.QGET})
 RETRY_IDLE = 1.0  # seconds between the release thread's looks for a broker that did not come back
 
 
@@ -48,10 +51,11 @@ class Leases:
         at `epoch`, while the call is still named in the hello to a broker that restarts
         (Connection.in_flight): that hello names the call, or lists the lease (held after,
         a queue item's lease was in neither, and the new broker freed the item under the
-        consumer's array). If a hello went since the call was sent, the answer may be the
-        broker's that died, and the new one does not know the lease: a queue item it keeps
-        for the call, but a key's version it frees once replaced. Then, if `again`, False:
-        the lease is let go, and the caller asks again."""
+        consumer's array). If a hello went since the call was sent, the answer is the
+        broker's that died, and the new one does not know the lease: it frees a key's
+        version once replaced, and keeps a queue item for the call until the session ends.
+        Then, if `again` (ASKED_AGAIN), False: the lease is let go, and the caller asks the
+        new broker again (the same item, for a queue get: Adoption.retake)."""
         if "lease" not in reply or "oid" not in reply:
             return True
         with self._lock:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Container
 from typing import Any
 
 from ..common.config import format_size
@@ -181,7 +182,7 @@ class Adoption:
         their objects again. Its puts it no longer knows of are aborted, and queue items
         handed to calls no longer waiting are let go. The lease ids whose objects are gone."""
         registry = self.registry
-        lost, claimed = [], set()
+        lost, claimed, leased = [], set(), set()
         for lease_id, oid in leases:
             claimed.add(lease_id)
             if lease_id in session.leases:
@@ -191,20 +192,27 @@ class Adoption:
                 lost.append(lease_id)
                 continue
             registry.lease(session, obj, lease_id=lease_id)
+            leased.add(oid)
         for put_id in [p for p in session.pending if p not in claimed]:
             registry.abort(session, put_id, keep=False)
-        self._let_go(session, keep=set(calls))
+        self._let_go(session, keep=set(calls), leased=leased)
         return lost
 
     def drop(self, session: Session) -> None:
         """`session` is gone: the items held for its gets sent again are let go."""
         self._let_go(session, keep=set())
 
-    def _let_go(self, session: Session, keep: set[int]) -> None:
-        """Let go of the items held for the gets of `session` not in `keep`: their answer
-        came (a lease holds them then), or they are not waited for any more."""
-        for key in [k for k in self._taken if k[0] == session.token and k[1] not in keep]:
-            self.registry.unpin(self._taken.pop(key))
+    def _let_go(self, session: Session, keep: set[int], leased: Container[int] = ()) -> None:
+        """Let go of the items held for the gets of `session` not in `keep`, or `leased`
+        (object ids) by its hello: their answer came (a lease holds them then), or they are
+        not waited for any more. (A hello can name a get whose answer came just after, and
+        its lease: Leases.leased on the client.)"""
+        taken = self._taken
+        for key in [
+            k for k, obj in taken.items()
+            if k[0] == session.token and (k[1] not in keep or obj.oid in leased)
+        ]:  # fmt: skip
+            self.registry.unpin(taken.pop(key))
 
     def settle(self) -> None:
         """Every client of the broker that died is back or gone: retired objects that no

@@ -286,6 +286,47 @@ def test_what_a_get_took_just_before_the_broker_died_keeps_its_memory(
         q.close()
 
 
+def test_a_queue_item_whose_get_and_lease_a_resume_hello_both_name_is_freed_once_dropped(
+    crashable: tb.BrokerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The broker died as a queue get's answer came; the client held its lease just after
+    the hello to the new broker named the get, and before it listed the leases: the hello
+    names both. The new broker leases the item and keeps no hold for a get sent again
+    (none is): once the consumer drops it, its memory is free (it was held until the
+    session ended)."""
+    with tb.connect(crashable.address) as c:
+        q = c.queue("named-twice")  # unbounded: no ring, the item through the broker
+        q.put(np.ones(8 << 20, np.uint8))
+        conn = c._conn
+        assert conn is not None
+        leases, done = conn.leases, []
+        leased, resume = leases.leased, leases.resume
+
+        def resume_late() -> list[int]:  # the calls named; the lease held before the leases
+            done.append(leased(*kept[0], **kept[1]))
+            return resume()
+
+        def leased_late(*args: Any, **kwargs: Any) -> bool:
+            if done:
+                return leased(*args, **kwargs)
+            kept.extend([args, kwargs])
+            monkeypatch.setattr(leases, "resume", resume_late)
+            crash(crashable)
+            crashable.restart()
+            conn.reconnect(conn.generation)
+            monkeypatch.setattr(leases, "resume", resume)
+            return bool(done[0])
+
+        kept: list[Any] = []
+        monkeypatch.setattr(leases, "leased", leased_late)
+        item = q.get(timeout=5)
+        assert done == [True] and item.numpy()[-1] == 1
+        used = c.stats()["used_bytes"]
+        del item
+        assert wait_until(lambda: c.stats()["used_bytes"] <= used - (8 << 20), 5)
+        q.close()
+
+
 def test_a_client_whose_first_answer_from_the_new_broker_was_lost_keeps_its_state(
     crashable: tb.BrokerProcess,
 ) -> None:
