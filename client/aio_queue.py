@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..common.errors import QueueClosed, Timeout
 from ..common.protocol import Op
 from .aiosocket import Late, Reply
+from .leases import Leases
 from .qring import QueueRing, WouldWait
 from .reads import Item
 from .shield import begin, done
@@ -88,10 +90,12 @@ class AsyncQueue:
         if self._ring is not None:
             return await self._ring_get(self._ring, timeout)
         await turn.lock.acquire()
-        late = Late(turn.kept.append, turn.lock.release)
+        late = Late(functools.partial(_keep, transfer.conn.leases, turn), turn.lock.release)
         try:
-            if turn.kept:
-                return transfer.reads.read(turn.kept.popleft())
+            while turn.kept:
+                kept = turn.kept.popleft()
+                if transfer.reads.still_held(kept):  # (not if a restart lost it)
+                    return transfer.reads.read(kept)
             timeout, wait = waits(timeout)
             reply = await self._client._call(
                 Op.QGET, wait, late, queue=self._id, name=self.name, timeout=timeout
@@ -175,6 +179,13 @@ def _left(
             raise Timeout(f"queue {ring.name!r} stayed full for {timeout:g}s")
         raise Timeout(f"queue {ring.name!r} stayed empty for {timeout:g}s")
     return left
+
+
+def _keep(leases: Leases, turn: _Turn, reply: Reply) -> None:
+    """An item answered to a get given up: the next get takes it, its lease held (claimed
+    again if the broker restarts, as any: else the broker after it frees the item)."""
+    leases.hold(reply["lease"], reply["oid"])
+    turn.kept.append(reply)
 
 
 class _Turn:

@@ -256,7 +256,7 @@ class Reads:
                 reply = kept.popleft()
             except IndexError:  # another thread took it
                 break
-            if self._still_held(reply):
+            if self.still_held(reply):
                 return self.read(reply)
         late = functools.partial(self._keep, line)
         if self._generation != self.conn.generation:
@@ -277,7 +277,7 @@ class Reads:
         self.conn.leases.hold(reply["lease"], reply["oid"])  # claimed again after a restart
         self._kept.setdefault(line, collections.deque()).append(reply)
 
-    def _still_held(self, reply: dict[str, Any]) -> bool:
+    def still_held(self, reply: dict[str, Any]) -> bool:
         """Whether this client still holds the lease of a kept item: not if the broker
         restarted without the state (every lease lost: ids start again), or lost it."""
         return bool(self.conn.leases.held.get(reply["lease"]) == reply["oid"])
@@ -287,7 +287,7 @@ class Reads:
         kept = self._kept.pop(line, None)
         while kept:
             reply = kept.popleft()
-            if self._still_held(reply):
+            if self.still_held(reply):
                 self.let_go(reply)
 
     def let_go(self, reply: dict[str, Any]) -> None:
@@ -309,7 +309,7 @@ class Reads:
 
     def _give_back(self, line: tuple[int, int | None]) -> None:
         kept = self._kept.get(line, collections.deque())
-        leases = [r["lease"] for r in kept if self._still_held(r)]
+        leases = [r["lease"] for r in kept if self.still_held(r)]
         if not leases:
             return
         try:

@@ -3,6 +3,7 @@ come back to it with their sessions and leases (Note [recovery] in server/durabi
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 import signal
@@ -325,6 +326,37 @@ def test_a_queue_item_whose_get_and_lease_a_resume_hello_both_name_is_freed_once
         del item
         assert wait_until(lambda: c.stats()["used_bytes"] <= used - (8 << 20), 5)
         q.close()
+
+
+def test_an_item_kept_for_a_cancelled_asyncio_get_keeps_its_memory_through_a_restart(
+    crashable: tb.BrokerProcess,
+) -> None:
+    """An item answered to an asyncio get cancelled as it was answered is kept for the next
+    get; its lease is claimed again when the broker restarts (it was not held: the broker
+    after freed the item, and the next puts wrote over it)."""
+
+    async def main() -> list[int]:
+        async with tb.aio.connect(crashable.address) as c:
+            q = await c.queue("kept-late")  # unbounded: no ring, the item through the broker
+            await q.put(np.full(512, 7, np.int64))
+            getter = asyncio.create_task(q.get())
+            await asyncio.sleep(0)  # its request is sent, its answer not read
+            getter.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await getter
+            for _ in range(100):
+                if any(turn.kept for turn in c._turns.values()):
+                    break
+                await asyncio.sleep(0.01)
+            assert any(turn.kept for turn in c._turns.values())  # the answer came anyway
+            crash(crashable)
+            crashable.restart()
+            for _ in range(40):  # (blocks the new broker freed would be reused)
+                await q.put(np.full(512, 9, np.int64))
+            item = await q.get(timeout=5)
+            return [int(v) for v in np.from_dlpack(item)]
+
+    assert asyncio.run(asyncio.wait_for(main(), 60)) == [7] * 512
 
 
 def test_a_client_whose_first_answer_from_the_new_broker_was_lost_keeps_its_state(
