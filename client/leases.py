@@ -58,10 +58,8 @@ class Leases:
         new broker again (the same item, for a queue get: Adoption.retake)."""
         if "lease" not in reply or "oid" not in reply:
             return True
-        with self._lock:
-            if epoch == self.epoch:
-                self.held[reply["lease"]] = reply["oid"]
-                return True
+        if self._hold_at(reply["lease"], reply["oid"], epoch):
+            return True
         if again:
             self.releases.put(reply["lease"])
             return False
@@ -75,11 +73,17 @@ class Leases:
         reply may be the broker's that died, the new one aborts such a put, and its seal
         would be answered as one sealed and freed since (`sealed_before` in
         server/adoption.py): the item lost. The caller puts again."""
+        if self._hold_at(put, oid, epoch):
+            return True
+        self.releases.put(put)  # (a put of the broker of now, if it was: aborted)
+        return False
+
+    def _hold_at(self, lease: int, oid: int, epoch: int) -> bool:
+        """Hold `lease` if no resume hello went since `epoch` (atomic with `resume`)."""
         with self._lock:
             if epoch == self.epoch:
-                self.held[put] = oid
+                self.held[lease] = oid
                 return True
-        self.releases.put(put)  # (a put of the broker of now, if it was: aborted)
         return False
 
     def resume(self) -> list[int]:

@@ -3,6 +3,7 @@ exit codes are checked, and waiting for a condition."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import glob
@@ -20,6 +21,8 @@ import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import IO, Any
+
+import pytest
 
 from tensorbroker.server.durability.journal import read_journal
 from tensorbroker.server.durability.state import owner_path
@@ -144,6 +147,21 @@ def crash(broker: Any) -> None:
     """SIGKILL a broker (a tb.BrokerProcess) and wait for it to be gone."""
     broker.send_signal(signal.SIGKILL)
     broker.wait(10)
+
+
+async def keep_a_cancelled_get(c: Any, q: Any) -> None:
+    """An asyncio get of queue `q` (of client `c`) cancelled as the broker answered it: its
+    item is kept for the next get (aio_queue's turn)."""
+    getter = asyncio.create_task(q.get())
+    await asyncio.sleep(0)  # its request is sent, its answer not read
+    getter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await getter
+    for _ in range(100):
+        if any(turn.kept for turn in c._turns.values()):
+            break
+        await asyncio.sleep(0.01)
+    assert any(turn.kept for turn in c._turns.values())  # the answer came anyway
 
 
 def wait_until(cond: Callable[[], bool], timeout: float, interval: float = 0.01) -> bool:

@@ -34,6 +34,7 @@ from tests.support import (
     in_thread,
     interrupt_after,
     join_all,
+    keep_a_cancelled_get,
     run_segments,
     wait_until,
 )  # fmt: skip
@@ -339,16 +340,7 @@ def test_an_item_kept_for_a_cancelled_asyncio_get_keeps_its_memory_through_a_res
         async with tb.aio.connect(crashable.address) as c:
             q = await c.queue("kept-late")  # unbounded: no ring, the item through the broker
             await q.put(np.full(512, 7, np.int64))
-            getter = asyncio.create_task(q.get())
-            await asyncio.sleep(0)  # its request is sent, its answer not read
-            getter.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await getter
-            for _ in range(100):
-                if any(turn.kept for turn in c._turns.values()):
-                    break
-                await asyncio.sleep(0.01)
-            assert any(turn.kept for turn in c._turns.values())  # the answer came anyway
+            await keep_a_cancelled_get(c, q)
             crash(crashable)
             crashable.restart()
             for _ in range(40):  # (blocks the new broker freed would be reused)
