@@ -278,7 +278,9 @@ def test_a_queue_across_nodes_hands_each_item_to_one_consumer_in_order(
     consumers = [in_thread(lambda n=n: _consume(shared[n].address, "jobs", taken[n]))
                  for n in ("b", "c")]  # fmt: skip
     queues = {n: clients[n].queue("jobs", maxsize=4) for n in ("a", "b")}
-    time.sleep(0.3)  # both consumers wait: their nodes want items
+    # Both consumers wait (a loaded machine starts them late), and their nodes want items:
+    assert wait_until(lambda: all(clients[n].stats()["waiters"] for n in ("b", "c")), 30)
+    time.sleep(0.3)
     peak = 0
     for i in range(60):  # a's items, each 32 KiB; b's own producer puts a few too
         queues["a"].put(np.full(4096, 1000 + i, np.int64))
