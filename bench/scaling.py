@@ -50,8 +50,7 @@ def cluster(
     nodes: list[str], folder: str, memory: str = "48MiB", more: Sequence[str] = ()
 ) -> Iterator[list[tb.BrokerProcess]]:
     """An etcd and a broker for each of `nodes`, found through it (each of `memory`, served
-    with `more` options), all up and each other's offers readable (bench/cluster_sync.py's
-    too)."""
+    with `more` options), all up (bench/cluster_sync.py's too)."""
     n = len(nodes)
     with local_etcd(os.path.join(folder, "etcd"), free_port) as url, contextlib.ExitStack() as st:
         brokers = []
@@ -72,7 +71,7 @@ def cluster(
 
 def _ready(c: tb.Client, others: int) -> bool:
     peers = c.stats()["cluster"]["peers"]
-    return len(peers) == others and all(p["state"] == "up" and p["fresh"] for p in peers.values())
+    return len(peers) == others and all(p["state"] == "up" for p in peers.values())
 
 
 def measure(n: int, puts: int, idle: float, more: list[str]) -> dict[str, float]:

@@ -14,7 +14,10 @@ Measured (bench/results/scaling.md, 2026-12-02 05:03 and 07:10, 4 KiB puts; idle
                   276 to 585 us between a lone broker and 16 when every put went to all:
                   about 20 us a peer)
     BEAT_US       idle CPU per peer a second (beats every 2 s with etcd): 0.35% of a core
-                  at 4 brokers, 0.44% at 16: about 75 us a second a peer
+                  at 4 brokers, 0.44% at 16: about 75 us a second a peer beaten. Since
+                  Note [beats] (server/cluster/beats.py) only the links in use are beaten:
+                  a node's followed owners and followers, and each peer it sent a request
+                  in the last beat (a claim to a home, a lookup) until a beat confirms it
     PROGRESS_PCT  the rest of idle (NIXL's progress thread, the loop): about 0.33%
     LONE_PUT_US   a put on a lone broker (182 us in that run)
     POLL_PEER_US  what each peer added to a loop turn when ZeroMQ polled every peer's DEALER
@@ -30,7 +33,8 @@ on that node (the rest new versions of keys it put before), and each key has F f
 other nodes (Note [follows]: readers, watchers). Modelled: before Note [follows] (every put
 told to every node, beats every 0.5 s: the costs measured then), with Note [follows] only
 (a key's claim told to every node), and now (Note [homes]: a key's claim told to its
-two homes, each follower's first get asking one of them). Usage: python bench/simulate.py
+two homes, each follower's first get asking one of them; only the links in use beaten).
+Usage: python bench/simulate.py
 [--out FILE]
 """
 
@@ -53,6 +57,7 @@ LONE_PUT_US = 182.0
 POLL_PEER_US = 0.77
 BEATS_A_SECOND = 1.0  # messages a second a peer: a beat and an answer, each every 2 s
 HOMES = 2  # the nodes a key's claim goes to (server/cluster/homes.py)
+BEAT_EVERY = 2.0  # seconds between beats with etcd (server/cluster/beats.py)
 BEFORE_BEAT_US, BEFORE_PROGRESS_PCT = 350.0, 2.0  # (measured 2026-12-01/02, before)
 NODES = (10, 100, 1000)
 PUTS = (10, 100, 1000)
@@ -84,18 +89,30 @@ def follows(n: int, puts: float, new: float, followers: int = 1) -> float:
     return (own + heard + polls + BEAT_US * (n - 1)) / 1e4 + PROGRESS_PCT
 
 
-def now(n: int, puts: float, new: float, followers: int = 1, epoll: bool = True) -> float:
+def now(
+    n: int, puts: float, new: float, followers: int = 1, epoll: bool = True, quiet: bool = True
+) -> float:
     """Now (Note [homes]): a new key's claim goes to its two homes, and each follower's
     first get of it asks one of them; a new version of a key to its `followers`. A node
-    hears, on average, as many claims, lookups and followed versions as it makes; the
-    beats between every pair (every 2 s) stay. `epoll`: the peers' DEALERs polled through
-    one epoll (dealers.py), else each by ZeroMQ's poll."""
+    hears, on average, as many claims, lookups and followed versions as it makes. `epoll`:
+    the peers' DEALERs polled through one epoll (dealers.py), else each by ZeroMQ's poll.
+    `quiet`: only the links in use are beaten (Note [beats]), else every pair."""
     homes = min(HOMES, n - 1)
     told = new * (homes + followers) + (1 - new) * followers
     own = puts * (LONE_PUT_US + SEND_US * told)
     heard = puts * (new * (homes + followers) * CLAIM_US + (1 - new) * followers * FOLLOW_US)
     polls = 0.0 if epoll else _polls(n, puts * told)
-    return (own + heard + polls + BEAT_US * (n - 1)) / 1e4 + PROGRESS_PCT
+    beaten = _in_use(n, puts * new * (homes + followers), followers) if quiet else n - 1
+    return (own + heard + polls + BEAT_US * beaten) / 1e4 + PROGRESS_PCT
+
+
+def _in_use(n: int, asks: float, followers: int) -> float:
+    """The peers a node beats (Note [beats]): those it follows or that follow it (the same
+    `followers` each put), and the distinct ones among the peers its `asks` a second went to
+    in a beat's time, each to a peer drawn at random (a key's home)."""
+    others = n - 1
+    distinct = others * (1 - (1 - 1 / others) ** (asks * BEAT_EVERY))
+    return min(others, followers + distinct)
 
 
 def limit(cpu: object, puts: float) -> int:
@@ -137,12 +154,17 @@ def main() -> int:
         *table("Now, one put in ten of a new key", lambda n, p: now(n, p, 0.1)),
         *table("Now, every put of a new key (a key per step): its claim to its two homes, "
                "its reader's lookup", lambda n, p: now(n, p, 1.0)),
+        *table("The same, every pair of nodes beaten (before Note [beats]: only the links "
+               "in use)", lambda n, p: now(n, p, 1.0, quiet=False)),
         *table("The same with a DEALER a peer in ZeroMQ's poll (before one epoll for them: "
-               "bench/polling.py)", lambda n, p: now(n, p, 1.0, epoll=False)),
+               "bench/polling.py), every pair beaten",
+               lambda n, p: now(n, p, 1.0, epoll=False, quiet=False)),
         "Not modelled: keys put unevenly (a hot home, or a key with many followers), "
         "watch_prefix and --prefetch (each node that asks for them hears their puts), "
         "etcd's own CPU (about 0.5 ms a lease renewal: 1,000 nodes renewing every second "
-        "take half a core there), and the network.", "",
+        "take half a core there), every join and leave heard by every node, a connection "
+        "from each broker to every other, the broker's look at every peer each 0.5 s "
+        "(whether to beat it), and the network.", "",
     ]  # fmt: skip
     emit(args.out, lines)
     return 0

@@ -126,10 +126,11 @@ class Node:
 
     def __init__(
         self, name: str, port: int, peers: list[int], shm: Path, prefetch: int = 0,
-        gpus: bool = False,
+        gpus: bool = False, quiet: bool = False,
     ) -> None:  # fmt: skip
         """`prefetch`: serve --prefetch (0 here: a test pulls by hand, with `get`); `gpus`:
-        it serves cuda:0, 8 MiB of a simulated GPU (tests/simcuda.py)."""
+        it serves cuda:0, 8 MiB of a simulated GPU (tests/simcuda.py); `quiet`: its idle
+        links are not beaten, as with etcd (Note [beats])."""
         shm.mkdir(exist_ok=True)
         self.arena = Arena(32 * MiB, shm_dir=str(shm), chunk_size=4 * MiB)
         self.journal = Written()
@@ -143,6 +144,7 @@ class Node:
         joining = Joining(name, f"tcp://127.0.0.1:{port}", addresses, None, prefetch)
         self.queues = Queues(objects)
         self.cluster = Cluster(joining, objects, self.queues, lot, self.reads, self.poller)  # type: ignore[arg-type]
+        self.cluster.links.quiet = quiet
         objects.elsewhere, self.objects = self.cluster.replicas, objects
         self.queues.elsewhere = self.cluster.queues
         self.session = Session(name * 8, None)
@@ -236,9 +238,10 @@ def run(nodes: list[Node], seconds: float, until: Callable[[], bool] | None = No
 def _made(tmp_path: Path, names: str) -> Iterator[Callable[[str], Node]]:
     ports, made = {n: free_port() for n in names}, []
 
-    def make(name: str, prefetch: int = 0, gpus: bool = False) -> Node:
+    def make(name: str, prefetch: int = 0, gpus: bool = False, quiet: bool = False) -> Node:
         others = [p for n, p in ports.items() if n != name]
-        node = Node(name, ports[name], others, tmp_path / f"{name}{len(made)}", prefetch, gpus)
+        shm = tmp_path / f"{name}{len(made)}"
+        node = Node(name, ports[name], others, shm, prefetch, gpus, quiet)
         made.append(node)
         return node
 

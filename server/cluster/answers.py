@@ -28,7 +28,7 @@ class Answers:
     queues: QueueLinks
     transfers: Transfers
 
-    def _forget_node(self, node: str, mutual: bool = False) -> None:
+    def _forget_node(self, node: str, mutual: bool = False, welcomed: Peer | None = None) -> None:
         raise NotImplementedError
 
     def _down(self, peer: Peer) -> None:
@@ -54,7 +54,7 @@ class Answers:
                 if same is None:  # from an incarnation that a newer one replaced
                     return
                 if not same and heard:  # it restarted, or forgot this one
-                    self._forget_node(node, mutual=True)
+                    self._forget_node(node, mutual=True, welcomed=peer)
                 self.links.named(peer, node)
                 peer.up = True
                 self.replicas.changed()  # (keys' homes move: Note [homes])
@@ -68,7 +68,7 @@ class Answers:
                     self.links.send_to(peer, follows)
                 # A beat at once: its answer makes the node `fresh` (its offers readable)
                 # now, not a beat from now.
-                self.links.send_to(peer, {"op": "beat", "t": time.monotonic()})
+                self.links.beat_to(peer)
                 self.queues.node_up(node)
                 log.info("cluster: node %r at %s is up", node, peer.address)
             elif op == "hello_first":
@@ -88,6 +88,7 @@ class Answers:
             elif op == "more":
                 self.replicas.pulls.more(peer.node or "", m)
             elif op == "beat" and peer.node is not None:
+                self.links.beaten(peer, m)
                 same = self.links.same(peer.node, m)
                 if same is False:  # it forgot this one: forgotten too
                     self._forget_node(peer.node, mutual=True)

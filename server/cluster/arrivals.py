@@ -77,6 +77,10 @@ class Arrivals:
         self._held: dict[int, list[StoredObject]] = {}  # broadcast part id -> items arrived
         self.bytes_received = 0
 
+    def lenders(self) -> list[str]:
+        """The nodes whose items are being read here (their links are in use: Note [beats])."""
+        return [node for node, arrivals in self._by_node.items() if arrivals]
+
     def arrived(self, node: str, m: dict[str, Any]) -> None:
         """`node` lent this node an item of its part of a queue (its `qitem`)."""
         loan, name = int(m["loan"]), str(m["queue"])

@@ -31,7 +31,7 @@ ZeroMQ carries only these control messages (msgpack, never pickle); the bytes go
 (transfers.py). Each direction of a pair talks over the link its sender opened: requests
 (hello, beats, lend, returned, key) go out on this broker's DEALER to the peer, answers
 (welcome, beat, lent) come back on it. A peer heard from within `down_after` seconds is
-up (Note [beats] in links.py); a peer that restarts gets this broker's hello again (its
+up (Note [beats] in beats.py); a peer that restarts gets this broker's hello again (its
 DEALER keeps trying; a broker that gets a message from a link that has not said hello
 answers `hello_first`) and its keys are listed again from its welcome. A peer that goes
 down: its keys raise PeerUnavailable, the replicas pulled from it stay readable, its loans
@@ -65,28 +65,30 @@ from typing import Any
 
 import zmq
 
-from ...common.errors import BrokerError
 from ..queues.queues import Queues
 from ..store.devices import RECLAIM_POLL, DeviceChunk
 from ..store.objects import Objects
 from ..store.parking import ParkingLot
 from .answers import Answers
+from .beats import BEAT
 from .dealers import Peer
-from .joining import PROTOCOL, speaks
+from .joining import PROTOCOL
 from .joining import Joining as Joining  # (the broker takes it from here)
-from .links import BEAT, Links
+from .links import Links
 from .membership import Member, Membership
 from .queue_links import QueueLinks
 from .records import Watched as Watched  # (the broker takes it from here)
 from .replicas import Replicas
+from .requests import Requests
 from .transfers import Transfers
 
 log = logging.getLogger(__name__)
 
 
-class Cluster(Answers):
-    """The links to the peers (Note [cluster]) and the messages on them (their answers to this
-    broker's requests: Answers, answers.py); what the peers hold and the pulls are
+class Cluster(Answers, Requests):
+    """The links to the peers (Note [cluster]) and the messages on them (their requests:
+    Requests, requests.py; their answers to this broker's: Answers, answers.py); what the
+    peers hold and the pulls are
     `replicas`' (replicas.py). The broker registers `sockets` in its poller,
     calls `ready` for them and `tick` each loop; Objects asks `replicas` about keys not held
     here."""
@@ -101,6 +103,7 @@ class Cluster(Answers):
         poller.register(transfers.fd, zmq.POLLIN)
         self.replicas = Replicas(self.node, objects, lot, transfers, links, joining.prefetch)
         self.queues = QueueLinks(self.node, queues, transfers, links, self.replicas.session)
+        links.pulls = lambda: list(self.replicas.pulls.pulls)  # (named in each beat)
         self._next_tick = self._next_beat = 0.0
         self.membership: Membership | None = None
         if joining.etcd:  # (its threads start with `start`, once the broker has bound)
@@ -161,13 +164,15 @@ class Cluster(Answers):
         """Seconds until the loop must look again: reads under way are polled (Replicas),
         announcements go once ANNOUNCE_EVERY passed; at once if messages wait for a flush
         (made after this loop's: an eviction, say)."""
-        links = self.links  # (a move of keys: a slice a turn; answers a send found: Links.read)
-        if links.holding or links.unread or self.replicas.homes.moving:
-            return 0.0
-        lending = self.replicas.lending
+        links, lending = self.links, self.replicas.lending
         announce = lending.announce_in(time.monotonic())
         unwritten = RECLAIM_POLL if lending.unwritten else BEAT  # (GPU copies still to run)
-        return min(self.replicas.pulls.poll_in, self.queues.poll_in, BEAT, announce, unwritten)
+        due = min(self.replicas.pulls.poll_in, self.queues.poll_in, BEAT, announce, unwritten)
+        # (a move of keys: a slice a turn; answers a send found: Links.read; peers found not
+        # fresh, the polls' above too: Links.freshen)
+        if links.holding or links.unread or links.stale or self.replicas.homes.moving:
+            return 0.0
+        return due
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -209,38 +214,62 @@ class Cluster(Answers):
                     if not peer.up:  # (it restarted elsewhere: a pod's new IP, say)
                         self.links.unlink(peer)
                 self.links.meet(address)
+                if self.links.restarted(node, record.get("incarnation")):
+                    self._hello_again(node)  # (an idle link would not hear it: Note [beats])
                 continue
             for peer in self.peers:
                 if peer.node == node and peer.up:
                     self._down(peer)
 
     def tick(self, now: float) -> None:
-        """Beats (Note [beats] in links.py) and hellos, peers gone quiet, and reads that
+        """Beats (Note [beats] in beats.py) and hellos, peers gone quiet, and reads that
         ended."""
         try:
+            links = self.links
             if now >= self._next_tick:
-                self._next_tick, links = now + BEAT, self.links
+                self._next_tick = now + BEAT
                 beat = now >= self._next_beat
                 if beat:
                     self._next_beat = now + links.beat
-                pulls = list(self.replicas.pulls.pulls)  # (loans of others: Lending.open_pulls)
+                busy = self._busy() if links.quiet else ()
                 for peer in self.peers:
+                    if peer.up and links.idle(peer, busy):
+                        peer.heard = now  # (its silence says nothing: Note [beats])
+                        continue
                     if peer.up and now - peer.heard > links.down_after:
                         self._down(peer)
                     if not peer.up:
                         links.send_to(peer, self._hello(to=peer.node))
-                    elif beat:  # (`n`: what it sent on that link since its hello: Links.tally)
-                        links.send_to(
-                            peer, {"op": "beat", "t": now, "pulls": pulls, "n": peer.sent}
-                        )
+                    elif beat:
+                        links.beat_to(peer)
                 self.queues.beat()
-            if self.links.unread:  # (found by this turn's sends: Links)
+            if links.unread:  # (found by this turn's sends: Links)
                 self.ready(self.links.fd)
             self.replicas.pulls.poll(now)
             self.replicas.homes.tick(now)
             self.queues.poll()
+            links.freshen()  # (last: the polls above may find a peer not fresh)
         except Exception:
+            self.links.stale.clear()  # (else the loop would turn at once for good: wake_in)
             log.exception("cluster: the beat or a pull failed")
+
+    def _busy(self) -> set[str]:
+        """The nodes this one reads from or holds offers of: their links are in use, idle or
+        not (Note [beats] in beats.py); and those asked to lend for a pull that ended
+        without a loan, until a beat sent after that is answered (its `pulls` unpin a loan
+        whose `lent` was lost: Lending.open_pulls)."""
+        pulls = self.replicas.pulls
+        busy = {p.source for p in pulls.pulls.values()}
+        busy.update(p.node for p in pulls.pulls.values())
+        busy.update(o.node for o in self.replicas.held.offers.values())
+        busy.update(self.queues.arrivals.lenders())
+        for node, ended in list(pulls.ended.items()):
+            peer = self.links.peer(node)
+            if peer is None or not peer.up or (peer.answered and peer.beat_t > ended):
+                del pulls.ended[node]
+            else:
+                busy.add(node)
+        return busy
 
     def flush(self) -> None:
         """Send what the loop's batch left for after its replies (announcements, loans and
@@ -250,84 +279,6 @@ class Cluster(Answers):
             self.links.flush()
         except Exception:
             log.exception("cluster: the announcements could not be sent")
-
-    # -- requests from peers (on the ROUTER) --------------------------------------------------
-
-    def _request(self, route: bytes, m: dict[str, Any]) -> None:
-        op, replicas, links = m["op"], self.replicas, self.links
-        lost = links.tally(route, m)
-        try:
-            if op == "hello":
-                if not speaks(m, links.refused):
-                    return
-                node = str(m["node"])
-                self.transfers.add_peer(node, bytes(m["agent"]), m.get("agent_v"))
-                same = links.same(node, m)
-                if same is None:  # from an incarnation that a newer one replaced
-                    return
-                if not same:  # restarted, or forgot this one: forgotten too
-                    self._forget_node(node, mutual=True)
-                links.route(route, node)
-                links.reply(route, self._hello("welcome", to=node))
-                links.meet(str(m.get("address", "")))
-                return
-            node = links.routes.get(route, "")
-            if not node:  # this broker restarted (or forgot the peer): say hello first
-                first: dict[str, Any] = {"op": "hello_first"}
-                if op == "announce":  # the offers not kept: their owner unpins them
-                    first["unoffered"] = [e[:2] for e in m["keys"] if isinstance(e[3], dict)]
-                elif op == "lend":  # asked again after the hello, else its get waits it out
-                    again = ("op", "pull", "key", "direct", "ask", "t")
-                    first["again"] = {k: m[k] for k in again if k in m}
-                elif op in ("where", "ls"):  # (so is a lookup, or a listing: Note [homes])
-                    first["again"] = m
-                elif op == "qitem":  # not read: its lender puts it back in its part
-                    first["qback"] = [m["loan"]]
-                links.reply(route, first)
-            elif op == "beat":  # its answer: when this broker last heard it (links.py, `kept`)
-                replicas.lending.open_pulls(node, m.get("pulls"), m.get("t"))
-                heard, forgot = links.heard_ago(node), links.forgot.get(node, 0)
-                answer = {"op": "beat", "t": m.get("t"), "heard_ago": heard, "forgot": forgot,
-                          "down_after": links.down_after, "resync": lost,
-                          "registration": links.registrations.get(node)}  # fmt: skip
-                links.reply(route, {**answer, "incarnation": links.incarnation})
-            elif op == "announce":
-                acked = links.acked(node, m)
-                for key, version, size, offer, *gone in m["keys"]:
-                    offer = offer if isinstance(offer, dict) else None
-                    if offer is not None and not acked:  # it will let it go
-                        replicas.held.refuse(node, str(key), int(version))
-                        offer = None
-                    was, age = (gone + [0, None])[:2]  # (a claim's age: Note [homes])
-                    replicas.listed(node, str(key), int(version), int(size), offer, int(was), age)
-            elif op == "offers_back":  # (the reads first: a version read, then given back)
-                for key, version in m.get("read", ()):
-                    replicas.lending.offer_read(node, str(key), int(version))
-                replicas.lending.offers_back(node, m["offers"])
-            elif op == "agent":
-                self.transfers.add_peer(node, bytes(m["agent"]), m.get("agent_v"))
-            elif op == "keys":  # (its link here is up: what this node follows is said again,
-                replicas.welcome(node, m["keys"])  # as what went while it was not was lost)
-                follows = replicas.follows(node)
-                if follows is not None:
-                    links.after(node, follows)
-            elif op == "follow":
-                replicas.lending.follow(
-                    node, m.get("keys", []), m.get("prefixes", []), m.get("prefetch", 0)
-                )
-            elif op == "lend":
-                pull, direct, ask = int(m["pull"]), bool(m.get("direct")), int(m.get("ask", 0))
-                replicas.lending.lend(node, pull, str(m["key"]), direct, ask, m.get("t"))
-            elif op == "returned":
-                replicas.lending.returned(node, int(m["pull"]), int(m.get("ask", 0)))
-            elif op == "delete":
-                replicas.deleted(node, str(m["key"]))
-            elif op in ("where", "dir", "ls", "renumber", "claimed"):  # (Note [homes])
-                replicas.request(node, op, m)
-            elif op.startswith("q") or op in ("want", "subs"):
-                self.queues.request(node, op, m)
-        except (KeyError, TypeError, ValueError, BrokerError) as exc:
-            log.warning("a cluster message %r from %r could not be used: %s", op, route, exc)
 
     def _hello(self, op: str = "hello", to: str | None = None) -> dict[str, Any]:
         """This broker, its address, its agent, and the keys it holds homed at `to`;
@@ -340,15 +291,26 @@ class Cluster(Answers):
             "incarnation": links.incarnation, "forgot": forgot, **self.transfers.agent_fields(),
         }  # fmt: skip
 
-    def _forget_node(self, node: str, mutual: bool = False) -> None:
+    def _forget_node(self, node: str, mutual: bool = False, welcomed: Peer | None = None) -> None:
         """Unpin what `node` was lent or offered (it will not return it), drop what it
         offered, and forget its routes. Unless `mutual` (it forgot this one first), it is
-        told, and forgets this one too."""
+        told, and forgets this one too. This broker's links to it that are up (but
+        `welcomed`, whose hello was just answered) say hello again: the node forgot their
+        routes, or will."""
         self.links.forget_routes(node)
         self.replicas.let_go(node)
         self.queues.let_go(node)
         if not mutual:
             self.links.forgetting(node)
+        self._hello_again(node, welcomed)
+
+    def _hello_again(self, node: str, welcomed: Peer | None = None) -> None:
+        """Say hello again on the links to `node` that are up (but `welcomed`): its welcome
+        says again what each told the other (wants, follows, keys). An idle link would hear
+        `hello_first` only at its next request (Note [beats] in beats.py)."""
+        for peer in self.peers:
+            if peer.node == node and peer.up and peer is not welcomed:
+                self.links.send_to(peer, self._hello(to=node))
 
     def _down(self, peer: Peer) -> None:
         """A link whose peer stopped answering: its node is down once no link to it is up."""
@@ -369,7 +331,7 @@ class Cluster(Answers):
                 "address": p.address,
                 "state": "up" if p.up else "down",
                 "heard_s_ago": round(now - p.heard, 3) if p.heard else None,
-                "fresh": p.node is not None and self.links.fresh(p.node),  # (offers readable)
+                "fresh": p.node is not None and self.links.fresh(p.node, freshen=False),
                 "keys": sum(1 for k in index.values() if k.node == p.node),
             }  # fmt: skip
             for p in self.peers

@@ -8,8 +8,9 @@ A DEALER's ZeroMQ descriptor says only that something may have changed: its mess
 read while ZMQ_EVENTS says there are (which takes in the signal), and a send on it, which
 may take in the signal of an answer, looks too (`unread`: read in the same turn,
 Cluster.tick), else that answer would wait for the next. So every send and read on a DEALER
-goes through this class. (Each beat is a send to each peer up, and a hello one to each peer
-that is not: a signal missed all the same is found within a beat.)"""
+goes through this class. (Each beat is a send to each peer in use, and a hello one to each
+peer that is not up: a signal missed all the same is found within a beat, or at the next
+send on that link.)"""
 
 from __future__ import annotations
 
@@ -35,8 +36,13 @@ class Peer:
     fd: int  # its ZeroMQ descriptor, in Dealers' epoll
     node: str | None = None
     up: bool = False
-    heard: float = 0.0  # when it last answered (monotonic)
+    heard: float = 0.0  # when it last answered, or was left alone (monotonic: Note [beats])
     sent: int = 0  # requests sent on it since its last hello (a beat says: Links.tally)
+    checked: int = 0  # of those, how many a beat's answer said came (Links.beaten)
+    beat_t: float = 0.0  # when its last beat went (monotonic), and `sent` then
+    beat_n: int = 0
+    answered: bool = True  # whether that beat was answered (not yet: after a hello)
+    tried: float = 0.0  # when a beat last was to go, sent or not (Beats.freshen)
 
 
 def readable(socket: Any) -> bool:

@@ -6,7 +6,6 @@ carries msgpack only, never pickle. What the messages mean is cluster.py's."""
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -16,15 +15,11 @@ import msgpack
 import zmq
 
 from ...common.errors import InvalidRequest
+from .beats import FRESHEN_EVERY, Beats
 from .dealers import MAX_MESSAGE, Dealers, Peer, readable
 from .joining import Joining, loopback, tcp_host
 
 log = logging.getLogger(__name__)
-
-BEAT = 0.5  # seconds between beats (and hellos to a peer not up)
-DOWN_AFTER = 2.0  # a peer not heard from for this long is down (at most 3 s, says issue 33)
-ETCD_BEAT, ETCD_DOWN_AFTER = 2.0, 8.0  # the same with etcd (Note [beats])
-
 
 Message = dict[str, Any] | Callable[[], dict[str, Any]]  # (`after`: made as it is sent)
 
@@ -42,34 +37,14 @@ def _unpack(data: bytes) -> dict[str, Any] | None:
     return message if isinstance(message, dict) and isinstance(message.get("op"), str) else None
 
 
-class Links:
+class Links(Beats):
     """The sockets to the peers (the broker registers `sockets` in its poller), and what is
     known of each node: its routes to this ROUTER, its incarnation, how often each of the two
-    forgot the other, and until when it surely holds this broker up. The Links of pulls.py.
-
-    Note [beats]
-
-    Each broker beats each peer up every `beat` seconds, and takes one it has not heard from
-    for `down_after` for down: BEAT and DOWN_AFTER, or with etcd ETCD_BEAT and
-    ETCD_DOWN_AFTER, since there a node that dies is down once its lease expires (within
-    about 3.5 s), and the beats only find a link that stalled (at 16 brokers, beats every
-    0.5 s cost each broker about 0.45% of a core idle). A beat's answer says how long its
-    sender waits before it takes this broker for down, and when it last heard it: until
-    when it surely holds this one up (`fresh`, the offers' safety: Note [offers]). With
-    etcd `fresh` also needs this broker's lease to surely run (`lease_until`): while etcd
-    is out of reach for over TTL less LEASE_MARGIN (2.5 s), it pulls nothing. One whose
-    lease expired gives back the offers it holds as it joins again, and its reads under way
-    are not sealed (cluster.py, `_members`); it reads nothing more of a peer's until the
-    peer answers a beat having seen its new entry in etcd (entries are numbered:
-    `registration`), so having seen the one before go: a peer that took it for down says
-    so then, and each forgets the other (what it lent them stays pinned until then).
-
-    ZeroMQ drops what it holds for a link whose connection breaks and comes back (the route
-    stays: no hello follows). So each beat says how many requests its link carried since
-    the hello (`tally`); one short makes the sender take the link for down and link again
-    (cluster.py): each forgets what it lent the other, the welcome says all again."""
+    forgot the other; and what the beats tell (Beats: Note [beats] in beats.py). The Links
+    of pulls.py."""
 
     def __init__(self, joining: Joining, poller: zmq.Poller) -> None:
+        super().__init__(bool(joining.etcd))
         self.address, self._keys = joining.address, joining.keys
         self._ctx = zmq.Context()  # (a DEALER a peer: more than ZeroMQ's default 1,023)
         self._ctx.set(zmq.MAX_SOCKETS, self._ctx.get(zmq.SOCKET_LIMIT))
@@ -110,15 +85,6 @@ class Links:
         self._incarnations: dict[str, int] = {}  # node -> its incarnation, as last heard
         self.forgot: dict[str, int] = {}
         self.seen_forgot: dict[str, int] = {}
-        self._safe_until: dict[str, float] = {}  # node -> until when it holds this one up
-        etcd = bool(joining.etcd)
-        self.beat = ETCD_BEAT if etcd else BEAT
-        self.down_after = ETCD_DOWN_AFTER if etcd else DOWN_AFTER
-        self.lease_until: Callable[[], float] = lambda: math.inf  # (Membership's, with etcd)
-        self.registration: Callable[[], int] = lambda: 0  # (Membership's: entries it put)
-        self.registrations: dict[str, int] = {}  # node -> its entry in etcd, as seen here
-        self._safe_seen: dict[str, Any] = {}  # node -> which of this one's entries it had seen
-        self._heard: dict[bytes, int] = {}  # route -> the requests come on it since its hello
         self._after: list[tuple[str, Message]] = []  # (node, message): `after`
         self.refused: set[str] = set()  # brokers of another PROTOCOL, logged (joining.py)
         self._kept: list[tuple[str, Message]] = []  # refused at a flush: next one
@@ -186,6 +152,11 @@ class Links:
             return False
         return True
 
+    def restarted(self, node: str, incarnation: Any) -> bool:
+        """Whether `incarnation` (`node`'s entry in etcd says) is newer than the one heard."""
+        known = self._incarnations.get(node)
+        return isinstance(incarnation, int) and known is not None and incarnation > known
+
     def older(self, node: str, incarnation: Any) -> bool:
         """Whether `incarnation` is older than the one of `node`'s heard already."""
         known = self._incarnations.get(node)
@@ -215,30 +186,6 @@ class Links:
         self.forgot[node] = self.forgot.get(node, 0) + 1
         self._safe_until.pop(node, None)
 
-    def kept(
-        self, node: str, sent: Any, heard_ago: Any, down_after: Any = DOWN_AFTER, seen: Any = None
-    ) -> None:
-        """`node` answered a beat sent at `sent` (this broker's clock), having heard from this
-        broker `heard_ago` seconds before, taking a peer for down after `down_after`, and
-        having seen this broker's entry number `seen` in etcd: it will not take this one for
-        down before sent + down_after - heard_ago (less BEAT, for the clocks' drift and the
-        loops' delays)."""
-        if not isinstance(down_after, (int, float)):
-            down_after = DOWN_AFTER
-        if isinstance(sent, float) and isinstance(heard_ago, (int, float)):
-            until = sent + float(down_after) - float(heard_ago) - BEAT
-            if until > self._safe_until.get(node, 0.0):
-                self._safe_until[node], self._safe_seen[node] = until, seen
-
-    def heard_ago(self, node: str) -> float:
-        """Seconds since a link of this broker's last heard `node` answer; 0 if none is up:
-        this broker cannot take it for down before DOWN_AFTER from now (a link must be up,
-        then silent), and if it took it for down already, its `forgot` count, in the same
-        answer, says so first (the node then forgets it, and reads nothing it offered)."""
-        now = time.monotonic()
-        ages = [now - p.heard for p in self._links_of.get(node, ()) if p.up]
-        return min(ages) if ages else 0.0
-
     def heard_of(self, node: str) -> bool:
         return node in self._incarnations
 
@@ -257,22 +204,15 @@ class Links:
         peer = self.peer(node)
         return peer is not None and peer.up
 
-    def fresh(self, node: str) -> bool:
-        """Whether `node` surely holds this broker up, as its last answer to a beat said
-        (`kept`). A node takes a peer whose answers stopped DOWN_AFTER ago for down, and lets
-        go what it offered it (Note [offers]): a broker must not read from those offers then
-        (after a long pause of its loop, say, or a link that stalled one way); with etcd, one
-        whose lease expired too, or whose peer had not seen its entry in etcd of now (it may
-        yet take it for down as it sees the one before go: Note [beats])."""
-        now = time.monotonic()
-        if not (now < self._safe_until.get(node, 0.0) and now < self.lease_until()):
-            return False
-        seen = self._safe_seen.get(node)  # (None: a peer without etcd, or that saw none)
-        return (not isinstance(seen, int) or seen >= self.registration()) and self.up(node)
-
     def send(self, node: str, message: dict[str, Any]) -> bool:
+        """Send request `message` to `node`: behind a beat if its promise ran out (Note
+        [beats]: its answer, before the request's, makes the node fresh again)."""
         peer = self.peer(node)
-        return peer is not None and self.send_to(peer, message)
+        if peer is None:
+            return False
+        if peer.up and self.expired(node) and time.monotonic() - peer.tried >= FRESHEN_EVERY:
+            self.beat_to(peer)
+        return self.send_to(peer, message)
 
     def after(self, node: str, message: Message) -> None:
         """Send `message` to `node` at the loop's `flush`, after its replies, once the journal
@@ -349,21 +289,12 @@ class Links:
     def send_to(self, peer: Peer, message: dict[str, Any]) -> bool:
         if not self.dealers.send(peer, _pack(message)):
             return False
-        peer.sent = 0 if message["op"] == "hello" else peer.sent + 1
+        if message["op"] == "hello":  # (in use until a beat after it is answered: an idle
+            peer.sent = peer.checked = 0  # link would not hear that it was lost)
+            peer.answered, peer.beat_t = False, 0.0
+        else:
+            peer.sent += 1
         return True
-
-    def tally(self, route: bytes, m: dict[str, Any]) -> bool:
-        """Count request `m`, come on `route`. True if it is a beat that says more requests
-        were sent on its link since the hello than came here (Note [beats])."""
-        if m["op"] == "hello":
-            self._heard[route] = 0
-            return False
-        heard, said = self._heard.get(route, 0), m.get("n")
-        if m["op"] == "beat" and isinstance(said, int):
-            self._heard[route] = said + 1
-            return heard < said
-        self._heard[route] = heard + 1
-        return False
 
     def reply(self, route: bytes, message: dict[str, Any]) -> None:
         try:

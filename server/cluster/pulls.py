@@ -44,6 +44,9 @@ class Pulls:
         self._ids = time.time_ns()  # (ids of a restarted broker's pulls are new to its peers)
         self.bytes_received = 0
         self.done = {"offered": 0, "lent": 0}  # pulls done: read from an offer, or lent
+        # node -> when a pull that asked it to lend ended with no loan read (a `lent` lost
+        # may pin one there: its link stays in use, Cluster._busy)
+        self.ended: dict[str, float] = {}
 
     def want(self, key: str, node: str, waiters: Sequence[Waiter]) -> None:
         """`waiters` want `key` from `node`: they join its pull under way, or start one."""
@@ -384,6 +387,8 @@ class Pulls:
             self.held.read(pull.key, pull.offer)
         elif pull.version:
             self._return(pull.source, pull.id, pull.ask)
+        else:
+            self.ended[pull.source] = self.ended[pull.node] = time.monotonic()
 
     def _return(self, node: str, pull: int, ask: int) -> None:
         """Say to `node` that the loan of lend `ask` of `pull` is through (after the replies)."""

@@ -110,7 +110,7 @@ def test_the_brokers_ride_out_an_etcd_restart_and_see_a_node_that_joins_after_it
     each other up meanwhile, their leases and watches go on, and a broker that joins
     afterwards is seen by both. While a broker cannot renew its lease, the others may take
     it for down as it expires: it reads no offer of theirs then (not `fresh`, Note [beats]
-    in links.py), and again once etcd is back."""
+    in beats.py), and reads each other's keys again once etcd is back."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     ports, data = [free_port(), free_port()], str(tmp_path / "etcd")
     first: Any = local_etcd(data, iter(ports).__next__)
@@ -121,6 +121,9 @@ def test_the_brokers_ride_out_an_etcd_restart_and_see_a_node_that_joins_after_it
             with a, b:
                 up = lambda c, *names: _peers(c) == dict.fromkeys(names, "up")  # noqa: E731
                 assert wait_until(lambda: up(a, "b") and up(b, "a"), 10)
+                x, y = np.arange(1000), np.arange(2000)
+                a.put("x", x)
+                b.put("y", y)
                 first, stopping = None, first
                 stopping.__exit__(None, None, None)
                 time.sleep(3.0)
@@ -128,7 +131,9 @@ def test_the_brokers_ride_out_an_etcd_restart_and_see_a_node_that_joins_after_it
                 assert not _fresh(a, "b") and not _fresh(b, "a")
                 with local_etcd(data, iter(ports).__next__) as again:
                     assert again == url
-                    assert wait_until(lambda: _fresh(a, "b") and _fresh(b, "a"), 10)
+                    np.testing.assert_array_equal(b.get("x", timeout=10), x)
+                    np.testing.assert_array_equal(a.get("y", timeout=10), y)
+                    assert _fresh(a, "b") and _fresh(b, "a")
                     with _broker(url, "c") as broker_c, tb.connect(broker_c.address) as c:
                         assert wait_until(lambda: up(c, "a", "b"), 15), _peers(c)
                         assert wait_until(lambda: up(a, "b", "c") and up(b, "a", "c"), 15)

@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from tensorbroker.common.protocol import Request
 from tests.nodes import Node, pair, run
 
@@ -263,14 +265,17 @@ def test_a_qitem_made_before_a_new_segment_does_not_bring_back_older_agent_metad
     assert b.reads.known["a"] == b"agent+s2"
 
 
+@pytest.mark.parametrize("quiet", [False, True], ids=["beaten", "quiet"])
 def test_a_queue_item_lost_on_a_link_that_reconnected_is_lent_again(
-    pair: Callable[[str], Node],
+    pair: Callable[..., Node], quiet: bool
 ) -> None:
     """ZeroMQ drops what it took for a link whose connection broke and came back (its route
     stays: no hello follows). b's qitem to a is lost so: b's next beat says how many
     requests it sent, a finds one missing, b links again (each forgets what it lent the
-    other) and lends the item anew: at least once, as across a node's death."""
-    a, b = pair("a"), pair("b")
+    other) and lends the item anew: at least once, as across a node's death. `quiet` (as
+    with etcd: Note [beats]): a's link to b, idle, says hello again all the same, so that
+    b hears a's want again."""
+    a, b = pair("a", quiet=quiet), pair("b", quiet=quiet)
     assert run([a, b], 5, lambda: a.up("b") and b.up("a") and a.cluster.links.fresh("b"))
     a.cluster.queues.asked(a.queue("q"))
     assert run([a, b], 3, lambda: bool(b.cluster.queues.wants.get("q")))
