@@ -45,7 +45,7 @@ from .aiosocket import AsyncChannel, Late, Reply
 from .client import Client
 from .connection import REQUEST_TIMEOUT
 from .leases import ASKED_AGAIN
-from .qring import QueueRing, rings_wanted
+from .qring import opened, rings_wanted
 from .reads import Item
 from .tensor import Tensor
 from .transfer import WritePlan
@@ -198,9 +198,7 @@ class AsyncClient:
         if self._transfer.reads.directory is not None and rings_wanted():
             more["ring"] = True  # it can use a queue ring (Note [queue ring])
         reply = await self._call(Op.QOPEN, name=name, maxsize=maxsize, **more)
-        ring = None
-        if "ring" in reply:
-            ring = QueueRing(self._transfer, name, reply["queue"], reply["ring"])
+        ring = opened(self._transfer, name, reply)
         return AsyncQueue(self, name, reply["queue"], reply["maxsize"], ring)
 
     async def delete_queue(self, name: str) -> None:

@@ -20,7 +20,7 @@ from ..common.protocol import Op
 from .admin import Admin
 from .connection import RECONNECT_TIMEOUT, REQUEST_TIMEOUT, Connection
 from .cuda import DeviceLink
-from .qring import QueueRing, rings_wanted
+from .qring import opened, rings_wanted
 from .queue import Queue, Subscription
 from .reads import Item
 from .ring import RingView
@@ -292,9 +292,7 @@ class Client(Admin):
         if local and not broadcast and rings_wanted():
             more["ring"] = True  # it can use a queue ring (Note [queue ring])
         reply = self._call(Op.QOPEN, name=name, maxsize=maxsize, **more)
-        ring = None
-        if "ring" in reply:
-            ring = QueueRing(self._transfer, name, reply["queue"], reply["ring"])
+        ring = opened(self._transfer, name, reply)
         return Queue(self._transfer, name, reply["queue"], reply["maxsize"], ring)
 
     def create(

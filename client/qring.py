@@ -20,6 +20,7 @@ from ..common.mailbox import item_reply
 from ..common.qring import ASK, CLOSED, FULL, INLINE, META_TAIL, REMOVED, QueueRingView
 from . import qring_asks as asks
 from .shield import shielded
+from .shm import SegmentGone
 from .tensor import Lease, Tensor
 
 if TYPE_CHECKING:
@@ -53,6 +54,19 @@ def rings_wanted() -> bool:
 
 class WouldWait(Exception):
     """A put or get that does not wait found the ring full or empty."""
+
+
+def opened(transfer: Transfer, name: str, reply: dict[str, Any]) -> QueueRing | None:
+    """The ring the broker's answer to a queue's open names, mapped. None if it names none,
+    or if its segment is gone: the queue ended (closed and drained) between the answer and
+    the mapping, and the broker unlinked its ring; its gets go through the broker, which
+    says the queue is closed."""
+    if "ring" not in reply:
+        return None
+    try:
+        return QueueRing(transfer, name, reply["queue"], reply["ring"])
+    except SegmentGone:
+        return None
 
 
 class QueueRing:

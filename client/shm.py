@@ -31,6 +31,10 @@ MADV_POPULATE_WRITE = 23  # linux/mman.h (Python's mmap module does not name it)
 PREFAULT_BYTES = 1 << 20  # a write this large populates its segment (Note [populating mappings])
 
 
+class SegmentGone(BrokerUnavailable):
+    """A segment the broker named was unlinked before this process could map it."""
+
+
 class Mapping:
     """One mapped segment: the mmap object and the address of its first byte."""
 
@@ -76,7 +80,8 @@ class SegmentCache:
         try:
             fd = os.open(path, os.O_RDWR)
         except OSError as exc:
-            raise BrokerUnavailable(
+            gone = SegmentGone if isinstance(exc, FileNotFoundError) else BrokerUnavailable
+            raise gone(
                 f"cannot open the broker's segment {path}: {exc.strerror}. Client and broker "
                 "must share /dev/shm (same container or pod) and run as the same user"
             ) from None

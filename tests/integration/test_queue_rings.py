@@ -268,6 +268,34 @@ def test_close_ends_waiting_consumers_after_the_items_and_refuses_puts(c: tb.Cli
     assert list(c.queue("closing")) == []
 
 
+def test_a_queue_whose_ring_ends_as_it_is_opened_reads_as_closed(
+    c: tb.Client, fresh_broker: tb.BrokerProcess
+) -> None:
+    """The queue is drained and ends between the broker's answer to an open, which names its
+    ring, and the mapping of that ring: the broker unlinked it. The open does not fail
+    (it raised "cannot open the broker's segment"): the queue reads as closed."""
+    q = c.queue("ending", maxsize=2)
+    q.put(np.ones(2))
+    q.close()
+    got: list[Any] = []
+    with tb.connect(fresh_broker.address) as late:
+        segments = late._transfer.segments
+        get = segments.get
+
+        def drained_first(name: str) -> Any:
+            if name not in segments._maps and not got:  # (the ring: not mapped yet)
+                got.append(q.get(timeout=5).numpy().tolist())  # (let go: the queue ends)
+                path = os.path.join(segments._dir, name)  # (seen ended, by stats say)
+                assert wait_until(lambda: c.stats() and not os.path.exists(path), 5)
+            return get(name)
+
+        segments.get = drained_first  # type: ignore[method-assign]
+        ending = late.queue("ending")
+        with pytest.raises(tb.QueueClosed, match="closed and drained"):
+            ending.get(timeout=5)
+    assert got == [[1.0, 1.0]]
+
+
 def test_a_removed_queue_ends_its_waiters(c: tb.Client) -> None:
     q = c.queue("doomed", maxsize=1)
     q.put(np.ones(2))
