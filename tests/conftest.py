@@ -130,12 +130,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # the 2-core VM, its CPU time counted about twice (two cores shared by four workers). Those
 # that mostly wait (test_etcd, test_cluster_liveness: a third of their time or less on a CPU)
 # start early, their waits filled by the others' work.
-LONGEST = ("test_cluster_nodes.py", "test_chaos.py", "test_etcd.py", "test_hostile.py",
-           "test_leases.py", "test_directory.py", "test_dlpack_capsules.py",
-           "test_cluster_liveness.py", "test_recovery.py", "test_pipelines.py",
-           "test_cross_framework.py", "test_outage.py", "test_cluster.py", "test_metrics.py",
-           "test_broadcast.py", "test_queue_ring_interrupts.py", "test_queue_links.py",
-           "test_handoff.py")  # fmt: skip
+LONGEST = ("test_cluster_nodes.py", "test_recovery.py", "test_etcd.py", "test_chaos.py",
+           "test_hostile.py", "test_cluster_liveness.py", "test_dlpack_capsules.py",
+           "test_homes.py", "test_directory.py", "test_pipelines.py", "test_outage.py",
+           "test_leases.py", "test_beats.py", "test_device_protocol.py",
+           "test_queue_links.py", "test_small_puts.py", "test_queues.py",
+           "test_cross_framework.py", "test_handoff.py", "test_cli.py", "test_metrics.py",
+           "test_broadcast.py", "test_queue_rings.py")  # fmt: skip
 
 
 def _alive(pid: int) -> bool:

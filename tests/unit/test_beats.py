@@ -56,7 +56,7 @@ def test_a_peer_that_stops_answering_is_down_once_something_is_asked_of_it(
     once a get asks it to lend a key, its silence counts, and the get is not left waiting."""
     a, b = _quiet_pair(pair)
     a.put("k", MiB)
-    assert run([a, b], 5, lambda: b.knows("k"))
+    assert run([a, b], 5, lambda: b.knows("k") and _idle(b))  # (its lookup confirmed)
     run([b], DOWN_AFTER + BEAT)  # a's loop stops
     assert b.up("a")
     assert b.get("k")
@@ -71,9 +71,8 @@ def test_a_get_after_idling_reads_the_lend_it_asked_for_without_asking_again(
     again once a beat made a fresh."""
     a, b = _quiet_pair(pair)
     a.put("k", MiB)
-    assert run([a, b], 5, lambda: b.knows("k"))
-    run([a, b], DOWN_AFTER)
-    assert not b.cluster.links.fresh("a", freshen=False)
+    assert run([a, b], 5, lambda: b.knows("k") and _idle(b))
+    assert run([a, b], DOWN_AFTER + 1, lambda: not b.cluster.links.fresh("a", freshen=False))
     mark = len(b.journal.events)
     assert b.get("k")
     assert run([a, b], 3, lambda: "k" in b.reads.started)
@@ -90,8 +89,8 @@ def test_the_owner_of_offers_held_stays_fresh_so_a_first_get_reads_the_offer(
     assert run([a, b], 3, lambda: "b" in a.cluster.replicas.lending.followers.prefixes)
     a.put("k", 4096)
     assert run([a, b], 5, lambda: len(b.cluster.replicas.held.offers) == 1)
-    run([a, b], DOWN_AFTER + BEAT)
-    assert b.cluster.links.fresh("a", freshen=False)
+    run([a, b], DOWN_AFTER + BEAT)  # (long past a promise of a beat before)
+    assert run([a, b], 3, lambda: b.cluster.links.fresh("a", freshen=False))
     mark = len(b.journal.events)
     assert b.get("k")
     assert run([a, b], 3, lambda: "k" in b.reads.started)
@@ -101,7 +100,8 @@ def test_the_owner_of_offers_held_stays_fresh_so_a_first_get_reads_the_offer(
 def test_a_node_found_not_fresh_is_beaten_at_once(pair: Callable[..., Node]) -> None:
     """A read that waits for its lender to be fresh does not wait for a beat period."""
     a, b = _quiet_pair(pair)
-    run([a, b], DOWN_AFTER)
+    assert run([a, b], 3, lambda: _idle(b))
+    assert run([a, b], DOWN_AFTER + 1, lambda: not b.cluster.links.fresh("a", freshen=False))
     b.cluster._next_tick = time.monotonic() + 60  # (no beat of the period meanwhile)
     assert not b.cluster.links.fresh("a")
     assert run([a, b], BEAT / 2, lambda: b.cluster.links.fresh("a", freshen=False))
@@ -140,7 +140,8 @@ def test_a_beat_that_cannot_go_out_does_not_keep_the_loop_turning(
     """A peer found not fresh whose link takes no message (reconnecting): the beat is tried
     once in FRESHEN_EVERY, and the loop waits meanwhile, not turning at once for good."""
     a, b = _quiet_pair(pair)
-    run([a, b], DOWN_AFTER)
+    assert run([a, b], 3, lambda: _idle(b))
+    assert run([a, b], DOWN_AFTER + 1, lambda: not b.cluster.links.fresh("a", freshen=False))
     b.cluster.links.send_to = lambda peer, message: False  # type: ignore[method-assign]
     assert not b.cluster.links.fresh("a")
     b.step()
