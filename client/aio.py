@@ -47,6 +47,7 @@ from .connection import REQUEST_TIMEOUT
 from .leases import ASKED_AGAIN
 from .qring import opened, rings_wanted
 from .reads import Item
+from .shm import SegmentGone
 from .tensor import Tensor
 from .transfer import WritePlan
 from .transport import Unsent, waits
@@ -198,7 +199,11 @@ class AsyncClient:
         if self._transfer.reads.directory is not None and rings_wanted():
             more["ring"] = True  # it can use a queue ring (Note [queue ring])
         reply = await self._call(Op.QOPEN, name=name, maxsize=maxsize, **more)
-        ring = opened(self._transfer, name, reply)
+        try:
+            ring = opened(self._transfer, name, reply)
+        except SegmentGone:  # (it may have ended meanwhile: qring.opened)
+            reply = await self._call(Op.QOPEN, name=name, maxsize=maxsize, **more)
+            ring = opened(self._transfer, name, reply)
         return AsyncQueue(self, name, reply["queue"], reply["maxsize"], ring)
 
     async def delete_queue(self, name: str) -> None:

@@ -24,6 +24,7 @@ from .qring import opened, rings_wanted
 from .queue import Queue, Subscription
 from .reads import Item
 from .ring import RingView
+from .shm import SegmentGone
 from .tensor import Tensor
 from .transfer import Transfer
 from .transport import waits
@@ -292,7 +293,11 @@ class Client(Admin):
         if local and not broadcast and rings_wanted():
             more["ring"] = True  # it can use a queue ring (Note [queue ring])
         reply = self._call(Op.QOPEN, name=name, maxsize=maxsize, **more)
-        ring = opened(self._transfer, name, reply)
+        try:
+            ring = opened(self._transfer, name, reply)
+        except SegmentGone:  # (it may have ended meanwhile: qring.opened)
+            reply = self._call(Op.QOPEN, name=name, maxsize=maxsize, **more)
+            ring = opened(self._transfer, name, reply)
         return Queue(self._transfer, name, reply["queue"], reply["maxsize"], ring)
 
     def create(

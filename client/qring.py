@@ -20,7 +20,6 @@ from ..common.mailbox import item_reply
 from ..common.qring import ASK, CLOSED, FULL, INLINE, META_TAIL, REMOVED, QueueRingView
 from . import qring_asks as asks
 from .shield import shielded
-from .shm import SegmentGone
 from .tensor import Lease, Tensor
 
 if TYPE_CHECKING:
@@ -57,16 +56,13 @@ class WouldWait(Exception):
 
 
 def opened(transfer: Transfer, name: str, reply: dict[str, Any]) -> QueueRing | None:
-    """The ring the broker's answer to a queue's open names, mapped. None if it names none,
-    or if its segment is gone: the queue ended (closed and drained) between the answer and
-    the mapping, and the broker unlinked its ring; its gets go through the broker, which
-    says the queue is closed."""
-    if "ring" not in reply:
-        return None
-    try:
-        return QueueRing(transfer, name, reply["queue"], reply["ring"])
-    except SegmentGone:
-        return None
+    """The ring the broker's answer to a queue's open names, mapped (None if it names none).
+    SegmentGone if its segment is gone: the queue may have ended (closed and drained)
+    between the answer and the mapping, the broker unlinking its ring. The caller opens the
+    queue again: an answer naming no ring then means it ended (its gets go through the
+    broker, which says the queue is closed); one naming a ring whose segment is gone again
+    is the error it says."""
+    return None if "ring" not in reply else QueueRing(transfer, name, reply["queue"], reply["ring"])
 
 
 class QueueRing:

@@ -16,6 +16,7 @@ from workers import shm_mapping
 
 import tensorbroker as tb
 from tensorbroker.client import qring_asks
+from tensorbroker.client.shm import SegmentGone
 from tensorbroker.common import _shm
 from tensorbroker.common.qring import (
     FREE,
@@ -294,6 +295,27 @@ def test_a_queue_whose_ring_ends_as_it_is_opened_reads_as_closed(
         with pytest.raises(tb.QueueClosed, match="closed and drained"):
             ending.get(timeout=5)
     assert got == [[1.0, 1.0]]
+
+
+def test_a_ring_whose_segment_is_gone_while_its_queue_lives_is_an_error(
+    c: tb.Client, fresh_broker: tb.BrokerProcess
+) -> None:
+    """A ring's segment gone for another reason (a cleaner of /dev/shm, say) while its queue
+    lives: the open asks again and says so, rather than use the queue without its ring (its
+    items would not be seen)."""
+    c.queue("live", maxsize=2).put(np.ones(2))
+    with tb.connect(fresh_broker.address) as late:
+        segments = late._transfer.segments
+        get = segments.get
+
+        def gone(name: str) -> Any:
+            if name not in segments._maps:  # (the ring: not mapped yet)
+                raise SegmentGone(f"cannot open the broker's segment {name}")
+            return get(name)
+
+        segments.get = gone  # type: ignore[method-assign]
+        with pytest.raises(tb.BrokerUnavailable, match="cannot open the broker's segment"):
+            late.queue("live")
 
 
 def test_a_removed_queue_ends_its_waiters(c: tb.Client) -> None:
