@@ -17,19 +17,20 @@ having seen the one before go: a peer that took it for down says so then, and ea
 the other (what it lent them stays pinned until then).
 
 With etcd (`quiet`) a node that leaves or dies is down once its entry goes (within about
-3.5 s), so beats serve only the links in use, and an idle one is not beaten: N idle brokers
-send each other nothing, where beating every pair cost each broker 2(N-1) messages every
-2 s (what grew with N in bench/simulate.py). A link is in use while requests sent on it are
-not yet confirmed by a beat's answer (`checked`, the tally below), from its hello until a
-beat after it is answered, and while this broker reads from its node or holds what it
-offered (`busy`, Cluster._busy: pulls, offers held, queue items lent here, and a pull that
-ended with no loan read, until a beat after it names the pulls open). An idle link's
-silence says nothing: its `heard` is kept at now (only ever later: what its answers
-promised, `heard_ago`, holds), so a broker takes a peer for down only once it asked
-something of it. A broker that needs a peer fresh and finds it not (a read that waits; a
-request after idling: that beat goes first, so that its answer comes before the
-request's) beats it at once (`freshen`), at most every FRESHEN_EVERY. Without etcd every
-peer up is beaten: beats are how the brokers see each other go.
+3.5 s), so beats serve only the links in use, and an idle one is not beaten: N brokers with
+nothing between them send each other nothing, where beating every pair cost each broker
+2(N-1) messages every 2 s (what grew with N in bench/simulate.py). A link is in use while
+requests sent on it are not yet confirmed by a beat's answer (`checked`, the tally below),
+from its hello (or a send it did not take) until a beat after it is answered, and while
+this broker reads from its node or holds what it offered (`busy`, Cluster._busy: pulls,
+offers held, queue items lent here, and a pull that ended with no loan read, until a beat
+after it names the pulls open). An idle link's silence says nothing: its `heard` is kept
+at now (only ever later: what its answers promised, `heard_ago`, holds), so a broker takes
+a peer for down only once it asked something of it. A broker that needs a peer fresh and
+finds it not (a read that waits; a request after idling: that beat goes first, so that its
+answer comes before the request's) beats it at once (`freshen`), at most every
+FRESHEN_EVERY. Without etcd every peer up is beaten: beats are how the brokers see each
+other go.
 
 ZeroMQ drops what it holds for a link whose connection breaks and comes back (the route
 stays: no hello follows). So each beat says how many requests its link carried since the

@@ -211,8 +211,9 @@ class Cluster(Answers, Requests):
                     self.links.registrations[node] = record["registration"]
                 address = str(record.get("address", ""))
                 for peer in [p for p in self.peers if p.node == node and p.address != address]:
-                    if not peer.up:  # (it restarted elsewhere: a pod's new IP, say)
-                        self.links.unlink(peer)
+                    if peer.up:  # (it restarted elsewhere: a pod's new IP, say; an idle
+                        self._down(peer)  # link there would stay up: Note [beats])
+                    self.links.unlink(peer)
                 self.links.meet(address)
                 if self.links.restarted(node, record.get("incarnation")):
                     self._hello_again(node)  # (an idle link would not hear it: Note [beats])

@@ -41,7 +41,8 @@ class Peer:
     checked: int = 0  # of those, how many a beat's answer said came (Links.beaten)
     beat_t: float = 0.0  # when its last beat went (monotonic), and `sent` then
     beat_n: int = 0
-    answered: bool = True  # whether that beat was answered (not yet: after a hello)
+    answered: bool = True  # whether that beat was answered (not yet: after a hello or a
+    # send the link did not take)
     tried: float = 0.0  # when a beat last was to go, sent or not (Beats.freshen)
 
 

@@ -288,6 +288,7 @@ class Links(Beats):
 
     def send_to(self, peer: Peer, message: dict[str, Any]) -> bool:
         if not self.dealers.send(peer, _pack(message)):
+            peer.answered = False  # (a link that takes nothing is not idle: Note [beats])
             return False
         if message["op"] == "hello":  # (in use until a beat after it is answered: an idle
             peer.sent = peer.checked = 0  # link would not hear that it was lost)

@@ -133,7 +133,6 @@ def test_the_brokers_ride_out_an_etcd_restart_and_see_a_node_that_joins_after_it
                     assert again == url
                     np.testing.assert_array_equal(b.get("x", timeout=10), x)
                     np.testing.assert_array_equal(a.get("y", timeout=10), y)
-                    assert _fresh(a, "b") and _fresh(b, "a")
                     with _broker(url, "c") as broker_c, tb.connect(broker_c.address) as c:
                         assert wait_until(lambda: up(c, "a", "b"), 15), _peers(c)
                         assert wait_until(lambda: up(a, "b", "c") and up(b, "a", "c"), 15)
