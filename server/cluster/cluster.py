@@ -210,12 +210,14 @@ class Cluster(Answers, Requests):
                 if isinstance(record.get("registration"), int):  # (said in its beat answers)
                     self.links.registrations[node] = record["registration"]
                 address = str(record.get("address", ""))
+                restarted = self.links.restarted(node, record.get("incarnation"))
                 for peer in [p for p in self.peers if p.node == node and p.address != address]:
-                    if peer.up:  # (it restarted elsewhere: a pod's new IP, say; an idle
+                    if peer.up and restarted:  # (elsewhere: a pod's new IP, say; an idle
                         self._down(peer)  # link there would stay up: Note [beats])
-                    self.links.unlink(peer)
+                    if not peer.up:
+                        self.links.unlink(peer)
                 self.links.meet(address)
-                if self.links.restarted(node, record.get("incarnation")):
+                if restarted:
                     self._hello_again(node)  # (an idle link would not hear it: Note [beats])
                 continue
             for peer in self.peers:

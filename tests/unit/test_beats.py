@@ -162,8 +162,9 @@ def test_an_idle_link_that_takes_no_message_is_taken_for_down(
     assert run([a, b], 3, lambda: _idle(b))
     peer = b.cluster.links.peer("a")
     assert peer is not None
-    peer.socket.disconnect(peer.address)  # (sends fail at once: ZMQ_IMMEDIATE)
-    assert not b.cluster.links.send("a", {"op": "follow", "keys": [], "prefixes": []})
+    peer.socket.disconnect(peer.address)  # (sends fail once it is done: ZMQ_IMMEDIATE)
+    follow = {"op": "follow", "keys": [], "prefixes": []}
+    assert run([a, b], 2, lambda: not b.cluster.links.send("a", follow))
     assert run([a, b], DOWN_AFTER + 3 * BEAT, lambda: not b.up("a"))
 
 
@@ -184,3 +185,18 @@ def test_a_node_restarted_behind_an_idle_link_is_linked_again_once_etcd_names_it
     record = {"address": b.cluster.address, "incarnation": b.cluster.links.incarnation}
     a.cluster._members([Member("b", record)])  # (what Membership tells the loop then)
     assert run([a, b], 3, lambda: not a.up("b"))
+
+
+def test_a_node_that_etcd_names_restarted_elsewhere_is_down_at_its_old_address(
+    pair: Callable[..., Node],
+) -> None:
+    """etcd names b's new process at another address (a pod's new IP; the old entry's delete
+    was missed): a's link to the old address, up and idle, would never hear anything. It is
+    taken for down and dropped, and a links to the new address."""
+    a, b = _quiet_pair(pair)
+    assert run([a, b], 3, lambda: _idle(a))
+    moved = "tcp://127.0.0.1:1"  # (nothing answers there)
+    newer = a.cluster.links._incarnations["b"] + 1
+    a.cluster._members([Member("b", {"address": moved, "incarnation": newer})])
+    assert not a.up("b")
+    assert [p.address for p in a.cluster.links.peers] == [moved]
