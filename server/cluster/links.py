@@ -288,7 +288,8 @@ class Links(Beats):
 
     def send_to(self, peer: Peer, message: dict[str, Any]) -> bool:
         if not self.dealers.send(peer, _pack(message)):
-            peer.answered = False  # (a link that takes nothing is not idle: Note [beats])
+            peer.answered, peer.beat_t = False, 0.0  # (a link that takes nothing is not
+            # idle until a beat after this is answered: Note [beats])
             return False
         if message["op"] == "hello":  # (in use until a beat after it is answered: an idle
             peer.sent = peer.checked = 0  # link would not hear that it was lost)

@@ -305,17 +305,19 @@ def test_a_ring_whose_segment_is_gone_while_its_queue_lives_is_an_error(
     items would not be seen)."""
     c.queue("live", maxsize=2).put(np.ones(2))
     with tb.connect(fresh_broker.address) as late:
-        segments = late._transfer.segments
+        segments, tried = late._transfer.segments, []
         get = segments.get
 
         def gone(name: str) -> Any:
             if name not in segments._maps:  # (the ring: not mapped yet)
+                tried.append(name)
                 raise SegmentGone(f"cannot open the broker's segment {name}")
             return get(name)
 
         segments.get = gone  # type: ignore[method-assign]
         with pytest.raises(tb.BrokerUnavailable, match="cannot open the broker's segment"):
             late.queue("live")
+    assert len(tried) == 2  # (asked again: the ring named again)
 
 
 def test_a_removed_queue_ends_its_waiters(c: tb.Client) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import zmq
 
 from tensorbroker.server.cluster import beats, pulls
 from tensorbroker.server.cluster.beats import BEAT, DOWN_AFTER
@@ -163,8 +164,9 @@ def test_an_idle_link_that_takes_no_message_is_taken_for_down(
     peer = b.cluster.links.peer("a")
     assert peer is not None
     peer.socket.disconnect(peer.address)  # (sends fail once it is done: ZMQ_IMMEDIATE)
-    follow = {"op": "follow", "keys": [], "prefixes": []}
-    assert run([a, b], 2, lambda: not b.cluster.links.send("a", follow))
+    assert run([a, b], 2, lambda: not peer.socket.getsockopt(zmq.EVENTS) & zmq.POLLOUT)
+    assert peer.sent == peer.checked  # (idle still: nothing went since)
+    assert not b.cluster.links.send("a", {"op": "follow", "keys": [], "prefixes": []})
     assert run([a, b], DOWN_AFTER + 3 * BEAT, lambda: not b.up("a"))
 
 
