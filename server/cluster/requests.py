@@ -40,16 +40,20 @@ class Requests:
             if op == "hello":
                 if not speaks(m, links.refused):
                     return
-                node = str(m["node"])
+                node, address = str(m["node"]), str(m.get("address", ""))
                 self.transfers.add_peer(node, bytes(m["agent"]), m.get("agent_v"))
+                restarted = links.restarted(node, m.get("incarnation"))
                 same = links.same(node, m)
                 if same is None:  # from an incarnation that a newer one replaced
                     return
                 if not same:  # restarted, or forgot this one: forgotten too
                     self._forget_node(node, mutual=True)
+                for peer in links.peers:  # (a new process: a link to another address, up
+                    if restarted and peer.node == node and peer.address != address:
+                        peer.up = False  # and idle, may lead to the old one: says hello)
                 links.route(route, node)
                 links.reply(route, self._hello("welcome", to=node))
-                links.meet(str(m.get("address", "")))
+                links.meet(address)
                 return
             node = links.routes.get(route, "")
             if not node:  # this broker restarted (or forgot the peer): say hello first

@@ -202,3 +202,19 @@ def test_a_node_that_etcd_names_restarted_elsewhere_is_down_at_its_old_address(
     a.cluster._members([Member("b", {"address": moved, "incarnation": newer})])
     assert not a.up("b")
     assert [p.address for p in a.cluster.links.peers] == [moved]
+
+
+def test_a_node_restarted_elsewhere_whose_hello_comes_first_is_not_sent_to_its_old_address(
+    pair: Callable[..., Node],
+) -> None:
+    """b's new process, at another address, says hello to a before etcd's event about it
+    reaches a: a's link to the old address, up and idle, would keep a's messages to b going
+    there (the first link up is used) until silent 8 s. It says hello again instead."""
+    a, b = _quiet_pair(pair)
+    assert run([a, b], 3, lambda: _idle(a))
+    moved = "tcp://127.0.0.1:1"  # (nothing answers there)
+    hello = {**b.cluster._hello(to="a"), "address": moved}
+    hello["incarnation"] = b.cluster.links.incarnation + 1
+    a.cluster._request(b"new-route", hello)
+    old = [p for p in a.cluster.links.peers if p.address != moved]
+    assert old and not any(p.up for p in old)
