@@ -101,12 +101,20 @@ class Beats:
         return self.quiet and peer.answered and peer.sent == peer.checked and peer.node not in busy
 
     def freshen(self) -> None:
-        """Beat the nodes found not fresh (`stale`: none beaten within FRESHEN_EVERY)."""
+        """Beat the nodes found not fresh (`stale`), each at most every FRESHEN_EVERY."""
         stale, self.stale, now = self.stale, set(), time.monotonic()
         for node in stale:
             peer = self.peer(node)
-            if peer is not None and peer.up and now - peer.tried >= FRESHEN_EVERY:
+            if peer is not None and _may_beat(peer, now):
                 self.beat_to(peer)
+
+    def beat_first(self, node: str, peer: Peer) -> None:
+        """A request goes to `node` on `peer`: behind a beat if the node's last answer to one
+        promised nothing of now (its answer, before the request's, makes the node fresh
+        again: Note [beats]), at most every FRESHEN_EVERY."""
+        now = time.monotonic()
+        if now >= self._safe_until.get(node, 0.0) and _may_beat(peer, now):
+            self.beat_to(peer)
 
     # -- what their answers say ----------------------------------------------------------------
 
@@ -150,14 +158,9 @@ class Beats:
         ):
             return now < self.lease_until() and self.up(node)
         peer = self.peer(node) if freshen else None
-        if peer is not None and peer.up and now - peer.tried >= FRESHEN_EVERY:
+        if peer is not None and _may_beat(peer, now):
             self.stale.add(node)  # (only then: the loop turns at once for `stale`)
         return False
-
-    def expired(self, node: str) -> bool:
-        """Whether `node`'s last answer to a beat promised nothing of now (a request to it
-        goes behind a beat: Note [beats])."""
-        return time.monotonic() >= self._safe_until.get(node, 0.0)
 
     def tally(self, route: bytes, m: dict[str, Any]) -> bool:
         """Count request `m`, come on `route`. True if it is a beat that says more requests
@@ -171,3 +174,9 @@ class Beats:
             return heard < said
         self._heard[route] = heard + 1
         return False
+
+
+def _may_beat(peer: Peer, now: float) -> bool:
+    """Whether a beat may go to `peer` at once: it is up, and none was tried within
+    FRESHEN_EVERY (sent or not: a link that takes nothing is not tried at every turn)."""
+    return peer.up and now - peer.tried >= FRESHEN_EVERY

@@ -15,7 +15,7 @@ import msgpack
 import zmq
 
 from ...common.errors import InvalidRequest
-from .beats import FRESHEN_EVERY, Beats
+from .beats import Beats
 from .dealers import MAX_MESSAGE, Dealers, Peer, readable
 from .joining import Joining, loopback, tcp_host
 
@@ -210,8 +210,7 @@ class Links(Beats):
         peer = self.peer(node)
         if peer is None:
             return False
-        if peer.up and self.expired(node) and time.monotonic() - peer.tried >= FRESHEN_EVERY:
-            self.beat_to(peer)
+        self.beat_first(node, peer)
         return self.send_to(peer, message)
 
     def after(self, node: str, message: Message) -> None:
@@ -287,16 +286,16 @@ class Links(Beats):
         return next((p for p in links if p.up), links[0] if links else None)
 
     def send_to(self, peer: Peer, message: dict[str, Any]) -> bool:
-        if not self.dealers.send(peer, _pack(message)):
-            peer.answered, peer.beat_t = False, 0.0  # (a link that takes nothing is not
-            # idle until a beat after this is answered: Note [beats])
-            return False
-        if message["op"] == "hello":  # (in use until a beat after it is answered: an idle
-            peer.sent = peer.checked = 0  # link would not hear that it was lost)
-            peer.answered, peer.beat_t = False, 0.0
-        else:
+        sent, hello = self.dealers.send(peer, _pack(message)), message["op"] == "hello"
+        if sent and not hello:
             peer.sent += 1
-        return True
+            return True
+        if sent:  # (counted from the hello: Beats.tally)
+            peer.sent = peer.checked = 0
+        # A hello, or a send the link did not take: the link is in use until a beat after it
+        # is answered (an idle link would not hear that either was lost: Note [beats]).
+        peer.answered, peer.beat_t = False, 0.0
+        return sent
 
     def reply(self, route: bytes, message: dict[str, Any]) -> None:
         try:

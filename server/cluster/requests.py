@@ -48,8 +48,8 @@ class Requests:
                     return
                 if not same:  # restarted, or forgot this one: forgotten too
                     self._forget_node(node, mutual=True)
-                for peer in links.peers:  # (a new process: a link to another address, up
-                    if restarted and peer.node == node and peer.address != address:
+                for peer in links.peers if restarted else ():  # (a new process: a link to
+                    if peer.node == node and peer.address != address:  # another address, up
                         peer.up = False  # and idle, may lead to the old one: says hello)
                 links.route(route, node)
                 links.reply(route, self._hello("welcome", to=node))
