@@ -78,6 +78,15 @@ def _uid(name: str) -> int:
     return pwd.getpwnam(name).pw_uid
 
 
+def _gid(path: str) -> int | None:
+    """The group of `path`; None if it went meanwhile (another worker's segment, unlinked
+    between the listing and this look)."""
+    try:
+        return os.stat(path).st_gid
+    except FileNotFoundError:
+        return None
+
+
 def test_a_group_member_connects_and_maps_the_memory_and_others_are_refused(
     users: tuple[str, int, int], group_address: str
 ) -> None:
@@ -96,7 +105,7 @@ def test_a_group_member_connects_and_maps_the_memory_and_others_are_refused(
         ):
             info = os.stat(shared_path)
             assert info.st_gid == gid and stat.S_IMODE(info.st_mode) == mode, shared_path
-        segments = [f for f in os.listdir("/dev/shm") if os.stat(f"/dev/shm/{f}").st_gid == gid]
+        segments = [f for f in os.listdir("/dev/shm") if _gid(f"/dev/shm/{f}") == gid]
         assert segments, "no segment was given to the group"
 
         state, said = run_as(member, gid, b.address)
