@@ -161,7 +161,8 @@ def main() -> int:
                lambda n, p: now(n, p, 1.0, epoll=False, quiet=False)),
         "Not modelled: keys put unevenly (a hot home, or a key with many followers), "
         "watch_prefix and --prefetch (each node that asks for them hears their puts), "
-        "queues across nodes (a change in a queue's consumers is told to every node), "
+        "queues across nodes (a change in a queue's consumers is told to the nodes with a "
+        "part of it), "
         "etcd's own CPU (about 0.5 ms a lease renewal: 1,000 nodes renewing every second "
         "take half a core there), every join and leave heard by every node, a connection "
         "from each broker to every other, the broker's look at every peer each 0.5 s "

@@ -102,7 +102,9 @@ class Cluster(Answers, Requests):
         self.peers, fds = links.peers, {transfers.fd}  # (a read ended: Transfers.fd)
         poller.register(transfers.fd, zmq.POLLIN)
         self.replicas = Replicas(self.node, objects, lot, transfers, links, joining.prefetch)
-        self.queues = QueueLinks(self.node, queues, transfers, links, self.replicas.session)
+        self.queues = QueueLinks(
+            self.node, queues, transfers, links, self.replicas.session, self.replicas.homes.home
+        )
         links.pulls = lambda: list(self.replicas.pulls.pulls)  # (named in each beat)
         self._next_tick = self._next_beat = 0.0
         self.membership: Membership | None = None

@@ -6,8 +6,9 @@ Note [queues across nodes]
 
 Each node holds its own part of a queue: the items its producers put, bounded by its own
 `maxsize`. A consumer takes from its node's part first; while it waits there, its node
-says so to every peer (`want`, the count of its consumers waiting), and a peer with items
-waiting and no consumer of its own lends them, oldest first:
+says so to the other nodes with a part of the queue (`want`, the count of its consumers
+waiting; the members, Note [queue homes] in queue_homes.py), and a member with items waiting
+and no consumer of its own lends them, oldest first:
 
     node c: a get waits ── want(q, 1) ──> node b: its oldest item leaves its part, pinned:
                                                   qitem(q, loan, layout, address)
@@ -37,7 +38,7 @@ exactly once. (A lender that dies is not the case: its
 part is adopted as it was journaled, without the items it freed.)
 
 A broadcast queue's part on each node has that node's subscribers; each node tells the
-others how many (`subs`). An item a producer seals is lent to every node with subscribers
+other members how many (`subs`). An item a producer seals is lent to every node with subscribers
 (as it is published to its own), and each seals it into its part, for its subscribers: so
 every subscriber gets every item put on any node once it was heard of there, each
 producer's in order. The item keeps its slot until every node read it, and a node reads it
@@ -48,68 +49,63 @@ full of items lent to each other must not wait for each other). Items that arriv
 never lent on.
 
 Closing a queue on one node closes it on every node. The node where it is closed, and each
-node that hears so, takes no more puts and says `qclose` to every peer, after the items it
-lent before. A node's part closes once it heard `qclose` from every peer up (or CLOSE_WAIT
-passed) and the items lent to it are in: so no item put before the close is left out. A
-consumer whose node's part is closed and drained asks the peers up what they have left
-(`qleft`), and waits while any has items; QueueClosed once none has. Items in the part of a
-node that is down are not waited for: they come when it is back. GPU items stay on their
-node.
+node that hears so, takes no more puts and says `qclose` to every member, after the items
+it lent before (and to a member it meets later). A node's part closes once it heard
+`qclose` from every member up (or CLOSE_WAIT passed) and the items lent to it are in: so
+no item put before the close is left out. A consumer whose node's part is closed and
+drained asks the members up what they have left (`qleft`), and waits while any has
+items; QueueClosed once none has (queue_ends.py). Items in the part of a node that is down
+are not waited for: they come when it is back. GPU items stay on their node.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
-from ...common.errors import QueueClosed
-from ...common.protocol import reply_error
 from ..queues.queue_state import BrokerQueue
 from ..queues.queues import Queues
 from ..store.records import Session, StoredObject
 from .arrivals import Arrival, Arrivals
+from .queue_ends import QueueEnds
+from .queue_homes import QueueHomes
 from .records import Links
 from .transfers import Transfers
 
 REPASS = 5.0  # seconds without a consumer asking before items that arrived here are lent on
 AHEAD = 4  # items a node with consumers at work takes ahead of their gets (a stream's pace)
-CLOSE_WAIT = 5.0  # seconds a part waits for the peers' qclose before it closes without them
-
-
-@dataclass(slots=True)
-class Asked:
-    """This node asked the peers what they have left of a closed queue (`qleft`)."""
-
-    waiting: set[str]  # the peers not answered yet
-    left: dict[str, int] = field(default_factory=dict)
 
 
 class QueueLinks:
     """What the other nodes want of this node's parts (`wants`, `subs`) and the items lent
     to them (`loans`), Note [queues across nodes]. Queues calls `asked`, `item`, `published`,
     `closed` and `supplies`; the cluster hands this room its messages and calls `poll` every
-    loop and `beat` every beat."""
+    loop and `beat` every beat. Who has a part of each queue is `homes`' (queue_homes.py;
+    `home`: a key's home among the nodes up, Homes.home)."""
 
     def __init__(
-        self, node: str, queues: Queues, transfers: Transfers, links: Links, session: Session
-    ) -> None:
+        self, node: str, queues: Queues, transfers: Transfers, links: Links, session: Session,
+        home: Callable[[str], str],
+    ) -> None:  # fmt: skip
         self.node, self.queues, self.registry = node, queues, queues.registry
         self.transfers, self.links, self.session = transfers, links, session
         self.arrivals = Arrivals(queues, transfers, links, session, self._arrival_over)
+        self.homes = QueueHomes(node, links, home, self._met)
+        self.ends = QueueEnds(queues, links, self.homes, self.arrivals)  # queue_ends.py
         self.wants: dict[str, dict[str, int]] = {}  # queue -> node -> its consumers waiting
         self.subs: dict[str, dict[str, int]] = {}  # broadcast queue -> node -> its subscribers
         self.loans: dict[tuple[str, int], tuple[BrokerQueue, StoredObject]] = {}
         self._said: dict[tuple[str, str], int] = {}  # (op, queue) -> what this node said last
-        self._asked: dict[int, Asked] = {}  # closed part's id -> what the peers have left
-        self._over: set[int] = set()  # closed parts no peer has items for: the stream ended
-        self._closing: dict[int, tuple[set[str], float]] = {}  # part id -> (peers not
-        # closed yet, since when)
         self._waited: dict[int, float] = {}  # part id -> when a consumer last asked in it
         self._ids = time.time_ns() // 1000  # loans: never one of this broker's last run
         self.bytes_sent = 0
 
     # -- what Queues tells and asks ---------------------------------------------------------------
+
+    def opened(self, q: BrokerQueue) -> None:
+        """`q` has a part here now: its home hears so (Note [queue homes])."""
+        self.homes.joined(q.name)
 
     def asked(self, q: BrokerQueue) -> None:
         """A consumer asked for an item of `q` (took one, or waits): the peers hear how many
@@ -134,36 +130,29 @@ class QueueLinks:
         """Subscriptions of broadcast queue `q` came or went: the peers hear how many."""
         self._say(q)
 
-    def removed(self, name: str) -> None:
-        """Queue `name` was removed here: its part on every other node goes too."""
-        self.links.everyone_after({"op": "qremove", "queue": name})
-        self.wants.pop(name, None)
-        self.subs.pop(name, None)
+    def removed(self, name: str, by: str | None = None) -> None:
+        """Queue `name` was removed here (by a client, or by node `by`): its part on every
+        other node goes too (Note [queue homes]: QueueHomes.removed)."""
+        for node in self.homes.removed(name, by):
+            self.links.after(node, {"op": "qremove", "queue": name})
+        for table in (self.wants, self.subs):
+            table.pop(name, None)
+        self._said.pop(("want", name), None)
+        self._said.pop(("subs", name), None)
 
     def closed(self, q: BrokerQueue) -> None:
         """`q` is closed here: so it is on every node, and here once they all closed it."""
-        self._closing_now(q)
+        self.ends.close(q)
 
     def supplies(self, q: BrokerQueue) -> bool:
         """Whether another node may still hand an item to a consumer of closed and drained
-        `q`: while items are arriving, or a peer up has items left or has not said (asked
-        now). False once none has."""
-        if q.id in self._over:
-            return False
-        if self.arrivals.of(q) or q.id in self._asked:
-            return True
-        up = {n for n in self.links.nodes() if self.links.up(n)}
-        if not up:
-            return False
-        self._asked[q.id] = Asked(up)
-        for node in up:
-            self.links.after(node, {"op": "qleft", "queue": q.name})
-        return True
+        `q` (QueueEnds.supplies)."""
+        return self.ends.supplies(q)
 
     # -- wants, subscribers and loans (the lending side) ------------------------------------------
 
     def _say(self, q: BrokerQueue) -> None:
-        """Tell the peers how many items `q`'s consumers want (those waiting, and AHEAD more
+        """Tell the other members how many items `q`'s consumers want (those waiting, and AHEAD more
         while they asked within REPASS), or its subscribers, if that changed."""
         if q.subs is not None:
             op, n = "subs", len(q.subs)
@@ -172,7 +161,8 @@ class QueueLinks:
             op, n = "want", len(q.getters) + (max(0, AHEAD - len(q.items)) if busy else 0)
         if self._said.get((op, q.name), 0) != n:
             self._said[op, q.name] = n
-            self.links.everyone_after({"op": op, "queue": q.name, "n": n})
+            for node in self.homes.up(q.name):
+                self.links.after(node, {"op": op, "queue": q.name, "n": n})
 
     def request(self, node: str, op: str, m: dict[str, Any]) -> None:
         """A message of `node`'s about queues (Note [queues across nodes])."""
@@ -188,15 +178,20 @@ class QueueLinks:
         elif op == "qback":
             self.back(node, int(m["loan"]))
         elif op == "qclose":
-            self.close_from(node, name)
+            self.ends.close_from(node, name)
         elif op == "qremove":
             q = self.queues.by_name.get(name)
             if q is not None:
                 self.queues.remove_part(q)
+            self.removed(name, by=node)
+        elif op == "qjoin":
+            self.homes.join(node, name)
+        elif op == "qmembers":
+            self.homes.heard(name, [str(n) for n in m["nodes"]])
         elif op == "qleft":
-            self.left(node, name)
+            self.ends.left(node, name)
         elif op == "qhas":
-            self.has(node, name, int(m["left"]))
+            self.ends.has(node, name, int(m["left"]))
 
     def want(self, node: str, name: str, n: int, op: str = "want") -> None:
         """`node` has `n` consumers waiting in its part of `name` (or, op "subs", `n`
@@ -275,76 +270,11 @@ class QueueLinks:
         if q.subs is None:
             self.queues.requeue(q, obj)
 
-    # -- the end of a stream ----------------------------------------------------------------------
-
-    def close_from(self, node: str, name: str) -> None:
-        """`node` closed its part of `name` (and lent this node all it will)."""
-        q = self.queues.by_name.get(name)
-        if q is None:  # no part here: nothing to lend, nothing to wait for
-            self.links.after(node, {"op": "qclose", "queue": name})
-        elif not q.closed:
-            self._closing_now(q, node)
-
-    def _closing_now(self, q: BrokerQueue, heard: str | None = None) -> None:
-        """`q` takes no more puts here; every peer hears so (after the items lent to it)."""
-        if q.id not in self._closing:
-            q.closing = True
-            for h in [*q.putters]:  # producers waiting for a slot
-                closed = QueueClosed(f"queue {q.name!r} was closed")
-                self.queues.objects.answer(h, reply_error(h.request.id, closed))
-            up = {n for n in self.links.nodes() if self.links.up(n)}
-            self._closing[q.id] = (up, time.monotonic())
-            self.links.everyone_after({"op": "qclose", "queue": q.name})
-        if heard is not None:
-            self._closing[q.id][0].discard(heard)
-        self._close_if_done(q)
-
-    def _close_if_done(self, q: BrokerQueue) -> None:
-        """Close `q` once every peer closed its part (or CLOSE_WAIT passed) and the items
-        lent here are in."""
-        waiting, since = self._closing[q.id]
-        if (waiting and time.monotonic() - since < CLOSE_WAIT) or self.arrivals.of(q):
-            return
-        del self._closing[q.id]
-        self.queues.close_part(q)
-
-    def left(self, node: str, name: str) -> None:
-        """`node` asks what this node has left of closed queue `name`."""
-        q = self.queues.by_name.get(name)
-        n = 0 if q is None else len(q.items) + q.pending
-        self.links.after(node, {"op": "qhas", "queue": name, "left": n})
-
-    def has(self, node: str, name: str, n: int) -> None:
-        """`node` has `n` items left of `name`, which this node asked about."""
-        q = self.queues.by_name.get(name)
-        asked = None if q is None else self._asked.get(q.id)
-        if q is None or asked is None or node not in asked.waiting:
-            return
-        asked.waiting.discard(node)
-        asked.left[node] = n
-        if not asked.waiting:
-            self._settle(q, asked)
-
-    def _settle(self, q: BrokerQueue, asked: Asked) -> None:
-        """Every peer asked answered (or went down): none has items left, so the consumers
-        waiting here end; else they wait for the items their wants bring."""
-        self._asked.pop(q.id, None)
-        if any(asked.left.values()) or q.items or q.pending:
-            return
-        self._over.add(q.id)
-        for w in list(q.getters):
-            closed = QueueClosed(f"queue {q.name!r} is closed and drained on every node")
-            self.queues.objects.answer(w, reply_error(w.request.id, closed))
-
     def _arrival_over(self, a: Arrival, delivered: bool) -> None:
         """An item lent to this node is in its part (or was given back)."""
-        q = a.q
-        if q.id in self._closing:
-            self._close_if_done(q)
-        if q.subs is None:
-            self._say(q)
-            if q.closed and not q.items and q.getters and q.id not in self._over:
-                self.supplies(q)  # (asks again: what the peers have left may have changed)
+        if a.q.subs is None:
+            self._say(a.q)
+        self.ends.arrived(a.q)
 
     # -- the loop, and peers coming and going -----------------------------------------------------
 
@@ -364,16 +294,10 @@ class QueueLinks:
         want), items that arrived here and wait without a consumer lent on, and closed parts
         whose consumers still wait: the peers are asked again what they have left."""
         for q in list(self.queues.by_name.values()):
-            if q.id in self._closing:
-                self._close_if_done(q)
             self._say(q)
-            if q.subs is not None:
-                continue
-            if q.items and self.wants.get(q.name):
+            if q.subs is None and q.items and self.wants.get(q.name):
                 self._lend(q)
-            if q.closed and q.getters and not q.items and q.id not in self._asked:
-                if not self.supplies(q):
-                    self._settle(q, Asked(set()))
+            self.ends.beat(q)
         self.arrivals.came.intersection_update(
             o.oid for q in self.queues.by_name.values() for o in q.items
         )
@@ -387,29 +311,43 @@ class QueueLinks:
         self.arrivals.node_down(node)
         for by_node in [*self.wants.values(), *self.subs.values()]:
             by_node.pop(node, None)
-        for qid, asked in self._asked.items():
-            q = self.queues.by_id.get(qid)
-            if node in asked.waiting and q is not None:
-                self.links.after(node, {"op": "qleft", "queue": q.name})
+        self.ends.let_go(node)
 
     def node_down(self, node: str) -> None:
-        """`node` is down: as `let_go`, and it is not waited for."""
+        """`node` is down: as `let_go`, and it is not waited for; the queues' homes may have
+        moved."""
+        self._moved()
         self.let_go(node)
-        for qid, (waiting, _) in list(self._closing.items()):
-            if node in waiting:
-                waiting.discard(node)
-                part = self.queues.by_id.get(qid)
-                if part is not None:
-                    self._close_if_done(part)
-        for qid, asked in list(self._asked.items()):
-            if node in asked.waiting:
-                asked.waiting.discard(node)
-                part = self.queues.by_id.get(qid)
-                if part is not None and not asked.waiting:
-                    self._settle(part, asked)
+        self.ends.node_down(node)
 
     def node_up(self, node: str) -> None:
-        """`node` (re)joined: it hears the wants and subscribers of this node's parts."""
-        for (op, name), n in self._said.items():
-            if n:
+        """`node` (re)joined: the queues' homes may have moved (and one there may have
+        forgotten its members); it hears what this node said of the queues it is a member
+        of."""
+        self.homes.node_up(node)
+        self._moved()
+        for name, members in self.homes.members.items():
+            if node in members:
+                self._say_to(node, name)
+
+    def _moved(self) -> None:
+        """The nodes up changed: each queue's home may have moved (and the parts adopted
+        from the journal are said to theirs: Queues.adopt does not call `opened`)."""
+        for name in self.queues.by_name:
+            self.homes.joined(name)
+        self.homes.changed()
+
+    def _say_to(self, node: str, name: str) -> None:
+        """Tell `node` the wants or subscribers this node said last of queue `name`."""
+        for op in ("want", "subs"):
+            if n := self._said.get((op, name), 0):
                 self.links.after(node, {"op": op, "queue": name, "n": n})
+
+    def _met(self, name: str, node: str) -> None:
+        """`node` has a part of queue `name`, new to this node (Note [queue homes]): it hears
+        what the other members heard (wants, subscribers, the close, the question what it
+        has left)."""
+        self._say_to(node, name)
+        q = self.queues.by_name.get(name)
+        if q is not None:
+            self.ends.met(q, node)

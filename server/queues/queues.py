@@ -33,6 +33,7 @@ Reply = dict[str, Any]
 class OtherNodes(Protocol):
     """The parts of this broker's queues on the other nodes of a cluster (queue_links.py)."""
 
+    def opened(self, q: BrokerQueue) -> None: ...
     def asked(self, q: BrokerQueue) -> None: ...
     def item(self, q: BrokerQueue) -> None: ...
     def published(self, q: BrokerQueue, obj: StoredObject, session: Session) -> None: ...
@@ -83,6 +84,8 @@ class Queues:
             self.table.add(q)
             self.qrings.made(q, ring)
             self.registry.journal.queue(q)
+            if self.elsewhere is not None:
+                self.elsewhere.opened(q)
         elif broadcast != (q.subs is not None):
             kind = "a broadcast queue" if q.subs is not None else "an ordinary queue"
             raise InvalidRequest(

@@ -51,6 +51,7 @@ def test_an_item_lent_before_its_lender_knew_it_was_forgotten_is_given_back_unre
     a, b = pair("a"), pair("b")
     assert run([a, b], 5, lambda: a.up("b") and b.up("a") and a.cluster.links.fresh("b"))
     q = a.queue("q")
+    b.queue("q")  # (a part of q: b hears the wants, Note [queue homes])
     a.cluster.queues.asked(q)
     assert run([a, b], 3, lambda: bool(b.cluster.queues.wants.get("q")))
     router = b.cluster.links.router
@@ -77,6 +78,7 @@ def test_an_item_is_not_read_after_its_lender_may_have_taken_this_node_for_down(
     handles the item before its own tick: it must not read it."""
     a, b = pair("a"), pair("b")
     assert run([a, b], 5, lambda: a.up("b") and b.up("a") and a.cluster.links.fresh("b"))
+    b.queue("q")  # (a part of q: b hears the wants, Note [queue homes])
     a.cluster.queues.asked(a.queue("q"))
     assert run([a, b], 3, lambda: bool(b.cluster.queues.wants.get("q")))
     b.queue_put("q", 4096)
@@ -100,6 +102,7 @@ def test_an_item_lent_while_the_link_reconnects_goes_once_it_is_back(
     up): the item must reach a once the link is back, not stay lent to a for good."""
     a, b = pair("a"), pair("b")
     assert run([a, b], 5, lambda: a.up("b") and b.up("a") and a.cluster.links.fresh("b"))
+    b.queue("q")  # (a part of q: b hears the wants, Note [queue homes])
     a.cluster.queues.asked(a.queue("q"))
     assert run([a, b], 3, lambda: bool(b.cluster.queues.wants.get("q")))
     link = b.cluster.links.peer("a")
@@ -121,6 +124,7 @@ def test_an_item_lent_to_a_node_restarted_before_its_lender_knew_is_not_read(
     two parts)."""
     a, b = pair("a"), pair("b")
     assert run([a, b], 5, lambda: a.up("b") and b.up("a") and a.cluster.links.fresh("b"))
+    b.queue("q")  # (a part of q: b hears the wants, Note [queue homes])
     a.cluster.queues.asked(a.queue("q"))
     assert run([a, b], 3, lambda: bool(b.cluster.queues.wants.get("q", {}).get("a")))
     a.close()  # it crashed
@@ -252,6 +256,7 @@ def test_a_qitem_made_before_a_new_segment_does_not_bring_back_older_agent_metad
     the metadata of before (b would forget a's new segment, and offers in it fail)."""
     a, b = pair("a"), pair("b")
     assert run([a, b], 5, lambda: a.up("b") and b.up("a") and b.cluster.links.fresh("a"))
+    a.queue("q")  # (a part of q: a hears the wants, Note [queue homes])
     b.cluster.queues.asked(b.queue("q"))
     assert run([a, b], 3, lambda: bool(a.cluster.queues.wants.get("q")))
     a.journal.begin()  # one turn of a's loop:
@@ -277,6 +282,7 @@ def test_a_queue_item_lost_on_a_link_that_reconnected_is_lent_again(
     b hears a's want again."""
     a, b = pair("a", quiet=quiet), pair("b", quiet=quiet)
     assert run([a, b], 5, lambda: a.up("b") and b.up("a") and a.cluster.links.fresh("b"))
+    b.queue("q")  # (a part of q: b hears the wants, Note [queue homes])
     a.cluster.queues.asked(a.queue("q"))
     assert run([a, b], 3, lambda: bool(b.cluster.queues.wants.get("q")))
     links, lost = a.cluster.links, []

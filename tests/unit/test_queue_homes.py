@@ -1,0 +1,111 @@
+"""Which nodes hear of a queue (Note [queue homes] in server/cluster/queue_homes.py): only
+those with a part of it, which learn each other from the queue's home. Cluster objects
+stepped by hand in this process (tests/nodes.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tensorbroker.common.protocol import Request
+from tensorbroker.server.cluster.queue_homes import KEY
+from tensorbroker.server.cluster.rendezvous import homes_of
+from tests.nodes import Node, run, trio
+
+__all__ = ["trio"]  # the fixture
+
+
+def _homed(home: str, names: str = "abc") -> str:
+    """A queue name whose home is node `home` among nodes `names`, all up."""
+    members = tuple(sorted(names))
+    return next(
+        q for q in (f"q{i}" for i in range(10_000)) if homes_of(KEY + q, members)[0] == home
+    )
+
+
+def _up(trio: Callable[[str], Node]) -> list[Node]:
+    nodes = [trio(n) for n in "abc"]
+    assert run(nodes, 5, lambda: all(n.up(o.name) for n in nodes for o in nodes if n is not o))
+    return nodes
+
+
+def _close(node: Node, name: str) -> None:
+    node.queues.close(
+        node.session, b"client", Request("close", 2, {"queue": node.queue(name).id}, [])
+    )
+
+
+def test_a_node_with_no_part_of_a_queue_hears_nothing_of_it(trio: Callable[[str], Node]) -> None:
+    """a and b have parts of a queue, c none: a's waiting consumer is told to b only, and so
+    is the close (a change of a queue's consumers costs the nodes that use it, not all)."""
+    a, b, c = nodes = _up(trio)
+    name = _homed("c")  # (its home is c: c keeps its members, and still hears none of it)
+    b.queue(name)
+    a.cluster.queues.asked(a.queue(name))
+    assert run(nodes, 3, lambda: b.cluster.queues.wants.get(name) == {"a": 4})
+    _close(a, name)
+    assert run(nodes, 3, lambda: b.queue(name).closed and a.queue(name).closed)
+    run(nodes, 0.2)
+    assert not c.cluster.queues.wants and name not in c.queues.by_name
+    assert c.cluster.queues.homes.kept == {name: {"a", "b"}}
+    assert ("sent", "want") not in c.journal.events
+
+
+def test_a_part_made_after_a_consumer_waits_lends_to_it(trio: Callable[[str], Node]) -> None:
+    """a's consumer waits on a queue no other node has a part of; c makes its part later and
+    a producer there puts an item: c meets a through the queue's home (b), hears a's want,
+    and lends the item."""
+    a, b, c = nodes = _up(trio)
+    name = _homed("b")
+    a.cluster.queues.asked(a.queue(name))
+    run(nodes, 0.2)
+    c.queue_put(name, 4096)
+    assert run(nodes, 3, lambda: a.reads.started == [name])
+    assert not b.cluster.queues.wants and name not in b.queues.by_name
+
+
+def test_the_members_of_a_queue_are_learned_again_by_its_home_restarted(
+    trio: Callable[[str], Node],
+) -> None:
+    """A queue's home keeps its members in memory only: c, the home, restarts and forgets
+    them. a, a member, says so again when it hears c's hello: b, whose part is made after,
+    still meets a, and a's item reaches b's consumer."""
+    a, b, c = nodes = _up(trio)
+    name = _homed("c")
+    a.queue_put(name, 4096)
+    assert run(nodes, 3, lambda: c.cluster.queues.homes.kept.get(name) == {"a"})
+    c.close()  # it crashed
+    nodes[2] = c = trio("c")
+    assert run(nodes, 5, lambda: c.up("a") and c.up("b") and a.up("c") and b.up("c"))
+    assert run(nodes, 3, lambda: c.cluster.queues.homes.kept.get(name) == {"a"})
+    b.cluster.queues.asked(b.queue(name))
+    assert run(nodes, 3, lambda: b.reads.started == [name])
+
+
+def test_a_queue_closed_before_a_node_made_its_part_is_closed_there_too(
+    trio: Callable[[str], Node],
+) -> None:
+    """close() on any node closes the queue on every node: also on one whose part is made
+    after the close (it meets the closed part's node)."""
+    a, b, c = nodes = _up(trio)
+    name = _homed("a")
+    a.queue(name)
+    run(nodes, 0.2)
+    _close(a, name)
+    assert run(nodes, 3, lambda: a.queue(name).closed)
+    b.queue(name)
+    assert run(nodes, 3, lambda: b.queue(name).closed)
+
+
+def test_a_queue_removed_on_a_node_with_no_part_of_it_is_removed_on_its_members(
+    trio: Callable[[str], Node],
+) -> None:
+    """delete_queue on c, which has no part of the queue: c tells the queue's home (a), and
+    the home tells the other member (b)."""
+    a, b, c = nodes = _up(trio)
+    name = _homed("a")
+    a.queue_put(name, 4096)
+    b.queue_put(name, 4096)
+    assert run(nodes, 3, lambda: a.cluster.queues.homes.kept.get(name) == {"a", "b"})
+    c.queues.remove(c.session, b"client", Request("delete_queue", 3, {"name": name}, []))
+    assert run(nodes, 3, lambda: name not in a.queues.by_name and name not in b.queues.by_name)
+    assert not a.cluster.queues.homes.kept
