@@ -34,8 +34,11 @@ other go.
 
 ZeroMQ drops what it holds for a link whose connection breaks and comes back (the route
 stays: no hello follows). So each beat says how many requests its link carried since the
-hello (`tally`); one short makes the sender take the link for down and link again
-(cluster.py): each forgets what it lent the other, the welcome says all again."""
+hello (`tally`); one short makes the node that counted forget the sender before its
+answer says so (`resync`, and its `forgot` count one up: requests.py), and the sender
+forgets it too (answers.py): each lets go what it lent the other, the hellos and welcomes
+say all again. The reader forgets first: nothing it reads of the lender's memory is used
+once the lender, told, lets go of it."""
 
 from __future__ import annotations
 

@@ -299,3 +299,34 @@ def test_a_queue_item_lost_on_a_link_that_reconnected_is_lent_again(
     b.queue_put("q", 4096)
     assert run([a, b], 3, lambda: bool(lost))
     assert run([a, b], 6, lambda: bool(a.reads.started))  # (within a beat, and a hello)
+
+
+def test_an_item_lent_before_the_lender_heard_its_requests_were_lost_is_not_sealed(
+    pair: Callable[[str], Node],
+) -> None:
+    """b reads an item a lent it when a's next request to b is lost (a broken connection
+    that came back). b's beat answer says so (`resync`), and a, as it hears it, takes the
+    item back into its part (its memory may go to another consumer). b must not seal the
+    read it still had under way: b forgets a as it answers, not a hello later."""
+    a, b = _lent_to_b(pair)
+    lost: list[dict[str, Any]] = []
+    read = b.cluster.links.read
+
+    def losing(socket: Any) -> Any:
+        for route, peer, m in read(socket):
+            if peer is None and m.get("op") == "qitem" and not lost:
+                lost.append(m)  # (taken by b's ZeroMQ, never delivered)
+                continue
+            yield route, peer, m
+
+    b.cluster.links.read = losing  # type: ignore[method-assign]
+    a.queue_put("q", 4096)  # lent to b too: lost on the way
+    end = time.monotonic() + 5
+    while a.cluster.queues.loans and time.monotonic() < end:
+        a.step()
+        b.step()
+    assert lost and not a.cluster.queues.loans and len(a.queue("q").items) == 2
+    b.reads.over = True  # the read a took back ends now
+    for _ in range(5):
+        b.step(skip=b.cluster.links.router)  # (a's hello, which says a forgot b, not read)
+    assert not b.queue("q").items, "b sealed an item its lender took back"
