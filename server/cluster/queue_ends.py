@@ -1,6 +1,6 @@
 """The end of a queue's stream across nodes (Note [queues across nodes] in queue_links.py):
 a close said on one node closes the queue's part on every node (`qclose`), once the items
-lent to it are in, and a consumer whose part is closed and drained ends once no other member
+lent to it are in, and a consumer whose part is closed and drained ends once no other node
 has items left (`qleft`, answered `qhas`)."""
 
 from __future__ import annotations
@@ -13,41 +13,40 @@ from ...common.protocol import reply_error
 from ..queues.queue_state import BrokerQueue
 from ..queues.queues import Queues
 from .arrivals import Arrivals
-from .queue_homes import QueueHomes
 from .records import Links
 
-CLOSE_WAIT = 5.0  # seconds a part waits for the members' qclose before it closes without them
+CLOSE_WAIT = 5.0  # seconds a part waits for the others' qclose before it closes without them
 
 
 @dataclass(slots=True)
 class Asked:
-    """This node asked the members what they have left of a closed queue (`qleft`)."""
+    """This node asked the nodes up what they have left of a closed queue (`qleft`)."""
 
-    waiting: set[str]  # the members not answered yet
+    waiting: set[str]  # the nodes not answered yet
     left: dict[str, int] = field(default_factory=dict)
 
 
 class QueueEnds:
-    """The parts closing here (`closing`: the members whose `qclose` they wait for), and
-    what the members were asked they have left (`asked`); QueueLinks hands this room the
-    messages and events that concern them."""
+    """The parts closing here (`closing`: the nodes whose `qclose` they wait for), and what
+    the nodes were asked they have left (`asked`); QueueLinks hands this room the messages
+    and events that concern them."""
 
-    def __init__(self, queues: Queues, links: Links, homes: QueueHomes, arrivals: Arrivals):
-        self.queues, self.links, self.homes, self.arrivals = queues, links, homes, arrivals
+    def __init__(self, queues: Queues, links: Links, arrivals: Arrivals) -> None:
+        self.queues, self.links, self.arrivals = queues, links, arrivals
         self.asked: dict[int, Asked] = {}  # closed part's id -> what the members have left
         self.over: set[int] = set()  # closed parts no member has items for: the stream ended
-        # part id -> (the members not closed yet, since when)
+        # part id -> (the nodes not closed yet, since when)
         self.closing: dict[int, tuple[set[str], float]] = {}
 
     def close(self, q: BrokerQueue, heard: str | None = None) -> None:
-        """`q` takes no more puts here; every member hears so (after the items lent to it),
+        """`q` takes no more puts here; every node up hears so (after the items lent to it),
         and `q` closes once they closed theirs (`heard`: one did)."""
         if q.id not in self.closing:
             q.closing = True
             for h in [*q.putters]:  # producers waiting for a slot
                 closed = QueueClosed(f"queue {q.name!r} was closed")
                 self.queues.objects.answer(h, reply_error(h.request.id, closed))
-            up = set(self.homes.up(q.name))
+            up = self._up()
             self.closing[q.id] = (up, time.monotonic())
             for node in up:
                 self.links.after(node, {"op": "qclose", "queue": q.name})
@@ -64,7 +63,7 @@ class QueueEnds:
             self.close(q, node)
 
     def close_if_done(self, q: BrokerQueue) -> None:
-        """Close `q` once every member closed its part (or CLOSE_WAIT passed) and the items
+        """Close `q` once every node closed its part (or CLOSE_WAIT passed) and the items
         lent here are in."""
         if q.id not in self.closing:
             return
@@ -76,19 +75,24 @@ class QueueEnds:
 
     def supplies(self, q: BrokerQueue) -> bool:
         """Whether another node may still hand an item to a consumer of closed and drained
-        `q`: while items are arriving, or a member up has items left or has not said (asked
+        `q`: while items are arriving, or a node up has items left or has not said (asked
         now). False once none has."""
         if q.id in self.over:
             return False
         if self.arrivals.of(q) or q.id in self.asked:
             return True
-        up = set(self.homes.up(q.name))
+        up = self._up()
         if not up:
             return False
         self.asked[q.id] = Asked(up)
         for node in up:
             self.links.after(node, {"op": "qleft", "queue": q.name})
         return True
+
+    def _up(self) -> set[str]:
+        """The nodes up: a queue's end goes to each (Note [queue homes]: a part whose node
+        is not known yet to the others is not missed)."""
+        return {n for n in self.links.nodes() if self.links.up(n)}
 
     def left(self, node: str, name: str) -> None:
         """`node` asks what this node has left of closed queue `name`."""
@@ -108,8 +112,8 @@ class QueueEnds:
             self._settle(q, asked)
 
     def _settle(self, q: BrokerQueue, asked: Asked) -> None:
-        """Every member asked answered (or went down): none has items left, so the
-        consumers waiting here end; else they wait for the items their wants bring."""
+        """Every node asked answered (or went down): none has items left, so the consumers
+        waiting here end; else they wait for the items their wants bring."""
         self.asked.pop(q.id, None)
         if any(asked.left.values()) or q.items or q.pending:
             return
@@ -122,11 +126,11 @@ class QueueEnds:
         """An item lent to this node is in `q` (or was given back)."""
         self.close_if_done(q)
         if q.subs is None and q.closed and not q.items and q.getters and q.id not in self.over:
-            self.supplies(q)  # (asks again: what the members have left may have changed)
+            self.supplies(q)  # (asks again: what the others have left may have changed)
 
     def beat(self, q: BrokerQueue) -> None:
         """A closing part closes once CLOSE_WAIT passed; a closed one whose consumers still
-        wait asks the members again what they have left."""
+        wait asks the nodes up again what they have left."""
         self.close_if_done(q)
         if q.subs is None and q.closed and q.getters and not q.items and q.id not in self.asked:
             if not self.supplies(q):
@@ -134,15 +138,9 @@ class QueueEnds:
 
     def met(self, q: BrokerQueue, node: str) -> None:
         """`node` has a part of `q`, new to this node: if `q` is closing or closed, it hears
-        so (and is waited for), and is asked what it has left if the others were."""
-        if not (q.closed or q.closing):
-            return
-        self.links.after(node, {"op": "qclose", "queue": q.name})
-        if q.id in self.closing:
-            self.closing[q.id][0].add(node)
-        if q.id in self.asked:
-            self.asked[q.id].waiting.add(node)
-            self.links.after(node, {"op": "qleft", "queue": q.name})
+        so (its part may be newer than the close)."""
+        if q.closed or q.closing:
+            self.links.after(node, {"op": "qclose", "queue": q.name})
 
     def let_go(self, node: str) -> None:
         """`node` restarted, or forgot this node: it is asked again what this node asked."""

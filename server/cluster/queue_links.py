@@ -49,11 +49,11 @@ full of items lent to each other must not wait for each other). Items that arriv
 never lent on.
 
 Closing a queue on one node closes it on every node. The node where it is closed, and each
-node that hears so, takes no more puts and says `qclose` to every member, after the items
-it lent before (and to a member it meets later). A node's part closes once it heard
-`qclose` from every member up (or CLOSE_WAIT passed) and the items lent to it are in: so
-no item put before the close is left out. A consumer whose node's part is closed and
-drained asks the members up what they have left (`qleft`), and waits while any has
+node that hears so, takes no more puts and says `qclose` to every node up, after the
+items it lent before (and to a member it meets later: its part may be newer). A node's
+part closes once it heard `qclose` from every node up (or CLOSE_WAIT passed) and the items
+lent to it are in: so no item put before the close is left out. A consumer whose node's
+part is closed and drained asks the nodes up what they have left (`qleft`), and waits while any has
 items; QueueClosed once none has (queue_ends.py). Items in the part of a node that is down
 are not waited for: they come when it is back. GPU items stay on their node.
 """
@@ -92,7 +92,7 @@ class QueueLinks:
         self.transfers, self.links, self.session = transfers, links, session
         self.arrivals = Arrivals(queues, transfers, links, session, self._arrival_over)
         self.homes = QueueHomes(node, links, home, self._met)
-        self.ends = QueueEnds(queues, links, self.homes, self.arrivals)  # queue_ends.py
+        self.ends = QueueEnds(queues, links, self.arrivals)  # queue_ends.py
         self.wants: dict[str, dict[str, int]] = {}  # queue -> node -> its consumers waiting
         self.subs: dict[str, dict[str, int]] = {}  # broadcast queue -> node -> its subscribers
         self.loans: dict[tuple[str, int], tuple[BrokerQueue, StoredObject]] = {}
@@ -105,7 +105,7 @@ class QueueLinks:
 
     def opened(self, q: BrokerQueue) -> None:
         """`q` has a part here now: its home hears so (Note [queue homes])."""
-        self.homes.joined(q.name)
+        self.homes.joined(q.name, q.id)
 
     def asked(self, q: BrokerQueue) -> None:
         """A consumer asked for an item of `q` (took one, or waits): the peers hear how many
@@ -130,11 +130,14 @@ class QueueLinks:
         """Subscriptions of broadcast queue `q` came or went: the peers hear how many."""
         self._say(q)
 
-    def removed(self, name: str, by: str | None = None) -> None:
-        """Queue `name` was removed here (by a client, or by node `by`): its part on every
-        other node goes too (Note [queue homes]: QueueHomes.removed)."""
-        for node in self.homes.removed(name, by):
-            self.links.after(node, {"op": "qremove", "queue": name})
+    def removed(self, name: str) -> None:
+        """Queue `name` was removed here: its part on every other node goes too."""
+        self.links.everyone_after({"op": "qremove", "queue": name})
+        self._forget(name)
+
+    def _forget(self, name: str) -> None:
+        """This node's part of queue `name` (if it had one) was removed."""
+        self.homes.left(name)
         for table in (self.wants, self.subs):
             table.pop(name, None)
         self._said.pop(("want", name), None)
@@ -152,8 +155,8 @@ class QueueLinks:
     # -- wants, subscribers and loans (the lending side) ------------------------------------------
 
     def _say(self, q: BrokerQueue) -> None:
-        """Tell the other members how many items `q`'s consumers want (those waiting, and AHEAD more
-        while they asked within REPASS), or its subscribers, if that changed."""
+        """Tell the other members how many items `q`'s consumers want (those waiting, and
+        AHEAD more while they asked within REPASS), or its subscribers, if that changed."""
         if q.subs is not None:
             op, n = "subs", len(q.subs)
         else:
@@ -183,9 +186,11 @@ class QueueLinks:
             q = self.queues.by_name.get(name)
             if q is not None:
                 self.queues.remove_part(q)
-            self.removed(name, by=node)
+                self._forget(name)
         elif op == "qjoin":
-            self.homes.join(node, name)
+            self.homes.join(node, name, int(m["part"]))
+        elif op == "qleave":
+            self.homes.leave(node, name, int(m["part"]))
         elif op == "qmembers":
             self.homes.heard(name, [str(n) for n in m["nodes"]])
         elif op == "qleft":
@@ -197,6 +202,7 @@ class QueueLinks:
         """`node` has `n` consumers waiting in its part of `name` (or, op "subs", `n`
         subscribers of broadcast queue `name`)."""
         (self.wants if op == "want" else self.subs).setdefault(name, {})[node] = n
+        self.homes.heard(name, (node,))  # (it has a part: word enough, Note [queue homes])
         q = self.queues.by_name.get(name)
         if q is not None and op == "want":
             self._lend(q)
@@ -333,8 +339,8 @@ class QueueLinks:
     def _moved(self) -> None:
         """The nodes up changed: each queue's home may have moved (and the parts adopted
         from the journal are said to theirs: Queues.adopt does not call `opened`)."""
-        for name in self.queues.by_name:
-            self.homes.joined(name)
+        for q in self.queues.by_name.values():
+            self.homes.joined(q.name, q.id)
         self.homes.changed()
 
     def _say_to(self, node: str, name: str) -> None:
@@ -345,8 +351,7 @@ class QueueLinks:
 
     def _met(self, name: str, node: str) -> None:
         """`node` has a part of queue `name`, new to this node (Note [queue homes]): it hears
-        what the other members heard (wants, subscribers, the close, the question what it
-        has left)."""
+        what the other members heard (wants, subscribers, the close)."""
         self._say_to(node, name)
         q = self.queues.by_name.get(name)
         if q is not None:
