@@ -95,11 +95,11 @@ class Answers:
                 elif same:
                     got = m.get("t"), m.get("heard_ago"), m.get("down_after"), m.get("registration")
                     self.links.kept(peer.node, *got)
-                if m.get("resync") and same:  # requests of this one's were lost on the way
+                if m.get("resync"):  # requests of this one's were lost on the way there
                     log.warning("cluster: requests to node %r were lost; linking again", peer.node)
-                    self._down(peer)  # there (the node forgets this one as it says so, and
-                    # so `same` is False: both forget what they lent the other, and the
-                    # hellos and welcomes that follow say all again)
+                    self._down(peer)  # (as if it went down: each forgets what it lent the
+                    # other, and the hello and welcome that follow say all again; the node
+                    # dropped what it was reading of this one's before it answered)
         except (KeyError, TypeError, ValueError, BrokerError, OSError) as exc:
             log.warning("a cluster answer %r from %s could not be used: %s", op, peer.address, exc)
 

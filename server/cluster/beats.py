@@ -34,11 +34,11 @@ other go.
 
 ZeroMQ drops what it holds for a link whose connection breaks and comes back (the route
 stays: no hello follows). So each beat says how many requests its link carried since the
-hello (`tally`); one short makes the node that counted forget the sender before its
-answer says so (`resync`, and its `forgot` count one up: requests.py), and the sender
-forgets it too (answers.py): each lets go what it lent the other, the hellos and welcomes
-say all again. The reader forgets first: nothing it reads of the lender's memory is used
-once the lender, told, lets go of it."""
+hello (`tally`); one short makes the node that counted drop what it reads of the
+sender's memory and answer `resync` (requests.py), and the sender take the link for down
+and link again (answers.py): each forgets what it lent the other (the sender as it reads
+the answer, the other once it reads the sender's hello), the welcome says all again. So
+each has stopped reading the other's memory before the other lets go of it."""
 
 from __future__ import annotations
 

@@ -54,13 +54,20 @@ class QueueEnds:
             self.closing[q.id][0].discard(heard)
         self.close_if_done(q)
 
-    def close_from(self, node: str, name: str) -> None:
-        """`node` closed its part of `name` (and lent this node all it will)."""
+    def close_from(self, node: str, name: str, echo: bool = False) -> None:
+        """`node` closed its part of `name` (and lent this node all it will). `echo`: the
+        answer of a node with no part, or with its part closed already: never answered
+        (two nodes without a part would answer each other for good), and no close of a
+        part."""
         q = self.queues.by_name.get(name)
-        if q is None:  # no part here: nothing to lend, nothing to wait for
-            self.links.after(node, {"op": "qclose", "queue": name})
-        elif not q.closed:
+        if q is None or q.closed:  # nothing to lend, nothing to wait for
+            if not echo:
+                self.links.after(node, {"op": "qclose", "queue": name, "echo": True})
+        elif not echo:
             self.close(q, node)
+        elif q.id in self.closing:
+            self.closing[q.id][0].discard(node)
+            self.close_if_done(q)
 
     def close_if_done(self, q: BrokerQueue) -> None:
         """Close `q` once every node closed its part (or CLOSE_WAIT passed) and the items

@@ -181,7 +181,7 @@ class QueueLinks:
         elif op == "qback":
             self.back(node, int(m["loan"]))
         elif op == "qclose":
-            self.ends.close_from(node, name)
+            self.ends.close_from(node, name, bool(m.get("echo")))
         elif op == "qremove":
             q = self.queues.by_name.get(name)
             if q is not None:
@@ -304,6 +304,7 @@ class QueueLinks:
             if q.subs is None and q.items and self.wants.get(q.name):
                 self._lend(q)
             self.ends.beat(q)
+        self._parts()
         self.arrivals.came.intersection_update(
             o.oid for q in self.queues.by_name.values() for o in q.items
         )
@@ -333,15 +334,26 @@ class QueueLinks:
         self.homes.node_up(node)
         self._moved()
         for name, members in self.homes.members.items():
-            if node in members:
-                self._say_to(node, name)
+            q = self.queues.by_name.get(name)
+            if node in members and q is not None:
+                self._met(name, node)  # (said again: it may have missed it while down)
 
     def _moved(self) -> None:
         """The nodes up changed: each queue's home may have moved (and the parts adopted
         from the journal are said to theirs: Queues.adopt does not call `opened`)."""
+        self._parts()
+        self.homes.changed()
+
+    def _parts(self) -> None:
+        """The parts said to their homes are this node's parts: one forgotten (an old ended
+        queue, queue_state.py ENDED_QUEUES) leaves, one new (adopted, or made again under
+        that name) joins."""
+        for name, (part, _, _) in list(self.homes.registered.items()):
+            q = self.queues.by_name.get(name)
+            if q is None or q.id != part:
+                self.homes.left(name)
         for q in self.queues.by_name.values():
             self.homes.joined(q.name, q.id)
-        self.homes.changed()
 
     def _say_to(self, node: str, name: str) -> None:
         """Tell `node` the wants or subscribers this node said last of queue `name`."""
@@ -350,8 +362,9 @@ class QueueLinks:
                 self.links.after(node, {"op": op, "queue": name, "n": n})
 
     def _met(self, name: str, node: str) -> None:
-        """`node` has a part of queue `name`, new to this node (Note [queue homes]): it hears
-        what the other members heard (wants, subscribers, the close)."""
+        """`node` has a part of queue `name`, new to this node (Note [queue homes]), or
+        came up again: it hears what the other members heard (wants, subscribers, the
+        close)."""
         self._say_to(node, name)
         q = self.queues.by_name.get(name)
         if q is not None:

@@ -389,13 +389,18 @@ class Replicas(Ordering):
         self.pulls.node_down(node)
         self.let_go(node)
 
+    def drop_reads(self, node: str) -> None:
+        """What this node reads of `node`'s memory, and the offers it holds of it, are
+        dropped (`node` is about to let go of them: Note [beats])."""
+        self.held.forget(node)
+        self.pulls.forget(node)
+
     def let_go(self, node: str) -> None:
         """`node` went down or restarted: what it was lent or offered is unpinned (it will not
         say), and what it offered is void (its addresses are new, if it restarted)."""
         self.lending.let_go(node)
         self.homes.let_go(node)
-        self.held.forget(node)
-        self.pulls.forget(node)
+        self.drop_reads(node)
         follows = self.follows(node)  # (it forgot what this node follows, or will)
         if follows is not None and self.links.up(node):
             self.links.after(node, follows)

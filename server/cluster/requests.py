@@ -70,10 +70,12 @@ class Requests:
                 links.reply(route, first)
             elif op == "beat":  # its answer: when this broker last heard it (links.py, `kept`)
                 replicas.lending.open_pulls(node, m.get("pulls"), m.get("t"))
-                if lost:  # (its requests were lost: it links again, and lets go what it lent
-                    log.warning("cluster: requests of node %r were lost; linking again", node)
-                    self._forget_node(node)  # this one. Forgotten first, so that nothing
-                    # read of it is used after: the answer says so, with `forgot`)
+                if lost:  # (its requests were lost: it forgets this node, and lets go what
+                    # it lent it, as it reads the answer. What this node reads of it is
+                    # dropped now, before: nothing read of its memory is used after that)
+                    log.warning("cluster: requests of node %r were lost; it links again", node)
+                    replicas.drop_reads(node)
+                    self.queues.arrivals.node_down(node)
                 heard, forgot = links.heard_ago(node), links.forgot.get(node, 0)
                 answer = {"op": "beat", "t": m.get("t"), "heard_ago": heard, "forgot": forgot,
                           "down_after": links.down_after, "resync": lost,

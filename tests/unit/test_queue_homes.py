@@ -115,3 +115,21 @@ def test_a_queue_removed_and_made_again_at_once_is_one_queue_again(
     a.cluster.queues.asked(a.queue(name))
     assert run(nodes, 3, lambda: a.reads.started == [name])
     assert a.cluster.queues.homes.kept[name] == {"a": a.queue(name).id, "b": b.queue(name).id}
+
+
+def test_a_close_then_a_remove_leaves_no_close_going_back_and_forth(
+    trio: Callable[[str], Node],
+) -> None:
+    """A queue closed and at once removed on a: a and c, with no part of it then, answer
+    each other's qclose once, not for good (the loop would never sleep)."""
+    a, b, c = nodes = _up(trio)
+    name = _homed("b")
+    a.queue(name)
+    b.queue(name)
+    run(nodes, 0.2)
+    _close(a, name)
+    a.queues.remove(a.session, b"client", Request("delete_queue", 3, {"name": name}, []))
+    run(nodes, 0.5)
+    closes = [e for n in nodes for e in n.journal.events if e == ("sent", "qclose")]
+    run(nodes, 0.5)
+    assert [e for n in nodes for e in n.journal.events if e == ("sent", "qclose")] == closes

@@ -330,3 +330,44 @@ def test_an_item_lent_before_the_lender_heard_its_requests_were_lost_is_not_seal
     for _ in range(5):
         b.step(skip=b.cluster.links.router)  # (a's hello, which says a forgot b, not read)
     assert not b.queue("q").items, "b sealed an item its lender took back"
+
+
+def test_an_item_read_as_its_lender_found_the_readers_requests_lost_is_had_once(
+    pair: Callable[[str], Node],
+) -> None:
+    """The other way round: b reads an item a lent it, and b's next request to a is lost. a's
+    beat answer says so (`resync`); b's read ends before b reads that answer, and b seals
+    the item. a must not take the item back as it answers (it did: one item in two parts),
+    only once b, having read the answer, forgot a and said hello."""
+    a, b = _lent_to_b(pair)
+    lost: list[dict[str, Any]] = []
+    read, reply = a.cluster.links.read, a.cluster.links.reply
+    resync: list[bool] = []
+
+    def losing(socket: Any) -> Any:
+        for route, peer, m in read(socket):
+            if peer is None and m.get("op") == "want" and not lost:
+                lost.append(m)  # (taken by a's ZeroMQ, never delivered)
+                continue
+            yield route, peer, m
+
+    def answering(route: bytes, m: dict[str, Any]) -> None:
+        resync.append(bool(m.get("resync")))
+        reply(route, m)
+
+    a.cluster.links.read = losing  # type: ignore[method-assign]
+    a.cluster.links.reply = answering  # type: ignore[method-assign]
+    b.cluster.links.after("a", {"op": "want", "queue": "other", "n": 1})
+    end = time.monotonic() + 5
+    while not any(resync) and time.monotonic() < end:
+        b.step()
+        a.step()  # (its answer is not read by b yet once it says resync)
+    assert lost and any(resync) and a.cluster.queues.loans  # (a keeps its loan)
+    b.reads.over = True  # b's read ends before b reads a's answer: b seals the item
+    b.journal.begin()
+    b.cluster.queues.poll()
+    b.journal.commit()
+    b.cluster.flush()
+    assert len(b.queue("q").items) == 1
+    assert run([a, b], 5, lambda: not a.cluster.queues.loans and a.up("b") and b.up("a"))
+    assert len(a.queue("q").items) + len(b.queue("q").items) == 1
