@@ -270,6 +270,24 @@ def test_a_qitem_made_before_a_new_segment_does_not_bring_back_older_agent_metad
     assert b.reads.known["a"] == b"agent+s2"
 
 
+def _loses(node: Node, op: str) -> list[dict[str, Any]]:
+    """`node` loses the next request `op` a peer sends it, as ZeroMQ drops what it took for
+    a link whose connection broke and came back (the route stays: no hello follows). The
+    list has it once it is lost."""
+    lost: list[dict[str, Any]] = []
+    read = node.cluster.links.read
+
+    def losing(socket: Any) -> Any:
+        for route, peer, m in read(socket):
+            if peer is None and m.get("op") == op and not lost:
+                lost.append(m)
+                continue
+            yield route, peer, m
+
+    node.cluster.links.read = losing  # type: ignore[method-assign]
+    return lost
+
+
 @pytest.mark.parametrize("quiet", [False, True], ids=["beaten", "quiet"])
 def test_a_queue_item_lost_on_a_link_that_reconnected_is_lent_again(
     pair: Callable[..., Node], quiet: bool
@@ -285,17 +303,7 @@ def test_a_queue_item_lost_on_a_link_that_reconnected_is_lent_again(
     b.queue("q")  # (a part of q: b hears the wants, Note [queue homes])
     a.cluster.queues.asked(a.queue("q"))
     assert run([a, b], 3, lambda: bool(b.cluster.queues.wants.get("q")))
-    links, lost = a.cluster.links, []
-    read = links.read
-
-    def losing(socket: Any) -> Any:
-        for route, peer, m in read(socket):
-            if peer is None and m.get("op") == "qitem" and not lost:
-                lost.append(m)  # (taken by b's ZeroMQ, never delivered)
-                continue
-            yield route, peer, m
-
-    links.read = losing  # type: ignore[method-assign]
+    lost = _loses(a, "qitem")
     b.queue_put("q", 4096)
     assert run([a, b], 3, lambda: bool(lost))
     assert run([a, b], 6, lambda: bool(a.reads.started))  # (within a beat, and a hello)
@@ -309,17 +317,7 @@ def test_an_item_lent_before_the_lender_heard_its_requests_were_lost_is_not_seal
     item back into its part (its memory may go to another consumer). b must not seal the
     read it still had under way: b forgets a as it answers, not a hello later."""
     a, b = _lent_to_b(pair)
-    lost: list[dict[str, Any]] = []
-    read = b.cluster.links.read
-
-    def losing(socket: Any) -> Any:
-        for route, peer, m in read(socket):
-            if peer is None and m.get("op") == "qitem" and not lost:
-                lost.append(m)  # (taken by b's ZeroMQ, never delivered)
-                continue
-            yield route, peer, m
-
-    b.cluster.links.read = losing  # type: ignore[method-assign]
+    lost = _loses(b, "qitem")
     a.queue_put("q", 4096)  # lent to b too: lost on the way
     end = time.monotonic() + 5
     while a.cluster.queues.loans and time.monotonic() < end:
@@ -340,22 +338,13 @@ def test_an_item_read_as_its_lender_found_the_readers_requests_lost_is_had_once(
     the item. a must not take the item back as it answers (it did: one item in two parts),
     only once b, having read the answer, forgot a and said hello."""
     a, b = _lent_to_b(pair)
-    lost: list[dict[str, Any]] = []
-    read, reply = a.cluster.links.read, a.cluster.links.reply
+    lost, reply = _loses(a, "want"), a.cluster.links.reply
     resync: list[bool] = []
-
-    def losing(socket: Any) -> Any:
-        for route, peer, m in read(socket):
-            if peer is None and m.get("op") == "want" and not lost:
-                lost.append(m)  # (taken by a's ZeroMQ, never delivered)
-                continue
-            yield route, peer, m
 
     def answering(route: bytes, m: dict[str, Any]) -> None:
         resync.append(bool(m.get("resync")))
         reply(route, m)
 
-    a.cluster.links.read = losing  # type: ignore[method-assign]
     a.cluster.links.reply = answering  # type: ignore[method-assign]
     b.cluster.links.after("a", {"op": "want", "queue": "other", "n": 1})
     end = time.monotonic() + 5
