@@ -53,6 +53,7 @@ class Answers:
                 heard, same = self.links.heard_of(node), self.links.same(node, m)
                 if same is None:  # from an incarnation that a newer one replaced
                     return
+                self.queues.hello(node, m)  # (before a forget puts its items back)
                 if not same and heard:  # it restarted, or forgot this one
                     self._forget_node(node, mutual=True, welcomed=peer)
                 self.links.named(peer, node)
@@ -95,6 +96,8 @@ class Answers:
                 elif same:
                     got = m.get("t"), m.get("heard_ago"), m.get("down_after"), m.get("registration")
                     self.links.kept(peer.node, *got)
+                    if not m.get("resync") and isinstance(m.get("t"), float):
+                        self.queues.arrivals.confirmed(peer.node, m["t"])
                 if m.get("resync"):  # requests of this one's were lost on the way there
                     log.warning("cluster: requests to node %r were lost; linking again", peer.node)
                     self._down(peer)  # (as if it went down: each forgets what it lent the

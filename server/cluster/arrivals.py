@@ -12,11 +12,19 @@ item by now. One whose read ended past the bound is read again once the lender i
 this one replaced, or before its lender knew that this node forgot it (`acked`), is given
 back unread. `qtaken` and `qback` name the lender's incarnation that lent the item: loan
 ids are each incarnation's own.
+
+A `qtaken` may be lost with a link's connection that broke and came back; the two nodes
+then forget each other and link again (Note [beats] in beats.py), and the lender would put
+the item back in its part: one item in two parts. So the items taken of each lender whose
+`qtaken` no beat answered since has confirmed (`taken`) are named again in this node's
+hello and welcome to it, which the lender reads before it forgets anything: it frees them
+(QueueLinks.hello).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +37,8 @@ from ..store.records import Session, StoredObject
 from .pulls import POLL
 from .records import Links
 from .transfers import Transfers
+
+TAKEN_KEPT = 4096  # items taken of one lender and not confirmed that a hello names, at most
 
 
 @dataclass(slots=True)
@@ -75,6 +85,8 @@ class Arrivals:
         self._by_node: dict[str, deque[Arrival]] = {}
         self.came: set[int] = set()  # the oids of items sealed here from a peer's part
         self._held: dict[int, list[StoredObject]] = {}  # broadcast part id -> items arrived
+        # lender -> (when, loan, its incarnation): items taken, their qtaken not confirmed
+        self._taken: dict[str, deque[tuple[float, int, Any]]] = {}
         self.bytes_received = 0
 
     def lenders(self) -> list[str]:
@@ -185,7 +197,22 @@ class Arrivals:
             self.came.add(self.registry.pending[a.put].oid)
             self.queues.deliver(self.session, a.put, a.q)
             self.links.after(a.node, a.answer("qtaken"))
+            taken = self._taken.setdefault(a.node, deque(maxlen=TAKEN_KEPT))
+            taken.append((time.monotonic(), a.loan, a.message.get("from")))
         self.on_end(a, not a.failed)
+
+    def taken(self, node: str) -> list[list[Any]]:
+        """The items taken of `node` whose `qtaken` is not confirmed: [loan, of] each."""
+        return [[loan, of] for _, loan, of in self._taken.get(node, ())]
+
+    def confirmed(self, node: str, sent: float) -> None:
+        """A beat to `node` sent at `sent` was answered, none of its requests lost: the
+        `qtaken` sent before it came."""
+        taken = self._taken.get(node)
+        while taken and taken[0][0] < sent:
+            taken.popleft()
+        if not taken:
+            self._taken.pop(node, None)
 
     def node_down(self, node: str) -> None:
         """`node` went down: what it lent here is given up (it keeps the items)."""

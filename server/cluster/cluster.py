@@ -290,8 +290,9 @@ class Cluster(Answers, Requests):
         its incarnation, and how often it forgot node `to` (the node forgets it as often)."""
         keys, links = ([] if to is None else self.replicas.own(to)), self.links
         forgot = 0 if to is None else links.forgot.get(to, 0)
+        taken = [] if to is None else self.queues.arrivals.taken(to)
         return {
-            "op": op, "node": self.node, "address": self.address, "keys": keys,
+            "op": op, "node": self.node, "address": self.address, "keys": keys, "qtaken": taken,
             "protocol": PROTOCOL,
             "incarnation": links.incarnation, "forgot": forgot, **self.transfers.agent_fields(),
         }  # fmt: skip

@@ -253,6 +253,14 @@ class QueueLinks:
         self.links.after(node, qitem)
         self.bytes_sent += obj.nbytes
 
+    def hello(self, node: str, m: dict[str, Any]) -> None:
+        """`node`'s hello or welcome `m` names the items it took of this node's whose
+        `qtaken` may have been lost (Arrivals.taken): freed, before anything lent to it is
+        put back in its part (a forget that follows)."""
+        for loan, of in m.get("qtaken", ()):
+            if of == self.links.incarnation:
+                self.taken(node, int(loan))
+
     def taken(self, node: str, loan: int) -> None:
         """`node` has the item it was lent: an ordinary queue's is freed here, its slot
         opens; a broadcast queue's, once this node's subscribers have it too."""

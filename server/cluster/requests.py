@@ -46,6 +46,7 @@ class Requests:
                 same = links.same(node, m)
                 if same is None:  # from an incarnation that a newer one replaced
                     return
+                self.queues.hello(node, m)  # (before a forget puts its items back)
                 if not same:  # restarted, or forgot this one: forgotten too
                     self._forget_node(node, mutual=True)
                 for peer in links.peers if restarted else ():  # (a new process: a link to

@@ -360,3 +360,24 @@ def test_an_item_read_as_its_lender_found_the_readers_requests_lost_is_had_once(
     assert len(b.queue("q").items) == 1
     assert run([a, b], 5, lambda: not a.cluster.queues.loans and a.up("b") and b.up("a"))
     assert len(a.queue("q").items) + len(b.queue("q").items) == 1
+
+
+@pytest.mark.parametrize("quiet", [False, True], ids=["beaten", "quiet"])
+def test_an_item_whose_qtaken_was_lost_is_not_lent_again(
+    pair: Callable[..., Node], quiet: bool
+) -> None:
+    """b takes an item a lent it, and b's qtaken is lost on a link that broke and came back.
+    The two forget each other and link again; a must not put the item back in its part (b
+    has it: one item in two parts). b's hello names the items it took whose qtaken no beat
+    confirmed, and a frees them before it forgets b."""
+    a, b = pair("a", quiet=quiet), pair("b", quiet=quiet)
+    assert run([a, b], 5, lambda: a.up("b") and b.up("a") and b.cluster.links.fresh("a"))
+    a.queue_put("q", 4096)
+    b.cluster.queues.asked(b.queue("q"))
+    assert run([a, b], 3, lambda: len(b.reads.started) == 1)
+    lost = _loses(a, "qtaken")
+    b.reads.over = True
+    assert run([a, b], 3, lambda: bool(lost))
+    assert run([a, b], 8, lambda: not a.cluster.queues.loans)
+    run([a, b], 0.5)
+    assert len(b.queue("q").items) == 1 and not a.queue("q").items
