@@ -1,4 +1,5 @@
-"""Who hears of a version put here (Note [follows]).
+"""Who hears of a version put here, and what this node follows of the other nodes' keys
+(Note [follows]).
 
 Note [follows]
 
@@ -29,6 +30,14 @@ was put over a second after the owner's version: then it goes above it (`renumbe
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..store.registry import Registry
+from .records import Links, Remote
+
+PREFIXES = 64  # prefixes followed (watch_prefix) before this node follows every key
 
 
 class Followers:
@@ -78,3 +87,46 @@ class Followers:
         """The (key, node) pairs followed, and the (prefix, node) pairs."""
         keys = sum(len(nodes) for nodes in self.keys.values())
         return keys + sum(len(prefixes) for prefixes in self.prefixes.values())
+
+
+class Following:
+    """Replicas' side of what this node follows of the other nodes' keys (Note [follows]):
+    the keys where a get or watch waited (`following`: key -> the node asked), besides those
+    held here as replicas, and the prefixes; what it uses of Replicas is named here."""
+
+    links: Links
+    registry: Registry
+    index: Mapping[str, Remote]
+    following: dict[str, str]
+    prefixes: set[str]
+    prefetch: int
+
+    def follow_prefix(self, prefix: str) -> None:
+        """`watch_prefix` was asked for `prefix` here: every node tells this one of each
+        version of its keys under it, from when it hears (Note [follows]). Past PREFIXES
+        of them, this node follows every key (a prefix is never let go: each node matches
+        each put against those it keeps)."""
+        if not any(prefix.startswith(p) for p in self.prefixes):
+            if len(self.prefixes) >= PREFIXES:
+                prefix = ""
+            self.prefixes.add(prefix)
+            self.links.everyone_after({"op": "follow", "keys": [], "prefixes": [prefix]})
+
+    def follows(self, node: str) -> dict[str, Any] | None:
+        """What this node follows of `node`'s, to tell it again (it came up, or forgot this
+        node): the keys of its that a get or watch waited for here, those held here as
+        replicas, the prefixes, and the small versions prefetched. None if nothing."""
+        keys = [
+            [k, r.version] for k, r in self.index.items()
+            if r.node == node and (k in self.following or k in self.registry.objects)
+        ]  # fmt: skip
+        if not keys and not self.prefixes and not self.prefetch:
+            return None
+        prefixes = sorted(self.prefixes)
+        return {"op": "follow", "keys": keys, "prefixes": prefixes, "prefetch": self.prefetch}
+
+    def _follow(self, key: str, remote: Remote) -> None:
+        if self.following.get(key) != remote.node:
+            self.following[key] = remote.node
+            follow = {"op": "follow", "keys": [[key, remote.version]], "prefixes": []}
+            self.links.after(remote.node, follow)  # (kept while its link reconnects)

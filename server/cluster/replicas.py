@@ -36,6 +36,7 @@ from ...common.protocol import Request
 from ..store.objects import Objects
 from ..store.parking import ParkingLot
 from ..store.records import Session
+from .follows import Following
 from .homes import Homes
 from .lending import Lending
 from .offers import Held
@@ -46,10 +47,8 @@ from .transfers import Transfers
 
 log = logging.getLogger(__name__)
 
-PREFIXES = 64  # prefixes followed (watch_prefix) before this node follows every key
 
-
-class Replicas(Ordering):
+class Replicas(Ordering, Following):
     """The index of the other nodes' keys; the pulls under way (`pulls`: Pulls) and the
     loans out (`lending`: Lending)."""
 
@@ -195,36 +194,6 @@ class Replicas(Ordering):
     def _drop(self, key: str) -> None:
         self.index.pop(key, None)
         self.held.drop(key)
-
-    def follow_prefix(self, prefix: str) -> None:
-        """`watch_prefix` was asked for `prefix` here: every node tells this one of each
-        version of its keys under it, from when it hears (Note [follows]). Past PREFIXES
-        of them, this node follows every key (a prefix is never let go: each node matches
-        each put against those it keeps)."""
-        if not any(prefix.startswith(p) for p in self.prefixes):
-            if len(self.prefixes) >= PREFIXES:
-                prefix = ""
-            self.prefixes.add(prefix)
-            self.links.everyone_after({"op": "follow", "keys": [], "prefixes": [prefix]})
-
-    def follows(self, node: str) -> dict[str, Any] | None:
-        """What this node follows of `node`'s, to tell it again (it came up, or forgot this
-        node): the keys of its that a get or watch waited for here, those held here as
-        replicas, the prefixes, and the small versions prefetched. None if nothing."""
-        keys = [
-            [k, r.version] for k, r in self.index.items()
-            if r.node == node and (k in self.following or k in self.registry.objects)
-        ]  # fmt: skip
-        if not keys and not self.prefixes and not self.prefetch:
-            return None
-        prefixes = sorted(self.prefixes)
-        return {"op": "follow", "keys": keys, "prefixes": prefixes, "prefetch": self.prefetch}
-
-    def _follow(self, key: str, remote: Remote) -> None:
-        if self.following.get(key) != remote.node:
-            self.following[key] = remote.node
-            follow = {"op": "follow", "keys": [[key, remote.version]], "prefixes": []}
-            self.links.after(remote.node, follow)  # (kept while its link reconnects)
 
     def where(self) -> Mapping[str, tuple[str, int, int]]:
         """The other nodes' keys: key -> (node, version, size), a view (no copy: `list`

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from typing import Any
 
 from tensorbroker.common.protocol import Request
+from tensorbroker.server.cluster.follows import PREFIXES
 from tensorbroker.server.cluster.membership import Member
-from tensorbroker.server.cluster.replicas import PREFIXES
 from tests.nodes import Node, homed, pair, run, trio
 
 __all__ = ["pair", "trio"]  # the fixtures
