@@ -31,7 +31,7 @@ class Answers:
     def _forget_node(self, node: str, mutual: bool = False, welcomed: Peer | None = None) -> None:
         raise NotImplementedError
 
-    def _down(self, peer: Peer) -> None:
+    def _down(self, peer: Peer, relink: bool = False) -> None:
         raise NotImplementedError
 
     def _hello(self, op: str = "hello", to: str | None = None) -> dict[str, Any]:
@@ -96,13 +96,11 @@ class Answers:
                 elif same:
                     got = m.get("t"), m.get("heard_ago"), m.get("down_after"), m.get("registration")
                     self.links.kept(peer.node, *got)
-                    if not m.get("resync") and isinstance(m.get("t"), float):
-                        self.queues.arrivals.confirmed(peer.node, m["t"])
                 if m.get("resync"):  # requests of this one's were lost on the way there
                     log.warning("cluster: requests to node %r were lost; linking again", peer.node)
-                    self._down(peer)  # (as if it went down: each forgets what it lent the
-                    # other, and the hello and welcome that follow say all again; the node
-                    # dropped what it was reading of this one's before it answered)
+                    self._down(peer, relink=True)  # (as if it went down: each forgets what
+                    # it lent the other, and the hello and welcome that follow say all again;
+                    # the node dropped what it was reading of this one's before it answered)
         except (KeyError, TypeError, ValueError, BrokerError, OSError) as exc:
             log.warning("a cluster answer %r from %s could not be used: %s", op, peer.address, exc)
 

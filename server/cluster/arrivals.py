@@ -15,14 +15,18 @@ ids are each incarnation's own.
 
 A `qtaken` may be lost with a link's connection that broke and came back; the two nodes
 then forget each other and link again (Note [beats] in beats.py), and the lender would put
-the item back in its part: one item in two parts. So the items taken of each lender whose
-`qtaken` no beat answered since has confirmed (`taken`) are named again in this node's
-hello and welcome to it, which the lender reads before it forgets anything: it frees them
-(QueueLinks.hello).
+the item back in its part: one item in two parts. So the items taken of each lender in the
+last TAKEN_FOR down_afters (`taken`: a loss is found at a beat within that, and the hellos
+follow) are named again in this node's hello and welcome to it. The lender reads them
+before it puts anything back, and frees them (QueueLinks.hello); a lender that forgot this
+node first, for a relink, keeps what it lent it until then (QueueLinks.let_go, `hold`).
+A lender that took this node for down puts the items back at once: across a death, or a
+partition longer than down_after, a queue is at least once.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -38,7 +42,10 @@ from .pulls import POLL
 from .records import Links
 from .transfers import Transfers
 
-TAKEN_KEPT = 4096  # items taken of one lender and not confirmed that a hello names, at most
+log = logging.getLogger(__name__)
+
+TAKEN_FOR = 2.0  # down_afters an item taken is named in the hellos to its lender
+TAKEN_KEPT = 65536  # items taken of one lender that a hello names, at most (the newest)
 
 
 @dataclass(slots=True)
@@ -85,7 +92,7 @@ class Arrivals:
         self._by_node: dict[str, deque[Arrival]] = {}
         self.came: set[int] = set()  # the oids of items sealed here from a peer's part
         self._held: dict[int, list[StoredObject]] = {}  # broadcast part id -> items arrived
-        # lender -> (when, loan, its incarnation): items taken, their qtaken not confirmed
+        # lender -> (when, loan, its incarnation): items taken lately (`taken`)
         self._taken: dict[str, deque[tuple[float, int, Any]]] = {}
         self.bytes_received = 0
 
@@ -198,21 +205,28 @@ class Arrivals:
             self.queues.deliver(self.session, a.put, a.q)
             self.links.after(a.node, a.answer("qtaken"))
             taken = self._taken.setdefault(a.node, deque(maxlen=TAKEN_KEPT))
+            if len(taken) == TAKEN_KEPT and taken[0][0] > self._taken_since():
+                log.warning("cluster: over %d items taken of %r lately: a relink may hand the "
+                            "oldest out again", TAKEN_KEPT, a.node)  # fmt: skip
             taken.append((time.monotonic(), a.loan, a.message.get("from")))
         self.on_end(a, not a.failed)
 
     def taken(self, node: str) -> list[list[Any]]:
-        """The items taken of `node` whose `qtaken` is not confirmed: [loan, of] each."""
+        """The items taken of `node` lately, for a hello or welcome: [loan, of] each."""
+        self.forget_taken()
         return [[loan, of] for _, loan, of in self._taken.get(node, ())]
 
-    def confirmed(self, node: str, sent: float) -> None:
-        """A beat to `node` sent at `sent` was answered, none of its requests lost: the
-        `qtaken` sent before it came."""
-        taken = self._taken.get(node)
-        while taken and taken[0][0] < sent:
-            taken.popleft()
-        if not taken:
-            self._taken.pop(node, None)
+    def _taken_since(self) -> float:
+        return time.monotonic() - TAKEN_FOR * self.links.down_after
+
+    def forget_taken(self) -> None:
+        """The items taken over TAKEN_FOR down_afters ago are no longer named."""
+        since = self._taken_since()
+        for node, taken in list(self._taken.items()):
+            while taken and taken[0][0] < since:
+                taken.popleft()
+            if not taken:
+                del self._taken[node]
 
     def node_down(self, node: str) -> None:
         """`node` went down: what it lent here is given up (it keeps the items)."""

@@ -297,15 +297,17 @@ class Cluster(Answers, Requests):
             "incarnation": links.incarnation, "forgot": forgot, **self.transfers.agent_fields(),
         }  # fmt: skip
 
-    def _forget_node(self, node: str, mutual: bool = False, welcomed: Peer | None = None) -> None:
+    def _forget_node(
+        self, node: str, mutual: bool = False, welcomed: Peer | None = None, hold: bool = False
+    ) -> None:
         """Unpin what `node` was lent or offered (it will not return it), drop what it
         offered, and forget its routes. Unless `mutual` (it forgot this one first), it is
         told, and forgets this one too. This broker's links to it that are up (but
         `welcomed`, whose hello was just answered) say hello again: the node forgot their
-        routes, or will."""
+        routes, or will. `hold`: a relink (QueueLinks.let_go)."""
         self.links.forget_routes(node)
         self.replicas.let_go(node)
-        self.queues.let_go(node)
+        self.queues.let_go(node, hold)
         if not mutual:
             self.links.forgetting(node)
         self._hello_again(node, welcomed)
@@ -318,15 +320,16 @@ class Cluster(Answers, Requests):
             if peer.node == node and peer.up and peer is not welcomed:
                 self.links.send_to(peer, self._hello(to=node))
 
-    def _down(self, peer: Peer) -> None:
-        """A link whose peer stopped answering: its node is down once no link to it is up."""
+    def _down(self, peer: Peer, relink: bool = False) -> None:
+        """A link whose peer stopped answering (or, `relink`, lost requests of this one's:
+        Note [beats]): its node is down once no link to it is up."""
         peer.up = False
         log.warning("cluster: node %r at %s is down", peer.node, peer.address)
         if peer.node is not None and not self.links.up(peer.node):
             self.replicas.changed()  # (keys' homes move: Note [homes])
             self.replicas.node_down(peer.node)
-            self.queues.node_down(peer.node)
-            self._forget_node(peer.node)
+            self.queues.node_down(peer.node, relink)
+            self._forget_node(peer.node, hold=relink)
 
     # -- seeing it -----------------------------------------------------------------------------
 

@@ -67,7 +67,7 @@ from typing import Any
 from ..queues.queue_state import BrokerQueue
 from ..queues.queues import Queues
 from ..store.records import Session, StoredObject
-from .arrivals import Arrival, Arrivals
+from .arrivals import TAKEN_FOR, Arrival, Arrivals
 from .queue_ends import QueueEnds
 from .queue_homes import QueueHomes
 from .records import Links
@@ -96,6 +96,8 @@ class QueueLinks:
         self.wants: dict[str, dict[str, int]] = {}  # queue -> node -> its consumers waiting
         self.subs: dict[str, dict[str, int]] = {}  # broadcast queue -> node -> its subscribers
         self.loans: dict[tuple[str, int], tuple[BrokerQueue, StoredObject]] = {}
+        # node -> (since when, its loans held): a relink's (`let_go`)
+        self._relinking: dict[str, tuple[float, set[tuple[str, int]]]] = {}
         self._said: dict[tuple[str, str], int] = {}  # (op, queue) -> what this node said last
         self._waited: dict[int, float] = {}  # part id -> when a consumer last asked in it
         self._ids = time.time_ns() // 1000  # loans: never one of this broker's last run
@@ -257,9 +259,21 @@ class QueueLinks:
         """`node`'s hello or welcome `m` names the items it took of this node's whose
         `qtaken` may have been lost (Arrivals.taken): freed, before anything lent to it is
         put back in its part (a forget that follows)."""
-        for loan, of in m.get("qtaken", ()):
+        for entry in m.get("qtaken", ()):
+            try:
+                loan, of = int(entry[0]), entry[1]
+            except (TypeError, ValueError, IndexError):
+                continue
             if of == self.links.incarnation:
-                self.taken(node, int(loan))
+                self.taken(node, loan)
+        self._release(node)
+
+    def _release(self, node: str) -> None:
+        """What a relink held lent to `node` (`let_go`) goes back to the front of its parts."""
+        held = self._relinking.pop(node, None)
+        for key in sorted(held[1] if held else (), reverse=True):
+            if key in self.loans:
+                self._back(*self.loans.pop(key))
 
     def taken(self, node: str, loan: int) -> None:
         """`node` has the item it was lent: an ordinary queue's is freed here, its slot
@@ -313,26 +327,39 @@ class QueueLinks:
                 self._lend(q)
             self.ends.beat(q)
         self._parts()
+        self.arrivals.forget_taken()
+        since = time.monotonic() - TAKEN_FOR * self.links.down_after
+        for node in [n for n, (t, _) in self._relinking.items() if t < since]:
+            self._release(node)
         self.arrivals.came.intersection_update(
             o.oid for q in self.queues.by_name.values() for o in q.items
         )
 
-    def let_go(self, node: str) -> None:
+    def let_go(self, node: str, hold: bool = False) -> None:
         """`node` went down, or restarted: what it was lent goes back to the front of its
         parts; what it was lending here is dropped (it has the items still); its wants go
-        (it says them again), and it is asked again what this node asked it."""
-        for key in sorted((k for k in self.loans if k[0] == node), reverse=True):
-            self._back(*self.loans.pop(key))
+        (it says them again), and it is asked again what this node asked it. `hold`: the
+        two forgot each other to link again (Note [beats]), both up: what it was lent stays
+        lent until its hello or welcome says which it took (`hello`; Note in arrivals.py),
+        TAKEN_FOR down_afters at most."""
+        keys = sorted((k for k in self.loans if k[0] == node), reverse=True)
+        if hold:
+            since, held = self._relinking.get(node, (time.monotonic(), set()))
+            self._relinking[node] = (since, held | set(keys))
+        else:
+            self._relinking.pop(node, None)
+            for key in keys:
+                self._back(*self.loans.pop(key))
         self.arrivals.node_down(node)
         for by_node in [*self.wants.values(), *self.subs.values()]:
             by_node.pop(node, None)
         self.ends.let_go(node)
 
-    def node_down(self, node: str) -> None:
+    def node_down(self, node: str, hold: bool = False) -> None:
         """`node` is down: as `let_go`, and it is not waited for; the queues' homes may have
         moved."""
         self._moved()
-        self.let_go(node)
+        self.let_go(node, hold)
         self.ends.node_down(node)
 
     def node_up(self, node: str) -> None:

@@ -30,6 +30,8 @@ class Links(Protocol):
     def incarnation(self) -> int: ...
     def nodes(self) -> list[str]: ...
 
+    down_after: float  # seconds of silence before a peer is taken for down (Note [beats])
+
 
 class Remote(NamedTuple):
     """A key that lives on another node, at `version`, `size` bytes."""

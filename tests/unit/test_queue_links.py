@@ -381,3 +381,31 @@ def test_an_item_whose_qtaken_was_lost_is_not_lent_again(
     assert run([a, b], 8, lambda: not a.cluster.queues.loans)
     run([a, b], 0.5)
     assert len(b.queue("q").items) == 1 and not a.queue("q").items
+
+
+def test_an_item_taken_as_its_lender_forgot_its_reader_to_link_again_is_had_once(
+    pair: Callable[[str], Node],
+) -> None:
+    """As above, but the lender forgets first: b takes the item a lent it, b's qtaken is
+    lost, and a's own requests to b were lost too, so b's beat answer says resync and a
+    forgets b before b says hello. a keeps the item lent until b's hello or welcome names
+    what b took, not put back in its part at once (b has it)."""
+    a, b = pair("a"), pair("b")
+    assert run([a, b], 5, lambda: a.up("b") and b.up("a") and b.cluster.links.fresh("a"))
+    a.queue_put("q", 4096)
+    b.cluster.queues.asked(b.queue("q"))
+    assert run([a, b], 3, lambda: len(b.reads.started) == 1)
+    lost = _loses(a, "qtaken")
+    b.reads.over = True
+    assert run([a, b], 3, lambda: bool(lost))
+    link, links = a.cluster.links.peer("b"), b.cluster.links
+    assert link is not None and a.cluster.queues.loans
+    resync = {  # (b's answer to a's beat: its count of a's requests came up short)
+        "op": "beat", "node": "b", "t": 0.0, "resync": True,
+        "incarnation": links.incarnation, "forgot": links.forgot.get("a", 0),
+    }  # fmt: skip
+    a.cluster._answer(link, resync)
+    assert a.cluster.queues.loans and not a.queue("q").items  # (held for b's word)
+    assert run([a, b], 5, lambda: not a.cluster.queues.loans and a.up("b") and b.up("a"))
+    run([a, b], 0.5)
+    assert len(b.queue("q").items) == 1 and not a.queue("q").items
