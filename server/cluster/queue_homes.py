@@ -110,6 +110,16 @@ class QueueHomes:
                 members.add(node)
                 self.met(name, node)
 
+    def sync(self, parts: dict[str, int]) -> None:
+        """The parts said to their homes are this node's `parts` (queue name -> part id):
+        one gone (an old ended queue the table forgot: queue_state.py ENDED_QUEUES) leaves,
+        one new (adopted, or made again under that name) joins."""
+        for name, (part, _, _) in list(self.registered.items()):
+            if parts.get(name) != part:
+                self.left(name)
+        for name, part in parts.items():
+            self.joined(name, part)
+
     def changed(self) -> None:
         """The nodes up changed: each queue whose home moved is said to its new home."""
         for name, (_, home, _) in list(self.registered.items()):

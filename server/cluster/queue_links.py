@@ -326,7 +326,7 @@ class QueueLinks:
             if q.subs is None and q.items and self.wants.get(q.name):
                 self._lend(q)
             self.ends.beat(q)
-        self._parts()
+        self.homes.sync({q.name: q.id for q in self.queues.by_name.values()})
         self.arrivals.forget_taken()
         since = time.monotonic() - TAKEN_FOR * self.links.down_after
         for node in [n for n, (t, _) in self._relinking.items() if t < since]:
@@ -376,19 +376,8 @@ class QueueLinks:
     def _moved(self) -> None:
         """The nodes up changed: each queue's home may have moved (and the parts adopted
         from the journal are said to theirs: Queues.adopt does not call `opened`)."""
-        self._parts()
+        self.homes.sync({q.name: q.id for q in self.queues.by_name.values()})
         self.homes.changed()
-
-    def _parts(self) -> None:
-        """The parts said to their homes are this node's parts: one forgotten (an old ended
-        queue, queue_state.py ENDED_QUEUES) leaves, one new (adopted, or made again under
-        that name) joins."""
-        for name, (part, _, _) in list(self.homes.registered.items()):
-            q = self.queues.by_name.get(name)
-            if q is None or q.id != part:
-                self.homes.left(name)
-        for q in self.queues.by_name.values():
-            self.homes.joined(q.name, q.id)
 
     def _say_to(self, node: str, name: str) -> None:
         """Tell `node` the wants or subscribers this node said last of queue `name`."""

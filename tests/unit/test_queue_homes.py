@@ -5,9 +5,10 @@ stepped by hand in this process (tests/nodes.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from tensorbroker.common.protocol import Request
-from tensorbroker.server.cluster.queue_homes import KEY
+from tensorbroker.server.cluster.queue_homes import KEY, QueueHomes
 from tensorbroker.server.cluster.rendezvous import homes_of
 from tests.nodes import Node, run, trio
 
@@ -133,3 +134,24 @@ def test_a_close_then_a_remove_leaves_no_close_going_back_and_forth(
     closes = [e for n in nodes for e in n.journal.events if e == ("sent", "qclose")]
     run(nodes, 0.5)
     assert [e for n in nodes for e in n.journal.events if e == ("sent", "qclose")] == closes
+
+
+def test_a_part_forgotten_or_made_again_is_said_to_its_home() -> None:
+    """The parts a node said to their homes follow its queue table (QueueHomes.sync): an
+    old ended queue the table forgot leaves its home (`qleave`), and a part made again
+    under that name joins with its new id (its home would otherwise keep the old one)."""
+    sent: list[tuple[str, dict[str, Any]]] = []
+
+    class Links:
+        def after(self, node: str, message: dict[str, Any]) -> None:
+            sent.append((node, message))
+
+        def up(self, node: str) -> bool:
+            return True
+
+    homes = QueueHomes("a", Links(), lambda key: "h", lambda name, node: None)  # type: ignore[arg-type]
+    homes.sync({"q": 1})
+    homes.sync({})  # (the table forgot it)
+    homes.sync({"q": 7})
+    ops = [(m["op"], m["part"]) for _, m in sent]
+    assert ops == [("qjoin", 1), ("qleave", 1), ("qjoin", 7)] and {n for n, _ in sent} == {"h"}
