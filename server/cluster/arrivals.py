@@ -94,6 +94,7 @@ class Arrivals:
         self._held: dict[int, list[StoredObject]] = {}  # broadcast part id -> items arrived
         # lender -> (when, loan, its incarnation): items taken lately (`taken`)
         self._taken: dict[str, deque[tuple[float, int, Any]]] = {}
+        self._warned: dict[str, float] = {}  # lender -> when its window overflowed
         self.bytes_received = 0
 
     def lenders(self) -> list[str]:
@@ -205,7 +206,9 @@ class Arrivals:
             self.queues.deliver(self.session, a.put, a.q)
             self.links.after(a.node, a.answer("qtaken"))
             taken = self._taken.setdefault(a.node, deque(maxlen=TAKEN_KEPT))
-            if len(taken) == TAKEN_KEPT and taken[0][0] > self._taken_since():
+            since = self._taken_since()
+            if len(taken) == TAKEN_KEPT and taken[0][0] > since > self._warned.get(a.node, 0):
+                self._warned[a.node] = time.monotonic()  # (once a window)
                 log.warning("cluster: over %d items taken of %r lately: a relink may hand the "
                             "oldest out again", TAKEN_KEPT, a.node)  # fmt: skip
             taken.append((time.monotonic(), a.loan, a.message.get("from")))

@@ -35,10 +35,13 @@ other go.
 ZeroMQ drops what it holds for a link whose connection breaks and comes back (the route
 stays: no hello follows). So each beat says how many requests its link carried since the
 hello (`tally`); one short makes the node that counted drop what it reads of the
-sender's memory and answer `resync` (requests.py), and the sender take the link for down
-and link again (answers.py): each forgets what it lent the other (the sender as it reads
-the answer, the other once it reads the sender's hello), the welcome says all again. So
-each has stopped reading the other's memory before the other lets go of it."""
+sender's memory, read nothing more of it until the sender forgot it (`relinking`: not
+`fresh`), and answer `resync` (requests.py), and the sender take the link for down
+and link again (answers.py): each forgets what it lent the other, the welcome says all
+again. The node that counted lets go once it reads the sender's hello; the sender lets go
+of its keys' loans and offers as it reads the answer, and of its queue items once a hello
+or welcome of the other says it knows (QueueLinks.let_go, `hold`: the other may have read
+one since the answer). So neither reads memory the other let go of."""
 
 from __future__ import annotations
 
@@ -62,6 +65,9 @@ class Beats:
     def __init__(self, etcd: bool) -> None:
         self.beat = ETCD_BEAT if etcd else BEAT
         self.down_after = ETCD_DOWN_AFTER if etcd else DOWN_AFTER
+        # Nodes whose requests this one found missing: nothing of theirs is read until
+        # they forgot this node (they let go of what they lent it as they read the answer).
+        self.relinking: set[str] = set()
         self.quiet = etcd  # idle links are not beaten
         self.lease_until: Callable[[], float] = lambda: math.inf  # (Membership's, with etcd)
         self.registration: Callable[[], int] = lambda: 0  # (Membership's: entries it put)
@@ -154,6 +160,8 @@ class Beats:
         whose lease expired too, or whose peer had not seen its entry in etcd of now (it may
         yet take it for down as it sees the one before go: Note [beats]). If not, it is
         beaten at once (`freshen`: its answer may make it fresh), unless not `freshen`."""
+        if node in self.relinking:  # (until it forgot this node: requests.py)
+            return False
         now = time.monotonic()
         seen = self._safe_seen.get(node)  # (None: a peer without etcd, or that saw none)
         if now < self._safe_until.get(node, 0.0) and (

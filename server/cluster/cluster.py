@@ -169,7 +169,9 @@ class Cluster(Answers, Requests):
         links, lending = self.links, self.replicas.lending
         announce = lending.announce_in(time.monotonic())
         unwritten = RECLAIM_POLL if lending.unwritten else BEAT  # (GPU copies still to run)
-        due = min(self.replicas.pulls.poll_in, self.queues.poll_in, BEAT, announce, unwritten)
+        due = min(
+            self.replicas.pulls.poll_in, self.queues.arrivals.poll_in, BEAT, announce, unwritten
+        )
         # (a move of keys: a slice a turn; answers a send found: Links.read; peers found not
         # fresh, the polls' above too: Links.freshen)
         if links.holding or links.unread or links.stale or self.replicas.homes.moving:
@@ -252,7 +254,7 @@ class Cluster(Answers, Requests):
                 self.ready(self.links.fd)
             self.replicas.pulls.poll(now)
             self.replicas.homes.tick(now)
-            self.queues.poll()
+            self.queues.arrivals.poll()
             links.freshen()  # (last: the polls above may find a peer not fresh)
         except Exception:
             self.links.stale.clear()  # (else the loop would turn at once for good: wake_in)
@@ -293,6 +295,7 @@ class Cluster(Answers, Requests):
         taken = [] if to is None else self.queues.arrivals.taken(to)
         return {
             "op": op, "node": self.node, "address": self.address, "keys": keys, "qtaken": taken,
+            **({} if to is None else links.ack(to)),  # (QueueLinks.hello)
             "protocol": PROTOCOL,
             "incarnation": links.incarnation, "forgot": forgot, **self.transfers.agent_fields(),
         }  # fmt: skip
@@ -306,6 +309,7 @@ class Cluster(Answers, Requests):
         `welcomed`, whose hello was just answered) say hello again: the node forgot their
         routes, or will. `hold`: a relink (QueueLinks.let_go)."""
         self.links.forget_routes(node)
+        self.links.relinking.discard(node)
         self.replicas.let_go(node)
         self.queues.let_go(node, hold)
         if not mutual:
@@ -348,7 +352,7 @@ class Cluster(Answers, Requests):
         return {
             "node": self.node, "address": self.address, "peers": peers,
             "bytes_sent": r.lending.bytes_sent + self.queues.bytes_sent,
-            "bytes_received": r.pulls.bytes_received + self.queues.bytes_received,
+            "bytes_received": r.pulls.bytes_received + self.queues.arrivals.bytes_received,
             "pulls": len(r.pulls.pulls), "loans": len(r.lending.loans),
             "items_lent": len(self.queues.loans),
             "offered": len(r.lending.offered), "offers_held": len(r.held),

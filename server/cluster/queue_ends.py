@@ -6,6 +6,7 @@ has items left (`qleft`, answered `qhas`)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ...common.errors import QueueClosed
@@ -31,8 +32,11 @@ class QueueEnds:
     the nodes were asked they have left (`asked`); QueueLinks hands this room the messages
     and events that concern them."""
 
-    def __init__(self, queues: Queues, links: Links, arrivals: Arrivals) -> None:
+    def __init__(
+        self, queues: Queues, links: Links, arrivals: Arrivals, held: Callable[[BrokerQueue], int]
+    ) -> None:
         self.queues, self.links, self.arrivals = queues, links, arrivals
+        self.held = held  # the items of a part lent, held by a relink: they come back to it
         self.asked: dict[int, Asked] = {}  # closed part's id -> what the members have left
         self.over: set[int] = set()  # closed parts no member has items for: the stream ended
         # part id -> (the nodes not closed yet, since when)
@@ -86,7 +90,7 @@ class QueueEnds:
         now). False once none has."""
         if q.id in self.over:
             return False
-        if self.arrivals.of(q) or q.id in self.asked:
+        if self.arrivals.of(q) or q.id in self.asked or self.held(q):
             return True
         up = self._up()
         if not up:
@@ -104,7 +108,7 @@ class QueueEnds:
     def left(self, node: str, name: str) -> None:
         """`node` asks what this node has left of closed queue `name`."""
         q = self.queues.by_name.get(name)
-        n = 0 if q is None else len(q.items) + q.pending
+        n = 0 if q is None else len(q.items) + q.pending + self.held(q)
         self.links.after(node, {"op": "qhas", "queue": name, "left": n})
 
     def has(self, node: str, name: str, n: int) -> None:
@@ -122,7 +126,7 @@ class QueueEnds:
         """Every node asked answered (or went down): none has items left, so the consumers
         waiting here end; else they wait for the items their wants bring."""
         self.asked.pop(q.id, None)
-        if any(asked.left.values()) or q.items or q.pending:
+        if any(asked.left.values()) or q.items or q.pending or self.held(q):
             return
         self.over.add(q.id)
         for w in list(q.getters):

@@ -92,7 +92,7 @@ class QueueLinks:
         self.transfers, self.links, self.session = transfers, links, session
         self.arrivals = Arrivals(queues, transfers, links, session, self._arrival_over)
         self.homes = QueueHomes(node, links, home, self._met)
-        self.ends = QueueEnds(queues, links, self.arrivals)  # queue_ends.py
+        self.ends = QueueEnds(queues, links, self.arrivals, self._held)  # queue_ends.py
         self.wants: dict[str, dict[str, int]] = {}  # queue -> node -> its consumers waiting
         self.subs: dict[str, dict[str, int]] = {}  # broadcast queue -> node -> its subscribers
         self.loans: dict[tuple[str, int], tuple[BrokerQueue, StoredObject]] = {}
@@ -258,7 +258,9 @@ class QueueLinks:
     def hello(self, node: str, m: dict[str, Any]) -> None:
         """`node`'s hello or welcome `m` names the items it took of this node's whose
         `qtaken` may have been lost (Arrivals.taken): freed, before anything lent to it is
-        put back in its part (a forget that follows)."""
+        put back in its part (a forget that follows). What a relink held lent to it goes
+        back once `m` says it knows this node forgot it (`acked`): it dropped its reads of
+        them then (a hello it sent before may come while it still reads one)."""
         for entry in m.get("qtaken", ()):
             try:
                 loan, of = int(entry[0]), entry[1]
@@ -266,7 +268,13 @@ class QueueLinks:
                 continue
             if of == self.links.incarnation:
                 self.taken(node, loan)
-        self._release(node)
+        if self.links.acked(node, m):
+            self._release(node)
+
+    def _held(self, q: BrokerQueue) -> int:
+        """The items of `q` a relink holds lent (`let_go`): they come back to its part."""
+        keys = (k for _, held in self._relinking.values() for k in held)
+        return sum(1 for k in keys if k in self.loans and self.loans[k][0] is q)
 
     def _release(self, node: str) -> None:
         """What a relink held lent to `node` (`let_go`) goes back to the front of its parts."""
@@ -305,17 +313,6 @@ class QueueLinks:
         self.ends.arrived(a.q)
 
     # -- the loop, and peers coming and going -----------------------------------------------------
-
-    @property
-    def poll_in(self) -> float:
-        return self.arrivals.poll_in
-
-    @property
-    def bytes_received(self) -> int:
-        return self.arrivals.bytes_received
-
-    def poll(self) -> None:
-        self.arrivals.poll()
 
     def beat(self) -> None:
         """The wants and subscribers said again (consumers that gave up leave no stale

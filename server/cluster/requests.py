@@ -75,6 +75,7 @@ class Requests:
                     # it lent it, as it reads the answer. What this node reads of it is
                     # dropped now, before: nothing read of its memory is used after that)
                     log.warning("cluster: requests of node %r were lost; it links again", node)
+                    links.relinking.add(node)  # (not `fresh` until it forgot this one)
                     replicas.drop_reads(node)
                     self.queues.arrivals.node_down(node)
                 heard, forgot = links.heard_ago(node), links.forgot.get(node, 0)

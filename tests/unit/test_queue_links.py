@@ -354,7 +354,7 @@ def test_an_item_read_as_its_lender_found_the_readers_requests_lost_is_had_once(
     assert lost and any(resync) and a.cluster.queues.loans  # (a keeps its loan)
     b.reads.over = True  # b's read ends before b reads a's answer: b seals the item
     b.journal.begin()
-    b.cluster.queues.poll()
+    b.cluster.queues.arrivals.poll()
     b.journal.commit()
     b.cluster.flush()
     assert len(b.queue("q").items) == 1
@@ -409,3 +409,60 @@ def test_an_item_taken_as_its_lender_forgot_its_reader_to_link_again_is_had_once
     assert run([a, b], 5, lambda: not a.cluster.queues.loans and a.up("b") and b.up("a"))
     run([a, b], 0.5)
     assert len(b.queue("q").items) == 1 and not a.queue("q").items
+
+
+def test_an_item_held_by_a_relink_goes_back_only_once_its_reader_knows(
+    pair: Callable[[str], Node],
+) -> None:
+    """a forgets b to link again while b still reads an item a lent it. A hello b sent
+    before it heard so must not put the item back in a's part (b may still seal its read);
+    b's welcome, which says it knows, does. Meanwhile the item is still the part's: a
+    consumer of a's part, closed, waits for it (`supplies`)."""
+    a, b = _lent_to_b(pair)
+    link, links = a.cluster.links.peer("b"), b.cluster.links
+    assert link is not None
+    resync = {  # (b's answer to a's beat: its count of a's requests came up short)
+        "op": "beat", "node": "b", "t": 0.0, "resync": True,
+        "incarnation": links.incarnation, "forgot": links.forgot.get("a", 0),
+    }  # fmt: skip
+    a.cluster._answer(link, resync)
+    a.cluster.queues.hello("b", b.cluster._hello(to="a"))  # (sent before b heard)
+    assert a.cluster.queues.loans and not a.queue("q").items
+    assert a.cluster.queues.supplies(a.queue("q"))
+    assert run([a, b], 5, lambda: not a.cluster.queues.loans and a.up("b") and b.up("a"))
+    b.reads.over = True
+    run([a, b], 0.5)
+    assert len(a.queue("q").items) + len(b.queue("q").items) == 1
+
+
+def test_an_item_lent_after_the_short_beat_is_not_read_before_the_lender_forgot(
+    pair: Callable[[str], Node],
+) -> None:
+    """b finds a's requests missing and answers resync; a lends b another item before it
+    reads that answer. b must not read it: a lets go of what it lent b as it reads the
+    answer (b reads nothing of a's until a forgot it, and the item comes again after)."""
+    a, b = _lent_to_b(pair)
+    lost, reply = _loses(b, "want"), b.cluster.links.reply
+    resync: list[bool] = []
+
+    def answering(route: bytes, m: dict[str, Any]) -> None:
+        resync.append(bool(m.get("resync")))
+        reply(route, m)
+
+    b.cluster.links.reply = answering  # type: ignore[method-assign]
+    a.cluster.links.after("b", {"op": "want", "queue": "other", "n": 1})
+    end = time.monotonic() + 5
+    while not any(resync) and time.monotonic() < end:
+        a.step()
+        b.step()  # (its answer is not read by a yet once it says resync)
+    assert lost and any(resync)
+    a.queue_put("q", 4096)  # lent to b (its consumer is at work) before a reads the answer
+    a.cluster.flush()
+    started = len(b.reads.started)
+    for _ in range(5):
+        b.step()
+    assert len(b.reads.started) == started, "b read an item a is about to let go of"
+    b.reads.over = True
+    assert run([a, b], 5, lambda: a.up("b") and b.up("a") and not a.cluster.queues.loans)
+    run([a, b], 0.5)
+    assert len(a.queue("q").items) + len(b.queue("q").items) == 2
