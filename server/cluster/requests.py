@@ -75,12 +75,13 @@ class Requests:
                     # it lent it, as it reads the answer. What this node reads of it is
                     # dropped now, before: nothing read of its memory is used after that)
                     log.warning("cluster: requests of node %r were lost; it links again", node)
-                    links.relinking.add(node)  # (not `fresh` until it forgot this one)
+                    links.relinking.add(node)  # (not `fresh` until it forgot this one; each
+                    # answer says resync till then: one lost does not leave it so for good)
                     replicas.drop_reads(node)
                     self.queues.arrivals.node_down(node)
                 heard, forgot = links.heard_ago(node), links.forgot.get(node, 0)
                 answer = {"op": "beat", "t": m.get("t"), "heard_ago": heard, "forgot": forgot,
-                          "down_after": links.down_after, "resync": lost,
+                          "down_after": links.down_after, "resync": node in links.relinking,
                           "registration": links.registrations.get(node)}  # fmt: skip
                 links.reply(route, {**answer, "incarnation": links.incarnation})
             elif op == "announce":

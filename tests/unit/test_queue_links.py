@@ -466,3 +466,26 @@ def test_an_item_lent_after_the_short_beat_is_not_read_before_the_lender_forgot(
     assert run([a, b], 5, lambda: a.up("b") and b.up("a") and not a.cluster.queues.loans)
     run([a, b], 0.5)
     assert len(a.queue("q").items) + len(b.queue("q").items) == 2
+
+
+def test_a_resync_answer_lost_is_said_again_at_the_next_beat(pair: Callable[[str], Node]) -> None:
+    """b finds a's requests missing and reads nothing of a's until a forgot it. If the
+    answer that says so is lost too, the next beat's answer says it again: b is not left
+    reading nothing of a's for good."""
+    a, b = _lent_to_b(pair)
+    _loses(b, "want")
+    read, dropped = a.cluster.links.read, []
+
+    def dropping(socket: Any) -> Any:
+        for route, peer, m in read(socket):
+            if peer is not None and m.get("resync") and not dropped:
+                dropped.append(m)  # (the answer, lost on the way back)
+                continue
+            yield route, peer, m
+
+    a.cluster.links.read = dropping  # type: ignore[method-assign]
+    a.cluster.links.after("b", {"op": "want", "queue": "other", "n": 1})
+    assert run([a, b], 5, lambda: bool(dropped))
+    assert "a" in b.cluster.links.relinking
+    assert run([a, b], 8, lambda: not b.cluster.links.relinking and a.up("b") and b.up("a"))
+    assert run([a, b], 3, lambda: b.cluster.links.fresh("a"))  # (it reads of a again)
