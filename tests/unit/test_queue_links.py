@@ -288,6 +288,37 @@ def _loses(node: Node, op: str) -> list[dict[str, Any]]:
     return lost
 
 
+def _answered_resync(sender: Node, counter: Node) -> None:
+    """`sender`'s next request to `counter` is lost: both step until `counter` answered a
+    beat of `sender`'s with resync, which `sender` has not read yet."""
+    lost, reply = _loses(counter, "want"), counter.cluster.links.reply
+    resync: list[bool] = []
+
+    def answering(route: bytes, m: dict[str, Any]) -> None:
+        resync.append(bool(m.get("resync")))
+        reply(route, m)
+
+    counter.cluster.links.reply = answering  # type: ignore[method-assign]
+    sender.cluster.links.after(counter.name, {"op": "want", "queue": "other", "n": 1})
+    end = time.monotonic() + 5
+    while not any(resync) and time.monotonic() < end:
+        sender.step()
+        counter.step()
+    assert lost and any(resync)
+
+
+def _told_resync(node: Node, by: Node) -> None:
+    """`node` reads `by`'s answer to its beat saying resync (`by` counted its requests and
+    came up short), as if it had come on its link."""
+    link, links = node.cluster.links.peer(by.name), by.cluster.links
+    assert link is not None
+    resync = {
+        "op": "beat", "node": by.name, "t": 0.0, "resync": True,
+        "incarnation": links.incarnation, "forgot": links.forgot.get(node.name, 0),
+    }  # fmt: skip
+    node.cluster._answer(link, resync)
+
+
 @pytest.mark.parametrize("quiet", [False, True], ids=["beaten", "quiet"])
 def test_a_queue_item_lost_on_a_link_that_reconnected_is_lent_again(
     pair: Callable[..., Node], quiet: bool
@@ -338,20 +369,8 @@ def test_an_item_read_as_its_lender_found_the_readers_requests_lost_is_had_once(
     the item. a must not take the item back as it answers (it did: one item in two parts),
     only once b, having read the answer, forgot a and said hello."""
     a, b = _lent_to_b(pair)
-    lost, reply = _loses(a, "want"), a.cluster.links.reply
-    resync: list[bool] = []
-
-    def answering(route: bytes, m: dict[str, Any]) -> None:
-        resync.append(bool(m.get("resync")))
-        reply(route, m)
-
-    a.cluster.links.reply = answering  # type: ignore[method-assign]
-    b.cluster.links.after("a", {"op": "want", "queue": "other", "n": 1})
-    end = time.monotonic() + 5
-    while not any(resync) and time.monotonic() < end:
-        b.step()
-        a.step()  # (its answer is not read by b yet once it says resync)
-    assert lost and any(resync) and a.cluster.queues.loans  # (a keeps its loan)
+    _answered_resync(b, a)
+    assert a.cluster.queues.loans  # (a keeps its loan)
     b.reads.over = True  # b's read ends before b reads a's answer: b seals the item
     b.journal.begin()
     b.cluster.queues.arrivals.poll()
@@ -362,15 +381,8 @@ def test_an_item_read_as_its_lender_found_the_readers_requests_lost_is_had_once(
     assert len(a.queue("q").items) + len(b.queue("q").items) == 1
 
 
-@pytest.mark.parametrize("quiet", [False, True], ids=["beaten", "quiet"])
-def test_an_item_whose_qtaken_was_lost_is_not_lent_again(
-    pair: Callable[..., Node], quiet: bool
-) -> None:
-    """b takes an item a lent it, and b's qtaken is lost on a link that broke and came back.
-    The two forget each other and link again; a must not put the item back in its part (b
-    has it: one item in two parts). b's hello names the items it took whose qtaken no beat
-    confirmed, and a frees them before it forgets b."""
-    a, b = pair("a", quiet=quiet), pair("b", quiet=quiet)
+def _taken_and_qtaken_lost(a: Node, b: Node) -> None:
+    """a lends b an item, b takes it, and b's qtaken is lost on the way."""
     assert run([a, b], 5, lambda: a.up("b") and b.up("a") and b.cluster.links.fresh("a"))
     a.queue_put("q", 4096)
     b.cluster.queues.asked(b.queue("q"))
@@ -378,6 +390,18 @@ def test_an_item_whose_qtaken_was_lost_is_not_lent_again(
     lost = _loses(a, "qtaken")
     b.reads.over = True
     assert run([a, b], 3, lambda: bool(lost))
+
+
+@pytest.mark.parametrize("quiet", [False, True], ids=["beaten", "quiet"])
+def test_an_item_whose_qtaken_was_lost_is_not_lent_again(
+    pair: Callable[..., Node], quiet: bool
+) -> None:
+    """b takes an item a lent it, and b's qtaken is lost on a link that broke and came back.
+    The two forget each other and link again; a must not put the item back in its part (b
+    has it: one item in two parts). b's hello names the items it took lately, and a frees
+    them before it forgets b."""
+    a, b = pair("a", quiet=quiet), pair("b", quiet=quiet)
+    _taken_and_qtaken_lost(a, b)
     assert run([a, b], 8, lambda: not a.cluster.queues.loans)
     run([a, b], 0.5)
     assert len(b.queue("q").items) == 1 and not a.queue("q").items
@@ -391,20 +415,9 @@ def test_an_item_taken_as_its_lender_forgot_its_reader_to_link_again_is_had_once
     forgets b before b says hello. a keeps the item lent until b's hello or welcome names
     what b took, not put back in its part at once (b has it)."""
     a, b = pair("a"), pair("b")
-    assert run([a, b], 5, lambda: a.up("b") and b.up("a") and b.cluster.links.fresh("a"))
-    a.queue_put("q", 4096)
-    b.cluster.queues.asked(b.queue("q"))
-    assert run([a, b], 3, lambda: len(b.reads.started) == 1)
-    lost = _loses(a, "qtaken")
-    b.reads.over = True
-    assert run([a, b], 3, lambda: bool(lost))
-    link, links = a.cluster.links.peer("b"), b.cluster.links
-    assert link is not None and a.cluster.queues.loans
-    resync = {  # (b's answer to a's beat: its count of a's requests came up short)
-        "op": "beat", "node": "b", "t": 0.0, "resync": True,
-        "incarnation": links.incarnation, "forgot": links.forgot.get("a", 0),
-    }  # fmt: skip
-    a.cluster._answer(link, resync)
+    _taken_and_qtaken_lost(a, b)
+    assert a.cluster.queues.loans
+    _told_resync(a, b)
     assert a.cluster.queues.loans and not a.queue("q").items  # (held for b's word)
     assert run([a, b], 5, lambda: not a.cluster.queues.loans and a.up("b") and b.up("a"))
     run([a, b], 0.5)
@@ -419,13 +432,7 @@ def test_an_item_held_by_a_relink_goes_back_only_once_its_reader_knows(
     b's welcome, which says it knows, does. Meanwhile the item is still the part's: a
     consumer of a's part, closed, waits for it (`supplies`)."""
     a, b = _lent_to_b(pair)
-    link, links = a.cluster.links.peer("b"), b.cluster.links
-    assert link is not None
-    resync = {  # (b's answer to a's beat: its count of a's requests came up short)
-        "op": "beat", "node": "b", "t": 0.0, "resync": True,
-        "incarnation": links.incarnation, "forgot": links.forgot.get("a", 0),
-    }  # fmt: skip
-    a.cluster._answer(link, resync)
+    _told_resync(a, b)
     a.cluster.queues.hello("b", b.cluster._hello(to="a"))  # (sent before b heard)
     assert a.cluster.queues.loans and not a.queue("q").items
     assert a.cluster.queues.supplies(a.queue("q"))
@@ -442,20 +449,7 @@ def test_an_item_lent_after_the_short_beat_is_not_read_before_the_lender_forgot(
     reads that answer. b must not read it: a lets go of what it lent b as it reads the
     answer (b reads nothing of a's until a forgot it, and the item comes again after)."""
     a, b = _lent_to_b(pair)
-    lost, reply = _loses(b, "want"), b.cluster.links.reply
-    resync: list[bool] = []
-
-    def answering(route: bytes, m: dict[str, Any]) -> None:
-        resync.append(bool(m.get("resync")))
-        reply(route, m)
-
-    b.cluster.links.reply = answering  # type: ignore[method-assign]
-    a.cluster.links.after("b", {"op": "want", "queue": "other", "n": 1})
-    end = time.monotonic() + 5
-    while not any(resync) and time.monotonic() < end:
-        a.step()
-        b.step()  # (its answer is not read by a yet once it says resync)
-    assert lost and any(resync)
+    _answered_resync(a, b)
     a.queue_put("q", 4096)  # lent to b (its consumer is at work) before a reads the answer
     a.cluster.flush()
     started = len(b.reads.started)
