@@ -96,11 +96,14 @@ class Answers:
                 elif same:
                     got = m.get("t"), m.get("heard_ago"), m.get("down_after"), m.get("registration")
                     self.links.kept(peer.node, *got)
-                if m.get("resync"):  # requests of this one's were lost on the way there
+                if m.get("resync") and peer.up:  # requests of this one's were lost on the
                     log.warning("cluster: requests to node %r were lost; linking again", peer.node)
-                    self._down(peer, relink=True)  # (as if it went down: each forgets what
-                    # it lent the other, and the hello and welcome that follow say all again;
-                    # the node dropped what it was reading of this one's before it answered)
+                    for link in [p for p in self.links.peers if p.node == peer.node and p.up]:
+                        self._down(link, relink=True)  # way there (as if it went down, on
+                    # every link to it: each forgets what it lent the other, once, and the
+                    # hellos and welcomes that follow say all again; the node dropped what it
+                    # was reading of this one's before it answered. Answers to beats sent
+                    # before the forget, resync too, come before the welcome: not again)
         except (KeyError, TypeError, ValueError, BrokerError, OSError) as exc:
             log.warning("a cluster answer %r from %s could not be used: %s", op, peer.address, exc)
 

@@ -483,3 +483,18 @@ def test_a_resync_answer_lost_is_said_again_at_the_next_beat(pair: Callable[[str
     assert "a" in b.cluster.links.relinking
     assert run([a, b], 8, lambda: not b.cluster.links.relinking and a.up("b") and b.up("a"))
     assert run([a, b], 3, lambda: b.cluster.links.fresh("a"))  # (it reads of a again)
+
+
+def test_two_resync_answers_make_the_lender_forget_its_reader_once(
+    pair: Callable[[str], Node],
+) -> None:
+    """Two beats were under way when a's requests to b were found missing: both answers
+    say resync. a forgets b once (a second forget would make b's welcome, which knows of
+    one, look stale: a would hold what it lent b, and refuse b's offers, until b beats)."""
+    a, b = _lent_to_b(pair)
+    forgot = a.cluster.links.forgot.get("b", 0)
+    _told_resync(a, b)
+    _told_resync(a, b)
+    assert a.cluster.links.forgot.get("b", 0) == forgot + 1
+    queues = a.cluster.queues  # (what a held goes back at b's welcome, not TAKEN_FOR later)
+    assert run([a, b], 3, lambda: a.up("b") and b.up("a") and not queues._relinking)
