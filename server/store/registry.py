@@ -28,7 +28,8 @@ an object before the death still waits on the GPU forever; no broker can undo a 
 wait. A client that closes normally first waits for its copies (`DeviceLink.drain`), so a
 producer that puts and exits loses nothing.
 
-Blocks granted ahead, for puts that take one trip: grants.py (Note [grants]).
+Blocks granted ahead, for puts that take one trip: grants.py (Note [grants]). Leases, and
+items handed to a queue's consumer: leasing.py.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from .arena import Arena, Block, ShmExhausted
 from .devices import DeviceArena, DeviceMemory
 from .directory import Directory
 from .grants import GrantBook
+from .leasing import Leasing
 from .records import Session, StoredObject
 
 if TYPE_CHECKING:
@@ -57,7 +59,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class Registry:
+class Registry(Leasing):
     def __init__(
         self,
         arena: Arena,
@@ -267,86 +269,6 @@ class Registry:
         self.journal.key_deleted(key, obj.version)
         self._retire(obj)
         return obj.version
-
-    # -- reading -------------------------------------------------------------------------
-
-    def lease(
-        self, session: Session, obj: StoredObject, reader: bool = False, lease_id: int = 0
-    ) -> int:
-        """A new lease of `session` on `obj` (id `lease_id` if set aside, else a new one). A
-        reader of a device object gets a read-done event with it (`session.read_events`),
-        which the object keeps once the lease ends."""
-        if not lease_id:
-            lease_id = self._id()
-        elif lease_id in session.leases:
-            if session.leases[lease_id] is obj:
-                return lease_id  # claimed already, by a client back after a restart
-            raise InvalidRequest(f"lease {lease_id} is taken already")
-        session.leases[lease_id] = obj
-        obj.leases += 1
-        self.lease_count += 1
-        if reader and obj.events is not None:
-            index = device_index(obj.device)
-            session.read_events[lease_id] = self.devices.event(index)[0]
-        return lease_id
-
-    def hand_over(
-        self, session: Session, obj: StoredObject, request_id: int | None, lease_id: int = 0
-    ) -> int:
-        """Give a queue item to its one consumer (asking by `request_id`; None: it has it
-        already, on the lease `lease_id` set aside): the consumer's lease is now all that
-        keeps it."""
-        lease_id = self.lease(session, obj, reader=True, lease_id=lease_id)
-        self._retire(obj, session.token, request_id)
-        return lease_id
-
-    def take_back(self, session: Session, lease_id: int, queue: Any) -> StoredObject | None:
-        """An item of `queue` handed to `session` on `lease_id`, never taken, given back: live
-        again, its slot still in flight, the lease gone. None if the lease holds no such item."""
-        obj = session.leases.get(lease_id)  # an item handed over: retired, the lease its only hold
-        if obj is None or obj.queue is not queue or obj.live or not obj.retired or obj.freed:
-            return None
-        if obj.leases != 1 or obj.events or lease_id in session.pending:  # (no device item)
-            return None
-        del session.leases[lease_id]
-        obj.leases -= 1
-        self.lease_count -= 1
-        obj.live, obj.retired = True, False
-        self.journal.returned(obj)
-        return obj
-
-    def release(self, session: Session, lease_id: int) -> bool:
-        """End one lease; False (and nothing changes) if the session does not hold it."""
-        obj = session.leases.pop(lease_id, None)
-        if obj is None:
-            return False
-        read_done = session.read_events.pop(lease_id, None)
-        if read_done is not None and obj.events is not None:
-            self.devices.settle(obj.events, read_done)
-        if lease_id in session.pending:  # the putter let go before sealing: abort
-            self._unpend(session, lease_id)
-            self._retire(obj)
-        obj.leases -= 1
-        self.lease_count -= 1
-        self._maybe_free(obj)
-        return True
-
-    def drop_session(self, session: Session, keep_leases: bool = False) -> None:
-        """Abort the session's unsealed puts and, unless kept, end all of its leases."""
-        for put_id in list(session.pending):
-            self.abort(session, put_id, keep=True)
-        if not keep_leases:
-            for lease_id in list(session.leases):
-                self.release(session, lease_id)
-            if session.region is not None and self.slots is not None:
-                self.slots.release(session.region)  # what its slots held is free to go
-                session.region = None
-
-    def slotted(self, session: Session) -> bool:
-        """Whether the session's lease slots hold anything."""
-        if session.region is None or self.slots is None:
-            return False
-        return bool(self.slots.held(session.region))
 
     # -- memory --------------------------------------------------------------------------
 
