@@ -10,7 +10,8 @@ journal records (Note [recovery] in state.py). The rooms:
     seals.py      seals and writes, routed to their key or queue; grants topped up
     queues.py     pipeline queues (broadcast.py, handoff.py: subscribers and direct handoffs)
     parking.py    every request that waits, and its deadline
-    registry.py   objects, versions, leases and memory (grants.py, arena.py, devices.py)
+    registry.py   objects, versions, leases and memory (leasing.py, grants.py, arena.py,
+                  devices.py)
     adoption.py   the state of a broker that died, taken over
     cluster.py    the other brokers of a cluster (replicas.py: their keys, pulled by NIXL;
                   lending.py: this node's, lent to their pulls)
