@@ -96,14 +96,16 @@ class Answers:
                 elif same:
                     got = m.get("t"), m.get("heard_ago"), m.get("down_after"), m.get("registration")
                     self.links.kept(peer.node, *got)
-                if m.get("resync") and peer.up:  # requests of this one's were lost on the
+                if m.get("resync") and peer.up:
+                    # Requests of this one's were lost on the way there: every link to the
+                    # node goes down, as if it went down (each forgets what it lent the
+                    # other, once; the hellos and welcomes that follow say all again). The
+                    # node dropped what it was reading of this one's before it answered.
+                    # Answers to beats sent before the forget, resync too, come before the
+                    # welcome, on a link down by then: not acted on again.
                     log.warning("cluster: requests to node %r were lost; linking again", peer.node)
                     for link in [p for p in self.links.peers if p.node == peer.node and p.up]:
-                        self._down(link, relink=True)  # way there (as if it went down, on
-                    # every link to it: each forgets what it lent the other, once, and the
-                    # hellos and welcomes that follow say all again; the node dropped what it
-                    # was reading of this one's before it answered. Answers to beats sent
-                    # before the forget, resync too, come before the welcome: not again)
+                        self._down(link, relink=True)
         except (KeyError, TypeError, ValueError, BrokerError, OSError) as exc:
             log.warning("a cluster answer %r from %s could not be used: %s", op, peer.address, exc)
 

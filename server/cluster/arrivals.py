@@ -206,8 +206,8 @@ class Arrivals:
             self.queues.deliver(self.session, a.put, a.q)
             self.links.after(a.node, a.answer("qtaken"))
             taken = self._taken.setdefault(a.node, deque(maxlen=TAKEN_KEPT))
-            since = self._taken_since()
-            if len(taken) == TAKEN_KEPT and taken[0][0] > since > self._warned.get(a.node, 0):
+            full = len(taken) == TAKEN_KEPT  # (the oldest still in the window: warned once)
+            if full and taken[0][0] > self.taken_since() > self._warned.get(a.node, 0.0):
                 self._warned[a.node] = time.monotonic()  # (once a window)
                 log.warning("cluster: over %d items taken of %r lately: a relink may hand the "
                             "oldest out again", TAKEN_KEPT, a.node)  # fmt: skip
@@ -219,12 +219,13 @@ class Arrivals:
         self.forget_taken()
         return [[loan, of] for _, loan, of in self._taken.get(node, ())]
 
-    def _taken_since(self) -> float:
+    def taken_since(self) -> float:
+        """When the window of items named in hellos begins (TAKEN_FOR down_afters ago)."""
         return time.monotonic() - TAKEN_FOR * self.links.down_after
 
     def forget_taken(self) -> None:
         """The items taken over TAKEN_FOR down_afters ago are no longer named."""
-        since = self._taken_since()
+        since = self.taken_since()
         for node, taken in list(self._taken.items()):
             while taken and taken[0][0] < since:
                 taken.popleft()

@@ -67,7 +67,7 @@ from typing import Any
 from ..queues.queue_state import BrokerQueue
 from ..queues.queues import Queues
 from ..store.records import Session, StoredObject
-from .arrivals import TAKEN_FOR, Arrival, Arrivals
+from .arrivals import Arrival, Arrivals
 from .queue_ends import QueueEnds
 from .queue_homes import QueueHomes
 from .records import Links
@@ -323,9 +323,9 @@ class QueueLinks:
             if q.subs is None and q.items and self.wants.get(q.name):
                 self._lend(q)
             self.ends.beat(q)
-        self.homes.sync({q.name: q.id for q in self.queues.by_name.values()})
+        self.homes.sync(self._parts())
         self.arrivals.forget_taken()
-        since = time.monotonic() - TAKEN_FOR * self.links.down_after
+        since = self.arrivals.taken_since()  # (a relink holds no longer than that)
         for node in [n for n, (t, _) in self._relinking.items() if t < since]:
             self._release(node)
         self.arrivals.came.intersection_update(
@@ -366,15 +366,18 @@ class QueueLinks:
         self.homes.node_up(node)
         self._moved()
         for name, members in self.homes.members.items():
-            q = self.queues.by_name.get(name)
-            if node in members and q is not None:
+            if node in members:
                 self._met(name, node)  # (said again: it may have missed it while down)
 
     def _moved(self) -> None:
         """The nodes up changed: each queue's home may have moved (and the parts adopted
         from the journal are said to theirs: Queues.adopt does not call `opened`)."""
-        self.homes.sync({q.name: q.id for q in self.queues.by_name.values()})
+        self.homes.sync(self._parts())
         self.homes.changed()
+
+    def _parts(self) -> dict[str, int]:
+        """This node's parts: queue name -> part id."""
+        return {q.name: q.id for q in self.queues.by_name.values()}
 
     def _say_to(self, node: str, name: str) -> None:
         """Tell `node` the wants or subscribers this node said last of queue `name`."""
