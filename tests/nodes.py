@@ -60,7 +60,7 @@ class Reads:
         os.close(self._wake)
 
     def done(self, handle: Any) -> bool:
-        return self.over and handle.asked == handle.size
+        return self.over and handle.limit == handle.size
 
     def offer(self, obj: Any, agent: bool = True) -> dict[str, Any]:
         if obj.device != "cpu" and not self.vram:
@@ -83,22 +83,22 @@ class Reads:
         return Taken(self, size, min(size, int(offer.get("ready", size)))), size
 
     def extend(self, handle: Any, ready: int) -> None:
-        handle.asked = max(handle.asked, min(ready, handle.size))
+        handle.limit = max(handle.limit, min(ready, handle.size))
 
 
 class Taken:
-    """A read of `size` bytes under way (as transfers.Reading), of which `asked` were asked
-    for (a relay lends what it still reads: the rest as it says): they end once `reads`
-    do, and the read is done once all were asked for."""
+    """A read of `size` bytes under way (as transfers.Reading), of which its source has
+    `limit` (a relay lends what it still reads: the rest as it says): they end once `reads`
+    do, and the read is done once all were there and read."""
 
-    def __init__(self, reads: Reads, size: int, asked: int) -> None:
-        self.reads, self.size, self.asked = reads, size, asked
+    def __init__(self, reads: Reads, size: int, limit: int) -> None:
+        self.reads, self.size, self.limit = reads, size, limit
 
     def ended(self) -> bool:
         return self.reads.over
 
     def ready(self) -> int:
-        return self.asked if self.reads.over else 0
+        return self.limit if self.reads.over else 0
 
 
 class Written(Journal):

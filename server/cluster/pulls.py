@@ -237,7 +237,7 @@ class Pulls:
         that said nothing more for PULL_WAIT (its `more` lost: read again, from the owner)."""
         for pull in list(self.pulls.values()):
             if pull.handle is not None:
-                if now - pull.started > PULL_WAIT and pull.handle.asked < pull.size:
+                if now - pull.started > PULL_WAIT and pull.handle.limit < pull.size:
                     pull.cut = True
                 self._poll(pull)
             elif now - pull.started > PULL_WAIT:

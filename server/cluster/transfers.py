@@ -91,14 +91,18 @@ def _paced_agent(api: Any, node: str, config: Any) -> Any:
 
 
 CHUNK = 16 * 2**20  # a version's bytes are read in reads of this size at most (Reading)
+WINDOW = 4  # reads of one Reading under way at most (Reading)
 
 
 @dataclass(slots=True)
 class Reading:
     """A pull's reads of `size` bytes at `remote` in `node`'s memory into `local` in this
     broker's (`far`, `near`: their NIXL memory types and device ids), asked for in CHUNK
-    reads: a relay lends a version it is still pulling, its first bytes read as it has them
-    (Note [relays] in lending.py)."""
+    reads, WINDOW of them under way at most: a relay lends a version it is still pulling,
+    its first bytes read as it has them (Note [relays] in lending.py), and UCX moves the
+    reads under way side by side, so that with all 32 reads of a 512 MiB version asked for
+    at once, the first ended with 352 MiB of the others, 283 ms after it began, and the
+    relay's borrower waited that long for its first bytes."""
 
     node: str
     remote: int
@@ -107,7 +111,9 @@ class Reading:
     far: tuple[str, int]
     near: tuple[str, int]
     asked: int = 0  # bytes asked for so far, from the first
+    limit: int = 0  # bytes its source has (all, but for a relay's): asked for up to there
     reads: list[Read] = field(default_factory=list)
+    failed: str | None = None  # why a read could not be asked for (no more are)
 
     def ended(self) -> bool:
         """Whether none of the reads asked for is under way."""
@@ -295,11 +301,17 @@ class Transfers:
         return reading
 
     def extend(self, reading: Reading, ready: int) -> None:
-        """Read the bytes of `reading` up to `ready` not asked for yet, in CHUNK reads."""
+        """Read the bytes of `reading` up to `ready` (its source has them) not asked for yet,
+        in CHUNK reads, as the window lets (`done` asks for more as reads end)."""
+        reading.limit = max(reading.limit, min(ready, reading.size))
+        self._ask(reading)
+
+    def _ask(self, reading: Reading) -> None:
         agent, near, far = self.agent, reading.near, reading.far
-        while reading.asked < min(ready, reading.size):
+        under_way = sum(1 for r in reading.reads if not r.finished and r.error is None)
+        while reading.asked < reading.limit and under_way < WINDOW:
             start = reading.asked
-            size = min(CHUNK, ready - start, reading.size - start)
+            size = min(CHUNK, reading.limit - start)
             try:
                 mine = agent.get_xfer_descs([(reading.local + start, size, near[1])], near[0])
                 theirs = agent.get_xfer_descs([(reading.remote + start, size, far[1])], far[0])
@@ -310,16 +322,22 @@ class Transfers:
             fill = reading.local + start if near[0] == "DRAM" else 0
             reading.reads.append(self.mover.start(reading.node, mine, theirs, size, fill))
             reading.asked += size
+            under_way += 1
 
     def done(self, reading: Reading) -> bool:
         """Whether all of `reading` was read; OSError if a read of it failed (once none of its
-        reads is under way: NIXL may write into the block until then). No NIXL call: the
-        mover's."""
+        reads is under way: NIXL may write into the block until then). Reads that ended make
+        room for the next ones (`extend`). No NIXL call: the mover's."""
+        errors = [r.error for r in reading.reads if r.error is not None]
+        if not errors and reading.failed is None:
+            try:
+                self._ask(reading)
+            except OSError as exc:  # (raised once the reads under way ended)
+                reading.failed = str(exc)
         if not reading.ended():
             return False
-        errors = [r.error for r in reading.reads if r.error is not None]
-        if errors:
-            raise OSError(errors[0])
+        if errors or reading.failed is not None:
+            raise OSError(errors[0] if errors else reading.failed)
         return reading.asked == reading.size
 
     def close(self) -> None:

@@ -99,7 +99,7 @@ def test_a_relay_lends_a_version_it_is_still_reading_and_says_when_the_rest_is_t
     assert run(nodes, 3, lambda: relay.cluster.replicas.lending.lent_early == 1)
     assert run(nodes, 3, lambda: d.reads.started == ["w"])  # d reads now
     (pull,) = _pulls(d, "w")
-    assert pull.handle.asked == 0  # (the relay had none of it)
+    assert pull.handle.limit == 0  # (the relay had none of it)
     d.reads.over = True
     run(nodes, 0.3)
     assert not _has(d, "w")  # its read waits for the relay's

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tensorbroker.server.cluster.transfers import CHUNK, Transfers
+from tensorbroker.server.cluster.transfers import CHUNK, WINDOW, Transfers
 from tests.support import in_thread, wait_until
 
 
@@ -179,4 +179,39 @@ def test_a_large_read_goes_in_chunks_and_a_partial_one_as_its_relay_says(tmp_pat
     t.extend(partial, size)
     assert [r.size for r in partial.reads] == [CHUNK, CHUNK, 4096]
     assert wait_until(lambda: t.done(partial), 5) and partial.ready() == size
+    t.close()
+
+
+class Counting(Reading):
+    """A Reading agent that counts the reads under way (posted, not yet released)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.posted, self.most = 0, 0
+
+    def transfer(self, handle: Any) -> str:
+        self.posted += 1
+        self.most = max(self.most, self.posted - len(self.released))
+        return super().transfer(handle)
+
+
+def test_a_large_read_has_at_most_a_window_of_reads_under_way(tmp_path: Path) -> None:
+    """UCX moves the reads under way side by side: with all 32 reads of a 512 MiB version
+    asked for at once, its first ended only with 352 MiB of the others, 283 ms after it
+    began, and a relay's borrower waited that long for its first bytes (Note [relays]). A
+    read asks for WINDOW chunks, and for the next ones as those end."""
+    agent = Counting("b")
+    t = _transfers("b", tmp_path, agent)
+    chunks = WINDOW + 3
+    read = t.read("a", 0, 0, chunks * CHUNK)
+    assert [r.size for r in read.reads] == [CHUNK] * WINDOW
+    assert not t.done(read) and len(read.reads) == WINDOW  # (none ended: no more asked)
+    agent.over.set()
+    assert wait_until(lambda: t.done(read), 5)
+    assert [r.size for r in read.reads] == [CHUNK] * chunks and read.ready() == chunks * CHUNK
+    assert agent.most <= WINDOW
+    partial = t.read("a", 0, 0, chunks * CHUNK, ready=CHUNK)  # a relay's: as it says
+    assert wait_until(lambda: partial.ended(), 5) and not t.done(partial)
+    t.extend(partial, chunks * CHUNK)
+    assert wait_until(lambda: t.done(partial), 5) and len(partial.reads) == chunks
     t.close()
