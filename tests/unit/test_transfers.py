@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tensorbroker.server.cluster.transfers import CHUNK, WINDOW, Transfers
+from tensorbroker.server.cluster.transfers import CHUNK, POPULATED, WINDOW, Transfers
 from tests.support import in_thread, wait_until
 
 
@@ -214,4 +214,24 @@ def test_a_large_read_has_at_most_a_window_of_reads_under_way(tmp_path: Path) ->
     assert wait_until(lambda: partial.ended(), 5) and not t.done(partial)
     t.extend(partial, chunks * CHUNK)
     assert wait_until(lambda: t.done(partial), 5) and len(partial.reads) == chunks
+    t.close()
+
+
+def test_a_read_populates_only_memory_it_has_not_populated_before(tmp_path: Path) -> None:
+    """A read into host memory faults its pages in first, in one call (mover.py: UCX's copies
+    faulted them one by one), but a block read into before is populated already, in this
+    broker's mapping, for as long as it runs: populating a 512 MiB version's block again
+    cost each reader 22 ms of CPU for nothing."""
+    agent = Reading("b")
+    t = _transfers("b", tmp_path, agent)
+    block = 8 * POPULATED  # (an address in host memory, aligned or not)
+    fills = lambda r: [x.fill for x in r.reads]  # noqa: E731
+    first = t.read("a", 0, block + 64, 4 * POPULATED)
+    assert fills(first) == [block + 64]  # new: populated
+    assert fills(t.read("a", 0, block + 64, 4 * POPULATED)) == [0]  # the same block again
+    assert fills(t.read("a", 0, block + POPULATED, 2 * POPULATED)) == [0]  # inside it
+    later = t.read("a", 0, block + 2 * POPULATED, 4 * POPULATED)  # partly new memory
+    assert fills(later) == [block + 2 * POPULATED]
+    assert fills(t.read("a", 0, block + 5 * POPULATED, POPULATED)) == [0]
+    agent.over.set()
     t.close()
