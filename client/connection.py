@@ -1,6 +1,6 @@
 """A client's connection to its broker: hello, the broker's pidfd, calls that carry the lease
-releases due, the fork check, and reconnection. The leases it holds, and the release thread,
-are leases.py's.
+releases due, the fork check, and reconnection (its wait for a broker: reconnect.py). The
+leases it holds, and the release thread, are leases.py's.
 
 Threads may share a connection: each call borrows a socket (a `Channel`) from a small pool,
 so a `get` parked in the broker never blocks another thread's call.
@@ -21,7 +21,6 @@ import itertools
 import logging
 import os
 import secrets
-import select
 import threading
 import time
 import weakref
@@ -37,6 +36,7 @@ from ..common.errors import BrokerError, BrokerUnavailable, ProtocolError
 from ..common.protocol import PROTOCOL_VERSION, Op
 from .cancel import cancel, given_up
 from .leases import ASKED_AGAIN, Leases, ReleaseThread
+from .reconnect import HELLO_STEP, Reconnecting
 from .resending import check_resent
 from .transport import BrokerExited, Channel, ChannelPool, NoReply, Unsent, waits
 
@@ -47,7 +47,6 @@ log = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT = 30.0  # for requests the broker answers at once
 RECONNECT_TIMEOUT = 30.0  # how long a client waits for a broker that exited to come back
-HELLO_STEP = 0.5  # each hello to a broker that may not be there yet waits this long
 # A CURVE handshake that fails (a wrong key, or none) looks like no broker at all.
 _KEYS_HINT = (
     ". A broker that serves with keys answers only a client that has its public key: pass "
@@ -57,7 +56,7 @@ _KEYS_HINT = (
 )
 
 
-class Connection:
+class Connection(Reconnecting):
     """One session with the broker at `address` (else $TENSORBROKER_ADDRESS, else the default
     socket). BrokerUnavailable if no broker answers within `timeout`."""
 
@@ -315,68 +314,10 @@ class Connection:
                 left = max(0.0, fields["timeout"] - (time.monotonic() - began))
                 message["timeout"], wait = waits(left)
 
-    def _fresh_channel(self) -> Channel:
-        """A new socket, once no reconnection is under way (its hello would come first).
-        BrokerExited while no broker has come back since the last one exited: the caller
-        reconnects (`reconnect`)."""
-        with self._reconnecting:
-            if self._broken:
-                raise BrokerExited(self._broken)
-        return self.new_channel()
-
     def check_resent(self, op: str, fields: dict[str, Any], sent: bool = True) -> None:
         """Raise BrokerUnavailable if `op` must not be sent again to the broker of now
         (`sent`: it went to the one before, which may have done it): resending.py."""
         check_resent(self.address, self.resumed, op, fields, sent)
-
-    def broker_exited(self) -> bool:
-        """Whether the broker this connection said hello to has exited (pidfd readable)."""
-        fd = self._broker_pidfd
-        return fd is not None and bool(select.select([fd], [], [], 0)[0])
-
-    def reconnect(self, generation: int, window: float | None = None) -> None:
-        """The broker of `generation` exited: wait up to `window` seconds (None: the
-        client's `reconnect_timeout`; 0: one hello) for one at the same address, and say
-        hello again with this session and the leases this process holds (once, whichever
-        thread comes first). BrokerUnavailable if none comes in time; the client stays
-        usable: its next call (and the release thread, every RETRY_IDLE seconds) tries
-        again, with a window of its own, and carries the leases over just the same."""
-        with self._reconnecting:
-            if generation != self.generation:
-                return  # another thread has done it
-            exited = f"the broker at {self.address} exited"
-            if window is None:
-                window = self.reconnect_timeout
-            if self._broken is None:  # its sockets and pidfd are the dead broker's
-                self._broken = exited
-                self._pool.renew()
-                if self._broker_pidfd is not None:  # other threads may still poll it
-                    self._old_pidfds.append(self._broker_pidfd)
-                    self._broker_pidfd = None
-                if window <= 0:  # connect(reconnect_timeout=0): the call that saw it fails
-                    raise BrokerUnavailable(f"{exited} (the next call looks for one again)")
-                log.warning("%s: waiting up to %.0fs for it to come back", exited, window)
-            deadline = time.monotonic() + window
-            while True:
-                try:
-                    channel = self.new_channel(HELLO_STEP, resume=True)
-                    break
-                except BrokerUnavailable:
-                    if time.monotonic() >= deadline or self.closed or self.closing:
-                        self._broken = (
-                            f"{exited} and no broker came back within {window:g}s "
-                            f"(connect(reconnect_timeout=...)); start one with `tensorbroker "
-                            f"serve --address {self.address}`: this client's next call "
-                            "looks for it again"
-                        )
-                        raise BrokerUnavailable(self._broken) from None
-            self._broken = None
-            self.generation += 1
-            self._pool.give_back(channel)
-            log.warning(
-                "the broker at %s is back; %s", self.address,
-                "this client's leases carried over" if self.resumed else "its state was lost",
-            )  # fmt: skip
 
     def check_usable(
         self,
