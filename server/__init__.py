@@ -2,8 +2,8 @@
 sub-package whose docstring says what it owns and which wings it may import (checked by
 `make lint`, import-linter's contracts in pyproject.toml), from the top down:
 
-    broker.py (the loop), ops.py (the op table), seals.py, adoption.py, inventory.py,
-    metrics.py, opstats.py
+    broker.py (the loop), dispatch.py (each request to its room), ops.py (the op table),
+    seals.py, adoption.py, inventory.py, metrics.py, opstats.py
     cluster/      everything between brokers
     queues/       sessions/      (peers: neither imports the other)
     store/        the arena, objects, leases, directory, grants

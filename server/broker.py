@@ -1,5 +1,6 @@
 """The broker: the rooms that own its state, a dispatch table from each op to the room that
-answers it, and the loop (one thread; nothing in it blocks).
+answers it (dispatch.py: a request's way there), and the loop (one thread; nothing in it
+blocks).
 
 The loop reads requests in arrival order off the endpoint's sockets (endpoint.py), ends the
 leases each one carries, hands it to its handler, and sends the replies after the batch's
@@ -32,13 +33,13 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from ..common import cudart, curve, protocol
+from ..common import cudart, curve
 from ..common.config import SHM_DIR, check_address, default_state_dir, format_size, group_id
-from ..common.errors import BrokerError, InvalidRequest, SessionUnknown, Timeout
-from ..common.fields import parse_request
-from ..common.protocol import NO_REPLY, PROTOCOL_VERSION, Op, Request, reply_error, reply_ok
+from ..common.errors import InvalidRequest, Timeout
+from ..common.protocol import PROTOCOL_VERSION, Request, reply_error
 from .adoption import Adoption
 from .cluster.cluster import Cluster, Joining, Watched
+from .dispatch import Dispatching
 from .durability.state import State
 from .inventory import Inventory
 from .ops import op_table
@@ -46,7 +47,7 @@ from .opstats import OpStats
 from .queues.qring_state import QRing
 from .queues.queues import Queues
 from .queues.rings import Ring
-from .seals import SEALS, Seals
+from .seals import Seals
 from .sessions import backlog
 from .sessions.endpoint import Endpoint
 from .sessions.outbox import Outbox
@@ -71,7 +72,7 @@ MAX_POLL_S = 3600.0  # a far deadline is waited for in steps zmq can take
 RING_SCAN = 0.005  # seconds between looks at the rings whose producers wait (QueueRings.scan)
 
 
-class Broker:
+class Broker(Dispatching):
     def __init__(
         self,
         address: str,
@@ -343,63 +344,6 @@ class Broker:
         if self.cluster is not None:
             waits.append(self.cluster.wake_in)
         return -1 if len(waits) == 1 else math.ceil(min(waits) * 1000)
-
-    def _handle(self, route: bytes, message: Any, frame: zmq.Frame | None = None) -> None:
-        """Answer one request; `frame`: the ZeroMQ frame it came in (None: a lane's)."""
-        began = time.perf_counter()
-        op = None
-        try:
-            request = parse_request(message)
-            op = request.op  # a known op: the counters stay bounded
-            result = self._dispatch(route, request, frame)
-        except Exception as exc:
-            self._fail(route, protocol.request_id(message) or 0, exc)
-            self.seals.refused(route, message, parsed=op is not None)
-        else:
-            if result is not None and request.op not in NO_REPLY:
-                self.outbox.send(route, reply_ok(request.id, **result))
-        self.queues.slots.admit_putters()
-        if op is not None:
-            self.opstats.record(op, time.perf_counter() - began)
-
-    def _dispatch(
-        self, route: bytes, request: Request, frame: zmq.Frame | None
-    ) -> dict[str, Any] | None:
-        if request.op == Op.HELLO:
-            return self.sessions.hello(route, request, self.endpoint.peer(route, frame))
-        if request.op == Op.PING:
-            return self._ping()
-        session = self.sessions.routes.get(route)
-        if session is None:
-            raise SessionUnknown(f"{request.op}: this broker does not know the client")
-        session.last_seen = time.monotonic()
-        if request.releases:
-            release = self.registry.release
-            unknown = [lease for lease in request.releases if not release(session, lease)]
-            if unknown:
-                unknown = self.handoffs.released_early(session, unknown)
-            if unknown:  # one line per request, however many (a flood must not fill the log)
-                log.warning("%s released %d leases it does not hold (%s%s)", session,
-                            len(unknown), ", ".join(map(str, unknown[:5])),
-                            ", ..." if len(unknown) > 5 else "")  # fmt: skip
-        try:
-            return self._handlers[request.op](session, route, request)
-        finally:
-            if request.op in SEALS:  # applied or refused: its offers say so (Note [direct handoff])
-                self.handoffs.applied(session, request.id)
-
-    def _refuse(self, route: bytes, exc: Exception) -> None:
-        """A message that would not decode."""
-        self._fail(route, 0, exc)
-
-    def _fail(self, route: bytes, request_id: int, exc: Exception) -> None:
-        self.opstats.refuse(exc.code if isinstance(exc, BrokerError) else BrokerError.code)
-        if isinstance(exc, BrokerError):
-            log.debug("request %s failed: %s", request_id, exc)
-        else:  # a bug must not take the broker down; say so loudly
-            log.exception("internal error handling request %s", request_id)
-            exc = BrokerError(f"internal error: {exc!r}")
-        self.outbox.send(route, reply_error(request_id, exc))
 
     # -- the few handlers that span rooms ----------------------------------------------------
 
