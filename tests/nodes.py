@@ -62,7 +62,7 @@ class Reads:
     def done(self, handle: Any) -> bool:
         return self.over and handle.limit == handle.size
 
-    def offer(self, obj: Any, agent: bool = True) -> dict[str, Any]:
+    def offer(self, obj: Any, agent: bool = True, inline: bool = False) -> dict[str, Any]:
         if obj.device != "cpu" and not self.vram:
             raise OSError(f"{obj.block.segment} is not registered with NIXL (no VRAM here)")
         specs = [[t.name, t.dtype, list(t.shape)] for t in obj.tensors]

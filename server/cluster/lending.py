@@ -252,7 +252,7 @@ class Lending:
             return
         offer = None
         try:  # (a GPU object whose chunk NIXL could not register: not lent)
-            offer = None if obj is None else self.transfers.offer(obj)
+            offer = None if obj is None else self.transfers.offer(obj, inline=True)
         except OSError as exc:
             log.warning("could not lend %r: %s", key, exc)
         if obj is None or offer is None:
@@ -294,7 +294,7 @@ class Lending:
         `lent` answer (with `offer`, if made already), for `node`'s incarnation as this
         broker knows it (Links.acked)."""
         if offer is None:
-            offer = self.transfers.offer(obj)
+            offer = self.transfers.offer(obj, inline=True)
         if (node, pull, ask) not in self.loans:
             self.registry.pin(obj)
             self.loans[node, pull, ask] = obj

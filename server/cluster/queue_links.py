@@ -249,7 +249,7 @@ class QueueLinks:
             return {
                 "op": "qitem", "queue": q.name, "loan": loan, "broadcast": broadcast,
                 "from": self.links.incarnation, **self.links.ack(node),
-                **self.transfers.offer(obj),
+                **self.transfers.offer(obj, inline=True),
             }  # fmt: skip
 
         self.links.after(node, qitem)
