@@ -1,6 +1,6 @@
 """One broker per node, the same keys everywhere: the links to the other brokers of a cluster
 and the messages on them (what the others hold, and the pulls: replicas.py; this node's keys
-announced and lent to theirs: lending.py).
+announced, announcing.py, and lent to theirs: lending.py).
 
 Note [cluster]
 

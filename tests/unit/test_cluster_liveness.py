@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tensorbroker.common.protocol import Request, decode
-from tensorbroker.server.cluster import lending
+from tensorbroker.server.cluster import announcing, lending
 from tensorbroker.server.cluster.offers import OFFER_MAX
 from tests.nodes import MiB, Node, homed, pair, run, trio
 
@@ -246,7 +246,7 @@ def test_puts_close_together_are_announced_in_one_message_with_each_keys_last_ve
     message to each peer, naming each key's last version only, and only that one offered
     (pinned), so a burst of puts costs each peer one wake-up, not one per put."""
     every = 0.2  # (this test's puts take longer than 1 ms on a loaded machine)
-    monkeypatch.setattr(lending, "ANNOUNCE_EVERY", every)
+    monkeypatch.setattr(announcing, "ANNOUNCE_EVERY", every)
     a, b = pair("a"), pair("b")
     assert run([a, b], 5, lambda: a.up("b") and b.up("a"))
     _follow_all(a, b)

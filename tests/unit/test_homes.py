@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tensorbroker.common.protocol import Request, decode
-from tensorbroker.server.cluster import homes, lending, moves, ordering, rendezvous
+from tensorbroker.server.cluster import announcing, homes, moves, ordering, rendezvous
 from tensorbroker.server.cluster.offers import OFFER_MAX
 from tests.nodes import Node, homed, quad, run
 
@@ -52,8 +52,8 @@ def test_new_keys_put_close_together_cost_each_home_one_message(
     `claim_every` passed (longer as more nodes are up), all in one message, so it wakes once
     per `claim_every`, not once per key. A home told of nothing lately hears at once."""
     every = 3.0  # (this test's steps take a while on a loaded machine): with 3 peers up,
-    monkeypatch.setattr(lending, "CLAIMS_A_SECOND", 3 / every)  # a's claims wait `every`
-    monkeypatch.setattr(lending, "CLAIM_WAIT_MAX", 10.0)
+    monkeypatch.setattr(announcing, "CLAIMS_A_SECOND", 3 / every)  # a's claims wait `every`
+    monkeypatch.setattr(announcing, "CLAIM_WAIT_MAX", 10.0)
     a, b, c, d = _started(quad)
     assert a.cluster.replicas.lending.claim_every == every
     nodes = [a, b, c, d]
@@ -178,15 +178,15 @@ def test_a_stream_of_new_keys_costs_the_cluster_the_same_claims_a_second_whateve
     per `claim_every`: at most CLAIMS_A_SECOND such messages a second in all, whatever the
     number of nodes, up to the size where CLAIM_WAIT_MAX bounds the wait."""
     claims = quad("a").cluster.replicas.lending
-    largest = int(lending.CLAIM_WAIT_MAX * lending.CLAIMS_A_SECOND)  # peers
+    largest = int(announcing.CLAIM_WAIT_MAX * announcing.CLAIMS_A_SECOND)  # peers
     for peers in (1, 3, 4, 15, 20, largest):
         claims.peers = peers
-        assert lending.CLAIM_EVERY <= claims.claim_every <= lending.CLAIM_WAIT_MAX
-        assert peers / claims.claim_every <= lending.CLAIMS_A_SECOND + 1e-9
+        assert announcing.CLAIM_EVERY <= claims.claim_every <= announcing.CLAIM_WAIT_MAX
+        assert peers / claims.claim_every <= announcing.CLAIMS_A_SECOND + 1e-9
     claims.peers = 3  # (at 4 nodes, the 10 ms of a small cluster)
-    assert claims.claim_every == lending.CLAIM_EVERY
+    assert claims.claim_every == announcing.CLAIM_EVERY
     claims.peers = 999
-    assert claims.claim_every == lending.CLAIM_WAIT_MAX
+    assert claims.claim_every == announcing.CLAIM_WAIT_MAX
 
 
 def test_a_key_its_owner_no_longer_has_is_forgotten_once_a_get_asks_it(
