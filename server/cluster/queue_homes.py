@@ -25,7 +25,9 @@ home changes (a join or a leave: `changed`) and when the home says hello again (
 restarted, or forgot this node: `node_up`); the home tells a member that says hello again
 of the others. So a home that restarted, or a new one, learns every member again. A home
 keeps what it was told after it no longer is one (a node may register with it before it
-agrees that it is the home: it would not say so again), until the part leaves. Members
+agrees that it is the home: it would not say so again), until the part leaves. A `qleave`
+to a home that is down is lost: when that home says hello again, each node that ever told
+it of a part says which parts it may keep (`qparts`), and it forgets the others. Members
 stay members while down (a node that restarts on its state keeps its parts): what is said
 to them waits for their links to be up. While the nodes do not agree on who is up, two
 members may register at two homes and not meet until they agree: within a beat of a join
@@ -35,6 +37,7 @@ or a leave (as a key's lookup, Note [homes]).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from .records import Links
 
@@ -53,6 +56,7 @@ class QueueHomes:
         self.members: dict[str, set[str]] = {}  # a queue with a part here -> the other members
         # a queue with a part here -> (the part's id, its home when last told, the homes told)
         self.registered: dict[str, tuple[int, str, set[str]]] = {}
+        self.told: set[str] = set()  # every node this one ever told of a part (`node_up`)
         self.kept: dict[str, dict[str, int]] = {}  # a queue homed here -> node -> its part
 
     def home(self, name: str) -> str:
@@ -74,6 +78,7 @@ class QueueHomes:
         part, _, told = self.registered[name]
         home = self.home(name)
         told.add(home)
+        self.told.add(home)
         self.registered[name] = (part, home, told)
         if home == self.node:
             self.join(self.node, name, part)
@@ -128,13 +133,26 @@ class QueueHomes:
 
     def node_up(self, node: str) -> None:
         """`node` said hello again (it restarted, or forgot this node): the queues homed
-        there are said to it again, and it hears of the members of those homed here."""
+        there are said to it again, then every part it was told of and may keep (`qparts`:
+        it forgets the others, whose `qleave` it may have missed while down); and it hears
+        of the members of those homed here."""
         for name, (_, home, _) in list(self.registered.items()):
             if home == node:
                 self._register(name)
+        if node in self.told:
+            parts = [[n, part] for n, (part, _, told) in self.registered.items() if node in told]
+            self.links.after(node, {"op": "qparts", "parts": parts})
         for name, kept in self.kept.items():
             if node in kept:
                 self._tell(node, name, set(kept) - {node})
+
+    def parts_of(self, node: str, parts: Iterable[Any]) -> None:
+        """`node`'s parts of the queues it told this one of are `parts` ([[name, part id],
+        ...], `qparts`): the others it kept here left."""
+        listed = {str(name): int(part) for name, part in parts}
+        for name, kept in list(self.kept.items()):
+            if node in kept and listed.get(name) != kept[node]:
+                self.leave(node, name, kept[node])
 
     def left(self, name: str) -> None:
         """This node's part of queue `name` was removed: each home told of it forgets it,

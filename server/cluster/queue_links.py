@@ -193,6 +193,8 @@ class QueueLinks:
             self.homes.join(node, name, int(m["part"]))
         elif op == "qleave":
             self.homes.leave(node, name, int(m["part"]))
+        elif op == "qparts":
+            self.homes.parts_of(node, m.get("parts", []))
         elif op == "qmembers":
             self.homes.heard(name, [str(n) for n in m["nodes"]])
         elif op == "qleft":

@@ -155,3 +155,46 @@ def test_a_part_forgotten_or_made_again_is_said_to_its_home() -> None:
     homes.sync({"q": 7})
     ops = [(m["op"], m["part"]) for _, m in sent]
     assert ops == [("qjoin", 1), ("qleave", 1), ("qjoin", 7)] and {n for n, _ in sent} == {"h"}
+
+
+def test_a_part_whose_leave_was_lost_while_its_home_was_down_is_forgotten_at_its_hello() -> None:
+    """A `qleave` to a home that is down is lost, and the home kept the part as a member
+    (told to the others, who said their wants to a node with no part). When the home says
+    hello again, the node says which parts it may keep (`qparts`), and the home forgets the
+    others."""
+    down: set[str] = set()
+    net: dict[str, QueueHomes] = {}
+
+    class Links:
+        def __init__(self, me: str) -> None:
+            self.me = me
+
+        def after(self, node: str, m: dict[str, Any]) -> None:
+            if node in down:
+                return  # (lost)
+            to, op = net[node], m["op"]
+            if op == "qjoin":
+                to.join(self.me, m["queue"], m["part"])
+            elif op == "qleave":
+                to.leave(self.me, m["queue"], m["part"])
+            elif op == "qparts":
+                to.parts_of(self.me, m["parts"])
+            elif op == "qmembers":
+                to.heard(m["queue"], m["nodes"])
+
+        def up(self, node: str) -> bool:
+            return node not in down
+
+    for name in "ah":
+        net[name] = QueueHomes(name, Links(name), lambda key: "h", lambda q, n: None)  # type: ignore[arg-type]
+    a, h = net["a"], net["h"]
+    a.sync({"q1": 1, "q2": 2})
+    assert h.kept == {"q1": {"a": 1}, "q2": {"a": 2}}
+    down.add("h")
+    a.sync({"q2": 2})  # q1's part removed: its qleave lost
+    down.clear()
+    assert h.kept["q1"] == {"a": 1}
+    a.node_up("h")
+    assert h.kept == {"q2": {"a": 2}}
+    a.node_up("h")  # (again: the same)
+    assert h.kept == {"q2": {"a": 2}}
