@@ -297,8 +297,8 @@ class Pulls:
                 return
         except OSError as exc:
             pull.handle = None
-            if pull.offer is not None:
-                self._read_again(pull, exc)
+            if pull.offer is not None or pull.cut or pull.source != pull.node:  # (a relay's:
+                self._read_again(pull, exc)  # its owner lends it)
             else:
                 self._fail(pull, PeerUnavailable(f"the pull of {pull.key!r} failed: {exc}"))
             return

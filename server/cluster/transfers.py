@@ -333,6 +333,11 @@ class Transfers:
         self._ask(reading)
 
     def _ask(self, reading: Reading) -> None:
+        """Ask for the next reads, as the window lets; none once one failed. OSError only if
+        not one read was asked for (else `failed` says why, for `done` to raise once the
+        reads under way ended: NIXL may write into the block until then)."""
+        if reading.failed is not None or any(r.error is not None for r in reading.reads):
+            return
         agent, near, far = self.agent, reading.near, reading.far
         under_way = sum(1 for r in reading.reads if not r.finished and r.error is None)
         while reading.asked < reading.limit and under_way < WINDOW:
@@ -342,9 +347,11 @@ class Transfers:
                 mine = agent.get_xfer_descs([(reading.local + start, size, near[1])], near[0])
                 theirs = agent.get_xfer_descs([(reading.remote + start, size, far[1])], far[0])
             except Exception as exc:  # NIXL's own errors
-                raise OSError(
-                    f"NIXL could not describe a read from {reading.node!r}: {exc!r}"
-                ) from None
+                why = f"NIXL could not describe a read from {reading.node!r}: {exc!r}"
+                if not reading.reads:
+                    raise OSError(why) from None
+                reading.failed = why
+                return
             fill = self._unpopulated(reading.local + start, size) if near[0] == "DRAM" else 0
             reading.reads.append(self.mover.start(reading.node, mine, theirs, size, fill))
             reading.asked += size
@@ -367,16 +374,13 @@ class Transfers:
     def done(self, reading: Reading) -> bool:
         """Whether all of `reading` was read; OSError if a read of it failed (once none of its
         reads is under way: NIXL may write into the block until then). Reads that ended make
-        room for the next ones (`extend`). No NIXL call: the mover's."""
-        errors = [r.error for r in reading.reads if r.error is not None]
-        if not errors and reading.failed is None:
-            try:
-                self._ask(reading)
-            except OSError as exc:  # (raised once the reads under way ended)
-                reading.failed = str(exc)
+        room for the next ones (`extend`; NIXL's descriptors made here, its transfers the
+        mover's)."""
+        self._ask(reading)
         if not reading.ended():
             return False
-        if errors or reading.failed is not None:
+        errors = [r.error for r in reading.reads if r.error is not None]  # (once ended: the
+        if errors or reading.failed is not None:  # mover may fail the last one until then)
             raise OSError(errors[0] if errors else reading.failed)
         return reading.asked == reading.size
 

@@ -276,3 +276,55 @@ def test_a_small_host_object_goes_with_its_offer_and_is_copied_not_read(tmp_path
     assert wait_until(lambda: b.done(read), 5)
     a.close()
     b.close()
+
+
+def test_a_read_failed_as_the_loop_looked_is_never_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mover's thread may fail a read between the loop's look at the reads' errors and
+    its look at whether they all ended: `done` must not then say the version was read (its
+    replica, or queue item, would be sealed with bytes missing)."""
+    agent = Reading("b")
+    t = _transfers("b", tmp_path, agent)
+    read = t.read("a", 0, 0, 2 * CHUNK)
+    agent.over.set()
+    assert wait_until(read.ended, 5)
+    asked = t._ask
+
+    def failing_meanwhile(reading: Any) -> None:
+        asked(reading)
+        reading.reads[-1].finished, reading.reads[-1].error = False, "ended in state ERR"
+
+    monkeypatch.setattr(t, "_ask", failing_meanwhile)
+    with pytest.raises(OSError, match="ERR"):
+        t.done(read)
+    t.close()
+
+
+class Undescribed(Counting):
+    """An agent that cannot describe the reads after the first two (NIXL's own error)."""
+
+    def get_xfer_descs(self, regions: Any, kind: str) -> Any:
+        if regions[0][0] >= 2 * CHUNK:
+            raise RuntimeError("nixlInvalidParamError")
+        return regions
+
+
+def test_a_read_that_cannot_be_asked_for_fails_only_once_those_under_way_ended(
+    tmp_path: Path,
+) -> None:
+    """A chunk NIXL cannot describe fails the whole read, but only once the reads already
+    asked for ended: until then NIXL may write into the block, which must not go to
+    another put."""
+    agent = Undescribed("b")
+    t = _transfers("b", tmp_path, agent)
+    read = t.read("a", 0, 0, 4 * CHUNK)
+    assert len(read.reads) == 2 and read.failed is not None
+    assert not t.done(read)  # (two reads under way)
+    agent.over.set()
+    assert wait_until(read.ended, 5)
+    with pytest.raises(OSError, match="could not describe"):
+        t.done(read)
+    with pytest.raises(OSError, match="could not describe"):  # (none asked for: at once)
+        t.read("a", 2 * CHUNK, 2 * CHUNK, CHUNK)
+    t.close()
