@@ -1,5 +1,6 @@
 """A client's seals, in order over one socket. What its puts take ahead (grants and credits),
-which the replies to these seals refill, is ahead.py's.
+which the replies to these seals refill, is ahead.py's; the seals still out when the broker
+restarts, reseal.py's.
 
 Note [writes]
 
@@ -30,13 +31,13 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from ..common.errors import BrokerError, BrokerUnavailable, error_from_wire
+from ..common.errors import BrokerError, error_from_wire
 from ..common.protocol import Op
 from .ahead import Ahead
 from .connection import REQUEST_TIMEOUT, Connection
+from .reseal import Out, Resealing
 from .shield import shielded
 from .transport import BrokerExited, Channel
 
@@ -48,18 +49,7 @@ def _went_in(label: str, version: Any) -> str:
     return f"(the {label} went in first: version {version})"
 
 
-@dataclass(slots=True)
-class _Out:
-    """A seal sent and not yet answered."""
-
-    message: dict[str, Any]
-    key: str | None  # the key it puts (None: a queue item)
-    label: str  # how its errors name it
-    put: int | None  # its put lease, which ends with the answer (None: it is kept)
-    wait: bool  # whether a caller waits for the answer (else errors are raised later)
-
-
-class Writes:
+class Writes(Resealing):
     """This client's seals over one socket (Note [writes]): the socket, the seals still out and
     the replies waited for; and what puts take ahead (`ahead`), which their replies refill."""
 
@@ -69,7 +59,7 @@ class Writes:
         self._channel: Channel | None = None
         self._generation = conn.generation  # of the broker the channel talks to
         self._epoch = conn.leases.epoch  # when the channel was opened (Leases.hold_put)
-        self._out: dict[int, _Out] = {}  # request id -> seal not answered yet, in order
+        self._out: dict[int, Out] = {}  # request id -> seal not answered yet, in order
         self._keys: dict[str, int] = {}  # key -> the request id of its last seal out
         self._owed: set[int] = set()  # seals of items handed over, returned before answered
         self.last = 0  # the request id of the last seal sent
@@ -162,7 +152,7 @@ class Writes:
                             wait = False
                             self._owed.add(rid)
                         with shielded():  # filed and sent, or neither
-                            self._file(rid, _Out(message, key, label, put, wait))
+                            self._file(rid, Out(message, key, label, put, wait))
                             try:
                                 channel.send(message)
                                 sent, stale = True, self._stale
@@ -180,7 +170,7 @@ class Writes:
             return {"ok": True, "version": message["direct"][3]}
         return self._wait(rid) if wait else None
 
-    def _file(self, rid: int, out: _Out) -> None:
+    def _file(self, rid: int, out: Out) -> None:
         """Seal `rid` is out (with the lock held)."""
         self._out[rid] = out
         if out.key is not None:
@@ -202,7 +192,7 @@ class Writes:
         rid = message["id"]
         if rid not in self._out:
             self._owed.add(rid)
-            self._file(rid, _Out(message, key, label, put, False))
+            self._file(rid, Out(message, key, label, put, False))
         with contextlib.suppress(BrokerExited):  # it goes again, with the rest, once one is back
             channel.send(message)
 
@@ -247,11 +237,6 @@ class Writes:
     def outstanding(self) -> int:
         """Seals sent and not answered yet."""
         return len(self._out)
-
-    @property
-    def current(self) -> bool:
-        """Whether the socket is (still) the one to the broker of now."""
-        return self._generation == self.conn.generation
 
     def catch_up(self) -> None:
         """Read the top-ups already there, and wait for the replies still out."""
@@ -329,38 +314,6 @@ class Writes:
             how = "handed to its consumer first" if handed else "a put that did not wait"
             self.conn.fail_later(type(error)(f"{out.label} ({how}): {error}"))
 
-    # -- the broker restarted (Note [recovery] in server/durability/state.py) ---------------
-
-    def _ready(self) -> Channel:
-        """The socket to the broker of now; after a restart, a new one, on which the seals
-        still out go again, in order. Called with the lock held."""
-        channel = self._channel
-        if channel is not None and self.current:
-            return channel
-        if channel is not None:
-            self._channel = None
-            self.conn.discard_channel(channel)
-            self.ahead.let_go()  # the old broker's
-        self._epoch = self.conn.leases.epoch  # before: its replies are of a later broker
-        channel = self._channel = self.conn.open_channel()
-        self._generation = self.conn.generation  # after: a hello waits for a reconnection
-        self._stale = False
-        if self._out and not self.conn.resumed:
-            self._lose_out()
-        for out in self._out.values():
-            channel.send(out.message)
-        return channel
-
-    def renew(self) -> bool:
-        """Come to the broker of now, if it is not the socket's (`_ready`); False if that one
-        has exited too."""
-        with self._lock:
-            try:
-                self._ready()
-            except BrokerExited:
-                return False
-        return True
-
     def _read_to_end(self, channel: Channel) -> None:
         """Read every message the broker sent so far (the top-ups of grants come after the
         replies): a ping's answer comes after them all."""
@@ -373,35 +326,6 @@ class Writes:
                 return
             if reply is not None:
                 self._take(reply)
-
-    def _broker_exited(self, generation: int) -> None:
-        try:
-            self.conn.reconnect(generation)
-        except BrokerError:
-            with self._lock:
-                self._lose_out()
-            raise
-
-    def _lose_out(self) -> None:
-        """The broker of now does not have the seals still out: each fails."""
-        gone = (
-            f"the broker at {self.conn.address} restarted without the state of the one "
-            "before (or did not come back): this put was lost; put it again"
-        )
-        handed_gone = (
-            f"the broker at {self.conn.address} restarted without the state of the one "
-            "before: this item was handed to its consumer, which has it, but the broker "
-            "does not know of it (its queue is new); do not put it again"
-        )
-        for rid, out in list(self._out.items()):
-            del self._out[rid]
-            if out.wait:
-                self._answers[rid] = {"id": rid, "ok": False, "code": "unavailable", "error": gone}
-            else:
-                why = handed_gone if rid in self._owed else gone
-                self.conn.fail_later(BrokerUnavailable(f"{out.label}: {why}"))
-        self._owed.clear()
-        self._keys.clear()
 
     # -- closing ---------------------------------------------------------------------------
 
