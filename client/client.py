@@ -1,6 +1,7 @@
 """`Client`: put, get, create, delete and friends, over a broker's shared memory.
 
-The public API only. Beneath it, as layers: the connection (connection.py: hello, calls;
+The public API only (with admin.py's calls that look at the broker as a whole, and
+queues.py's that open queues). Beneath it, as layers: the connection (connection.py: hello, calls;
 leases.py: releases, the release thread) and the transfer of bytes (transfer.py: copies,
 in-place writes; reads.py: Tensors and their leases). `Queue` uses the same two layers.
 """
@@ -20,11 +21,8 @@ from ..common.protocol import Op
 from .admin import Admin
 from .connection import RECONNECT_TIMEOUT, REQUEST_TIMEOUT, Connection
 from .cuda import DeviceLink
-from .qring import opened, rings_wanted
-from .queue import Queue, Subscription
+from .queues import Queues
 from .reads import Item
-from .ring import RingView
-from .shm import SegmentGone
 from .tensor import Tensor
 from .transfer import Transfer
 from .transport import waits
@@ -40,7 +38,7 @@ class KeyEvent(NamedTuple):
     version: int | None
 
 
-class Client(Admin):
+class Client(Admin, Queues):
     """A connection to one broker. Use `tb.connect()` to make one; close it, or use `with`."""
 
     _conn: Connection | None = None  # class-level default: a half-built Client can be closed
@@ -244,62 +242,6 @@ class Client(Admin):
 
         return follow(start["next"], start["run"])
 
-    def queue(self, name: str, maxsize: int = 0) -> Queue:
-        """The pipeline queue `name`, made if it does not exist: FIFO, each item to one
-        consumer. `maxsize` (0: no bound) bounds its items in flight, from a producer's put
-        until the consumer lets go of the item; a put waits for a free slot. The first
-        nonzero maxsize asked for a queue holds; 0 takes the queue as it is."""
-        return self._open_queue(name, maxsize)
-
-    def broadcast(self, name: str, maxsize: int = 8) -> Queue:
-        """The broadcast queue `name`, made if it does not exist, to publish to: `q.put(x)`
-        gives x to every subscriber (`subscribe`) from one copy in shared memory, and waits
-        while `maxsize` items are in flight: an item is in flight until every subscriber it
-        was given to let go of it, so the producer waits for the slowest. `q.close()` ends
-        every subscriber's loop once it has what was put before."""
-        return self._open_queue(name, maxsize, broadcast=True)
-
-    def subscribe(self, name: str) -> Subscription:
-        """A subscription to the broadcast queue `name` (made if it does not exist): each
-        item put from now on, in order, zero copy. `for item in sub` until the queue is
-        closed; `sub.close()` ends it (so does closing this client, or its process dying)."""
-        q = self._open_queue(name, 0, broadcast=True)
-        local = self._transfer.reads.directory is not None  # it maps the broker's segments
-        conn = self._transfer.conn
-        generation = conn.generation
-        reply = self._call(Op.QSUB, queue=q._id, name=name, ring=local)
-        where = reply.get("ring")
-        if where is None:
-            return Subscription(self._transfer, name, q._id, reply["sub"], None)
-        segment, size, slots, bit, cursor = where
-        try:
-            if generation != conn.generation:  # a broker that came back meanwhile
-                raise ValueError("the broker restarted while it answered")
-            ring = RingView(segment, size, slots, bit, cursor, q._id, generation)
-        except (OSError, ValueError) as exc:  # its items come through messages: slower
-            log.warning("cannot map the ring of queue %r (%s)", name, exc)
-            self._call(Op.QUNSUB, queue=q._id, name=name, sub=reply["sub"])
-            reply = self._call(Op.QSUB, queue=q._id, name=name)
-            return Subscription(self._transfer, name, q._id, reply["sub"], None)
-        return Subscription(self._transfer, name, q._id, reply["sub"], ring)
-
-    def _open_queue(self, name: str, maxsize: int, broadcast: bool = False) -> Queue:
-        if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 0:
-            raise InvalidRequest(
-                f"queue {name!r}: maxsize must be an integer >= 0, not {maxsize!r}"
-            )
-        more = {"broadcast": True} if broadcast else {}
-        local = self._transfer.reads.directory is not None  # it maps the broker's segments
-        if local and not broadcast and rings_wanted():
-            more["ring"] = True  # it can use a queue ring (Note [queue ring])
-        reply = self._call(Op.QOPEN, name=name, maxsize=maxsize, **more)
-        try:
-            ring = opened(self._transfer, name, reply)
-        except SegmentGone:  # (it may have ended meanwhile: qring.opened)
-            reply = self._call(Op.QOPEN, name=name, maxsize=maxsize, **more)
-            ring = opened(self._transfer, name, reply)
-        return Queue(self._transfer, name, reply["queue"], reply["maxsize"], ring)
-
     def create(
         self, key: str, shape: Sequence[int], dtype: Any, device: Any = "cpu"
     ) -> contextlib.AbstractContextManager[Tensor]:
@@ -318,10 +260,14 @@ class Client(Admin):
         self._call(Op.DELETE, key=key)
 
     def exists(self, key: str) -> bool:
+        """Whether `key` has a version now (this client's own put of it still out counted:
+        read your writes), on this node or, in a cluster, on any node."""
         self._transfer.writes.settle(key)
         return bool(self._call(Op.EXISTS, key=key)["exists"])
 
     def keys(self) -> list[str]:
+        """Every key with a version now (in a cluster, every node's).
+        `list_objects` pages through them with their sizes."""
         return list(self._call(Op.KEYS)["keys"])
 
     # -- plumbing --------------------------------------------------------------------------
