@@ -40,7 +40,7 @@ class Moves:
         raise NotImplementedError
 
     def tick(self, now: float) -> None:
-        raise NotImplementedError
+        raise NotImplementedError  # (Asking's)
 
     def changed(self, up: list[str], claim: Callable[[str, list[list[Any]]], None],
                 keep: Callable[[str], bool], drop: Callable[[str], None]) -> None:  # fmt: skip
