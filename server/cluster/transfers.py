@@ -305,10 +305,12 @@ class Transfers:
         data = offer.get("data")
         if isinstance(data, bytes) and mine == "DRAM" and len(data) >= size:
             ctypes.memmove(local, data, size)  # (Note [inline]: no read)
-            copied = Reading(node, int(offer["address"]), local, size, theirs, (mine, index))
-            copied.asked = copied.limit = size
-            copied.reads.append(Read(node, None, None, size, finished=True))
-            return copied, size
+            copied = [Read(node, None, None, size, finished=True)]
+            reading = Reading(
+                node, int(offer["address"]), local, size, theirs, (mine, index),
+                asked=size, limit=size, reads=copied,
+            )  # fmt: skip
+            return reading, size
         ready = int(offer.get("ready", size))
         return self.read(
             node, int(offer["address"]), local, size, theirs, (mine, index), ready
@@ -339,7 +341,7 @@ class Transfers:
         if reading.failed is not None or any(r.error is not None for r in reading.reads):
             return
         agent, near, far = self.agent, reading.near, reading.far
-        under_way = sum(1 for r in reading.reads if not r.finished and r.error is None)
+        under_way = sum(1 for r in reading.reads if not r.finished)
         while reading.asked < reading.limit and under_way < WINDOW:
             start = reading.asked
             size = min(CHUNK, reading.limit - start)
