@@ -45,11 +45,11 @@ from .aiosocket import AsyncChannel, Late, Reply
 from .client import Client
 from .connection import REQUEST_TIMEOUT
 from .leases import ASKED_AGAIN
+from .plans import WritePlan
 from .qring import opened, rings_wanted
 from .reads import Item
 from .shm import SegmentGone
 from .tensor import Tensor
-from .transfer import WritePlan
 from .transport import Unsent, waits
 
 log = logging.getLogger(__name__)

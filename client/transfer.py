@@ -19,11 +19,10 @@ import numpy as np
 
 from ..common import _shm
 from ..common.cudart import STREAM_LEGACY, device_index, parse_device
-from ..common.descriptors import DEVICE_ALIGN, TensorDesc, compact_strides, layout
+from ..common.descriptors import DEVICE_ALIGN, TensorDesc, layout
 from ..common.dtypes import DType
 from ..common.dtypes import dtype as lookup_dtype
 from ..common.errors import BrokerError, BrokerUnavailable, CapacityError
-from ..common.mailbox import Template, body_tail
 from ..common.protocol import Op
 from . import placement
 from .ahead import Grant
@@ -31,68 +30,17 @@ from .connection import Connection
 from .copy import Copier
 from .cuda import DeviceLink
 from .handoff import hand_over
+from .plans import PLAN_CACHE, WritePlan
 from .reads import Reads
 from .shm import SegmentCache
 from .sources import Source, entries
 from .tensor import DeviceLease, Tensor
 from .writes import Writes
 
-PLAN_CACHE = 256  # put plans of plain NumPy arrays, by dtype and shape
-
 
 class PutNotKept(BrokerUnavailable):
     """The memory a put was given came from a broker that died, and the one after it does
     not keep it (Leases.hold_put): nothing was written; the put asks again."""
-
-
-class WritePlan:
-    """A put under way: its tensors placed, and the block granted ahead it writes into (None:
-    the broker is asked for memory with `request`)."""
-
-    __slots__ = (
-        "label", "items", "target", "specs", "bundle", "fields", "offsets", "size", "grant",
-        "raw", "tails",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        label: str,
-        items: list[tuple[str, Source, DType]],
-        target: str,
-        specs: list[list[Any]],
-        bundle: bool,
-        fields: dict[str, Any],
-    ) -> None:
-        self.label, self.items, self.target = label, items, target
-        self.specs, self.bundle, self.fields = specs, bundle, fields
-        self.offsets: list[int] = []
-        self.size = 0  # bytes of its block (on the host)
-        self.grant: Grant | None = None
-        self.raw = False  # its one array is stored byte for byte as it is (a plain ndarray)
-        self.tails: dict[tuple[str, str], bytes] | None = None  # kept with a plan reused
-
-    @property
-    def request(self) -> dict[str, Any]:
-        return {"tensors": self.specs, "bundle": self.bundle, **self.fields}
-
-    def tail(self, segment: str) -> bytes:
-        """The tail of a mailbox body for this item in `segment` (`body_tail`): packed once
-        per queue and segment for a plan reused (`tails`)."""
-        name = self.fields.get("name", "")
-        tails = self.tails
-        found = None if tails is None else tails.get((name, segment))
-        if found is not None:
-            return found
-        template: Template = [
-            (tensor, dtype, shape, list(compact_strides(tuple(shape))), offset)
-            for (tensor, dtype, shape), offset in zip(self.specs, self.offsets, strict=True)
-        ]
-        tail = body_tail(name, self.bundle, segment, template)
-        if tails is not None:
-            if len(tails) >= PLAN_CACHE:
-                tails.clear()
-            tails[name, segment] = tail
-        return tail
 
 
 class Transfer:
@@ -197,10 +145,11 @@ class Transfer:
         self._hold_put(put_id, reply["oid"], label, epoch)  # a broker that restarts keeps it
         try:
             if target == "cpu":
+                pairs = []
                 for (_, src, dt), wire in zip(items, reply["tensors"], strict=True):
                     assert isinstance(src, np.ndarray)  # placed on the host
-                    dst = self._view(TensorDesc.from_wire(wire), dt.typestr)
-                    self.copier.copy(dst, src)
+                    pairs.append((self._view(TensorDesc.from_wire(wire), dt.typestr), src))
+                self.copier.copy_all(pairs)
             else:
                 self._write_device(items, reply)
         except BaseException:
@@ -237,6 +186,7 @@ class Transfer:
                 credited = self.writes.ahead.take_credit(queue, fields.get("timeout"), wait)
             mapping = self.segments.get(grant.segment)
             mapping.writing(grant.size)
+            pairs = []
             for (_, src, dt), offset in zip(items, plan.offsets, strict=True):
                 assert isinstance(src, np.ndarray)  # placed on the host
                 if plan.raw and src.flags.c_contiguous:
@@ -245,7 +195,8 @@ class Transfer:
                 dst = np.frombuffer(
                     mapping.mmap, np.dtype(dt.typestr), src.size, grant.offset + offset
                 )
-                self.copier.copy(dst.reshape(src.shape), src)
+                pairs.append((dst.reshape(src.shape), src))
+            self.copier.copy_all(pairs)
         except BaseException:
             self.writes.ahead.give_back(grant)
             if credited and queue is not None:

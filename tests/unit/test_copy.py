@@ -1,4 +1,5 @@
-"""The put's copy: split across threads for large tensors, exact in every layout."""
+"""The put's copy: split across threads for large tensors and large bundles, exact in every
+layout."""
 
 from __future__ import annotations
 
@@ -36,6 +37,27 @@ def test_copies_exactly(copier: Copier, make: Any) -> None:
     dst = np.zeros(src.shape, src.dtype)
     copier.copy(dst, src)
     assert np.array_equal(dst, src)
+
+
+def test_a_bundle_of_many_tensors_is_copied_exactly_across_threads(copier: Copier) -> None:
+    # 40 small tensors (each below PARALLEL_FROM, together above it), a large one that is
+    # split too, a strided one and an empty one, as a state_dict put as one bundle is.
+    srcs = [np.arange(i, i + MiB // 4, dtype=np.float32) for i in range(40)]
+    srcs += [np.arange(PARALLEL_FROM // 8, dtype=np.int64).reshape(8, -1),
+             np.arange(2 * MiB, dtype=np.int16)[::2], np.zeros(0, np.uint8)]  # fmt: skip
+    dsts = [np.zeros(s.shape, s.dtype) for s in srcs]
+    copier.copy_all(list(zip(dsts, srcs, strict=True)))
+    assert all(np.array_equal(d, s) for d, s in zip(dsts, srcs, strict=True))
+
+
+def test_a_bundle_with_one_copy_that_would_cast_raises_after_every_thread_is_done(
+    copier: Copier,
+) -> None:
+    pairs = [(np.zeros(MiB, np.float32), np.ones(MiB, np.float32)) for _ in range(12)]
+    pairs[-1] = (np.zeros(MiB, np.float32), np.ones(MiB, np.float64))  # the last thread's
+    with pytest.raises(TypeError):
+        copier.copy_all(pairs)
+    assert all(np.array_equal(d, s) for d, s in pairs[:-1])  # the others were all written
 
 
 def test_a_copy_that_would_cast_is_refused(copier: Copier) -> None:
