@@ -70,6 +70,7 @@ from __future__ import annotations
 import ctypes
 
 from . import _shm
+from .qring_sleep import Sleeping
 
 MAGIC = 0x33474E4952515400  # "TQRING3"
 HEADER = 4096
@@ -79,12 +80,9 @@ META_TAIL = META - 32  # the longest tail a slot holds
 PAGE = 4096
 MEMBERS = 256  # owners 1..255
 
-# header words (a bell word is at its address + 8: _shm.bell, bell_wait, ring_wake)
-Q_MAGIC, Q_TAIL, Q_HEAD, Q_PBELL, Q_CSLEEP, Q_PSLEEP, Q_SLOTS, Q_DATA, Q_ENTRIES = (
-    0, 16, 24, 24, 40, 48, 56, 64, 72,
-)  # fmt: skip
-
-Q_COWNERS, Q_POWNERS = 1024, 1280  # each owner's sleepers, a byte each (owner n at +n)
+# header words (a bell word is at its address + 8: _shm.bell, bell_wait, ring_wake); the
+# sleepers' words are qring_sleep.py's
+Q_MAGIC, Q_TAIL, Q_HEAD, Q_SLOTS, Q_DATA, Q_ENTRIES = 0, 16, 24, 56, 64, 72
 FREE, WRITING, READY, TAKEN = 0, 1, 2, 3  # an entry's
 QUEUED, HELD = 2, 3  # a slot's (FREE, WRITING as an entry's)
 INLINE, ASK = 1, 2  # a slot's flags
@@ -92,14 +90,6 @@ SKIP = 1 << 16  # in an entry's second word (position << 20 | slot): pass over i
 NAMED = (1 << 20) - 1  # that word's slot and SKIP
 CLOSED, REMOVED = 1, 2  # the tail word's low bits
 FULL = -3  # no slot (or entry) free
-
-
-def _add(at: int, delta: int) -> None:
-    """Add `delta` to the word at `at` (mod 2**64)."""
-    while True:
-        n = _shm.load(at)
-        if _shm.cas(at, n, (n + delta) & 0xFFFFFFFFFFFFFFFF):
-            return
 
 
 def state(pos: int, owner: int, st: int) -> int:
@@ -126,7 +116,7 @@ def slot_data(maxsize: int, budget: int, largest: int) -> int:
     return per // PAGE * PAGE
 
 
-class QueueRingView:
+class QueueRingView(Sleeping):
     """A mapped queue ring (`addr`): the atomics of Note [queue ring], for clients and the
     broker alike."""
 
@@ -304,53 +294,6 @@ class QueueRingView:
         h = _shm.load(self.addr + Q_HEAD)
         w = _shm.load(self.entry(h))
         return bool((w >> 10 == h and w & 3 == READY) or w >> 10 >= h + self.entries)
-
-    # -- sleeping ----------------------------------------------------------------------------
-
-    def consumer_bell(self) -> int:
-        return _shm.bell(self.addr)
-
-    def producer_bell(self) -> int:
-        return _shm.bell(self.addr + Q_PBELL)
-
-    def sleeping(self, producer: bool, count: int, owner: int) -> None:
-        """Count a sleeper of `owner` in (count 1, before it reads again) or out (-1): in
-        the total the wakers read, and in the owner's own count (a byte), which the broker
-        takes out of the total when the owner dies. In: the total first; out: the total
-        last, so a death between the two leaves the total high (a needless wake-up), never
-        low (a sleeper not woken)."""
-        total = self.addr + (Q_PSLEEP if producer else Q_CSLEEP)
-        mine = self.addr + (Q_POWNERS if producer else Q_COWNERS) + owner // 8 * 8
-        shift = owner % 8 * 8
-        if count > 0:
-            _add(total, count)
-            _add(mine, count << shift)
-        else:
-            _add(mine, count << shift)
-            _add(total, count)
-        _shm.fence()
-
-    def sleeping_of(self, producer: bool, owner: int) -> int:
-        """How many sleepers of `owner` are counted in."""
-        mine = self.addr + (Q_POWNERS if producer else Q_COWNERS) + owner // 8 * 8
-        return (_shm.load(mine) >> (owner % 8 * 8)) & 0xFF
-
-    def sleep(self, producer: bool, seen: int, timeout: float) -> None:
-        _shm.bell_wait(self.addr + (Q_PBELL if producer else 0), seen, timeout)
-
-    def wake_consumers(self) -> None:
-        _shm.fence()
-        if _shm.load(self.addr + Q_CSLEEP):
-            _shm.ring_wake(self.addr)
-
-    def wake_producers(self) -> None:
-        _shm.fence()
-        if _shm.load(self.addr + Q_PSLEEP):
-            _shm.ring_wake(self.addr + Q_PBELL)
-
-    def wake_all(self) -> None:
-        _shm.ring_wake(self.addr)
-        _shm.ring_wake(self.addr + Q_PBELL)
 
     # -- what the slots and entries hold ----------------------------------------------------
 

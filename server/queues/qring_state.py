@@ -12,8 +12,6 @@ from ...common.errors import InvalidRequest
 from ...common.qring import (
     FREE,
     MEMBERS,
-    Q_CSLEEP,
-    Q_PSLEEP,
     Q_TAIL,
     READY,
     WRITING,
@@ -22,6 +20,7 @@ from ...common.qring import (
     slot_data,
     state,
 )
+from ...common.qring_sleep import Q_CSLEEP, Q_PSLEEP
 from ..durability.journal import Journal
 from ..store.directory import Mapped
 from ..store.records import Session, StoredObject
