@@ -15,6 +15,7 @@ queue, its members, which each member learns from the queue's home:
 A member that meets another (`met`) says to it what it said to the members before: its
 wants or subscribers, and its close. A want or a subscriber count from a node is word
 enough that it is a member. A node with no part of a queue hears nothing of its wants.
+A part that leaves its home is said to the members left (`qgone`), who forget its node.
 A queue's end, rare, still goes to every node up (a close, what is left, a remove: that
 way no part is missed while its node is not yet known to the others); a part removed says
 `qleave(q, part)` to each home it told of it, which forgets that part (and not one made
@@ -26,10 +27,11 @@ restarted, or forgot this node: `node_up`); the home tells a member that says he
 of the others. So a home that restarted, or a new one, learns every member again. A home
 keeps what it was told after it no longer is one (a node may register with it before it
 agrees that it is the home: it would not say so again), until the part leaves. A `qleave`
-to a home that is down is lost: when that home says hello again, each node that ever told
-it of a part says which parts it may keep (`qparts`), and it forgets the others. Members
-stay members while down (a node that restarts on its state keeps its parts): what is said
-to them waits for their links to be up. While the nodes do not agree on who is up, two
+to a home that is down is lost, and a node that restarts without its state has no part
+left to say leaves: so at each hello a node says to the other which parts it may keep
+(`qparts`, none if it told it of none), and that one forgets the others. Members stay
+members while down (a node that restarts on its state keeps its parts): what is said to
+them waits for their links to be up. While the nodes do not agree on who is up, two
 members may register at two homes and not meet until they agree: within a beat of a join
 or a leave (as a key's lookup, Note [homes]).
 """
@@ -56,7 +58,6 @@ class QueueHomes:
         self.members: dict[str, set[str]] = {}  # a queue with a part here -> the other members
         # a queue with a part here -> (the part's id, its home when last told, the homes told)
         self.registered: dict[str, tuple[int, str, set[str]]] = {}
-        self.told: set[str] = set()  # every node this one ever told of a part (`node_up`)
         self.kept: dict[str, dict[str, int]] = {}  # a queue homed here -> node -> its part
 
     def home(self, name: str) -> str:
@@ -78,7 +79,6 @@ class QueueHomes:
         part, _, told = self.registered[name]
         home = self.home(name)
         told.add(home)
-        self.told.add(home)
         self.registered[name] = (part, home, told)
         if home == self.node:
             self.join(self.node, name, part)
@@ -132,16 +132,16 @@ class QueueHomes:
                 self._register(name)
 
     def node_up(self, node: str) -> None:
-        """`node` said hello again (it restarted, or forgot this node): the queues homed
+        """`node` said hello (again: it restarted, or forgot this node): the queues homed
         there are said to it again, then every part it was told of and may keep (`qparts`:
-        it forgets the others, whose `qleave` it may have missed while down); and it hears
-        of the members of those homed here."""
+        it forgets the others, whose `qleave` it may have missed while down, or that this
+        node had before it restarted without its state); and it hears of the members of
+        those homed here."""
         for name, (_, home, _) in list(self.registered.items()):
             if home == node:
                 self._register(name)
-        if node in self.told:
-            parts = [[n, part] for n, (part, _, told) in self.registered.items() if node in told]
-            self.links.after(node, {"op": "qparts", "parts": parts})
+        parts = [[n, part] for n, (part, _, told) in self.registered.items() if node in told]
+        self.links.after(node, {"op": "qparts", "parts": parts})
         for name, kept in self.kept.items():
             if node in kept:
                 self._tell(node, name, set(kept) - {node})
@@ -168,9 +168,20 @@ class QueueHomes:
                     self.links.after(home, {"op": "qleave", "queue": name, "part": part})
 
     def leave(self, node: str, name: str, part: int) -> None:
-        """`node`'s part `part` of queue `name` was removed (`qleave`)."""
+        """`node`'s part `part` of queue `name` was removed (`qleave`): if this node is the
+        queue's home, the members left forget `node` (`qgone`; one that was its home before
+        keeps what it was told, and may no longer know of its members' parts)."""
         kept = self.kept.get(name, {})
         if kept.get(node) == part:
             del kept[node]
             if not kept:
                 del self.kept[name]
+            for other in kept if self.home(name) == self.node else ():
+                if other == self.node:
+                    self.gone(name, node)
+                else:
+                    self.links.after(other, {"op": "qgone", "queue": name, "node": node})
+
+    def gone(self, name: str, node: str) -> None:
+        """`node` no longer has a part of queue `name` (its home says, `qgone`)."""
+        self.members.get(name, set()).discard(node)

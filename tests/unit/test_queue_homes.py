@@ -84,6 +84,27 @@ def test_the_members_of_a_queue_are_learned_again_by_its_home_restarted(
     assert run(nodes, 3, lambda: b.reads.started == [name])
 
 
+def test_a_member_restarted_without_its_part_is_forgotten_by_the_home_and_the_others(
+    trio: Callable[[str], Node],
+) -> None:
+    """a and b have parts of a queue homed at c; a crashes and comes back without them (a
+    new process, no state). At its hello c forgets a's part and tells b: a consumer that
+    waits on b afterwards is said to no node (a has no part to lend from)."""
+    a, b, c = nodes = _up(trio)
+    name = _homed("c")
+    a.queue(name)
+    b.queue(name)
+    assert run(nodes, 3, lambda: b.cluster.queues.homes.up(name) == ["a"])
+    a.close()  # it crashed
+    nodes[0] = a = trio("a")
+    assert run(nodes, 5, lambda: a.up("c") and c.up("a") and a.up("b") and b.up("a"))
+    assert run(nodes, 3, lambda: set(c.cluster.queues.homes.kept.get(name, ())) == {"b"})
+    assert run(nodes, 3, lambda: b.cluster.queues.homes.up(name) == [])
+    b.cluster.queues.asked(b.queue(name))
+    run(nodes, 0.3)
+    assert ("sent", "want") not in b.journal.events
+
+
 def test_a_queue_closed_before_a_node_made_its_part_is_closed_there_too(
     trio: Callable[[str], Node],
 ) -> None:
@@ -157,44 +178,75 @@ def test_a_part_forgotten_or_made_again_is_said_to_its_home() -> None:
     assert ops == [("qjoin", 1), ("qleave", 1), ("qjoin", 7)] and {n for n, _ in sent} == {"h"}
 
 
+class _Net:
+    """QueueHomes of named nodes, each `after` delivered at once unless its node is `down`
+    (then lost); every queue's home is h."""
+
+    def __init__(self, names: str) -> None:
+        self.down: set[str] = set()
+        self.nodes: dict[str, QueueHomes] = {}
+        for name in names:
+            self.start(name)
+
+    def start(self, name: str) -> QueueHomes:
+        """Node `name`, new (or restarted without its state)."""
+        net = self
+
+        class Links:
+            def after(self, node: str, m: dict[str, Any]) -> None:
+                if node in net.down:
+                    return  # (lost)
+                to, op = net.nodes[node], m["op"]
+                if op == "qjoin":
+                    to.join(name, m["queue"], m["part"])
+                elif op == "qleave":
+                    to.leave(name, m["queue"], m["part"])
+                elif op == "qparts":
+                    to.parts_of(name, m["parts"])
+                elif op == "qmembers":
+                    to.heard(m["queue"], m["nodes"])
+                elif op == "qgone":
+                    to.gone(m["queue"], m["node"])
+
+            def up(self, node: str) -> bool:
+                return node not in net.down
+
+        homes = QueueHomes(name, Links(), lambda key: "h", lambda q, n: None)  # type: ignore[arg-type]
+        self.nodes[name] = homes
+        return homes
+
+
 def test_a_part_whose_leave_was_lost_while_its_home_was_down_is_forgotten_at_its_hello() -> None:
     """A `qleave` to a home that is down is lost, and the home kept the part as a member
     (told to the others, who said their wants to a node with no part). When the home says
     hello again, the node says which parts it may keep (`qparts`), and the home forgets the
     others."""
-    down: set[str] = set()
-    net: dict[str, QueueHomes] = {}
-
-    class Links:
-        def __init__(self, me: str) -> None:
-            self.me = me
-
-        def after(self, node: str, m: dict[str, Any]) -> None:
-            if node in down:
-                return  # (lost)
-            to, op = net[node], m["op"]
-            if op == "qjoin":
-                to.join(self.me, m["queue"], m["part"])
-            elif op == "qleave":
-                to.leave(self.me, m["queue"], m["part"])
-            elif op == "qparts":
-                to.parts_of(self.me, m["parts"])
-            elif op == "qmembers":
-                to.heard(m["queue"], m["nodes"])
-
-        def up(self, node: str) -> bool:
-            return node not in down
-
-    for name in "ah":
-        net[name] = QueueHomes(name, Links(name), lambda key: "h", lambda q, n: None)  # type: ignore[arg-type]
-    a, h = net["a"], net["h"]
+    net = _Net("ah")
+    a, h = net.nodes["a"], net.nodes["h"]
     a.sync({"q1": 1, "q2": 2})
     assert h.kept == {"q1": {"a": 1}, "q2": {"a": 2}}
-    down.add("h")
+    net.down.add("h")
     a.sync({"q2": 2})  # q1's part removed: its qleave lost
-    down.clear()
+    net.down.clear()
     assert h.kept["q1"] == {"a": 1}
     a.node_up("h")
     assert h.kept == {"q2": {"a": 2}}
     a.node_up("h")  # (again: the same)
     assert h.kept == {"q2": {"a": 2}}
+
+
+def test_a_node_restarted_without_its_state_leaves_its_queues_at_its_hello() -> None:
+    """a had a part of q, and restarts without its state: it has no part left to say
+    leaves, and knows no home it told. At its hello the home (h) forgets a's old part, and
+    m, the other member, forgets a: m's wants no longer go to a node with no part."""
+    net = _Net("ahm")
+    net.nodes["a"].sync({"q": 1})
+    m, h = net.nodes["m"], net.nodes["h"]
+    m.sync({"q": 5})
+    assert h.kept == {"q": {"a": 1, "m": 5}} and m.up("q") == ["a"]
+    a = net.start("a")  # restarted, its state lost
+    a.node_up("h")
+    assert h.kept == {"q": {"m": 5}}
+    assert m.up("q") == []
+    a.sync({"q": 9})  # it opens q again: a member again, and met
+    assert h.kept == {"q": {"m": 5, "a": 9}} and m.up("q") == ["a"] and a.up("q") == ["m"]
