@@ -77,12 +77,15 @@ def _parts(dst: Array, src: Array, parts: int) -> Pairs:
 
 
 def _runs(parts: Pairs, total: int, threads: int) -> list[list[tuple[Array, Array]]]:
-    """`parts` cut, in order, into at most `threads` runs of about total/threads bytes."""
+    """`parts` cut, in order, into at most `threads` runs of about total/threads bytes: a run
+    ends before the part that would take it further past its share than it stays short of
+    it (the parts of one large array are a hair under a share each: they are a run each)."""
     runs: list[list[tuple[Array, Array]]] = [[]]
     done = 0
     for part in parts:
-        if runs[-1] and done >= total * len(runs) / threads:
+        nbytes = part[0].nbytes
+        if runs[-1] and len(runs) < threads and done + nbytes / 2 > total * len(runs) / threads:
             runs.append([])
         runs[-1].append(part)
-        done += part[0].nbytes
+        done += nbytes
     return runs

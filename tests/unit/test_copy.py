@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tensorbroker.client.copy import PARALLEL_FROM, Copier
+from tensorbroker.client.copy import PARALLEL_FROM, Copier, _parts, _runs
 
 MiB = 2**20
 
@@ -48,6 +48,28 @@ def test_a_bundle_of_many_tensors_is_copied_exactly_across_threads(copier: Copie
     dsts = [np.zeros(s.shape, s.dtype) for s in srcs]
     copier.copy_all(list(zip(dsts, srcs, strict=True)))
     assert all(np.array_equal(d, s) for d, s in zip(dsts, srcs, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("arrays", "threads", "shares"),
+    [
+        ([np.zeros(PARALLEL_FROM + 1, np.uint8)], 2, [0.5, 0.5]),  # (odd: halves a byte short)
+        ([np.zeros((3, PARALLEL_FROM), np.uint8)[:, ::2]], 2, [1 / 3, 2 / 3]),  # (by rows)
+        ([np.zeros(2 * PARALLEL_FROM + 3, np.uint8)], 4, [0.25] * 4),
+        ([np.zeros(16 * MiB, np.uint8), np.zeros(MiB, np.uint8)], 4, [4 / 17] * 3 + [5 / 17]),
+        ([np.zeros(MiB, np.uint8) for _ in range(40)], 3, [13 / 40, 13 / 40, 14 / 40]),
+    ],
+    ids=["odd-2", "rows-2", "odd-4", "large-and-small-4", "many-3"],
+)
+def test_each_thread_copies_about_its_share(arrays: list[Any], threads: int,
+                                            shares: list[float]) -> None:  # fmt: skip
+    """The copy is cut into one run per thread of about equal bytes (one thread doing twice
+    its share makes the copy as slow as one thread)."""
+    pairs = [p for a in arrays for p in _parts(a, a, threads)]
+    total = sum(a.nbytes for a in arrays)
+    runs = _runs(pairs, total, threads)
+    got = [sum(d.nbytes for d, _ in run) / total for run in runs]
+    assert sorted(got) == pytest.approx(sorted(shares), abs=0.01)
 
 
 def test_a_bundle_with_one_copy_that_would_cast_raises_after_every_thread_is_done(
