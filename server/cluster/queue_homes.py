@@ -15,7 +15,6 @@ queue, its members, which each member learns from the queue's home:
 A member that meets another (`met`) says to it what it said to the members before: its
 wants or subscribers, and its close. A want or a subscriber count from a node is word
 enough that it is a member. A node with no part of a queue hears nothing of its wants.
-A part that leaves its home is said to the members left (`qgone`), who forget its node.
 A queue's end, rare, still goes to every node up (a close, what is left, a remove: that
 way no part is missed while its node is not yet known to the others); a part removed says
 `qleave(q, part)` to each home it told of it, which forgets that part (and not one made
@@ -33,7 +32,11 @@ left to say leaves: so at each hello a node says to the other which parts it may
 members while down (a node that restarts on its state keeps its parts): what is said to
 them waits for their links to be up. While the nodes do not agree on who is up, two
 members may register at two homes and not meet until they agree: within a beat of a join
-or a leave (as a key's lookup, Note [homes]).
+or a leave (as a key's lookup, Note [homes]). A member never forgets another (but for a
+queue's end): a node whose part left stays among the others' members, who say their wants
+to it for nothing. A home telling them so (tried, and reverted) could make a member forget
+a node that still has a part for good: a home in its own view only infers a leave from
+`qparts` that a node with a part sends it, and what members hear is a node, not a part.
 """
 
 from __future__ import annotations
@@ -168,20 +171,11 @@ class QueueHomes:
                     self.links.after(home, {"op": "qleave", "queue": name, "part": part})
 
     def leave(self, node: str, name: str, part: int) -> None:
-        """`node`'s part `part` of queue `name` was removed (`qleave`): if this node is the
-        queue's home, the members left forget `node` (`qgone`; one that was its home before
-        keeps what it was told, and may no longer know of its members' parts)."""
+        """`node`'s part `part` of queue `name` was removed (`qleave`). The other members
+        still count `node` among theirs (Note [queue homes]: what they hear of it is a
+        node, not a part, and a home may be one in its own view only)."""
         kept = self.kept.get(name, {})
         if kept.get(node) == part:
             del kept[node]
             if not kept:
                 del self.kept[name]
-            for other in kept if self.home(name) == self.node else ():
-                if other == self.node:
-                    self.gone(name, node)
-                else:
-                    self.links.after(other, {"op": "qgone", "queue": name, "node": node})
-
-    def gone(self, name: str, node: str) -> None:
-        """`node` no longer has a part of queue `name` (its home says, `qgone`)."""
-        self.members.get(name, set()).discard(node)

@@ -197,8 +197,6 @@ class QueueLinks:
             self.homes.parts_of(node, m.get("parts", []))
         elif op == "qmembers":
             self.homes.heard(name, [str(n) for n in m["nodes"]])
-        elif op == "qgone":
-            self.homes.gone(name, str(m["node"]))
         elif op == "qleft":
             self.ends.left(node, name)
         elif op == "qhas":
