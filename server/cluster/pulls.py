@@ -6,6 +6,7 @@ replica, which answers the gets that wait for it. replicas.py says which are wan
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,7 +18,9 @@ from ..store.parking import Waiter
 from ..store.records import Session, StoredObject
 from .offers import Held
 from .records import Links, Pull, Remote
-from .transfers import Transfers
+from .transfers import CHUNK, Transfers
+
+log = logging.getLogger(__name__)
 
 PULL_WAIT = 30.0  # a lend unanswered this long is asked of the owner again (a get waits as long)
 POLL = 0.001  # seconds between looks at what waits on something else (a slot, a fresh peer)
@@ -34,10 +37,12 @@ class Pulls:
         self, node: str, objects: Objects, transfers: Transfers, links: Links,
         index: dict[str, Remote], held: Held, listed: Callable[[str, str, int, int], None],
         loan: Callable[[str, int, StoredObject, int], dict[str, Any]],
+        lend: Callable[[str, int, str, int], None],
     ) -> None:  # fmt: skip
         self.node, self.objects, self.registry = node, objects, objects.registry
         self.transfers, self.links, self.index, self.held = transfers, links, index, held
         self.listed, self.loan = listed, loan  # loan: Lending.loan (a replica lent on)
+        self.lend = lend  # Lending.lend (a version lent on while it is read)
         self.session = Session(f"cluster:{node}", None)  # holds the replicas' puts
         self.pulls: dict[int, Pull] = {}  # pull id -> pull
         self.pulling: dict[str, Pull] = {}  # key -> its pull under way
@@ -103,6 +108,8 @@ class Pulls:
         """A read that cannot be used: from an offer, that failed (a segment of its owner's
         that this node's NIXL does not know yet, say), or from a source that forgot this node
         meanwhile. The offer is given back, and the owner asked to lend the key instead."""
+        log.info("cluster: %r read again, from its owner %r (read from %r: %s)", pull.key,
+                 pull.node, pull.source, exc)  # fmt: skip
         offer, pull.offer = pull.offer, None
         if offer is not None:
             self.held.read(pull.key, offer, failed=True)
@@ -224,6 +231,10 @@ class Pulls:
             obj.evictable = True  # a replica is a cache (of host memory: eviction.py)
             pull.obj = obj
             pull.handle, pull.size = self.transfers.take(pull.source, m, obj)
+            if pull.lends and pull.lendable(CHUNK):  # (asked here before its read began)
+                lends, pull.lends = pull.lends, []
+                for node, their, ask in lends:  # lent now, read as it comes (Note [relays])
+                    self.lend(node, their, pull.key, ask)
         except BrokerError as exc:  # no room here for it (CapacityError), say
             self._fail(pull, exc)
         except (OSError, KeyError, TypeError, ValueError) as exc:
@@ -306,8 +317,13 @@ class Pulls:
         # Its source forgot this node, or may have (what was read may be torn), or a relay
         # failed it or said no more (Note [relays]): asked again.
         if pull.suspect or pull.cut or not self.links.fresh(pull.source):
+            why = (
+                "its source forgot this node during the read" if pull.suspect
+                else "its relay said no more of it" if pull.cut
+                else "its source may have forgotten this node during the read (not fresh)"
+            )  # fmt: skip
             pull.suspect = False
-            self._read_again(pull, OSError("its source forgot this node during the read"))
+            self._read_again(pull, OSError(why))
             return
         self.bytes_received += pull.size
         self.done["lent" if pull.offer is None else "offered"] += 1

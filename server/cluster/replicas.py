@@ -66,6 +66,7 @@ class Replicas(Ordering, Following):
         self.pulls = Pulls(
             node, objects, transfers, links, self.index, self.held, self.listed,
             lambda node, pull, obj, ask: self.lending.loan(node, pull, obj, ask),
+            lambda node, pull, key, ask: self.lending.lend(node, pull, key, ask=ask),
         )  # fmt: skip
         self.session, self._pulling = self.pulls.session, self.pulls.pulling
         # Where keys live (Note [homes] in homes.py): their homes, asked by lookups.
