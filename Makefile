@@ -101,6 +101,7 @@ bench: $(STAMP) $(BENCH_STAMP) $(PEERS_STAMP)
 	$(PY) bench/cluster.py  # the cluster section: bench/results/cluster.md
 	$(PY) bench/scaling.py  # the cluster as it grows (4 to 16 brokers): bench/results/scaling.md
 	$(PY) bench/cluster_sync.py  # weight sync to 3 nodes against gloo: bench/results/cluster_sync.md
+	$(PY) bench/cluster_sync.py --link 4gbit,10gbit  # the same between emulated machines (root only)
 	$(PY) bench/polling.py  # a loop turn against the number of peers: bench/results/polling.md
 	$(PY) bench/simulate.py  # where the control plane stops scaling: bench/results/simulate.md
 

@@ -29,9 +29,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 os.environ.setdefault("UCX_TLS", "tcp")
 
+import netns  # noqa: E402
 from harness.report import emit  # noqa: E402
 
 import tensorbroker as tb  # noqa: E402
+from tensorbroker.common.curve import make_keys  # noqa: E402
 from tensorbroker.server.cluster.local_etcd import local_etcd  # noqa: E402
 from tests.support import free_port  # noqa: E402
 
@@ -47,17 +49,29 @@ def cpu_seconds(pid: int) -> float:
 
 @contextlib.contextmanager
 def cluster(
-    nodes: list[str], folder: str, memory: str = "48MiB", more: Sequence[str] = ()
-) -> Iterator[list[tb.BrokerProcess]]:
+    nodes: list[str], folder: str, memory: str = "48MiB", more: Sequence[str] = (),
+    ips: dict[str, str] | None = None,
+) -> Iterator[list[tb.BrokerProcess]]:  # fmt: skip
     """An etcd and a broker for each of `nodes`, found through it (each of `memory`, served
-    with `more` options), all up (bench/cluster_sync.py's too)."""
+    with `more` options), all up (bench/cluster_sync.py's too). With `ips` (netns.machines),
+    each broker runs in its node's network namespace, at its address there, with keys."""
     n = len(nodes)
-    with local_etcd(os.path.join(folder, "etcd"), free_port) as url, contextlib.ExitStack() as st:
+    host = "127.0.0.1" if ips is None else netns.HOST
+    with (
+        local_etcd(os.path.join(folder, "etcd"), free_port, host) as url,
+        contextlib.ExitStack() as st,
+    ):
+        secure = ["--insecure-tcp"]
+        if ips is not None:  # (without keys a cluster stays on loopback)
+            _, secret = make_keys(os.path.join(folder, "keys"), "cluster")
+            secure = ["--curve-secret", secret, "--curve-clients", os.path.join(folder, "keys")]
         brokers = []
         for node in nodes:
-            options = ["--node", node, "--cluster", f"tcp://127.0.0.1:{free_port()}",
-                       "--etcd", url, "--insecure-tcp", *more]  # fmt: skip
-            brokers.append(st.enter_context(tb.start_broker(memory=memory, options=options)))
+            ip = "127.0.0.1" if ips is None else ips[node]
+            options = ["--node", node, "--cluster", f"tcp://{ip}:{free_port()}",
+                       "--etcd", url, *secure, *more]  # fmt: skip
+            with netns.spawning_in(None if ips is None else node):
+                brokers.append(st.enter_context(tb.start_broker(memory=memory, options=options)))
         clients = [st.enter_context(tb.connect(b.address)) for b in brokers]
         deadline = time.monotonic() + 60 + 5 * n
         while not all(_ready(c, n - 1) for c in clients):

