@@ -62,6 +62,7 @@ class Pull:
     direct: bool = False  # its last lend said so (the owner itself lends it)
     suspect: bool = False  # its source forgot this node while it was read: not sealed
     cut: bool = False  # its relay failed it, or forgot this node: read again once its reads end
+    read_at: float = 0.0  # when its read ended, its source not vouching for it yet (_vouched)
     obj: StoredObject | None = None  # the replica being read (a relay lends it meanwhile)
     told: int = 0  # its bytes read that the borrowers it was lent to meanwhile were told of
     waiters: list[Waiter] = field(default_factory=list)
