@@ -163,11 +163,15 @@ class Beats:
         if node in self.relinking:  # (until it forgot this node: requests.py)
             return False
         now = time.monotonic()
+        # The lease before the registration: etcd's thread sets the registration, then the
+        # lease (Membership._register), so a lease of now read here comes with its
+        # registration, never with the one before it.
+        alive = now < self.lease_until()
         seen = self._safe_seen.get(node)  # (None: a peer without etcd, or that saw none)
         if now < self._safe_until.get(node, 0.0) and (
             not isinstance(seen, int) or seen >= self.registration()
         ):
-            return now < self.lease_until() and self.up(node)
+            return alive and self.up(node)
         peer = self.peer(node) if freshen else None
         if peer is not None and _may_beat(peer, now):
             self.stale.add(node)  # (only then: the loop turns at once for `stale`)

@@ -120,6 +120,7 @@ class Pulls:
             self.registry.abort(self.session, pull.put, False)
         pull.put = pull.version = 0
         pull.obj, pull.cut, pull.told, pull.read_at = None, False, 0, 0.0
+        pull.suspect = False  # (of the read thrown away: the next is read anew)
         if not self.links.up(pull.node):
             self._fail(pull, PeerUnavailable(f"the pull of {pull.key!r} failed: {exc}"))
             return

@@ -77,7 +77,7 @@ def test_a_read_that_ends_while_its_source_is_not_fresh_waits_for_its_answer(
     busy links): it waits for a's answer instead of reading w again (a third copy of a
     512 MiB version, seen in 2 weight-sync runs of about 10), and is sealed once a's answer
     says a still holds b up; a sent w to b once."""
-    a, b, c, d = nodes = _d_sent_to_a_relay(quad)
+    a, b, _, _ = _d_sent_to_a_relay(quad)
     sent = a.cluster.replicas.lending.bytes_sent
     with monkeypatch.context() as stale:
         stale.setattr(b.cluster.links, "fresh", lambda node, freshen=True: node != "a")
