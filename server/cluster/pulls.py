@@ -12,11 +12,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ...common.errors import BrokerError, InvalidRequest, NotFound, PeerUnavailable
-from ...common.protocol import reply_error, reply_ok
 from ..store.objects import Objects
 from ..store.parking import Waiter
 from ..store.records import Session, StoredObject
 from .offers import Held
+from .pull_failures import Failing
 from .records import Links, Pull, Remote
 from .transfers import CHUNK, Transfers
 
@@ -27,7 +27,7 @@ POLL = 0.001  # seconds between looks at what waits on something else (a slot, a
 ASK_AGAIN = 0.01  # a lend that could not go out (its link not connected) is sent again so often
 
 
-class Pulls:
+class Pulls(Failing):
     """The pulls under way, by id and by key. `index` is Replicas' (where each key lives: a
     read is sealed only if it still names the version read), `listed(node, key, version,
     size)` tells it of a version a lender said won, and `loan(node, pull, obj)` lends a
@@ -365,51 +365,6 @@ class Pulls:
         if pull.read_at == 0.0:
             pull.read_at = now
         return now - pull.read_at > PULL_WAIT
-
-    def _fail(self, pull: Pull, error: BrokerError) -> None:
-        if pull.handle is not None:  # still reading: its block must outlive the read
-            return
-        self._end(pull)
-        for node, their, ask in pull.lends:  # sent here: their owner lends it to them instead
-            gone = f"node {self.node!r} could not pull {pull.key!r}"
-            self.links.answer(node, {"op": "lent", "pull": their, "ask": ask, "error": gone})
-        if pull.put:
-            self.registry.abort(self.session, pull.put, False)
-        deleted = isinstance(error, NotFound) and pull.key not in self.index
-        remote = self.index.get(pull.key)  # (its key's node now is down: wait for it)
-        owner = pull.node if remote is None else remote.node
-        lost = isinstance(error, PeerUnavailable) and not self.links.up(owner)
-        now = time.monotonic()
-        for w in pull.waiters:
-            if w.done:
-                continue
-            until = w.request.fields.setdefault("until", w.deadline)  # (Replicas.get's)
-            if w.request.fields.get("timeout", 0.0) != 0.0 and (
-                deleted or (lost and (until is None or now < until))
-            ):  # (deleted: it waits as for a key no node has; no pull, no loop)
-                self._get_again(w, until, now)
-            else:
-                self.objects.answer(w, reply_error(w.request.id, error))
-
-    def _get_again(self, w: Waiter, until: float | None, now: float) -> None:
-        """Handle a get that may wait again, from its start, until its deadline (`until`): a
-        watch with `deletes` is told its key is gone; another is pulled again from where the
-        index says its key lives, or waits for that node to be back (Replicas.get).
-
-        A get whose pull failed for a node taken for down waits on so: a reader does not
-        raise while its key's owner may be alive and its own timeout has not run out. A
-        broker stalled past DOWN_AFTER takes every peer for down, and its readers' pulls
-        failed although no node went down (issue 50)."""
-        if until is not None:
-            w.request.fields["timeout"] = max(0.001, until - now)
-        self.objects.lot.unpark(w)
-        try:
-            reply = self.objects.get(w.session, w.route, w.request)
-        except BrokerError as exc:
-            self.objects.answer(w, reply_error(w.request.id, exc))
-        else:
-            if reply is not None:
-                self.objects.answer(w, reply_ok(w.request.id, **reply))
 
     def _end(self, pull: Pull) -> None:
         """The pull is over: the lender unpins its object (after this loop's replies); an
