@@ -84,6 +84,17 @@ def load_nixl() -> Any:
     )
 
 
+def new_agent(node: str) -> Any:
+    """A NIXL agent named `node` as a broker makes it: UCX, NIXL's read-write thread mode (the
+    mover's thread reads while the loop registers memory), its progress thread paced."""
+    api = load_nixl()
+    config = api.nixl_agent_config(
+        enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"],
+        sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
+    )  # fmt: skip
+    return _paced_agent(api, node, config)
+
+
 def _paced_agent(api: Any, node: str, config: Any) -> Any:
     """NIXL's agent, with its progress thread pausing PROGRESS_PAUSE_US between rounds (the
     Python agent offers no such option: the config class it makes is swapped for the call)."""
@@ -150,15 +161,8 @@ class Transfers:
 
     def __init__(self, node: str, shm_dir: str, agent: Any = None) -> None:
         """`agent`: NIXL's, made here if None (a test's stand-in otherwise)."""
-        if agent is None:
-            api = load_nixl()
-            config = api.nixl_agent_config(  # (read-write mode: the mover's thread reads)
-                enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"],
-                sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
-            )  # fmt: skip
-            agent = _paced_agent(api, node, config)
-        self.agent = agent
-        self.mover = Mover(agent)
+        self.agent = new_agent(node) if agent is None else agent
+        self.mover = Mover(self.agent)
         self.fd = self.mover.fd  # readable when a read ended (the loop polls it)
         self.shm_dir = shm_dir
         self._mapped: dict[str, tuple[mmap.mmap, int]] = {}  # segment -> (mapping, address)
