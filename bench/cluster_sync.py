@@ -18,7 +18,7 @@ With --link RATE[,RATE...] (root and iproute2), each node is in a network namesp
 own, its link limited to RATE each way (bench/netns.py): as between machines whose NICs,
 not this host's two shared cores, bound the transfers. Written to
 bench/results/cluster_sync.md (cluster_sync_link.md with --link). Usage:
-python bench/cluster_sync.py [--mib 512] [--tensors 194] [--versions 5] [--link 4gbit,10gbit]
+python bench/cluster_sync.py [--mib 512] [--tensors 194] [--versions 9] [--link 4gbit,10gbit]
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=int, default=512)
     parser.add_argument("--tensors", type=int, default=194)
-    parser.add_argument("--versions", type=int, default=5)
+    parser.add_argument("--versions", type=int, default=9)
     parser.add_argument("--link", help="each node's link each way, as tc says it (4gbit; "
                         "several: 4gbit,10gbit), the nodes in network namespaces of their "
                         "own (root and iproute2: bench/netns.py), instead of loopback")  # fmt: skip
