@@ -25,9 +25,10 @@ from ..common.errors import BrokerUnavailable
 from .durability.journal import LIVE, PENDING, Recovered, Row
 from .queues.queues import Queues
 from .sessions.sessions import Sessions
-from .store.arena import Arena, Block, Segment
+from .store.arena import Arena, Block
 from .store.records import Session, StoredObject
 from .store.registry import Registry
+from .store.segments import Segment
 
 log = logging.getLogger(__name__)
 

@@ -70,6 +70,7 @@ log = logging.getLogger(__name__)
 
 MAX_POLL_S = 3600.0  # a far deadline is waited for in steps zmq can take
 RING_SCAN = 0.005  # seconds between looks at the rings whose producers wait (QueueRings.scan)
+GROW_POLL = 0.002  # seconds between looks at a segment being made (Arena.grown)
 
 
 class Broker(Dispatching):
@@ -316,6 +317,7 @@ class Broker(Dispatching):
             self.registry.reclaim()
             self.devices.reclaim()
             self.objects.retry_device_puts()
+            self.objects.retry_growing_puts()
             if now >= self._ring_scan:
                 self._ring_scan = now + RING_SCAN
                 self.queues.rings.scan()
@@ -335,6 +337,8 @@ class Broker(Dispatching):
             waits.append(max(0.0, deadline - time.monotonic()))
         if self.devices.quarantine or self.registry.scanning:
             waits.append(RECLAIM_POLL)
+        if self.arena.growing:  # (Note [growing] in server/store/arena.py)
+            waits.append(GROW_POLL)
         if self.queues.rings.waited_on:  # a "done" lost: found by the scan
             waits.append(RING_SCAN)
         if self.sessions.unwatched:

@@ -2,19 +2,30 @@
 
 Segments are created lazily, in chunks, and are never shrunk: freed space goes back to the
 free list and is only returned to the system by ``Arena.close()``.
+
+Note [growing]
+
+A new segment's pages are all backed when it is made (posix_fallocate: a lazily-filled
+tmpfs would SIGBUS clients later), and backing them costs time: 512 MiB took 160-310 ms on
+this 2-core VM, during which a broker that made it on its loop answered nothing (an
+`exists` waited that long). A put's allocation asks to `wait`: the segment it needs is made
+on a thread of its own (one at a time), `allocate` raises Growing, the put waits in the
+parking lot (objects.py), and the loop takes the segment in (journaled, and registered
+with NIXL in a cluster, on the loop) once `grown()` says it is made, then asks again for
+the puts that waited, in their order. Grants ahead (grants.py) take no block meanwhile.
+The other allocations (replicas pulled from other nodes, queue items) still make a segment
+they need at once.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
-import struct
 from bisect import bisect_left, insort
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ...common.config import round_up
+from .segments import Growth, Segment
 
 logger = logging.getLogger(__name__)
 
@@ -31,109 +42,9 @@ class Block:
     size: int
 
 
-class ShmExhausted(OSError):
-    """/dev/shm (the tmpfs) could not back a new segment (ENOSPC from posix_fallocate); or
-    the GPU a new device chunk (a failed cudaMalloc, devices.py)."""
-
-
-_ACL = "system.posix_acl_access"
-_ACL_ENTRY = struct.Struct("<HHI")  # tag, permissions, id: linux/posix_acl_xattr.h
-_ACL_ANY = 0xFFFFFFFF  # the id of an entry that names no one
-# tags: the owner, a named user, the owning group, the mask, everyone else
-_USER_OBJ, _USER, _GROUP_OBJ, _MASK, _OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
-
-
-def share_with_user(fd: int, uid: int) -> None:
-    """Let user `uid` open the file `fd` read-write too, and no one else but its owner: a
-    POSIX ACL (owner rw, that user rw, owning group and others nothing), which the owner of a
-    file may set without privilege. OSError if the file system has no ACLs (EOPNOTSUPP)."""
-    entries = [
-        (_USER_OBJ, 6, _ACL_ANY), (_USER, 6, uid), (_GROUP_OBJ, 0, _ACL_ANY),
-        (_MASK, 6, _ACL_ANY), (_OTHER, 0, _ACL_ANY),
-    ]  # fmt: skip
-    value = struct.pack("<I", 2) + b"".join(_ACL_ENTRY.pack(*e) for e in entries)
-    os.setxattr(fd, _ACL, value)
-
-
-class Segment:
-    """One shared-memory file owned by the broker (the broker never maps it).
-
-    Class-level defaults let a half-built object still be unlinked, as in
-    ``multiprocessing.shared_memory``.
-    """
-
-    name: str = ""
-    path: str = ""
-    size: int = 0
-
-    @classmethod
-    def create(
-        cls, shm_dir: str, prefix: str, size: int, group: int | None = None, mode: int = 0o660,
-        user: int | None = None,
-    ) -> Segment:  # fmt: skip
-        """Create ``shm_dir/<prefix><16 hex>`` (mode 0600) with every page backed now; with
-        `group`, that group's members may map it too (`mode`: 0660, or 0640 read-only); with
-        `user` (and no group), that one user too, read-write (`share_with_user`)."""
-        if size < 1:
-            raise ValueError(f"segment size must be >= 1 byte, got {size}")
-        segment = cls()
-        while True:
-            name = prefix + os.urandom(8).hex()
-            path = os.path.join(shm_dir, name)
-            try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            except FileExistsError:
-                continue
-            break
-        segment.name, segment.path = name, path
-        try:
-            if group is not None:
-                os.fchown(fd, -1, group)
-                os.fchmod(fd, mode)
-            elif user is not None and user != os.geteuid():
-                share_with_user(fd, user)
-            os.ftruncate(fd, size)
-            try:
-                # Back every page now: a lazily-filled tmpfs would SIGBUS clients later.
-                os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                if exc.errno != errno.ENOSPC:
-                    raise
-                raise ShmExhausted(
-                    errno.ENOSPC,
-                    f"cannot back a {size}-byte ({size / 2**20:.1f} MiB) shared-memory segment "
-                    f"in {shm_dir}: the tmpfs is full. Enlarge it (docker run --shm-size=..., or "
-                    f"in Kubernetes mount an emptyDir {{medium: Memory, sizeLimit: ...}} at "
-                    f"{shm_dir}) or lower the broker capacity",
-                ) from exc
-            segment.size = size
-        except BaseException:
-            segment.unlink()
-            raise
-        finally:
-            os.close(fd)
-        logger.info("created shm segment %s (%s bytes)", path, size)
-        return segment
-
-    @classmethod
-    def existing(cls, shm_dir: str, name: str) -> Segment:
-        """A segment a broker that died made (adopted: Note [recovery] in state.py)."""
-        segment = cls()
-        segment.name, segment.path = name, os.path.join(shm_dir, name)
-        segment.size = os.stat(segment.path).st_size
-        return segment
-
-    def unlink(self) -> None:
-        """Remove the file; idempotent."""
-        if not self.path:
-            return
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-
-    def __repr__(self) -> str:
-        return f"Segment(name={self.name!r}, size={self.size})"
+class Growing(Exception):
+    """An allocation that asked to `wait` needs a new segment, which is being made on a thread
+    (Note [growing]): ask again once `Arena.grown()` says it ended."""
 
 
 class Arena:
@@ -174,6 +85,7 @@ class Arena:
         self._reserved = 0
         self._used = 0
         self._closed = False
+        self._growth: Growth | None = None  # a segment being made on a thread (`wait`)
 
     # -- free list ---------------------------------------------------------------------------
 
@@ -196,15 +108,17 @@ class Arena:
                 return size, seg, start
         return None
 
-    def _grow(self, need: int, align: int) -> bool:
-        room = (self._capacity - self._reserved) // _GRAIN * _GRAIN
+    def _growth_size(self, need: int, align: int) -> int:
+        """The size of the segment to add for `need` bytes at `align`; 0 if it cannot fit."""
+        growing = 0 if self._growth is None else self._growth.size
+        room = (self._capacity - self._reserved - growing) // _GRAIN * _GRAIN
         size = min(max(self._chunk_size, round_up(need + align, _HUGE)), room)
-        if size < need:
-            return False
-        segment = self._new_segment(size)
+        return size if size >= need else 0
+
+    def _take(self, segment: Segment) -> None:
+        """A new segment of this arena's, all of it free."""
         self._on_segment(segment)
         self._add_segment(segment, [])
-        return True
 
     def _add_segment(self, segment: Segment, blocks: Iterable[Block]) -> None:
         """Take `segment` in, `blocks` of it allocated and the rest free."""
@@ -238,10 +152,14 @@ class Arena:
 
     # -- public API --------------------------------------------------------------------------
 
-    def allocate(self, size: int, align: int = 64, high: bool = False) -> Block | None:
+    def allocate(
+        self, size: int, align: int = 64, high: bool = False, wait: bool = False
+    ) -> Block | None:
         """Reserve ``size`` bytes at an ``align``-aligned offset; None if capacity is exceeded.
         ``high``: at the top of the free block it is cut from, not the bottom (blocks granted
         ahead: freed when a large put needs their room, they leave no hole in the middle).
+        ``wait``: a new segment it needs is made on a thread, not here, and Growing raised
+        (Note [growing]); also while another is being made.
 
         Raises ShmExhausted when the tmpfs cannot back a needed new segment.
         """
@@ -256,8 +174,15 @@ class Arena:
             return None
         found = self._best_fit(need, align)
         if found is None:
-            if not self._grow(need, align):
+            if wait and self._growth is not None:  # (it may hold this one too)
+                raise Growing
+            grow = self._growth_size(need, align)
+            if not grow:
                 return None
+            if wait:
+                self._growth = Growth(self._new_segment, grow)
+                raise Growing
+            self._take(self._new_segment(grow))
             found = self._best_fit(need, align)
             if found is None:  # pragma: no cover - a fresh segment always fits
                 raise RuntimeError("new segment cannot hold the request")
@@ -275,6 +200,22 @@ class Arena:
         self._allocated.add(block)
         self._used += need
         return block
+
+    @property
+    def growing(self) -> bool:
+        """A segment is being made on a thread (`allocate`'s `wait`)."""
+        return self._growth is not None
+
+    def grown(self) -> Growth | None:
+        """The growth that ended since the last call, its segment taken in (or its `error`,
+        which the allocations that waited for it fail with); None if none did."""
+        growth = self._growth
+        if growth is None or not growth.done:
+            return None
+        self._growth = None
+        if growth.segment is not None:
+            self._take(growth.segment)
+        return growth
 
     def free(self, block: Block) -> None:
         """Return ``block`` and merge it with free neighbours in the same segment."""
@@ -300,6 +241,11 @@ class Arena:
         if self._closed:
             return
         self._closed = True
+        if self._growth is not None:  # (its segment is not journaled: it goes either way)
+            self._growth.join()
+            if self._growth.segment is not None:
+                self._growth.segment.unlink()
+            self._growth = None
         if unlink:
             for segment in self._segments:
                 segment.unlink()

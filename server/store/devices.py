@@ -58,7 +58,8 @@ from typing import Any
 from ...common.config import format_size
 from ...common.cudart import CHUNK_ALIGN, VMM_HANDLE, CudaUnavailable, Runtime, device_index
 from ...common.errors import InvalidRequest
-from .arena import Arena, Block, Segment, ShmExhausted
+from .arena import Arena, Block
+from .segments import Segment, ShmExhausted
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ from ...common.directory import (
     map_segment,
 )
 from ..durability.journal import Journal
-from .arena import Segment
+from .segments import Segment
 
 log = logging.getLogger(__name__)
 

@@ -45,9 +45,10 @@ from typing import Any
 
 from ...common.descriptors import DEVICE_ALIGN, MIN_ALIGN, PAGE, Shapes, laid_out, layout
 from ...common.errors import InvalidRequest
-from .arena import Arena, Block, ShmExhausted
+from .arena import Arena, Block, Growing
 from .devices import DeviceMemory
 from .records import Session, StoredObject
+from .segments import ShmExhausted
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +94,10 @@ class Grants:
                 break
             if device and held + size_class > arena.capacity // DEVICE_GRANT_SHARE:
                 break
-            try:
-                block = arena.allocate(size_class, PAGE, high=True)
+            try:  # (host memory grows on a thread: Note [growing] in arena.py)
+                block = arena.allocate(size_class, PAGE, high=True, wait=not device)
+            except Growing:  # (granted once it has grown: the next top-up)
+                break
             except Exception as exc:  # (the blocks taken so far stay granted)
                 log.info("no more grants of %d bytes on %s: %s", size_class, self.device, exc)
                 break

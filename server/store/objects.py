@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from ...common.descriptors import grant_class, object_wire
 from ...common.errors import BrokerError, CapacityError, InvalidRequest, NotFound, Timeout
 from ...common.protocol import Request, reply_error, reply_ok
+from .arena import Growing
 from .events import EventLog
 from .eviction import Eviction
 from .parking import ParkingLot, Waiter, secs
@@ -25,6 +26,7 @@ from .registry import Registry
 
 DEVICE_WAIT = 10.0  # a device put waits this long for quarantined memory to come back
 DEVICE_PUTS = ("device puts",)  # the parking lot's line of device puts waiting for memory
+GROWING_PUTS = ("growing puts",)  # its line of puts waiting for host memory to grow
 
 Reply = dict[str, Any]
 
@@ -99,7 +101,7 @@ class Objects:
         def grant() -> Reply:
             put_id, obj = self.registry.begin_put(
                 session, f["key"], f["tensors"], f.get("bundle", False),
-                device=f.get("device", "cpu"),
+                device=f.get("device", "cpu"), wait=True,
             )  # fmt: skip
             obj.evictable = f.get("evictable", False)
             return self.granted(put_id, obj)
@@ -172,9 +174,13 @@ class Objects:
     ) -> Reply | None:
         """`grant()`'s reply; or, for a device put that does not fit while freed blocks wait
         for GPU work, park it (until `deadline`, else DEVICE_WAIT from now) and try again
-        when memory comes back."""
+        when memory comes back; or, for a put that waits for host memory to grow (Note
+        [growing] in arena.py), park it until the segment is made."""
         try:
             return grant()
+        except Growing:
+            self.lot.park(session, route, req, None, GROWING_PUTS, "", retry=grant)
+            return None
         except CapacityError as exc:
             if req.fields.get("device", "cpu") == "cpu" or not self.devices.quarantine:
                 raise
@@ -196,15 +202,33 @@ class Objects:
             return
         self._memory_back = False
         for w in self.lot.line(DEVICE_PUTS):
-            self.lot.unpark(w)
-            assert w.retry is not None
-            try:
-                result = self.grant_or_wait(w.session, w.route, w.request, w.retry, w.deadline)
-            except BrokerError as exc:
-                self._send(w.route, reply_error(w.request.id, exc))
+            self._retry(w)
+
+    def retry_growing_puts(self) -> None:
+        """Once host memory grew (or failed to: they fail with its error), the puts that
+        waited for it try again, in their order (Note [growing] in arena.py)."""
+        growth = self.registry.arena.grown()
+        if growth is None:
+            return
+        for w in self.lot.line(GROWING_PUTS):
+            if growth.error is None:
+                self._retry(w)
             else:
-                if result is not None:
-                    self._send(w.route, reply_ok(w.request.id, **result))
+                self.lot.unpark(w)
+                key = w.request.fields.get("key")
+                error = CapacityError(f"cannot store {key!r}: {growth.error}")
+                self._send(w.route, reply_error(w.request.id, error))
+
+    def _retry(self, w: Waiter) -> None:
+        self.lot.unpark(w)
+        assert w.retry is not None
+        try:
+            result = self.grant_or_wait(w.session, w.route, w.request, w.retry, w.deadline)
+        except BrokerError as exc:
+            self._send(w.route, reply_error(w.request.id, exc))
+        else:
+            if result is not None:
+                self._send(w.route, reply_ok(w.request.id, **result))
 
     def seal(self, session: Session, put_id: int, keep: bool, version: int | None = None) -> Reply:
         """Publish a keyed put as its key's next version (or `version`: a replica), and answer

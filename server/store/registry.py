@@ -46,12 +46,13 @@ from ...common.cudart import device_index
 from ...common.descriptors import DEVICE_ALIGN, MIN_ALIGN, Shapes, laid_out, layout
 from ...common.errors import CapacityError, InvalidRequest, NotFound
 from ..durability.journal import ID_STEP, Journal
-from .arena import Arena, Block, ShmExhausted
+from .arena import Arena, Block
 from .devices import DeviceArena, DeviceMemory
 from .directory import Directory
 from .grants import GrantBook
 from .leasing import Leasing
 from .records import Session, StoredObject
+from .segments import ShmExhausted
 
 if TYPE_CHECKING:
     from .members import SlotTables
@@ -112,13 +113,15 @@ class Registry(Leasing):
         bundle: bool,
         queue: Any = None,
         device: str = "cpu",
+        wait: bool = False,
     ) -> tuple[int, StoredObject]:
-        """Allocate an object's block; the putter holds it by the returned lease id."""
+        """Allocate an object's block; the putter holds it by the returned lease id. `wait`:
+        Growing if host memory must grow first (Note [growing] in arena.py)."""
         if not bundle and (len(specs) != 1 or specs[0][0] != ""):
             raise InvalidRequest(f"put {key!r}: a plain object holds one unnamed tensor")
         arena = self.arena if device == "cpu" else self.devices.arena(device)
         offsets, size, align = layout(specs, MIN_ALIGN if device == "cpu" else DEVICE_ALIGN)
-        block = self._allocate(arena, key, size, align)
+        block = self._allocate(arena, key, size, align, wait and arena is self.arena)
         device = sys.intern(device)  # not a string of its own in every object
         wire = laid_out(specs, offsets, block.segment, block.offset, device, self.shapes)
         obj = StoredObject(key, bundle, block, wire, queue=queue, device=device)
@@ -165,13 +168,13 @@ class Registry(Leasing):
             self.grants.of(obj.device).ungrant(session, obj)
         return obj
 
-    def _allocate(self, arena: Arena, key: str, size: int, align: int) -> Block:
+    def _allocate(self, arena: Arena, key: str, size: int, align: int, wait: bool) -> Block:
         try:
-            block = arena.allocate(size, align)
+            block = arena.allocate(size, align, wait=wait)
             if block is None and arena is self.arena and self.reclaim():  # scan now, not later
-                block = arena.allocate(size, align)
+                block = arena.allocate(size, align, wait=wait)
             while block is None and arena is self.arena and self.make_room and self.make_room(size):
-                block = arena.allocate(size, align)
+                block = arena.allocate(size, align, wait=wait)
         except ShmExhausted as exc:
             raise CapacityError(f"cannot store {key!r} ({format_size(size)}): {exc}") from None
         if block is None:

@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from tensorbroker.server.store.arena import Arena, Block, Segment, ShmExhausted
+from tensorbroker.server.store.arena import Arena, Block
+from tensorbroker.server.store.segments import Segment, ShmExhausted
 
 KiB = 2**10
 MiB = 2**20

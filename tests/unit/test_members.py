@@ -14,7 +14,7 @@ import pytest
 
 from tensorbroker.common import _shm
 from tensorbroker.server.durability.journal import Journal
-from tensorbroker.server.store import arena
+from tensorbroker.server.store import segments
 from tensorbroker.server.store.members import MailboxTables, SlotTables
 
 
@@ -127,7 +127,7 @@ def test_a_user_whose_table_cannot_be_made_reads_through_the_broker(
     def no_acls(fd: int, uid: int) -> None:
         raise OSError(errno.EOPNOTSUPP, "Operation not supported")
 
-    monkeypatch.setattr(arena, "share_with_user", no_acls)
+    monkeypatch.setattr(segments, "share_with_user", no_acls)
     slots = SlotTables(shm_dir, "tb-t-", Meta(), per_user=True, regions=4, slots=16)
     made.append(slots)
     assert slots.assign(OTHER) is None and slots.assign(OTHER) is None

@@ -1,0 +1,163 @@
+"""A put that needs a new segment waits for it off the broker's loop (Note [growing] in
+server/store/arena.py): the segment is made on a thread, the put parks, and the loop takes
+the segment in and grants the puts that waited, in their order. Backing a segment's pages
+is held here at a gate (os.posix_fallocate), so the tests see the put wait, not a timing."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+
+from tensorbroker.common.errors import CapacityError
+from tensorbroker.common.protocol import Request
+from tensorbroker.server.store.arena import Arena, Growing
+from tensorbroker.server.store.objects import Objects
+from tensorbroker.server.store.parking import ParkingLot
+from tensorbroker.server.store.records import Session
+from tensorbroker.server.store.registry import Registry
+
+MiB = 2**20
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """Segments made on the arena's thread while it is closed wait for it (their pages backed
+    once it opens); those made at once do not."""
+    opened, fallocate = threading.Event(), os.posix_fallocate
+
+    def held(fd: int, offset: int, length: int) -> None:
+        if threading.current_thread().name == "arena-growth":
+            assert opened.wait(30), "the gate was never opened"
+        fallocate(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", held)
+    yield opened
+    opened.set()  # (a test that failed with a segment still waiting lets it end)
+
+
+@pytest.fixture
+def arena(tmp_path: Path) -> Iterator[Arena]:
+    made = Arena(16 * MiB, shm_dir=str(tmp_path), prefix="tb-9row-", chunk_size=2 * MiB)
+    yield made
+    made.close()
+    assert list(tmp_path.iterdir()) == []  # also a segment made as it closed
+
+
+def _grown(arena: Arena) -> Any:
+    deadline = time.monotonic() + 30
+    while (growth := arena.grown()) is None:
+        assert time.monotonic() < deadline, "the segment was never made"
+        time.sleep(0.001)
+    return growth
+
+
+def test_an_allocation_that_waits_has_its_segment_made_on_a_thread(
+    arena: Arena, gate: threading.Event
+) -> None:
+    with pytest.raises(Growing):
+        arena.allocate(3 * MiB, wait=True)
+    assert arena.growing and arena.segments == [] and arena.grown() is None
+    with pytest.raises(Growing):  # (the segment under way may hold it too)
+        arena.allocate(MiB, wait=True)
+    gate.set()
+    growth = _grown(arena)
+    assert growth.error is None and not arena.growing
+    assert arena.reserved_bytes == 4 * MiB  # (3 MiB and its alignment, in 2 MiB pages)
+    first, second = arena.allocate(3 * MiB, wait=True), arena.allocate(MiB // 2, wait=True)
+    assert first is not None and second is not None and first.segment == second.segment
+
+
+def test_a_segment_under_way_counts_against_the_capacity(
+    arena: Arena, gate: threading.Event
+) -> None:
+    with pytest.raises(Growing):
+        arena.allocate(12 * MiB, wait=True)  # a 14 MiB segment, of 16
+    assert arena.allocate(3 * MiB) is None  # made at once, it would pass the capacity
+    small = arena.allocate(MiB)  # made at once: the 2 MiB left
+    assert small is not None and arena.reserved_bytes == 2 * MiB
+    gate.set()
+    _grown(arena)
+    assert arena.reserved_bytes == 16 * MiB and arena.allocate(12 * MiB) is not None
+
+
+def test_a_segment_made_as_the_arena_closes_is_removed(
+    tmp_path: Path, gate: threading.Event
+) -> None:
+    arena = Arena(16 * MiB, shm_dir=str(tmp_path), prefix="tb-9row-", chunk_size=2 * MiB)
+    with pytest.raises(Growing):
+        arena.allocate(MiB, wait=True)
+    threading.Timer(0.05, gate.set).start()
+    arena.close()  # (waits for the thread: its file goes too)
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- puts ------------------------------------------------------------------------------------
+
+
+def _put(i: int, key: str, nbytes: int) -> Request:
+    tensors = [["", "uint8", [nbytes]]]
+    return Request("put", i, {"key": key, "tensors": tensors}, [])
+
+
+@pytest.fixture
+def objects(arena: Arena) -> Iterator[tuple[Objects, list[tuple[bytes, dict[str, Any]]]]]:
+    sent: list[tuple[bytes, dict[str, Any]]] = []
+
+    def send(route: bytes, payload: bytes, last: bool = False) -> None:
+        sent.append((route, msgpack.unpackb(payload)))
+
+    yield Objects(Registry(arena), ParkingLot(), send), sent
+
+
+def _answers(objects: Objects, sent: list[Any], n: int) -> list[tuple[bytes, dict[str, Any]]]:
+    deadline = time.monotonic() + 30
+    while len(sent) < n:  # (the broker's loop calls it each turn)
+        assert time.monotonic() < deadline, f"{len(sent)} of {n} puts answered"
+        objects.retry_growing_puts()
+        time.sleep(0.001)
+    return sent
+
+
+def test_puts_that_need_a_new_segment_wait_for_it_and_are_granted_in_their_order(
+    objects: tuple[Objects, list[Any]], gate: threading.Event
+) -> None:
+    store, sent = objects
+    s = Session("a" * 8, None)
+    assert store.put(s, b"one", _put(1, "big", 3 * MiB)) is None  # parked, not made here
+    assert store.put(s, b"two", _put(2, "small", MiB // 4)) is None  # behind it
+    assert sent == [] and store.registry.arena.growing
+    gate.set()
+    answers = _answers(store, sent, 2)
+    assert [(route, m["id"]) for route, m in answers] == [(b"one", 1), (b"two", 2)]
+    assert all("put" in m and "error" not in m for _, m in answers), answers
+    assert store.put(s, b"three", _put(3, "more", 64)) is not None  # room now: at once
+
+
+def test_puts_that_waited_for_a_segment_that_could_not_be_made_fail_saying_why(
+    objects: tuple[Objects, list[Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, sent = objects
+    made = threading.Event()
+
+    def full(fd: int, offset: int, length: int) -> None:
+        made.wait(30)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    s = Session("a" * 8, None)
+    assert store.put(s, b"one", _put(1, "big", 3 * MiB)) is None
+    assert store.put(s, b"two", _put(2, "other", MiB)) is None
+    made.set()
+    answers = _answers(store, sent, 2)
+    for (_, m), key in zip(answers, ("big", "other"), strict=True):
+        assert m["code"] == CapacityError.code, m
+        assert repr(key) in m["error"] and "tmpfs is full" in m["error"], m
+    assert store.registry.arena.segments == [] and not store.registry.arena.growing
