@@ -12,7 +12,9 @@ this 2-core VM, during which a broker that made it on its loop answered nothing 
 on a thread of its own (one at a time), `allocate` raises Growing, the put waits in the
 parking lot (objects.py), and the loop takes the segment in (journaled, and registered
 with NIXL in a cluster, on the loop) once `grown()` says it is made, then asks again for
-the puts that waited, in their order. Grants ahead (grants.py) take no block meanwhile.
+the puts that waited, in their order. If it could not be made, they ask again too, and
+one that still needs a new segment fails with that error (`failed`), not a growth more.
+Grants ahead (grants.py) take no block that needs a new segment meanwhile.
 The other allocations (replicas pulled from other nodes, queue items) still make a segment
 they need at once.
 """
@@ -86,6 +88,9 @@ class Arena:
         self._used = 0
         self._closed = False
         self._growth: Growth | None = None  # a segment being made on a thread (`wait`)
+        # Set while the allocations that waited for a growth that failed try again: one
+        # that would grow raises it instead (not a growth more, failing as that one did).
+        self.failed: Exception | None = None
 
     # -- free list ---------------------------------------------------------------------------
 
@@ -179,6 +184,8 @@ class Arena:
             grow = self._growth_size(need, align)
             if not grow:
                 return None
+            if wait and self.failed is not None:
+                raise self.failed
             if wait:
                 self._growth = Growth(self._new_segment, grow)
                 raise Growing
@@ -207,14 +214,20 @@ class Arena:
         return self._growth is not None
 
     def grown(self) -> Growth | None:
-        """The growth that ended since the last call, its segment taken in (or its `error`,
-        which the allocations that waited for it fail with); None if none did."""
+        """The growth that ended since the last call, its segment taken in, or its `error`
+        (also if taking it in failed: journaling it, registering it with NIXL); None if
+        none did."""
         growth = self._growth
         if growth is None or not growth.done:
             return None
         self._growth = None
         if growth.segment is not None:
-            self._take(growth.segment)
+            try:
+                self._take(growth.segment)
+            except Exception as exc:
+                logger.exception("could not take in new segment %s", growth.segment.path)
+                growth.segment.unlink()
+                growth.segment, growth.error = None, exc
         return growth
 
     def free(self, block: Block) -> None:

@@ -9,6 +9,7 @@ up to DEVICE_WAIT from its first try; queue puts use the same waiting (`wait_for
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -29,6 +30,7 @@ DEVICE_PUTS = ("device puts",)  # the parking lot's line of device puts waiting 
 GROWING_PUTS = ("growing puts",)  # its line of puts waiting for host memory to grow
 
 Reply = dict[str, Any]
+log = logging.getLogger(__name__)
 
 
 class Send(Protocol):
@@ -205,19 +207,19 @@ class Objects:
             self._retry(w)
 
     def retry_growing_puts(self) -> None:
-        """Once host memory grew (or failed to: they fail with its error), the puts that
-        waited for it try again, in their order (Note [growing] in arena.py)."""
-        growth = self.registry.arena.grown()
+        """Once host memory grew, or failed to, the puts that waited for it try again, in
+        their order (Note [growing] in arena.py). Called by the loop, outside any request:
+        an error of one is its reply, never the loop's."""
+        arena = self.registry.arena
+        growth = arena.grown()
         if growth is None:
             return
-        for w in self.lot.line(GROWING_PUTS):
-            if growth.error is None:
+        arena.failed = growth.error
+        try:
+            for w in self.lot.line(GROWING_PUTS):
                 self._retry(w)
-            else:
-                self.lot.unpark(w)
-                key = w.request.fields.get("key")
-                error = CapacityError(f"cannot store {key!r}: {growth.error}")
-                self._send(w.route, reply_error(w.request.id, error))
+        finally:
+            arena.failed = None
 
     def _retry(self, w: Waiter) -> None:
         self.lot.unpark(w)
@@ -226,6 +228,9 @@ class Objects:
             result = self.grant_or_wait(w.session, w.route, w.request, w.retry, w.deadline)
         except BrokerError as exc:
             self._send(w.route, reply_error(w.request.id, exc))
+        except Exception as exc:  # (a bug must not take the broker down: dispatch.py's way)
+            log.exception("internal error granting request %s", w.request.id)
+            self._send(w.route, reply_error(w.request.id, BrokerError(f"internal error: {exc!r}")))
         else:
             if result is not None:
                 self._send(w.route, reply_ok(w.request.id, **result))

@@ -144,20 +144,31 @@ def test_puts_that_need_a_new_segment_wait_for_it_and_are_granted_in_their_order
 def test_puts_that_waited_for_a_segment_that_could_not_be_made_fail_saying_why(
     objects: tuple[Objects, list[Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """...unless room came back meanwhile: those that fit now are granted, and none of them
+    makes another segment (which would fail as that one did)."""
     store, sent = objects
-    made = threading.Event()
+    arena = store.registry.arena
+    held = arena.allocate(2 * MiB - 4096)  # (a 2 MiB segment, made at once: nearly full)
+    assert held is not None
+    made, fallocates = threading.Event(), []
 
     def full(fd: int, offset: int, length: int) -> None:
+        fallocates.append(length)
         made.wait(30)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "posix_fallocate", full)
     s = Session("a" * 8, None)
     assert store.put(s, b"one", _put(1, "big", 3 * MiB)) is None
-    assert store.put(s, b"two", _put(2, "other", MiB)) is None
+    assert store.put(s, b"two", _put(2, "other", 3 * MiB // 2)) is None
+    assert store.put(s, b"three", _put(3, "third", 3 * MiB // 2)) is None
+    arena.free(held)  # (a delete, say: room for one of the two)
     made.set()
-    answers = _answers(store, sent, 2)
-    for (_, m), key in zip(answers, ("big", "other"), strict=True):
+    answers = _answers(store, sent, 3)
+    assert [m["id"] for _, m in answers] == [1, 2, 3]
+    (_, big), (_, other), (_, third) = answers
+    for m, key in ((big, "big"), (third, "third")):
         assert m["code"] == CapacityError.code, m
         assert repr(key) in m["error"] and "tmpfs is full" in m["error"], m
-    assert store.registry.arena.segments == [] and not store.registry.arena.growing
+    assert "put" in other and "error" not in other, other
+    assert len(fallocates) == 1 and not arena.growing and len(arena.segments) == 1
