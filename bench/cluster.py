@@ -4,6 +4,8 @@ run. Written to bench/results/cluster.md.
 
     first get of 256 MiB on another node    vs  one raw NIXL READ of 256 MiB, two processes,
                                             each just before it (agents made as the brokers')
+    CPU of a raw NIXL WRITE of 256 MiB      vs  that of a raw READ (both processes' CPU):
+                                            what a lender pushing would cost (no target)
     first get of 4 KiB on another node      vs  one raw ZeroMQ round trip, tcp loopback
       (--prefetch 64KiB: read there as it was announced, Note [prefetch], the get made
       once that read ended; and, with the default --prefetch 0, pulled at the get)
@@ -23,6 +25,7 @@ import argparse
 import contextlib
 import multiprocessing as mp
 import os
+import resource
 import statistics
 import sys
 import threading
@@ -97,21 +100,29 @@ def _median(f: Callable[[int], float], reps: int) -> float:
 # -- the floors ----------------------------------------------------------------------------------
 
 
+def _cpu() -> float:
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
+
+
 def _nixl_target(size: int, pipe: Any) -> None:
     agent = new_agent("target")
     buf = np.ones(size, np.uint8)
     agent.register_memory([(buf.ctypes.data, size, 0, "")], "DRAM")
     pipe.send((bytes(agent.get_agent_metadata()), buf.ctypes.data))
-    pipe.recv()  # until the reader is done
+    while pipe.recv() == "cpu":  # until the reader is done
+        pipe.send(_cpu())
 
 
 @contextlib.contextmanager
-def raw_nixl_read(size: int) -> Iterator[Callable[[], float]]:
-    """A function timing one NIXL READ of `size` bytes from another process, both agents
-    made as a broker makes its own (transfers.new_agent). Their progress threads are paced as
-    a broker's: NIXL's default agent spins its thread, a core each (3.0 CPU-s in 3 s idle),
-    and beside two of them the brokers measured got half the 2 cores, and took 135 ms for a
-    first get that took 62-78 ms beside paced ones."""
+def raw_nixl(size: int) -> Iterator[Callable[[str], tuple[float, float]]]:
+    """A function making one NIXL transfer of `size` bytes with another process, READ (from
+    it) or WRITE (to it), and giving its seconds and the CPU seconds both processes spent.
+    Both agents are made as a broker makes its own (transfers.new_agent), their progress
+    threads paced as a broker's: NIXL's default agent spins its thread, a core each (3.0
+    CPU-s in 3 s idle), and beside two of them the brokers measured got half the 2 cores,
+    and took 135 ms for a first get that took 62-78 ms beside paced ones. The reader looks
+    whether its transfer ended every 0.2 ms, as a broker's mover does."""
     ctx = mp.get_context("spawn")
     mine, theirs = ctx.Pipe()
     target = ctx.Process(target=_nixl_target, args=(size, theirs))
@@ -123,22 +134,42 @@ def raw_nixl_read(size: int) -> Iterator[Callable[[], float]]:
         agent.register_memory([(dst.ctypes.data, size, 0, "")], "DRAM")
         agent.add_remote_agent(metadata)
 
-        def once() -> float:
+        def theirs_cpu() -> float:
+            mine.send("cpu")
+            return float(mine.recv())
+
+        def once(op: str) -> tuple[float, float]:
+            cpu = _cpu() + theirs_cpu()
             began = time.perf_counter()
             local = agent.get_xfer_descs([(dst.ctypes.data, size, 0)], "DRAM")
             far = agent.get_xfer_descs([(remote, size, 0)], "DRAM")
-            handle = agent.initialize_xfer("READ", local, far, "target")
+            handle = agent.initialize_xfer(op, local, far, "target")
             agent.transfer(handle)
             while agent.check_xfer_state(handle) == "PROC":
-                pass
+                time.sleep(0.0002)
             agent.release_xfer_handle(handle)
-            return time.perf_counter() - began
+            took = time.perf_counter() - began
+            return took, _cpu() + theirs_cpu() - cpu
 
-        once()  # the connection is made on the first
+        once("READ"), once("WRITE")  # the connection is made on the first
         yield once
     finally:
         mine.send("done")
         target.join(30)
+
+
+def read_against_write(
+    once: Callable[[str], tuple[float, float]], reps: int
+) -> tuple[float, float]:
+    """The CPU seconds of both processes for a raw NIXL READ and for a WRITE of as many bytes
+    (medians, alternated): what a version's lender pushing it would cost against its reader
+    pulling it (UCX's TCP has no zero-copy get: a READ comes back as messages, copied out of
+    UCX's receive segment; a WRITE is received in place)."""
+    reads, writes = [], []
+    for _ in range(reps):
+        reads.append(once("READ")[1])
+        writes.append(once("WRITE")[1])
+    return statistics.median(reads), statistics.median(writes)
 
 
 def raw_zmq_round_trip(reps: int) -> float:
@@ -314,9 +345,10 @@ def main() -> int:
     print("cluster bench: the floors ...", flush=True)
     rtt = raw_zmq_round_trip(reps * 20)
     print("cluster bench: two nodes ...", flush=True)
-    with cluster(["a", "b"], "700MiB", ("--prefetch", "64KiB")) as cs, raw_nixl_read(big) as read:
+    with cluster(["a", "b"], "700MiB", ("--prefetch", "64KiB")) as cs, raw_nixl(big) as raw:
         a, b = cs["a"], cs["b"]
-        big_get, nixl, big_ratio = first_get_beside(a, b, big, reps, read)
+        big_get, nixl, big_ratio = first_get_beside(a, b, big, reps, lambda: raw("READ")[0])
+        read_cpu, write_cpu = read_against_write(raw, reps)
         small_get = first_get(a, b, 4096, reps, prefetched=True)
         a.put("small", np.ones(4096, np.uint8))
         _known(b, "small")
@@ -342,6 +374,9 @@ def main() -> int:
         ("first get of 256 MiB on another node", f"{big_get * 1e3:.1f} ms",
          f"raw NIXL READ {nixl * 1e3:.1f} ms (each just before)", big_ratio,
          "bandwidth, at least 0.8x"),
+        ("CPU of a raw NIXL WRITE of 256 MiB (both processes)", f"{write_cpu * 1e3:.0f} ms",
+         f"a raw NIXL READ {read_cpu * 1e3:.0f} ms", write_cpu / read_cpu,
+         "(none: what pushing would cost)"),
         ("first get of 4 KiB on another node (read there as announced)",
          f"{small_get * 1e6:.0f} us", f"raw ZeroMQ round trip {rtt * 1e6:.0f} us",
          small_get / rtt, "at most 3x"),
