@@ -205,6 +205,7 @@ class Node:
         self.cluster.tick(time.monotonic())
         self.journal.commit()
         self.cluster.flush()
+        self.objects.retry_growing_puts()  # (as the broker's loop: Note [growing])
 
     def up(self, node: str) -> bool:
         return self.cluster.links.up(node)

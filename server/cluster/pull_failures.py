@@ -1,10 +1,13 @@
 """A pull that failed (pulls.py): what its gets are told, or whether they wait on for the
 key's owner to be back (a reader does not raise while the owner may be alive and its own
-timeout has not run out), and what the pulls sent here are told."""
+timeout has not run out), and what the pulls sent here are told; or one whose read cannot
+be used, or whose lend went unanswered, asked again."""
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from ...common.errors import BrokerError, NotFound, PeerUnavailable
@@ -12,11 +15,14 @@ from ...common.protocol import reply_error, reply_ok
 from ..store.objects import Objects
 from ..store.parking import Waiter
 from ..store.records import Session
+from .offers import Held
 from .records import Links, Pull, Remote
+
+log = logging.getLogger(__name__)
 
 
 class Failing:
-    """Pulls' failures: `_fail` and `_get_again`."""
+    """Pulls' failures: `_fail`, `_get_again`, `_read_again`, `_again` and `_unanswered`."""
 
     node: str
     links: Links
@@ -25,8 +31,81 @@ class Failing:
     registry: Any
     session: Session
 
+    held: Held
+    pulls: dict[int, Pull]
+
     def _end(self, pull: Pull) -> None:
         raise NotImplementedError
+
+    def _cut(self, pull: Pull, why: str) -> None:
+        raise NotImplementedError
+
+    def _return(self, node: str, pull: int, ask: int) -> None:
+        raise NotImplementedError
+
+    def _lend(self, pull: Pull, source: str | None = None, direct: bool = False) -> None:
+        raise NotImplementedError
+
+    def _ask_at(self, pull: Pull, source: str, direct: bool = False) -> None:
+        raise NotImplementedError
+
+    def ask(
+        self,
+        key: str,
+        node: str,
+        waiters: Sequence[Waiter],
+        lends: Sequence[tuple[str, int, int]] = (),
+    ) -> Pull:
+        raise NotImplementedError
+
+    def _read_again(self, pull: Pull, exc: Exception) -> None:
+        """A read that cannot be used: from an offer, that failed (a segment of its owner's
+        that this node's NIXL does not know yet, say), or from a source that forgot this node
+        meanwhile. The offer is given back, and the owner asked to lend the key instead."""
+        log.info("cluster: %r read again, from its owner %r (read from %r: %s)", pull.key,
+                 pull.node, pull.source, exc)  # fmt: skip
+        offer, pull.offer = pull.offer, None
+        if offer is not None:
+            self.held.read(pull.key, offer, failed=True)
+        self._cut(pull, f"node {self.node!r} read {pull.key!r} again")
+        if pull.version and offer is None:  # (its lender let go already, or does now)
+            self._return(pull.source, pull.id, pull.ask)
+        if pull.put:
+            self.registry.abort(self.session, pull.put, False)
+        pull.put = pull.version = 0
+        pull.obj, pull.cut, pull.told, pull.read_at = None, False, 0, 0.0
+        pull.suspect = False  # (of the read thrown away: the next is read anew)
+        if not self.links.up(pull.node):
+            self._fail(pull, PeerUnavailable(f"the pull of {pull.key!r} failed: {exc}"))
+            return
+        pull.started = time.monotonic()
+        relay, pull.source = pull.source != pull.node, pull.node
+        self._lend(pull, pull.node, direct=relay)  # (a relay failed it: the owner lends it)
+
+    def _again(self, pull: Pull, error: BrokerError) -> None:
+        """Pull it again from where the index says it is now (another version won, or it was
+        deleted there, meanwhile), for the same gets; `error` for them if no node has it."""
+        self._end(pull)
+        remote = self.index.get(pull.key)
+        if remote is not None and self.links.up(remote.node):
+            self.ask(pull.key, remote.node, pull.waiters, pull.lends)
+            pull.lends = []
+        elif remote is not None:  # it lives on: on a node that is down
+            down = f"{pull.key!r} lives on node {remote.node!r}, which is down"
+            self._fail(pull, PeerUnavailable(f"{down}: try again once it is back"))
+        else:
+            self._fail(pull, error)
+
+    def _unanswered(self, pull: Pull) -> None:
+        """A lend not answered within PULL_WAIT: asked of the owner again, directly (a relay
+        may still be reading a large version; the owner is up, else `node_down` ended the
+        pull), as long as a get still waits for it or a pull of another node was sent here;
+        else the pull ends. A get waits for its own timeout (at least PULL_WAIT: replicas.py),
+        not for a pull that no longer answers in time."""
+        if any(not w.done for w in pull.waiters) or pull.lends:
+            self._ask_at(pull, pull.node, direct=True)
+        else:
+            self._fail(pull, PeerUnavailable(f"node {pull.node!r} did not lend {pull.key!r}"))
 
     def _fail(self, pull: Pull, error: BrokerError) -> None:
         if pull.handle is not None:  # still reading: its block must outlive the read

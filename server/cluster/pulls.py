@@ -6,12 +6,12 @@ replica, which answers the gets that wait for it. replicas.py says which are wan
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from ...common.errors import BrokerError, InvalidRequest, NotFound, PeerUnavailable
+from ..store.arena import Growing
 from ..store.objects import Objects
 from ..store.parking import Waiter
 from ..store.records import Session, StoredObject
@@ -19,8 +19,6 @@ from .offers import Held
 from .pull_failures import Failing
 from .records import Links, Pull, Remote
 from .transfers import CHUNK, Transfers
-
-log = logging.getLogger(__name__)
 
 PULL_WAIT = 30.0  # a lend unanswered this long is asked of the owner again (a get waits as long)
 POLL = 0.001  # seconds between looks at what waits on something else (a slot, a fresh peer)
@@ -63,6 +61,7 @@ class Pulls(Failing):
 
     def node_down(self, node: str) -> None:
         for pull in [p for p in self.pulls.values() if node in (p.node, p.source)]:
+            pull.room = None  # (a loan of it waiting for memory here: gone with it)
             if pull.node != node and pull.handle is None:  # a borrower sent to: the owner
                 self._ask_at(pull, pull.node, direct=True)
             else:
@@ -77,6 +76,8 @@ class Pulls(Failing):
         for p in self.pulls.values():
             if p.handle is None and not p.asked and self.links.fresh(p.source):
                 due = min(due, ASK_AGAIN)  # (a beat answer wakes the loop)
+            if p.room is not None:  # (read once its memory is in: Broker's GROW_POLL)
+                due = min(due, POLL)
         return due
 
     def ask(
@@ -104,30 +105,6 @@ class Pulls(Failing):
             self._take(pull, offer.fields, offer.version)
         return pull
 
-    def _read_again(self, pull: Pull, exc: Exception) -> None:
-        """A read that cannot be used: from an offer, that failed (a segment of its owner's
-        that this node's NIXL does not know yet, say), or from a source that forgot this node
-        meanwhile. The offer is given back, and the owner asked to lend the key instead."""
-        log.info("cluster: %r read again, from its owner %r (read from %r: %s)", pull.key,
-                 pull.node, pull.source, exc)  # fmt: skip
-        offer, pull.offer = pull.offer, None
-        if offer is not None:
-            self.held.read(pull.key, offer, failed=True)
-        self._cut(pull, f"node {self.node!r} read {pull.key!r} again")
-        if pull.version and offer is None:  # (its lender let go already, or does now)
-            self._return(pull.source, pull.id, pull.ask)
-        if pull.put:
-            self.registry.abort(self.session, pull.put, False)
-        pull.put = pull.version = 0
-        pull.obj, pull.cut, pull.told, pull.read_at = None, False, 0, 0.0
-        pull.suspect = False  # (of the read thrown away: the next is read anew)
-        if not self.links.up(pull.node):
-            self._fail(pull, PeerUnavailable(f"the pull of {pull.key!r} failed: {exc}"))
-            return
-        pull.started = time.monotonic()
-        relay, pull.source = pull.source != pull.node, pull.node
-        self._lend(pull, pull.node, direct=relay)  # (a relay failed it: the owner lends it)
-
     def _lend(self, pull: Pull, source: str | None = None, direct: bool = False) -> None:
         """Ask `source` (else the pull's) to lend its key: lend number `ask`, the only one
         whose answer is read."""
@@ -141,10 +118,13 @@ class Pulls(Failing):
 
     def forget(self, node: str) -> None:
         """`node` forgot this one, or this one it: what it lent or offered may be let go
-        already. A read of it under way is not sealed; a lend not answered yet is asked
-        again, once `node` is fresh."""
-        for pull in self.pulls.values():
-            if pull.source == node and pull.handle is not None:
+        already. A read of it under way is not sealed; a loan waiting for memory here is not
+        read; a lend not answered yet is asked again, once `node` is fresh."""
+        for pull in list(self.pulls.values()):
+            if pull.source == node and pull.room is not None:
+                pull.room = None
+                self._read_again(pull, OSError(f"node {node!r} forgot this one"))
+            elif pull.source == node and pull.handle is not None:
                 pull.suspect = pull.cut = True  # (a relay's rest will not come)
             elif pull.source == node and not pull.version:
                 pull.ask, pull.asked = pull.ask + 1, False  # (an answer to the last: not read)
@@ -156,20 +136,6 @@ class Pulls(Failing):
         self._lend(pull, source, direct)
         if not pull.asked and source != pull.node:
             self._ask_at(pull, pull.node, direct=True)
-
-    def _again(self, pull: Pull, error: BrokerError) -> None:
-        """Pull it again from where the index says it is now (another version won, or it was
-        deleted there, meanwhile), for the same gets; `error` for them if no node has it."""
-        self._end(pull)
-        remote = self.index.get(pull.key)
-        if remote is not None and self.links.up(remote.node):
-            self.ask(pull.key, remote.node, pull.waiters, pull.lends)
-            pull.lends = []
-        elif remote is not None:  # it lives on: on a node that is down
-            down = f"{pull.key!r} lives on node {remote.node!r}, which is down"
-            self._fail(pull, PeerUnavailable(f"{down}: try again once it is back"))
-        else:
-            self._fail(pull, error)
 
     def waits_for(self, node: str, pull_id: int, ask: Any = None) -> bool:
         """Whether pull `pull_id` still waits for `node` to answer its lend `ask` (the last)."""
@@ -224,8 +190,11 @@ class Pulls(Failing):
             specs, bundle, device = self.transfers.layout(pull.source, m)
             try:
                 pull.put, obj = self.registry.begin_put(
-                    self.session, pull.key, specs, bundle, device=device
+                    self.session, pull.key, specs, bundle, device=device, wait=True
                 )
+            except Growing as growing:  # read once there is room (Note [growing], arena.py)
+                pull.room = (m, version, growing.growth)
+                return
             except InvalidRequest as exc:  # a device this broker does not serve
                 where = f"{pull.key!r} lives on {device} of node {pull.source!r}"
                 raise InvalidRequest(f"{where}; a replica here needs that device: {exc}") from None
@@ -248,7 +217,9 @@ class Pulls(Failing):
         """Reads that ended (sealed as replicas), lends never answered, and reads from a relay
         that said nothing more for PULL_WAIT (its `more` lost: read again, from the owner)."""
         for pull in list(self.pulls.values()):
-            if pull.handle is not None:
+            if pull.room is not None:
+                self._roomy(pull)
+            elif pull.handle is not None:
                 if now - pull.started > PULL_WAIT and pull.handle.limit < pull.size:
                     pull.cut = True
                 self._poll(pull)
@@ -257,23 +228,36 @@ class Pulls(Failing):
             elif not pull.asked and self.links.fresh(pull.source):  # (not connected, say)
                 self._lend(pull, direct=pull.direct)
 
-    def _unanswered(self, pull: Pull) -> None:
-        """A lend not answered within PULL_WAIT: asked of the owner again, directly (a relay
-        may still be reading a large version; the owner is up, else `node_down` ended the
-        pull), as long as a get still waits for it or a pull of another node was sent here;
-        else the pull ends. A get waits for its own timeout (at least PULL_WAIT: replicas.py),
-        not for a pull that no longer answers in time."""
-        if any(not w.done for w in pull.waiters) or pull.lends:
-            self._ask_at(pull, pull.node, direct=True)
-        else:
-            self._fail(pull, PeerUnavailable(f"node {pull.node!r} did not lend {pull.key!r}"))
+    def _roomy(self, pull: Pull) -> None:
+        """A loan that waited for this node's memory to grow is read once it did; if the
+        segment could not be made, it is read if it fits now, else the pull fails as that
+        did (Note [growing] in server/store/arena.py)."""
+        assert pull.room is not None
+        m, version, growth = pull.room
+        if not growth.over:
+            return
+        pull.room, arena = None, self.registry.arena
+        arena.failed = growth.error
+        try:
+            self._take(pull, m, version)
+        finally:
+            arena.failed = None
 
     def more(self, node: str, m: dict[str, Any]) -> None:
         """The relay `node` that lent a version it was still pulling has more of it (`ready`
         bytes), or failed it (`error`: read again, from the owner). Note [relays] in
         lending.py."""
         pull = self.pulls.get(int(m["pull"]))
-        if pull is None or pull.source != node or pull.ask != m.get("ask") or pull.handle is None:
+        if pull is None or pull.source != node or pull.ask != m.get("ask"):
+            return
+        if pull.room is not None:  # (its read waits for memory here: Note [growing])
+            if "error" in m:
+                pull.room = None
+                self._read_again(pull, OSError(f"node {node!r} failed {pull.key!r}"))
+            else:
+                pull.room[0]["ready"] = int(m["ready"])  # (its read begins with that much)
+            return
+        if pull.handle is None:
             return
         pull.started = time.monotonic()  # (PULL_WAIT from each `more`)
         if "error" in m:

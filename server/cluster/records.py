@@ -64,6 +64,9 @@ class Pull:
     cut: bool = False  # its relay failed it, or forgot this node: read again once its reads end
     read_at: float = 0.0  # when its read ended, its source not vouching for it yet (_vouched)
     obj: StoredObject | None = None  # the replica being read (a relay lends it meanwhile)
+    # Its loan (lent or offered, and its version), read once this node's memory has grown
+    # (the Growth it waits for: Note [growing] in server/store/arena.py).
+    room: tuple[dict[str, Any], int, Any] | None = None
     told: int = 0  # its bytes read that the borrowers it was lent to meanwhile were told of
     waiters: list[Waiter] = field(default_factory=list)
     lends: list[tuple[str, int, int]] = field(default_factory=list)  # (node, pull id, ask)

@@ -129,6 +129,7 @@ class Growth:
         self.size = size
         self.segment: Segment | None = None
         self.error: Exception | None = None
+        self.over = False  # ended, and taken in by its arena (Arena.grown)
         self._thread = threading.Thread(target=self._run, args=(make,), name="arena-growth")
         self._thread.start()
 

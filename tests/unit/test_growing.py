@@ -9,7 +9,7 @@ import errno
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +18,16 @@ import pytest
 
 from tensorbroker.common.errors import CapacityError
 from tensorbroker.common.protocol import Request
+from tensorbroker.server.cluster import lending
+from tensorbroker.server.cluster.records import Pull
 from tensorbroker.server.store.arena import Arena, Growing
 from tensorbroker.server.store.objects import Objects
 from tensorbroker.server.store.parking import ParkingLot
 from tensorbroker.server.store.records import Session
 from tensorbroker.server.store.registry import Registry
+from tests.nodes import Node, pair, quad, run
+
+__all__ = ["pair", "quad"]  # the fixtures
 
 MiB = 2**20
 
@@ -172,3 +177,92 @@ def test_puts_that_waited_for_a_segment_that_could_not_be_made_fail_saying_why(
         assert repr(key) in m["error"] and "tmpfs is full" in m["error"], m
     assert "put" in other and "error" not in other, other
     assert len(fallocates) == 1 and not arena.growing and len(arena.segments) == 1
+
+
+# -- pulls of other nodes' versions (cluster objects stepped by hand: tests/nodes.py) --------
+
+
+def _pulls(node: Node, key: str) -> list[Pull]:
+    return [p for p in node.cluster.replicas.pulls.pulls.values() if p.key == key]
+
+
+def _has(node: Node, key: str) -> bool:
+    return key in node.registry.objects and not _pulls(node, key)
+
+
+def _made(*nodes: Node) -> None:
+    for n in nodes:  # (their first chunk made, as a broker's at start: only the others grow)
+        n.arena.free(n.arena.allocate(1))  # type: ignore[arg-type]
+
+
+def _waiting(node: Node, key: str) -> Pull:
+    """`node`'s pull of `key`, lent and waiting for `node`'s memory to grow."""
+    (pull,) = _pulls(node, key)
+    assert pull.room is not None and pull.handle is None and node.arena.growing
+    assert key not in node.reads.started
+    return pull
+
+
+def test_a_pull_that_needs_a_new_segment_reads_its_loan_once_it_is_made(
+    pair: Callable[[str], Node], gate: threading.Event
+) -> None:
+    a, b = nodes = [pair("a"), pair("b")]
+    assert run(nodes, 5, lambda: a.up("b") and b.up("a"))
+    _made(a)
+    a.put("w", 3 * MiB)
+    assert run(nodes, 5, lambda: b.knows("w")) and b.get("w")
+    assert run(nodes, 5, lambda: bool(_pulls(b, "w")) and _pulls(b, "w")[0].room is not None)
+    run(nodes, 0.2)  # (b's loop goes on, its loan held)
+    _waiting(b, "w")
+    gate.set()
+    b.reads.over = True
+    assert run(nodes, 5, lambda: _has(b, "w"))
+    assert a.cluster.replicas.lending.bytes_sent == 3 * MiB  # (lent once)
+
+
+def _d_waits_for_memory(quad: Callable[[str], Node], monkeypatch: pytest.MonkeyPatch) -> list[Node]:
+    """a puts w (1 MiB: a large version here); b and c read it from a; d is sent to one of
+    them, a relay, which lends it at once, and d waits for its memory to grow."""
+    monkeypatch.setattr(lending, "CHUNK", 64 * 1024)
+    a, b, c, d = nodes = [quad(name) for name in "abcd"]
+    assert run(nodes, 5, lambda: all(n.up(m.name) for n in nodes for m in nodes if m is not n))
+    _made(a, b, c)
+    a.put("w", MiB)
+    assert run(nodes, 5, lambda: all(n.knows("w") for n in (b, c, d)))
+    assert b.get("w") and c.get("w")
+    assert run(nodes, 5, lambda: b.reads.started == ["w"] and c.reads.started == ["w"])
+    assert d.get("w")
+    assert run(nodes, 5, lambda: any(p.room is not None for p in _pulls(d, "w")))
+    assert _waiting(d, "w").source in ("b", "c")
+    return nodes
+
+
+def test_a_borrower_waiting_for_memory_reads_what_its_relay_said_it_has_meanwhile(
+    quad: Callable[[str], Node], monkeypatch: pytest.MonkeyPatch, gate: threading.Event
+) -> None:
+    a, b, c, d = nodes = _d_waits_for_memory(quad, monkeypatch)
+    pull = _waiting(d, "w")
+    for n in (b, c):
+        n.reads.over = True
+    assert run(nodes, 5, lambda: _has(b, "w") and _has(c, "w"))
+    assert run(nodes, 2, lambda: pull.room is not None and pull.room[0].get("ready") == MiB)
+    gate.set()
+    d.reads.over = True  # (a read ends once all it reads is there: the relay said it is)
+    assert run(nodes, 5, lambda: _has(d, "w"))
+    assert a.cluster.replicas.lending.bytes_sent == 2 * MiB  # (d's from its relay)
+
+
+def test_a_borrower_whose_relay_forgot_it_while_its_memory_grew_reads_from_the_owner(
+    quad: Callable[[str], Node], monkeypatch: pytest.MonkeyPatch, gate: threading.Event
+) -> None:
+    """What a node that forgot this one lent it may be let go already: never read."""
+    a, b, c, d = nodes = _d_waits_for_memory(quad, monkeypatch)
+    relay = _waiting(d, "w").source
+    d.cluster.replicas.pulls.forget(relay)
+    (pull,) = _pulls(d, "w")
+    assert pull.room is None and pull.source == "a"  # (asked of the owner, directly)
+    gate.set()
+    for n in (b, c, d):
+        n.reads.over = True
+    assert run(nodes, 5, lambda: all(_has(n, "w") for n in (b, c, d)))
+    assert a.cluster.replicas.lending.bytes_sent == 3 * MiB
