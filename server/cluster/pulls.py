@@ -61,7 +61,11 @@ class Pulls(Failing):
 
     def node_down(self, node: str) -> None:
         for pull in [p for p in self.pulls.values() if node in (p.node, p.source)]:
-            pull.room = None  # (a loan of it waiting for memory here: gone with it)
+            if pull.room is not None and pull.node != node:  # a relay's loan, waiting here
+                pull.room = None
+                self._read_again(pull, PeerUnavailable(f"node {node!r} went down"))
+                continue
+            pull.room = None
             if pull.node != node and pull.handle is None:  # a borrower sent to: the owner
                 self._ask_at(pull, pull.node, direct=True)
             else:
@@ -176,6 +180,7 @@ class Pulls(Failing):
                 self._fail(pull, gone)
                 if remote is not None and remote.node == pull.node and "at" not in m:
                     self.listed(pull.node, pull.key, 0, 0)  # its owner has none: forgotten
+            return
         version, remote = int(m["version"]), self.index.get(pull.key)
         if remote is not None and remote.node == pull.node and remote.version < version:
             # A version this node was not told of (it did not follow the key: Note [follows])
@@ -237,9 +242,12 @@ class Pulls(Failing):
         if not growth.over:
             return
         pull.room, arena = None, self.registry.arena
+        pull.started = time.monotonic()  # (PULL_WAIT from its read's start)
         arena.failed = growth.error
         try:
             self._take(pull, m, version)
+        except Exception as exc:  # (taking the segment in failed: NIXL's registration, say)
+            self._fail(pull, BrokerError(f"the pull of {pull.key!r} failed: {exc!r}"))
         finally:
             arena.failed = None
 
@@ -251,6 +259,7 @@ class Pulls(Failing):
         if pull is None or pull.source != node or pull.ask != m.get("ask"):
             return
         if pull.room is not None:  # (its read waits for memory here: Note [growing])
+            pull.started = time.monotonic()
             if "error" in m:
                 pull.room = None
                 self._read_again(pull, OSError(f"node {node!r} failed {pull.key!r}"))

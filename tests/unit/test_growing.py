@@ -266,3 +266,20 @@ def test_a_borrower_whose_relay_forgot_it_while_its_memory_grew_reads_from_the_o
         n.reads.over = True
     assert run(nodes, 5, lambda: all(_has(n, "w") for n in (b, c, d)))
     assert a.cluster.replicas.lending.bytes_sent == 3 * MiB
+
+
+def test_a_borrower_whose_relay_went_down_while_its_memory_grew_reads_from_the_owner(
+    quad: Callable[[str], Node], monkeypatch: pytest.MonkeyPatch, gate: threading.Event
+) -> None:
+    """Its loan is gone with the relay, and the owner's answer to its lend again is read
+    (it was dropped, as an answer to no lend of a pull that had a version, every PULL_WAIT
+    for as long as the get waited)."""
+    a, b, c, d = nodes = _d_waits_for_memory(quad, monkeypatch)
+    relay = _waiting(d, "w").source
+    d.cluster.replicas.pulls.node_down(relay)  # (as the cluster calls it: taken for down)
+    (pull,) = _pulls(d, "w")
+    assert pull.room is None and pull.version == 0 and pull.source == "a"
+    gate.set()
+    for n in (b, c, d):
+        n.reads.over = True
+    assert run(nodes, 5, lambda: all(_has(n, "w") for n in (b, c, d)))
