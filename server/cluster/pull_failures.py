@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ...common.errors import BrokerError, NotFound, PeerUnavailable
@@ -33,6 +33,7 @@ class Failing:
 
     held: Held
     pulls: dict[int, Pull]
+    ask: Callable[[str, str, Sequence[Waiter], Sequence[tuple[str, int, int]]], Pull]
 
     def _end(self, pull: Pull) -> None:
         raise NotImplementedError
@@ -47,15 +48,6 @@ class Failing:
         raise NotImplementedError
 
     def _ask_at(self, pull: Pull, source: str, direct: bool = False) -> None:
-        raise NotImplementedError
-
-    def ask(
-        self,
-        key: str,
-        node: str,
-        waiters: Sequence[Waiter],
-        lends: Sequence[tuple[str, int, int]] = (),
-    ) -> Pull:
         raise NotImplementedError
 
     def _read_again(self, pull: Pull, exc: Exception) -> None:
