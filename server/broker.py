@@ -211,9 +211,15 @@ class Broker(Dispatching):
         self.queues.qrings.flush()  # Note [queue ring]
 
     def _segment_made(self, segment: Any) -> None:  # journaled; and registered with NIXL, once
-        self.state.journal.segment(segment.name, segment.size, "arena")  # type: ignore[union-attr]
+        journal = self.state.journal
+        assert journal is not None
+        journal.segment(segment.name, segment.size, "arena")
         if self.cluster is not None:
-            self.cluster.segment(segment.name)
+            try:
+                self.cluster.segment(segment.name)
+            except BaseException:  # (the arena removes it: the journal must not name it)
+                journal.segment_gone(segment.name)
+                raise
 
     # -- life cycle ------------------------------------------------------------------------
 

@@ -21,8 +21,8 @@ container's, or removed by a /tmp cleaner while its broker runs). For each state
   broker that was waiting to adopt it finds its segments gone and says so.
 - no owner file (made by a tensorbroker from before owner files, or removed by hand): gc
   cannot tell whether a broker uses it, so it is kept and reported. A broker maps only some
-  of its segments (never its arena: Segment in arena.py), and a process in another container
-  is out of sight of /proc, so /proc/*/maps cannot decide it either.
+  of its segments (never its arena: Segment in server/store/segments.py), and a process in
+  another container is out of sight of /proc, so /proc/*/maps cannot decide it either.
 
 - both are free, and the owner file says "kept": a broker stopped cleanly and kept its
   state on purpose for the next one (`serve --state-dir`). Kept, unless named (`gc ID`).

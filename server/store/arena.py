@@ -6,18 +6,19 @@ free list and is only returned to the system by ``Arena.close()``.
 Note [growing]
 
 A new segment's pages are all backed when it is made (posix_fallocate: a lazily-filled
-tmpfs would SIGBUS clients later), and backing them costs time: 512 MiB took 160-310 ms on
-this 2-core VM, during which a broker that made it on its loop answered nothing (an
-`exists` waited that long). A put's allocation asks to `wait`: the segment it needs is made
-on a thread of its own (one at a time), `allocate` raises Growing, the put waits in the
-parking lot (objects.py), and the loop takes the segment in (journaled, and registered
-with NIXL in a cluster, on the loop) once `grown()` says it is made, then asks again for
-the puts that waited, in their order. If it could not be made, they ask again too, and
-one that still needs a new segment fails with that error (`failed`), not a growth more.
-A pull of another node's version waits the same way, holding its loan (pulls.py: a
-first pull of 512 MiB stalled a reader's loop 166 ms here). Grants ahead (grants.py)
-take no block that needs a new segment meanwhile. Queue items still make a segment they
-need at once.
+tmpfs would SIGBUS clients later), and backing them costs time: 512 MiB took about 160 ms
+on this 2-core VM, during which a broker that made it on its loop answered nothing
+(another process's `exists` waited 156-158 ms). A put's allocation asks to `wait`: the
+segment it needs is made on a thread of its own (one at a time), `allocate` raises
+Growing, the put waits in the parking lot (objects.py), and the loop takes the segment in
+(journaled, and registered with NIXL in a cluster, on the loop) once `grown()` says it is
+made, then asks again for the puts that waited, in their order. If it could not be made,
+they ask again too, and one that still needs a new segment fails with that error
+(`failed`), not a growth more. A pull of another node's version waits the same way,
+holding its loan (pulls.py: a first pull of 512 MiB stalled a reader's loop 161-166 ms
+here). Grants ahead (grants.py) take no block that needs a new segment meanwhile (the
+client asks again later). Queue items, and items lent from other nodes, still make a
+segment they need at once; while one is being made, they see the capacity less it.
 """
 
 from __future__ import annotations

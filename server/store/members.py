@@ -16,7 +16,7 @@ would reach past the data into its leases and its calls:
 
 So under --group each user that connects gets a slot table and a mailbox table of its own,
 created by the broker with mode 0600 and a POSIX ACL entry that lets that one user read and
-write it (`share_with_user` in arena.py): the kernel refuses any other member's open with
+write it (`share_with_user` in segments.py): the kernel refuses any other member's open with
 EACCES. Clients of one user share them (a user can always reach its own processes). A
 direct handoff (Note [direct handoff] in common/mailbox.py) goes only between two clients
 of one user; between users an item goes through the broker. Without --group every client

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import msgpack
@@ -18,8 +19,10 @@ import pytest
 
 from tensorbroker.common.errors import CapacityError
 from tensorbroker.common.protocol import Request
+from tensorbroker.server.broker import Broker
 from tensorbroker.server.cluster import lending
 from tensorbroker.server.cluster.records import Pull
+from tensorbroker.server.durability.journal import JournalFile, read_journal
 from tensorbroker.server.store.arena import Arena, Growing
 from tensorbroker.server.store.objects import Objects
 from tensorbroker.server.store.parking import ParkingLot
@@ -283,3 +286,32 @@ def test_a_borrower_whose_relay_went_down_while_its_memory_grew_reads_from_the_o
     for n in (b, c, d):
         n.reads.over = True
     assert run(nodes, 5, lambda: all(_has(n, "w") for n in (b, c, d)))
+
+
+def test_a_segment_its_cluster_could_not_register_is_not_left_in_the_journal(
+    tmp_path: Path, gate: threading.Event
+) -> None:
+    """The arena removes a segment it could not take in; a state whose journal still named
+    it could not be adopted (an arena segment missing: start again with --reset)."""
+    (tmp_path / "state").mkdir()
+    journal = JournalFile(str(tmp_path / "state"), "9row", None)
+
+    class Refusing:
+        def segment(self, name: str) -> None:
+            raise OSError("NIXL could not register it")
+
+    broker = SimpleNamespace(state=SimpleNamespace(journal=journal), cluster=Refusing())
+    made = Arena(
+        16 * MiB, shm_dir=str(tmp_path), prefix="tb-9row-", chunk_size=2 * MiB,
+        on_segment=lambda segment: Broker._segment_made(broker, segment),  # type: ignore[arg-type]
+    )  # fmt: skip
+    with pytest.raises(Growing):
+        made.allocate(MiB, wait=True)
+    gate.set()
+    growth = _grown(made)
+    assert isinstance(growth.error, OSError) and "register" in str(growth.error)
+    journal.close()
+    found = read_journal(str(tmp_path / "state"))
+    assert found is not None and found.segments == {}
+    assert [p.name for p in tmp_path.iterdir()] == ["state"]  # (the segment's file is gone)
+    made.close()
