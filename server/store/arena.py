@@ -18,7 +18,9 @@ they ask again too, and one that still needs a new segment fails with that error
 holding its loan (pulls.py: a first pull of 512 MiB stalled a reader's loop 161-166 ms
 here). Grants ahead (grants.py) take no block that needs a new segment meanwhile (the
 client asks again later). Queue items, and items lent from other nodes, still make a
-segment they need at once; while one is being made, they see the capacity less it.
+segment they need at once; one that does not fit while a segment is being made waits for
+that one on the loop first (as all did before), rather than count it against the
+capacity.
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ class Arena:
         self._used = 0
         self._closed = False
         self._growth: Growth | None = None  # a segment being made on a thread (`wait`)
+        self._ended: Growth | None = None  # one that ended since `grown` last said
         # Set while the allocations that waited for a growth that failed try again: one
         # that would grow raises it instead (not a growth more, failing as that one did).
         self.failed: Exception | None = None
@@ -120,9 +123,9 @@ class Arena:
         return None
 
     def _growth_size(self, need: int, align: int) -> int:
-        """The size of the segment to add for `need` bytes at `align`; 0 if it cannot fit."""
-        growing = 0 if self._growth is None else self._growth.size
-        room = (self._capacity - self._reserved - growing) // _GRAIN * _GRAIN
+        """The size of the segment to add for `need` bytes at `align`; 0 if it cannot fit
+        (none is being made: `allocate` waits for it, or raises Growing, first)."""
+        room = (self._capacity - self._reserved) // _GRAIN * _GRAIN
         size = min(max(self._chunk_size, round_up(need + align, _HUGE)), room)
         return size if size >= need else 0
 
@@ -170,7 +173,8 @@ class Arena:
         ``high``: at the top of the free block it is cut from, not the bottom (blocks granted
         ahead: freed when a large put needs their room, they leave no hole in the middle).
         ``wait``: a new segment it needs is made on a thread, not here, and Growing raised
-        (Note [growing]); also while another is being made.
+        (Note [growing]); also while another is being made. Without it, one that does not
+        fit while a segment is being made waits for that one first.
 
         Raises ShmExhausted when the tmpfs cannot back a needed new segment.
         """
@@ -184,6 +188,11 @@ class Arena:
         if need > self._capacity - self._used:
             return None
         found = self._best_fit(need, align)
+        if found is None and not wait and self._growth is not None:
+            # (one made now would count that one against the capacity: it may hold this)
+            self._growth.join()
+            self._settle()
+            found = self._best_fit(need, align)
         if found is None:
             if wait and self._growth is not None:  # (it may hold this one too)
                 raise Growing(self._growth)
@@ -223,10 +232,16 @@ class Arena:
         """The growth that ended since the last call, its segment taken in, or its `error`
         (also if taking it in failed: journaling it, registering it with NIXL); None if
         none did."""
+        if self._growth is not None and self._growth.done:
+            self._settle()
+        growth, self._ended = self._ended, None
+        return growth
+
+    def _settle(self) -> None:
+        """Take in the segment made on the thread, which ended (`grown` says so next)."""
         growth = self._growth
-        if growth is None or not growth.done:
-            return None
-        self._growth, growth.over = None, True
+        assert growth is not None and growth.done
+        self._growth, self._ended, growth.over = None, growth, True
         if growth.segment is not None:
             try:
                 self._take(growth.segment)
@@ -234,7 +249,6 @@ class Arena:
                 logger.exception("could not take in new segment %s", growth.segment.path)
                 growth.segment.unlink()
                 growth.segment, growth.error = None, exc
-        return growth
 
     def free(self, block: Block) -> None:
         """Return ``block`` and merge it with free neighbours in the same segment."""
