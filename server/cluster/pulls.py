@@ -241,15 +241,13 @@ class Pulls(Failing):
         m, version, growth = pull.room
         if not growth.over:
             return
-        pull.room, arena = None, self.registry.arena
+        pull.room = None
         pull.started = time.monotonic()  # (PULL_WAIT from its read's start)
-        arena.failed = growth.error
-        try:
-            self._take(pull, m, version)
-        except Exception as exc:  # (taking the segment in failed: NIXL's registration, say)
-            self._fail(pull, BrokerError(f"the pull of {pull.key!r} failed: {exc!r}"))
-        finally:
-            arena.failed = None
+        with self.registry.arena.after(growth):
+            try:
+                self._take(pull, m, version)
+            except Exception as exc:  # (taking the segment in failed: NIXL's registration)
+                self._fail(pull, BrokerError(f"the pull of {pull.key!r} failed: {exc!r}"))
 
     def more(self, node: str, m: dict[str, Any]) -> None:
         """The relay `node` that lent a version it was still pulling has more of it (`ready`

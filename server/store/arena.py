@@ -14,7 +14,7 @@ Growing, the put waits in the parking lot (objects.py), and the loop takes the s
 (journaled, and registered with NIXL in a cluster, on the loop) once `grown()` says it is
 made, then asks again for the puts that waited, in their order. If it could not be made,
 they ask again too, and one that still needs a new segment fails with that error
-(`failed`), not a growth more. A pull of another node's version waits the same way,
+(`after`), not a growth more. A pull of another node's version waits the same way,
 holding its loan (pulls.py: a first pull of 512 MiB stalled a reader's loop 161-166 ms
 here). Grants ahead (grants.py) take no block that needs a new segment meanwhile (the
 client asks again later). Queue items, and items lent from other nodes, still make a
@@ -25,9 +25,10 @@ capacity.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from bisect import bisect_left, insort
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from ...common.config import round_up
@@ -97,9 +98,7 @@ class Arena:
         self._closed = False
         self._growth: Growth | None = None  # a segment being made on a thread (`wait`)
         self._ended: Growth | None = None  # one that ended since `grown` last said
-        # Set while the allocations that waited for a growth that failed try again: one
-        # that would grow raises it instead (not a growth more, failing as that one did).
-        self.failed: Exception | None = None
+        self._failed: Exception | None = None  # (`after`)
 
     # -- free list ---------------------------------------------------------------------------
 
@@ -199,8 +198,8 @@ class Arena:
             grow = self._growth_size(need, align)
             if not grow:
                 return None
-            if wait and self.failed is not None:
-                raise self.failed
+            if wait and self._failed is not None:
+                raise self._failed
             if wait:
                 self._growth = Growth(self._new_segment, grow)
                 raise Growing(self._growth)
@@ -227,6 +226,16 @@ class Arena:
     def growing(self) -> bool:
         """A segment is being made on a thread (`allocate`'s `wait`)."""
         return self._growth is not None
+
+    @contextlib.contextmanager
+    def after(self, growth: Growth) -> Iterator[None]:
+        """While the allocations that waited for `growth` try again: if it failed, one that
+        would grow raises its error instead (not a growth more, failing as that one did)."""
+        self._failed = growth.error
+        try:
+            yield
+        finally:
+            self._failed = None
 
     def grown(self) -> Growth | None:
         """The growth that ended since the last call, its segment taken in, or its `error`

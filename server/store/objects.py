@@ -214,12 +214,9 @@ class Objects:
         growth = arena.grown()
         if growth is None:
             return
-        arena.failed = growth.error
-        try:
+        with arena.after(growth):
             for w in self.lot.line(GROWING_PUTS):
                 self._retry(w)
-        finally:
-            arena.failed = None
 
     def _retry(self, w: Waiter) -> None:
         self.lot.unpark(w)
