@@ -77,7 +77,21 @@ class Reads:
         specs = [(str(n), str(d), tuple(s)) for n, d, s in offer["specs"]]
         return specs, bool(offer["bundle"]), str(offer.get("device", "cpu"))
 
-    def take(self, node: str, offer: dict[str, Any], obj: Any) -> tuple[Any, int]:
+    bytes_pushed = blocks_held = 0  # (no piece pushed here)
+
+    def abandon(self, node: str, why: str) -> None: ...
+    def restarted(self, node: str) -> None: ...
+    def unwritten(self, node: str, tokens: Any) -> None: ...
+    def wrote(self, node: str, m: dict[str, Any]) -> None: ...
+    def served(self) -> list[tuple[str, dict[str, Any]]]:
+        return []
+
+    def hold(self, reads: Any, release: Any) -> bool:  # (no piece pushed here: none held)
+        return False
+
+    def take(
+        self, node: str, offer: dict[str, Any], obj: Any, lent: bool = False
+    ) -> tuple[Any, int]:
         self.started.append(obj.key)
         size = int(offer["size"])
         return Taken(self, size, min(size, int(offer.get("ready", size)))), size

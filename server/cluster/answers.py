@@ -49,6 +49,8 @@ class Answers:
         try:
             if op == "welcome":
                 node = str(m["node"])
+                if self.links.restarted(node, m.get("incarnation")):  # (Note [pushes])
+                    self.transfers.restarted(node)
                 self.transfers.add_peer(node, bytes(m["agent"]), m.get("agent_v"))
                 heard, same = self.links.heard_of(node), self.links.same(node, m)
                 if same is None:  # from an incarnation that a newer one replaced
@@ -73,8 +75,9 @@ class Answers:
                 self.queues.node_up(node)
                 log.info("cluster: node %r at %s is up", node, peer.address)
             elif op == "hello_first":
-                if peer.node is not None:  # an announcement, or queue items, it dropped
+                if peer.node is not None:  # an announcement, queue items or writes it dropped
                     self.replicas.lending.offers_back(peer.node, m.get("unoffered", ()))
+                    self.transfers.unwritten(peer.node, m.get("unwritten", ()))
                     for loan in m.get("qback", ()):
                         self.queues.back(peer.node, int(loan))
                 self.links.send_to(peer, self._hello(to=peer.node))
@@ -88,6 +91,8 @@ class Answers:
                 self.replicas.homes.answered(peer.node or "", m)
             elif op == "more":
                 self.replicas.pulls.more(peer.node or "", m)
+            elif op == "wrote":  # (Note [pushes] in pushes.py)
+                self.transfers.wrote(peer.node or "", m)
             elif op == "beat" and peer.node is not None:
                 self.links.beaten(peer, m)
                 same = self.links.same(peer.node, m)

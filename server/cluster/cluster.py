@@ -99,6 +99,7 @@ class Cluster(Answers, Requests):
     ) -> None:  # fmt: skip
         self.node, self.address, self.transfers = joining.node, joining.address, transfers
         self.links = links = Links(joining, poller)
+        transfers.send = links.send  # (a loan's pieces asked for: Note [pushes] in pushes.py)
         self.peers, fds = links.peers, {transfers.fd}  # (a read ended: Transfers.fd)
         poller.register(transfers.fd, zmq.POLLIN)
         self.replicas = Replicas(self.node, objects, lot, transfers, links, joining.prefetch)
@@ -194,6 +195,7 @@ class Cluster(Answers, Requests):
             return
         if socket == self.transfers.fd:  # (the reads are looked at in `tick`)
             self.transfers.mover.woken()
+            self._served()
             return
         for route, peer, message in self.links.read(socket):
             if peer is None:
@@ -215,6 +217,8 @@ class Cluster(Answers, Requests):
                     self.links.registrations[node] = record["registration"]
                 address = str(record.get("address", ""))
                 restarted = self.links.restarted(node, record.get("incarnation"))
+                if restarted:  # (its writes went with its old process: Note [pushes])
+                    self.transfers.restarted(node)
                 for peer in [p for p in self.peers if p.node == node and p.address != address]:
                     if peer.up and restarted:  # (elsewhere: a pod's new IP, say; an idle
                         self._down(peer)  # link there would stay up: Note [beats])
@@ -359,7 +363,8 @@ class Cluster(Answers, Requests):
             "pulled": dict(r.pulls.done), "prefetched": r.prefetched,
             "lent_early": r.lending.lent_early, "followers": len(r.lending.followers),
             "lookers": len(r.homes.lookers), "lookups": r.homes.asked_count,
-            "puts_lost": r.puts_lost,
+            "puts_lost": r.puts_lost, "bytes_pushed": self.transfers.bytes_pushed,
+            "blocks_held": self.transfers.blocks_held,
         }  # fmt: skip
 
     def close(self) -> None:

@@ -257,19 +257,21 @@ class Links(Beats):
         self.routes[route] = node
         self._routes_of.setdefault(node, []).append(route)
 
-    def answer(self, node: str, message: dict[str, Any]) -> None:
+    def answer(self, node: str, message: dict[str, Any]) -> bool:
         """Answer a request of `node`'s, on the newest link it opened to this broker that
-        is still there (a link that reconnected has a new route; the old one is dropped)."""
+        is still there (a link that reconnected has a new route; the old one is dropped).
+        False if none was (it is forgotten, say)."""
         for route in reversed(self._routes_of.get(node, [])[:]):
             try:
                 self.router.send_multipart([route, _pack(message)], zmq.NOBLOCK)
-                return
+                return True
             except zmq.ZMQError as exc:
                 if exc.errno != zmq.EHOSTUNREACH:
                     log.warning("a cluster answer to %r was dropped: %s", node, exc)
-                    return
+                    return False
                 del self.routes[route]
                 self._routes_of[node].remove(route)
+        return False
 
     def everyone(self, message: dict[str, Any]) -> None:
         for peer in self.peers:

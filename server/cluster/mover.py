@@ -29,16 +29,22 @@ POLL = 0.0002  # seconds between the thread's looks at the reads under way (none
 @dataclass(slots=True)
 class Read:
     """A read handed to the mover: `size` bytes from `node` at `remote` (a NIXL descriptor
-    list) into `local`. `finished` once NIXL said DONE; `error` once it failed."""
+    list) into `local`, or, `op` WRITE, from `local` to `remote` in `node`'s memory (a piece
+    pushed to a reader: Note [pushes] in pushes.py). `finished` once NIXL said DONE; `error`
+    once it failed. A pushed read (`token`) is not the mover's: its lender says it ended."""
 
     node: str
     local: Any
     remote: Any
     size: int
     fill: int = 0  # the address of its bytes here, if host memory: populated first
+    op: str = "READ"
     handle: Any = None  # NIXL's transfer request (the thread's)
     finished: bool = False
     error: str | None = None
+    token: int = 0  # a pushed read's: named in its `write` and its lender's `wrote`
+    asked_at: float = 0.0  # when a pushed read was asked for
+    late: bool = False  # given up, its lender perhaps still writing it (pushes.py)
 
 
 class Mover:
@@ -52,8 +58,10 @@ class Mover:
         self._thread = threading.Thread(target=self._run, name="nixl-reads", daemon=True)
         self._thread.start()
 
-    def start(self, node: str, local: Any, remote: Any, size: int, fill: int = 0) -> Read:
-        read = Read(node, local, remote, size, fill)
+    def start(
+        self, node: str, local: Any, remote: Any, size: int, fill: int = 0, op: str = "READ"
+    ) -> Read:
+        read = Read(node, local, remote, size, fill, op)
         self._new.put(read)
         return read
 
@@ -113,13 +121,14 @@ class Mover:
         if read.fill:
             _populate(read.fill, read.size)
         try:
-            read.handle = agent.initialize_xfer("READ", read.local, read.remote, read.node)
+            read.handle = agent.initialize_xfer(read.op, read.local, read.remote, read.node)
             if agent.transfer(read.handle) == "ERR":
                 agent.release_xfer_handle(read.handle)
                 raise OSError("NIXL refused to post it")
         except Exception as exc:  # NIXL's own errors (nixlNotFoundError, ...)
-            self._end(read, f"NIXL could not start a read of {read.size} bytes from "
-                      f"{read.node!r}: {exc!r}")  # fmt: skip
+            what = "read of {} bytes from" if read.op == "READ" else "write of {} bytes to"
+            self._end(read, f"NIXL could not start a {what.format(read.size)} {read.node!r}: "
+                      f"{exc!r}")  # fmt: skip
             return False
         return True
 

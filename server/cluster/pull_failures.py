@@ -17,6 +17,7 @@ from ..store.parking import Waiter
 from ..store.records import Session
 from .offers import Held
 from .records import Links, Pull, Remote
+from .transfers import Transfers
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ class Failing:
     session: Session
 
     held: Held
+    transfers: Transfers
     pulls: dict[int, Pull]
     ask: Callable[[str, str, Sequence[Waiter], Sequence[tuple[str, int, int]]], Pull]
 
@@ -62,9 +64,8 @@ class Failing:
         self._cut(pull, f"node {self.node!r} read {pull.key!r} again")
         if pull.version and offer is None:  # (its lender let go already, or does now)
             self._return(pull.source, pull.id, pull.ask)
-        if pull.put:
-            self.registry.abort(self.session, pull.put, False)
-        pull.put = pull.version = 0
+        self._drop(pull)
+        pull.version = 0
         pull.obj, pull.cut, pull.told, pull.read_at = None, False, 0, 0.0
         pull.suspect = False  # (of the read thrown away: the next is read anew)
         if not self.links.up(pull.node):
@@ -73,6 +74,20 @@ class Failing:
         pull.started = time.monotonic()
         relay, pull.source = pull.source != pull.node, pull.node
         self._lend(pull, pull.node, direct=relay)  # (a relay failed it: the owner lends it)
+
+    def _drop(self, pull: Pull) -> None:
+        """Abort the put of `pull`'s replica; its block stays out of use while a lender may
+        still write into it (pieces given up: Note [pushes] in pushes.py)."""
+        put, reading = pull.put, pull.reading
+        pull.put, pull.reading = 0, None
+        if not put:
+            return
+
+        def release() -> None:
+            self.registry.abort(self.session, put, False)
+
+        if reading is None or not self.transfers.hold(reading.reads, release):
+            release()
 
     def _again(self, pull: Pull, error: BrokerError) -> None:
         """Pull it again from where the index says it is now (another version won, or it was
@@ -106,8 +121,7 @@ class Failing:
         for node, their, ask in pull.lends:  # sent here: their owner lends it to them instead
             gone = f"node {self.node!r} could not pull {pull.key!r}"
             self.links.answer(node, {"op": "lent", "pull": their, "ask": ask, "error": gone})
-        if pull.put:
-            self.registry.abort(self.session, pull.put, False)
+        self._drop(pull)
         deleted = isinstance(error, NotFound) and pull.key not in self.index
         remote = self.index.get(pull.key)  # (its key's node now is down: wait for it)
         owner = pull.node if remote is None else remote.node

@@ -60,6 +60,7 @@ class Pulls(Failing):
             pull.waiters.extend(w for w in waiters if w not in pull.waiters)
 
     def node_down(self, node: str) -> None:
+        self.transfers.abandon(node, f"node {node!r} went down")  # (Note [pushes])
         for pull in [p for p in self.pulls.values() if node in (p.node, p.source)]:
             if pull.room is not None and pull.node != node:  # a relay's loan, waiting here
                 pull.room = None
@@ -205,7 +206,9 @@ class Pulls(Failing):
                 raise InvalidRequest(f"{where}; a replica here needs that device: {exc}") from None
             obj.evictable = True  # a replica is a cache (of host memory: eviction.py)
             pull.obj = obj
-            pull.handle, pull.size = self.transfers.take(pull.source, m, obj)
+            lent = pull.offer is None  # (its lender pushes it: Note [pushes] in pushes.py)
+            pull.handle, pull.size = self.transfers.take(pull.source, m, obj, lent)
+            pull.reading = pull.handle
             if pull.lends and pull.lendable(CHUNK):  # (asked here before its read began)
                 lends, pull.lends = pull.lends, []
                 for node, their, ask in lends:  # lent now, read as it comes (Note [relays])
@@ -326,6 +329,7 @@ class Pulls(Failing):
         remote = self.index.get(pull.key)
         if remote is not None and (remote.node, remote.version) == (pull.node, pull.version):
             self.objects.seal(self.session, pull.put, False, version=pull.version)
+            pull.reading = None
             obj = self.registry.objects.get(pull.key)
             if obj is not None:  # lent while read: pinned now, and told the rest is here
                 for node, their, ask in pull.partial:
@@ -337,8 +341,7 @@ class Pulls(Failing):
                 if obj is not None:
                     self.links.answer(node, self.loan(node, their, obj, ask))
             return
-        self.registry.abort(self.session, pull.put, False)  # deleted, or another version won
-        pull.put = 0
+        self._drop(pull)  # deleted, or another version won
         self._again(pull, NotFound(f"no object {pull.key!r}: it went while it was pulled"))
 
     def _vouched(self, pull: Pull) -> bool:

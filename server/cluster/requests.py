@@ -33,6 +33,14 @@ class Requests:
     def _hello(self, op: str = "hello", to: str | None = None) -> dict[str, Any]:
         raise NotImplementedError
 
+    def _served(self) -> None:
+        """Answer the pieces written since (Note [pushes] in pushes.py): on this broker's own
+        link to the reader if it has no route here (it was forgotten since it asked), as
+        the reader holds the block until it hears."""
+        for node, answer in self.transfers.served():
+            if not self.links.answer(node, answer):
+                self.links.send(node, answer)
+
     def _request(self, route: bytes, m: dict[str, Any]) -> None:
         op, replicas, links = m["op"], self.replicas, self.links
         lost = links.tally(route, m)
@@ -43,6 +51,8 @@ class Requests:
                 node, address = str(m["node"]), str(m.get("address", ""))
                 self.transfers.add_peer(node, bytes(m["agent"]), m.get("agent_v"))
                 restarted = links.restarted(node, m.get("incarnation"))
+                if restarted:  # (its writes went with its old process: Note [pushes])
+                    self.transfers.restarted(node)
                 same = links.same(node, m)
                 if same is None:  # from an incarnation that a newer one replaced
                     return
@@ -68,6 +78,8 @@ class Requests:
                     first["again"] = m
                 elif op == "qitem":  # not read: its lender puts it back in its part
                     first["qback"] = [m["loan"]]
+                elif op == "write":  # not written (Note [pushes] in pushes.py)
+                    first["unwritten"] = [m["token"]]
                 links.reply(route, first)
             elif op == "beat":  # its answer: when this broker last heard it (links.py, `kept`)
                 replicas.lending.open_pulls(node, m.get("pulls"), m.get("t"))
@@ -111,6 +123,11 @@ class Requests:
             elif op == "lend":
                 pull, direct, ask = int(m["pull"]), bool(m.get("direct")), int(m.get("ask", 0))
                 replicas.lending.lend(node, pull, str(m["key"]), direct, ask, m.get("t"))
+            elif op == "write":  # a piece of a loan, pushed (Note [pushes] in pushes.py)
+                self.transfers.serve(node, m)
+                self._served()
+            elif op == "wrote":  # (its lender had forgotten this one's route: `_served`)
+                self.transfers.wrote(node, m)
             elif op == "returned":
                 replicas.lending.returned(node, int(m["pull"]), int(m.get("ask", 0)))
             elif op == "delete":

@@ -4,10 +4,13 @@ arena's segments are registered with it once, as they are made, never per transf
 metadata travels in the cluster's own msgpack messages (cluster.py): NIXL's listener thread
 and its pickled descriptors are never used, so nothing from the network is unpickled.
 
-Only the puller acts: it READs the bytes of a block its peer lent it into a block of its own
-(`read`), on a thread of its own (mover.py: no NIXL call of a transfer runs on the broker's
-loop), and the loop looks whether it ended (`done`) when that thread wakes it (`fd`); the
-lender only keeps the block pinned until the puller says it is through.
+The puller drives: it asks for the bytes of a block its peer lent it in pieces, a window of
+them under way (reads.py). Each piece is READ into a block of its own, or, for a version lent
+in host memory of at least PUSH_MIN bytes, written there by the lender at its request (Note
+[pushes] in pushes.py: UCX's TCP has no zero-copy READ). NIXL's transfers run on a thread of
+their own (mover.py: no NIXL call of a transfer runs on the broker's loop), and the loop
+looks whether they ended when that thread wakes it (`fd`); the lender keeps the block
+pinned until the puller says it is through.
 
 A GPU object's bytes go the same way between device chunks, registered with NIXL as VRAM
 as each chunk is made (`register_chunk`): NIXL's UCX backend moves them device to device
@@ -35,12 +38,12 @@ import ctypes
 import importlib
 import mmap
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
-from ...common.cudart import device_index
 from ...common.errors import InvalidRequest
-from .mover import Mover, Read
+from .mover import Mover
+from .pushes import Pushes
+from .reads import CHUNK, INLINE, POPULATED, WINDOW, Reading, Reads
 
 PACKAGES = ("nixl_cu13", "nixl_cu12", "nixl")  # tensorbroker[cluster] installs one of these
 # The progress thread's pause between rounds, in microseconds. The reads' target needs the
@@ -114,53 +117,16 @@ def _paced_agent(api: Any, node: str, config: Any) -> Any:
         bindings.nixlAgentConfig = base
 
 
-CHUNK = 16 * 2**20  # a version's bytes are read in reads of this size at most (Reading)
-WINDOW = 4  # reads of one Reading under way at most (Reading)
-POPULATED = 2 * 2**20  # the granule of host memory known to be populated (`_unpopulated`)
-INLINE = 64 * 2**10  # host objects of at most this many bytes lent with them (Note [inline])
+__all__ = ["CHUNK", "INLINE", "POPULATED", "WINDOW", "Reading", "Transfers", "new_agent"]
 
 
-@dataclass(slots=True)
-class Reading:
-    """A pull's reads of `size` bytes at `remote` in `node`'s memory into `local` in this
-    broker's (`far`, `near`: their NIXL memory types and device ids), asked for in CHUNK
-    reads, WINDOW of them under way at most: a relay lends a version it is still pulling,
-    its first bytes read as it has them (Note [relays] in lending.py), and UCX moves the
-    reads under way side by side, so that with all 32 reads of a 512 MiB version asked for
-    at once, the first ended with 352 MiB of the others, 283 ms after it began, and the
-    relay's borrower waited that long for its first bytes."""
-
-    node: str
-    remote: int
-    local: int
-    size: int
-    far: tuple[str, int]
-    near: tuple[str, int]
-    asked: int = 0  # bytes asked for so far, from the first
-    limit: int = 0  # bytes its source has (all, but for a relay's): asked for up to there
-    reads: list[Read] = field(default_factory=list)
-    failed: str | None = None  # why a read could not be asked for (no more are)
-
-    def ended(self) -> bool:
-        """Whether none of the reads asked for is under way."""
-        return all(r.finished or r.error is not None for r in self.reads)
-
-    def ready(self) -> int:
-        """The bytes read, from the first to the first read not finished."""
-        n = 0
-        for r in self.reads:
-            if not r.finished:
-                break
-            n += r.size
-        return n
-
-
-class Transfers:
+class Transfers(Pushes, Reads):
     """This broker's NIXL agent, its registered segments (mapped here for NIXL: the broker maps
     no segment otherwise) and the reads under way."""
 
     def __init__(self, node: str, shm_dir: str, agent: Any = None) -> None:
         """`agent`: NIXL's, made here if None (a test's stand-in otherwise)."""
+        super().__init__()
         self.agent = new_agent(node) if agent is None else agent
         self.mover = Mover(self.agent)
         self.fd = self.mover.fd  # readable when a read ended (the loop polls it)
@@ -298,97 +264,6 @@ class Transfers:
             self.add_peer(node, bytes(offer["agent"]), offer.get("agent_v"))
         specs = [(str(n), str(d), tuple(s)) for n, d, s in offer["specs"]]
         return specs, bool(offer["bundle"]), str(offer.get("device", "cpu"))
-
-    def take(self, node: str, offer: dict[str, Any], obj: Any) -> tuple[Reading, int]:
-        """Start reading the bytes of `node`'s `offer` into StoredObject `obj`'s block: the
-        reads, and their size. An offer of a relay still pulling its version says how many
-        of its first bytes it has (`ready`): the others are read as it says (`extend`)."""
-        size = min(int(offer["size"]), int(obj.nbytes))
-        local, mine, index = self._place(obj)
-        theirs = ("VRAM", device_index(offer["device"])) if "device" in offer else ("DRAM", 0)
-        data = offer.get("data")
-        if isinstance(data, bytes) and mine == "DRAM" and len(data) >= size:
-            ctypes.memmove(local, data, size)  # (Note [inline]: no read)
-            copied = [Read(node, None, None, size, finished=True)]
-            reading = Reading(
-                node, int(offer["address"]), local, size, theirs, (mine, index),
-                asked=size, limit=size, reads=copied,
-            )  # fmt: skip
-            return reading, size
-        ready = int(offer.get("ready", size))
-        return self.read(
-            node, int(offer["address"]), local, size, theirs, (mine, index), ready
-        ), size
-
-    def read(
-        self, node: str, remote: int, local: int, size: int,
-        far: tuple[str, int] = ("DRAM", 0), near: tuple[str, int] = ("DRAM", 0),
-        ready: int | None = None,
-    ) -> Reading:  # fmt: skip
-        """Start reading `size` bytes at `remote` in `node`'s memory into `local` in ours
-        (`far`, `near`: their NIXL memory types and device ids), the first `ready` of them
-        (all if None) now."""
-        reading = Reading(node, remote, local, size, far, near)
-        self.extend(reading, size if ready is None else ready)
-        return reading
-
-    def extend(self, reading: Reading, ready: int) -> None:
-        """Read the bytes of `reading` up to `ready` (its source has them) not asked for yet,
-        in CHUNK reads, as the window lets (`done` asks for more as reads end)."""
-        reading.limit = max(reading.limit, min(ready, reading.size))
-        self._ask(reading)
-
-    def _ask(self, reading: Reading) -> None:
-        """Ask for the next reads, as the window lets; none once one failed. OSError only if
-        not one read was asked for (else `failed` says why, for `done` to raise once the
-        reads under way ended: NIXL may write into the block until then)."""
-        if reading.failed is not None or any(r.error is not None for r in reading.reads):
-            return
-        agent, near, far = self.agent, reading.near, reading.far
-        under_way = sum(1 for r in reading.reads if not r.finished)
-        while reading.asked < reading.limit and under_way < WINDOW:
-            start = reading.asked
-            size = min(CHUNK, reading.limit - start)
-            try:
-                mine = agent.get_xfer_descs([(reading.local + start, size, near[1])], near[0])
-                theirs = agent.get_xfer_descs([(reading.remote + start, size, far[1])], far[0])
-            except Exception as exc:  # NIXL's own errors
-                why = f"NIXL could not describe a read from {reading.node!r}: {exc!r}"
-                if not reading.reads:
-                    raise OSError(why) from None
-                reading.failed = why
-                return
-            fill = self._unpopulated(reading.local + start, size) if near[0] == "DRAM" else 0
-            reading.reads.append(self.mover.start(reading.node, mine, theirs, size, fill))
-            reading.asked += size
-            under_way += 1
-
-    def _unpopulated(self, address: int, size: int) -> int:
-        """`address`, if a read of `size` bytes there should populate its pages first (mover.py:
-        `_populate`), else 0: the POPULATED granules wholly inside it were populated before,
-        in this broker's mapping, which keeps them (it never unmaps a segment before it
-        stops, nor frees a segment's pages). On this VM, populating 512 MiB of a segment
-        took 112 ms the first time in a mapping, and 22 ms of CPU each time again, for
-        nothing: a 512 MiB weight-sync version costs each reader one such read."""
-        first, end = -(-address // POPULATED), (address + size) // POPULATED
-        granules = range(first, end)
-        if granules and all(g in self._populated for g in granules):
-            return 0
-        self._populated.update(granules)
-        return address
-
-    def done(self, reading: Reading) -> bool:
-        """Whether all of `reading` was read; OSError if a read of it failed (once none of its
-        reads is under way: NIXL may write into the block until then). Reads that ended make
-        room for the next ones (`extend`; NIXL's descriptors made here, its transfers the
-        mover's)."""
-        self._ask(reading)
-        if not reading.ended():
-            return False
-        errors = [r.error for r in reading.reads if r.error is not None]  # (once ended: the
-        if errors or reading.failed is not None:  # mover may fail the last one until then)
-            raise OSError(errors[0] if errors else reading.failed)
-        return reading.asked == reading.size
 
     def close(self) -> None:
         self.mover.close()

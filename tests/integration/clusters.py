@@ -23,15 +23,15 @@ def cluster_options(node: str, ports: dict[str, int]) -> list[str]:
 
 @contextlib.contextmanager
 def cluster(
-    nodes: tuple[str, ...], more: dict[str, list[str]] | None = None
+    nodes: tuple[str, ...], more: dict[str, list[str]] | None = None, memory: str = "64MiB"
 ) -> Iterator[dict[str, tb.BrokerProcess]]:
-    """Brokers of a cluster, one per node; `more`: more options, by node."""
+    """Brokers of a cluster, one per node, of `memory` each; `more`: more options, by node."""
     ports = {node: free_port() for node in nodes}
     started: dict[str, tb.BrokerProcess] = {}
     try:
         for node in nodes:
             options = [*cluster_options(node, ports), *(more or {}).get(node, [])]
-            started[node] = tb.start_broker(memory="64MiB", options=options, log_level="info")
+            started[node] = tb.start_broker(memory=memory, options=options, log_level="info")
         yield started
     finally:
         for b in started.values():

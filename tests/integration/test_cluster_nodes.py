@@ -411,7 +411,8 @@ def test_a_version_read_on_many_nodes_leaves_its_owner_twice_at_most(
 ) -> None:
     """Fan-out without a hot spot: the owner lends a version to two nodes; the others pull
     it from those (lent what a relay has read while it still reads it, the rest as it comes:
-    40 MiB, read in CHUNK pieces), every reader with the same bytes."""
+    40 MiB, in CHUNK pieces, each pushed by its lender: Note [pushes]), every reader with
+    the same bytes."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     nodes = ("a", "b", "c", "d", "e")
     with clusters.cluster(nodes) as started, contextlib.ExitStack() as stack:
@@ -431,6 +432,9 @@ def test_a_version_read_on_many_nodes_leaves_its_owner_twice_at_most(
         assert x.nbytes <= sent <= 2 * x.nbytes, f"the owner sent {sent / x.nbytes:.1f}x"
         got = sum(r.stats()["cluster"]["bytes_received"] for r in readers)
         assert got >= len(readers) * x.nbytes
+        pushed = sum(c.stats()["cluster"]["bytes_pushed"] for c in cs.values())
+        assert pushed >= len(readers) * x.nbytes, "the pieces were read, not pushed"
+        assert all(c.stats()["cluster"]["blocks_held"] == 0 for c in cs.values())
         assert wait_until(lambda: all(clusters.loans(c) == 0 for c in cs.values()), 5)
 
 
@@ -479,6 +483,40 @@ def test_a_pull_cut_off_by_its_owner_dying_leaves_nothing_listed_or_held(
     assert out and not isinstance(out[0], BaseException), out
     assert out[0].numpy().sum() == 48 * 2**20
     del out[:]
+
+
+def test_a_block_a_stalled_lender_may_still_write_into_is_not_reused_until_it_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Note [pushes]: a lender taken for down mid-push may be alive and still writing. Its
+    reader gives the pull up but holds the block until the late pieces are over; the get
+    waits on for the owner (its timeout has not run out) and reads it whole once back."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    size = 256 * 2**20
+    with (
+        clusters.cluster(("a", "b"), memory="512MiB") as brokers,
+        clusters.connected(brokers) as cs,
+    ):
+        a, b = cs["a"], cs["b"]
+        assert wait_until(lambda: clusters.all_up(a) and clusters.all_up(b), 10)
+        x = np.random.default_rng(2).integers(0, 255, size, np.uint8)
+        a.put("w", x)
+        assert wait_until(lambda: b.exists("w"), 5)
+        getting, out = in_thread(lambda: b.get("w", timeout=60))
+        assert wait_until(lambda: a.stats()["cluster"]["bytes_pushed"] > 0, 10, interval=0.0005)
+        brokers["a"].send_signal(signal.SIGSTOP)  # mid-push: its pieces under way stay so
+        try:
+            assert wait_until(lambda: b.stats()["cluster"]["peers"]["a"]["state"] == "down", 10)
+            assert wait_until(lambda: b.stats()["cluster"]["pulls"] == 0, 5)
+            held = b.stats()
+            assert held["cluster"]["blocks_held"] == 1 and held["used_bytes"] >= size
+        finally:
+            brokers["a"].send_signal(signal.SIGCONT)
+        assert wait_until(lambda: b.stats()["cluster"]["blocks_held"] == 0, 15)
+        getting.join(60)
+        assert out and not isinstance(out[0], BaseException), out
+        np.testing.assert_array_equal(out[0].numpy(), x)
+        del out[:]
 
 
 def test_the_cluster_figures_are_served_as_metrics(monkeypatch: pytest.MonkeyPatch) -> None:

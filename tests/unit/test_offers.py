@@ -192,7 +192,7 @@ class FailingTransfers:
         specs = [(str(n), str(d), tuple(s)) for n, d, s in offer["specs"]]
         return specs, bool(offer["bundle"]), "cpu"
 
-    def take(self, node: str, offer: dict[str, Any], obj: Any) -> tuple[Any, int]:
+    def take(self, node: str, offer: dict[str, Any], obj: Any, lent: bool = False) -> Any:
         raise OSError("NIXL could not start a read: nixlNotFoundError")
 
 
@@ -228,7 +228,7 @@ def test_a_read_from_an_offer_that_fails_asks_its_owner_to_lend_it(registry: Reg
 
 
 class Reading(FailingTransfers):
-    def take(self, node: str, offer: dict[str, Any], obj: Any) -> tuple[Any, int]:
+    def take(self, node: str, offer: dict[str, Any], obj: Any, lent: bool = False) -> Any:
         return "read", int(offer["size"])
 
 

@@ -1,0 +1,193 @@
+"""Reads pushed by their lender (Transfers' half that speaks with the peers).
+
+Note [pushes]
+
+UCX's TCP transport has no zero-copy get: a NIXL READ comes back as messages, which the
+lender copies into UCX's send segments and the reader out of its receive segments. A WRITE
+(UCX's TCP put) goes from the lender's memory to its socket, and from the reader's socket
+into the reader's memory: two copies fewer. On this 2-core VM, two readers each taking 512
+MiB from one lender in 16 MiB pieces, 4 under way (interleaved, medians of 7): READ 272 ms
+and 466 ms of CPU, WRITE 232 ms and 390 ms. With NIXL's notifications telling the reader of
+each piece, and readers polling for them, WRITE kept only half of that (258 ms, 418 ms).
+
+So a read of a version lent in host memory (Lending.lend), larger than INLINE, is pushed.
+The reader keeps its window (transfers.Reading) and asks its lender for each piece (`write`:
+from where, to where, with this agent's metadata of now, as the lender must know the block's
+segment); the lender's mover WRITEs it, and its loop answers `wrote` once NIXL says the
+WRITE is over (NIXL flushes UCX's endpoint first: the bytes are in the reader's memory).
+An offer (read at once from an announcement, Note [offers] in offers.py) and device memory
+are still read: the lender of an offer does not hear of its reads.
+
+A lender taken for down may still be alive, and writing. So a piece whose lender went down,
+forgot this node, or did not answer within PUSH_WAIT is given up (`abandon`: its read fails,
+and the pull reads again or fails as for a read that failed), but the block it was asked
+into is not reused (`hold`) until the lender says the piece is over after all (a late
+`wrote`), or says it never took it (`unwritten`: its `hello_first`), or restarted (its
+writes went with its process). One whose lender never does any of these stays held: at most
+WINDOW pieces of CHUNK bytes per pull given up so.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .mover import Mover, Read
+
+log = logging.getLogger(__name__)
+
+PUSH_WAIT = 30.0  # seconds a pushed piece may take before it is given up (its block held)
+
+
+class Pushes:
+    """The pieces this broker asked its lenders to push (`_pushed`, by token) and the blocks
+    held for those given up (`_held`); the pieces peers asked of it (`_serving`)."""
+
+    agent: Any
+    mover: Mover
+
+    def agent_fields(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def add_peer(self, node: str, metadata: bytes, version: Any = None) -> None:
+        raise NotImplementedError
+
+    def __init__(self) -> None:
+        # Sends a request to a peer (Links.send: False if its link is not up); None: no
+        # pushes (a read is read).
+        self.send: Callable[[str, dict[str, Any]], bool] | None = None
+        self._pushed: dict[int, Read] = {}  # token -> the piece asked for, until it ended
+        self._tokens = time.time_ns()  # (a restarted broker's are new to its lenders)
+        self._held: list[tuple[list[Read], Callable[[], None]]] = []  # (pieces, release)
+        self._serving: list[tuple[str, int, Read]] = []  # (node, its token, the WRITE)
+        self.bytes_pushed = 0  # written to peers that asked (their pieces)
+
+    @property
+    def blocks_held(self) -> int:
+        """Blocks out of use while a lender may still write into them (`hold`)."""
+        return len(self._held)
+
+    # -- the reader's side ---------------------------------------------------------------------
+
+    def push(self, node: str, remote: int, local: int, size: int) -> Read:
+        """Ask `node` to write `size` bytes at `remote` in its memory into `local` in this
+        broker's. OSError if the request could not go (its link is not up)."""
+        self._tokens += 1
+        read = Read(node, local, remote, size, op="WRITE", token=self._tokens)
+        message = {"op": "write", "token": read.token, "from": remote, "to": local, "size": size,
+                   **self.agent_fields()}  # fmt: skip
+        if self.send is None or not self.send(node, message):
+            raise OSError(f"could not ask node {node!r} to write {size} bytes: no link up")
+        read.asked_at = time.monotonic()
+        self._pushed[read.token] = read
+        return read
+
+    def wrote(self, node: str, m: dict[str, Any]) -> None:
+        """`node` says the piece `token` is over: in (no `error`), or not."""
+        read = self._pushed.get(int(m["token"]))
+        if read is None or read.node != node:
+            return
+        del self._pushed[read.token]
+        if read.late:
+            self._over(read)
+        elif m.get("error") is None:
+            read.finished = True
+        else:
+            read.error = f"node {node!r} could not write {read.size} bytes here: {m['error']}"
+
+    def unwritten(self, node: str, tokens: Iterable[Any]) -> None:
+        """`node` never took these pieces (it had forgotten this broker): none is coming."""
+        for token in tokens:
+            read = self._pushed.get(int(token))
+            if read is not None and read.node == node:
+                del self._pushed[read.token]
+                if read.late:
+                    self._over(read)
+                else:
+                    read.error = f"node {node!r} did not take the write of {read.size} bytes"
+
+    def restarted(self, node: str) -> None:
+        """`node` is a new process: what its old one was asked to write is not coming."""
+        for read in [r for r in self._pushed.values() if r.node == node]:
+            del self._pushed[read.token]
+            if read.late:
+                self._over(read)
+            else:
+                read.error = f"node {node!r} restarted before it wrote {read.size} bytes"
+
+    def abandon(self, node: str, why: str) -> None:
+        """Give up the pieces asked of `node` that are still under way: they fail, and the
+        blocks they were asked into are held (`hold`) until `node` says they are over."""
+        for read in self._pushed.values():
+            if read.node == node and not read.late:
+                read.error, read.late = why, True
+
+    def overdue(self, reads: Iterable[Read], now: float) -> None:
+        """Give up the pieces of `reads` under way for longer than PUSH_WAIT (`abandon`)."""
+        for read in reads:
+            if read.token and not read.late and read.token in self._pushed:
+                if now - read.asked_at > PUSH_WAIT:
+                    why = f"node {read.node!r} did not write {read.size} bytes in {PUSH_WAIT:.0f} s"
+                    read.error, read.late = why, True
+
+    def hold(self, reads: list[Read], release: Callable[[], None]) -> bool:
+        """Whether a lender may still write into the block `reads` went into (pieces given
+        up): `release` (which frees it) is then called once none may, else not at all."""
+        if not any(r.late for r in reads):
+            return False
+        late = sum(r.size for r in reads if r.late)
+        log.info("cluster: a block is held until %d bytes given up are over", late)
+        self._held.append((reads, release))
+        return True
+
+    def _over(self, read: Read) -> None:
+        """A piece given up is over: the blocks held for it alone are released."""
+        read.late = False
+        held, self._held = self._held, []
+        for reads, release in held:
+            if any(r.late for r in reads):
+                self._held.append((reads, release))
+                continue
+            try:
+                release()
+            except Exception:  # (the others are released still)
+                log.exception("cluster: a block held for a late write could not be released")
+
+    # -- the lender's side ---------------------------------------------------------------------
+
+    def serve(self, node: str, m: dict[str, Any]) -> None:
+        """Write a piece `node` asked for (`write`: pushes.py) on the mover's thread; `served`
+        says when it is over."""
+        token, size = int(m["token"]), int(m["size"])
+        if "agent" in m:  # (the block may lie in a segment new to this broker)
+            self.add_peer(node, bytes(m["agent"]), m.get("agent_v"))
+        try:
+            if size <= 0:
+                raise ValueError(f"a write of {size} bytes")
+            mine = self.agent.get_xfer_descs([(int(m["from"]), size, 0)], "DRAM")
+            theirs = self.agent.get_xfer_descs([(int(m["to"]), size, 0)], "DRAM")
+        except Exception as exc:  # (NIXL's own errors, a bad request)
+            failed = Read(node, None, None, size, op="WRITE", error=f"{exc!r}")
+            self._serving.append((node, token, failed))
+            return
+        self._serving.append((node, token, self.mover.start(node, mine, theirs, size, op="WRITE")))
+
+    def served(self) -> list[tuple[str, dict[str, Any]]]:
+        """The answers to the pieces written since (`wrote`), for the loop to send."""
+        if not self._serving:
+            return []
+        answers, serving = [], []
+        for node, token, write in self._serving:
+            if not (write.finished or write.error is not None):
+                serving.append((node, token, write))
+                continue
+            answer: dict[str, Any] = {"op": "wrote", "token": token}
+            if write.error is not None:
+                answer["error"] = write.error
+            else:
+                self.bytes_pushed += write.size
+            answers.append((node, answer))
+        self._serving = serving
+        return answers

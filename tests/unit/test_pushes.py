@@ -1,0 +1,199 @@
+"""Reads pushed by their lender (server/cluster/pushes.py, Note [pushes]): the reader asks for
+each piece, the lender WRITEs it and says so; a piece given up keeps its block out of use
+until the lender may no longer write into it. NIXL's agent is stood in for by one that
+copies the bytes (the integration tests run the real one)."""
+
+from __future__ import annotations
+
+import ctypes
+import select
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tensorbroker.server.cluster import pushes
+from tensorbroker.server.cluster.reads import CHUNK, PUSH_MIN, Reading
+from tensorbroker.server.cluster.transfers import Transfers
+
+SIZE = PUSH_MIN + CHUNK // 2  # (a last piece smaller than the others)
+
+
+class Copying:
+    """NIXL's agent, its WRITEs copying at once (`hold`: those to the held addresses wait
+    for the test, as a lender taken for down may still be writing)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.held: set[int] = set()
+        self.waiting: list[Any] = []
+
+    def register_memory(self, regions: Any, kind: str) -> None: ...
+
+    def get_agent_metadata(self) -> bytes:
+        return self.name.encode()
+
+    def add_remote_agent(self, metadata: bytes) -> bytes:
+        return metadata
+
+    def get_xfer_descs(self, regions: Any, kind: str) -> Any:
+        return regions
+
+    def initialize_xfer(self, op: str, local: Any, remote: Any, node: str) -> Any:
+        assert op == "WRITE", "a pushed read is never READ"
+        return [local[0], remote[0]]
+
+    def transfer(self, handle: Any) -> str:
+        (src, size, _), (dst, _, _) = handle
+        if dst in self.held:
+            self.waiting.append(handle)
+        else:
+            ctypes.memmove(dst, src, size)
+        return "PROC"
+
+    def check_xfer_state(self, handle: Any) -> str:
+        return "PROC" if handle in self.waiting else "DONE"
+
+    def release_xfer_handle(self, handle: Any) -> None: ...
+
+    def finish(self) -> None:
+        """The WRITEs held back end (their bytes land)."""
+        for (src, size, _), (dst, _, _) in self.waiting:
+            ctypes.memmove(dst, src, size)
+        self.waiting.clear()
+
+
+class Pair:
+    """A reader `r` and its lender `l`, their messages carried by hand (`carry`)."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.lender_agent = Copying("l")
+        self.l = Transfers("l", str(tmp), self.lender_agent)
+        self.r = Transfers("r", str(tmp), Copying("r"))
+        self.asked: list[dict[str, Any]] = []  # requests r sent l, not carried yet
+        self.r.send = lambda node, m: node == "l" and not self.asked.append(m)  # type: ignore[func-returns-value]
+        self.src = np.random.default_rng(0).integers(0, 255, SIZE, np.uint8)
+        self.dst = np.zeros(SIZE, np.uint8)
+
+    def read(self) -> Reading:
+        reading = Reading("l", self.src.ctypes.data, self.dst.ctypes.data, SIZE,
+                          ("DRAM", 0), ("DRAM", 0), push=True)  # fmt: skip
+        self.r.extend(reading, SIZE)
+        return reading
+
+    def carry(self, reading: Reading) -> bool:
+        """Carry the requests to l and its answers back until the read ended: `done`."""
+        for _ in range(500):
+            asked, self.asked = self.asked, []
+            for m in asked:
+                self.l.serve("r", m)
+            for _, answer in self.l.served():
+                self.r.wrote("l", answer)
+            if reading.asked == reading.size and reading.ended():
+                return self.r.done(reading)
+            self.r.done(reading)  # (asks for the next pieces)
+            select.select([self.l.fd], [], [], 0.01)
+            self.l.mover.woken()
+        raise AssertionError("the read never ended")
+
+    def close(self) -> None:
+        self.lender_agent.finish()
+        self.l.close()
+        self.r.close()
+
+
+def _woken(t: Transfers) -> bool:
+    return bool(select.select([t.fd], [], [], 5)[0])
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Any:
+    p = Pair(tmp_path)
+    yield p
+    p.close()
+
+
+def test_a_lent_version_is_written_by_its_lender_piece_by_piece(pair: Pair) -> None:
+    reading = pair.read()
+    assert len(pair.asked) == 3 and all(m["size"] <= CHUNK for m in pair.asked)
+    assert pair.asked[0]["agent"] == b"r"  # (its block's segment known to the lender)
+    assert pair.carry(reading)
+    np.testing.assert_array_equal(pair.dst, pair.src)
+    assert pair.l.bytes_pushed == SIZE
+
+
+def test_a_piece_the_lender_could_not_write_fails_the_read(pair: Pair) -> None:
+    reading = pair.read()
+    pair.asked[1]["size"] = 0  # (a request it cannot take)
+    with pytest.raises(OSError, match="could not write"):
+        pair.carry(reading)
+
+
+def test_a_piece_given_up_keeps_its_block_until_its_lender_says_it_is_over(pair: Pair) -> None:
+    """The lender taken for down may be alive and still writing: the reader's block is not
+    reused (the pull's put not aborted) until the late `wrote` comes."""
+    reading = pair.read()
+    pair.lender_agent.held = {pair.dst.ctypes.data}  # the first piece's WRITE stays under way
+    for m in pair.asked:
+        pair.l.serve("r", m)
+    pair.asked.clear()
+    pair.r.abandon("l", "node 'l' went down")
+    with pytest.raises(OSError, match="went down"):
+        pair.r.done(reading)
+    released: list[bool] = []
+    assert pair.r.hold(reading.reads, lambda: released.append(True))
+    assert pair.r.blocks_held == 1
+    assert _woken(pair.l)
+    pair.l.mover.woken()
+    for _, answer in pair.l.served():  # the pieces that ended: not yet the first
+        pair.r.wrote("l", answer)
+    assert not released
+    pair.lender_agent.finish()  # the late piece lands, and its lender says so
+
+    def answered() -> bool:
+        for _, answer in pair.l.served():
+            pair.r.wrote("l", answer)
+        return bool(released)
+
+    assert _wait(answered)
+    assert released == [True] and pair.r.blocks_held == 0
+
+
+def _wait(f: Any) -> bool:
+    for _ in range(500):
+        if f():
+            return True
+        select.select([], [], [], 0.01)
+    return False
+
+
+def test_pieces_a_lender_never_took_or_that_went_with_its_process_hold_nothing(
+    pair: Pair,
+) -> None:
+    reading = pair.read()
+    tokens = [m["token"] for m in pair.asked]
+    pair.r.abandon("l", "node 'l' forgot this one")
+    released: list[int] = []
+    assert pair.r.hold(reading.reads, lambda: released.append(1))
+    pair.r.unwritten("l", tokens[:2])  # its hello_first: it dropped those
+    assert not released
+    pair.r.restarted("l")  # (the last went with its old process)
+    assert released == [1] and pair.r.blocks_held == 0
+
+
+def test_a_piece_unanswered_for_push_wait_is_given_up(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reading = pair.read()
+    assert not pair.r.done(reading)
+    monkeypatch.setattr(pushes, "PUSH_WAIT", 0.0)
+    with pytest.raises(OSError, match="did not write"):
+        pair.r.done(reading)
+    assert pair.r.hold(reading.reads, lambda: None)  # (its lender may write it yet)
+
+
+def test_a_read_that_ended_holds_nothing(pair: Pair) -> None:
+    reading = pair.read()
+    assert pair.carry(reading)
+    assert not pair.r.hold(reading.reads, lambda: None)
