@@ -5,7 +5,8 @@ run. Written to bench/results/cluster.md.
     first get of 256 MiB on another node    vs  one raw NIXL READ of 256 MiB, two processes,
                                             each just before it (agents made as the brokers')
     CPU of a raw NIXL WRITE of 256 MiB      vs  that of a raw READ (both processes' CPU):
-                                            what a lender pushing would cost (no target)
+                                            why a lent version is pushed (Note [pushes];
+                                            no target)
     first get of 4 KiB on another node      vs  one raw ZeroMQ round trip, tcp loopback
       (--prefetch 64KiB: read there as it was announced, Note [prefetch], the get made
       once that read ended; and, with the default --prefetch 0, pulled at the get)
@@ -162,9 +163,10 @@ def read_against_write(
     once: Callable[[str], tuple[float, float]], reps: int
 ) -> tuple[float, float]:
     """The CPU seconds of both processes for a raw NIXL READ and for a WRITE of as many bytes
-    (medians, alternated): what a version's lender pushing it would cost against its reader
-    pulling it (UCX's TCP has no zero-copy get: a READ comes back as messages, copied out of
-    UCX's receive segment; a WRITE is received in place)."""
+    (medians, alternated): why a version lent in host memory is pushed by its lender rather
+    than read (Note [pushes] in server/cluster/pushes.py: UCX's TCP has no zero-copy get; a
+    READ comes back as messages, copied out of UCX's receive segment; a WRITE is received
+    in place)."""
     reads, writes = [], []
     for _ in range(reps):
         reads.append(once("READ")[1])
@@ -376,7 +378,7 @@ def main() -> int:
          "bandwidth, at least 0.8x"),
         ("CPU of a raw NIXL WRITE of 256 MiB (both processes)", f"{write_cpu * 1e3:.0f} ms",
          f"a raw NIXL READ {read_cpu * 1e3:.0f} ms", write_cpu / read_cpu,
-         "(none: what pushing would cost)"),
+         "(none: why lent versions are pushed)"),
         ("first get of 4 KiB on another node (read there as announced)",
          f"{small_get * 1e6:.0f} us", f"raw ZeroMQ round trip {rtt * 1e6:.0f} us",
          small_get / rtt, "at most 3x"),

@@ -83,6 +83,8 @@ class Reads:
     def restarted(self, node: str) -> None: ...
     def unwritten(self, node: str, tokens: Any) -> None: ...
     def wrote(self, node: str, m: dict[str, Any]) -> None: ...
+    def writing(self, node: str, tokens: Any) -> None: ...
+    def ask_about(self, now: float) -> None: ...
     def served(self) -> list[tuple[str, dict[str, Any]]]:
         return []
 
@@ -104,6 +106,8 @@ class Taken:
     """A read of `size` bytes under way (as transfers.Reading), of which its source has
     `limit` (a relay lends what it still reads: the rest as it says): they end once `reads`
     do, and the read is done once all were there and read."""
+
+    push = False  # (read, not pushed: Note [pushes])
 
     def __init__(self, reads: Reads, size: int, limit: int) -> None:
         self.reads, self.size, self.limit = reads, size, limit

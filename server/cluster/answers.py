@@ -49,8 +49,6 @@ class Answers:
         try:
             if op == "welcome":
                 node = str(m["node"])
-                if self.links.restarted(node, m.get("incarnation")):  # (Note [pushes])
-                    self.transfers.restarted(node)
                 self.transfers.add_peer(node, bytes(m["agent"]), m.get("agent_v"))
                 heard, same = self.links.heard_of(node), self.links.same(node, m)
                 if same is None:  # from an incarnation that a newer one replaced

@@ -100,6 +100,7 @@ class Cluster(Answers, Requests):
         self.node, self.address, self.transfers = joining.node, joining.address, transfers
         self.links = links = Links(joining, poller)
         transfers.send = links.send  # (a loan's pieces asked for: Note [pushes] in pushes.py)
+        links.restarts = transfers.restarted  # (its writes went with its old process)
         self.peers, fds = links.peers, {transfers.fd}  # (a read ended: Transfers.fd)
         poller.register(transfers.fd, zmq.POLLIN)
         self.replicas = Replicas(self.node, objects, lot, transfers, links, joining.prefetch)
@@ -257,6 +258,7 @@ class Cluster(Answers, Requests):
             if links.unread:  # (found by this turn's sends: Links)
                 self.ready(self.links.fd)
             self.replicas.pulls.poll(now)
+            self.transfers.ask_about(now)  # (Note [pushes] in pushes.py)
             self.replicas.homes.tick(now)
             self.queues.arrivals.poll()
             links.freshen()  # (last: the polls above may find a peer not fresh)

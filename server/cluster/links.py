@@ -83,6 +83,8 @@ class Links(Beats):
         micros, noise = time.time_ns() // 1000, int.from_bytes(os.urandom(2), "big") >> 6
         self.incarnation = micros << 10 | noise
         self._incarnations: dict[str, int] = {}  # node -> its incarnation, as last heard
+        # Told of a node heard from as a newer incarnation (`same`): Transfers.restarted.
+        self.restarts: Callable[[str], None] = lambda node: None
         self.forgot: dict[str, int] = {}
         self.seen_forgot: dict[str, int] = {}
         self._after: list[tuple[str, Message]] = []  # (node, message): `after`
@@ -141,6 +143,8 @@ class Links(Beats):
         if isinstance(incarnation, int) and known is not None and incarnation < known:
             return None
         forgot = m.get("forgot", 0) if isinstance(m.get("forgot", 0), int) else 0
+        if isinstance(incarnation, int) and known is not None and incarnation > known:
+            self.restarts(node)
         same = known is not None and known == incarnation
         if isinstance(incarnation, int):
             self._incarnations[node] = incarnation

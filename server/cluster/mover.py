@@ -44,7 +44,13 @@ class Read:
     error: str | None = None
     token: int = 0  # a pushed read's: named in its `write` and its lender's `wrote`
     asked_at: float = 0.0  # when a pushed read was asked for
+    queried_at: float = 0.0  # when its lender was last asked about it (pushes.py)
     late: bool = False  # given up, its lender perhaps still writing it (pushes.py)
+
+
+# What the loop hands the thread: a transfer, a call, a call replacing a node's agent, or None
+# (stop).
+Item = Read | Callable[[], None] | tuple[str, Callable[[], None]] | None
 
 
 class Mover:
@@ -54,7 +60,11 @@ class Mover:
     def __init__(self, agent: Any) -> None:
         self.agent = agent
         self.fd, self._wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._new: queue.SimpleQueue[Read | Callable[[], None] | None] = queue.SimpleQueue()
+        self._new: queue.SimpleQueue[
+            Read | Callable[[], None] | tuple[str, Callable[[], None]] | None
+        ] = queue.SimpleQueue()
+        # node -> what waits for its transfers under way to end (`call` with a node), in order
+        self._waiting: dict[str, list[Read | Callable[[], None]]] = {}
         self._thread = threading.Thread(target=self._run, name="nixl-reads", daemon=True)
         self._thread.start()
 
@@ -65,12 +75,15 @@ class Mover:
         self._new.put(read)
         return read
 
-    def call(self, fn: Callable[[], None]) -> None:
+    def call(self, fn: Callable[[], None], node: str | None = None) -> None:
         """Run `fn` (NIXL calls: a peer's agent added or replaced) on the thread, after what
         was handed to it before and before what comes after: NIXL's lock is held for as
         long as a transfer is posted (4.2 s on a busy host), and a loop waiting for it to
-        replace a peer's agent answered nothing, and froze its process's other threads."""
-        self._new.put(fn)
+        replace a peer's agent answered nothing, and froze its process's other threads.
+        `node`: `fn` replaces that peer's agent, which NIXL does under the transfers with it
+        (its endpoint and keys go): it waits until none is under way, and the transfers
+        with `node` handed over after it wait for it."""
+        self._new.put(fn if node is None else (node, fn))
 
     def woken(self) -> None:
         """The loop read `fd` (its bytes dropped: it looks at every read anyway)."""
@@ -95,19 +108,46 @@ class Mover:
         stopping = False
         while not stopping or active:
             try:  # (blocks while no read is under way)
-                read = self._new.get(timeout=POLL if active else None)
+                item = self._new.get(timeout=POLL if active else None)
                 while True:
-                    if read is None:
+                    if item is None:
                         stopping = True
-                    elif not isinstance(read, Read):
-                        self._call(read)
-                    elif self._post(read):
-                        active.append(read)
-                    read = self._new.get_nowait()
+                    elif isinstance(item, tuple):  # (a peer's agent replaced)
+                        self._waiting.setdefault(item[0], []).append(item[1])
+                    elif isinstance(item, Read) and item.node in self._waiting:
+                        self._waiting[item.node].append(item)
+                    elif isinstance(item, Read):
+                        if self._post(item):
+                            active.append(item)
+                    else:
+                        self._call(item)
+                    self._unwait(active)
+                    item = self._new.get_nowait()
                     active = [r for r in active if not self._ended(r)]  # (between posts)
             except queue.Empty:
                 pass
             active = [r for r in active if not self._ended(r)]
+            self._unwait(active)
+        for items in self._waiting.values():  # (stopping: what waits is not run)
+            for item in items:
+                if isinstance(item, Read):
+                    self._end(item, "the broker stopped")
+
+    def _unwait(self, active: list[Read]) -> None:
+        """Run what waits for a node with no transfer under way now, in order: a replace of
+        its agent waits again once a transfer posted before it is under way."""
+        for node in list(self._waiting):
+            items = self._waiting[node]
+            while items:
+                if not isinstance(items[0], Read) and any(r.node == node for r in active):
+                    break
+                item = items.pop(0)
+                if not isinstance(item, Read):
+                    self._call(item)
+                elif self._post(item):
+                    active.append(item)
+            if not items:
+                del self._waiting[node]
 
     def _call(self, fn: Callable[[], None]) -> None:
         try:
@@ -119,7 +159,7 @@ class Mover:
         """Make and post `read`'s transfer; False if NIXL refused it (`read` failed)."""
         agent = self.agent
         if read.fill:
-            _populate(read.fill, read.size)
+            populate(read.fill, read.size)
         try:
             read.handle = agent.initialize_xfer(read.op, read.local, read.remote, read.node)
             if agent.transfer(read.handle) == "ERR":
@@ -160,7 +200,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
-def _populate(address: int, size: int) -> None:
+def populate(address: int, size: int) -> None:
     """Fault in the pages of host memory a read will write, in one call (Note [populating
     mappings] in client/shm.py): UCX's copies faulted them one by one. A 512 MiB read into
     pages this broker had not touched took 1.2-2.0 s on this 2-core VM, against 0.3-0.4 s

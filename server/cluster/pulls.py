@@ -22,6 +22,7 @@ from .transfers import CHUNK, Transfers
 
 PULL_WAIT = 30.0  # a lend unanswered this long is asked of the owner again (a get waits as long)
 POLL = 0.001  # seconds between looks at what waits on something else (a slot, a fresh peer)
+PUSHES_FAILED = 2  # a pull whose pushed pieces failed is read again so often, then fails
 ASK_AGAIN = 0.01  # a lend that could not go out (its link not connected) is sent again so often
 
 
@@ -303,7 +304,11 @@ class Pulls(Failing):
                 return
         except OSError as exc:
             pull.handle = None
-            if pull.offer is not None or pull.cut or pull.source != pull.node:  # (a relay's:
+            pushed = pull.reading is not None and pull.reading.push
+            if pushed and pull.pushes_failed < PUSHES_FAILED:  # (a piece's request or answer
+                pull.pushes_failed += 1  # lost, say: Note [pushes] in pushes.py)
+                self._read_again(pull, exc)
+            elif pull.offer is not None or pull.cut or pull.source != pull.node:  # (a relay's:
                 self._read_again(pull, exc)  # its owner lends it)
             else:
                 self._fail(pull, PeerUnavailable(f"the pull of {pull.key!r} failed: {exc}"))

@@ -9,8 +9,11 @@ into the reader's memory: two copies fewer. On this 2-core VM, two readers each 
 MiB from one lender in 16 MiB pieces, 4 under way (interleaved, medians of 7): READ 272 ms
 and 466 ms of CPU, WRITE 232 ms and 390 ms. With NIXL's notifications telling the reader of
 each piece, and readers polling for them, WRITE kept only half of that (258 ms, 418 ms).
+A 512 MiB weight sync to 3 readers over loopback (versions 2-9, alternated runs) took 434
+and 437 ms a version pushed, against 461 and 484 read.
 
-So a read of a version lent in host memory (Lending.lend), larger than INLINE, is pushed.
+So a read of a version lent in host memory (Lending.lend) of at least PUSH_MIN bytes (a
+smaller one is read: it is not faster pushed, reads.py) is pushed.
 The reader keeps its window (transfers.Reading) and asks its lender for each piece (`write`:
 from where, to where, with this agent's metadata of now, as the lender must know the block's
 segment); the lender's mover WRITEs it, and its loop answers `wrote` once NIXL says the
@@ -18,13 +21,20 @@ WRITE is over (NIXL flushes UCX's endpoint first: the bytes are in the reader's 
 An offer (read at once from an announcement, Note [offers] in offers.py) and device memory
 are still read: the lender of an offer does not hear of its reads.
 
-A lender taken for down may still be alive, and writing. So a piece whose lender went down,
-forgot this node, or did not answer within PUSH_WAIT is given up (`abandon`: its read fails,
-and the pull reads again or fails as for a read that failed), but the block it was asked
-into is not reused (`hold`) until the lender says the piece is over after all (a late
-`wrote`), or says it never took it (`unwritten`: its `hello_first`), or restarted (its
-writes went with its process). One whose lender never does any of these stays held: at most
-WINDOW pieces of CHUNK bytes per pull given up so.
+A request or its answer can be lost (a connection broken and back, a peer that forgot the
+other's route meanwhile). So a piece not answered within ASK_AFTER is asked about again
+(`writing`, every ASK_AFTER): a lender that is not writing it says so (`wrote`, with an
+error) and never writes it after (`refused`); the pull then reads again from the owner
+(PUSHES_FAILED times at most, pulls.py). A piece whose request could not go (its link not
+up) is asked for again as the pull is looked at.
+
+A lender taken for down may still be alive, and writing. So the pieces of a lender that went
+down or forgot this node are given up at once (`abandon`: the pull reads again, or fails, as
+for a read that failed), but the block they were asked into is not reused (`hold`) until
+the lender says each is over after all (a late `wrote`, or its answer to `writing`), says
+it never took it (`unwritten`: its `hello_first`), or restarted (its writes went with its
+process). One whose lender never comes back stays held: the whole block of each pull it was
+writing (stats: `blocks_held`).
 """
 
 from __future__ import annotations
@@ -38,7 +48,8 @@ from .mover import Mover, Read
 
 log = logging.getLogger(__name__)
 
-PUSH_WAIT = 30.0  # seconds a pushed piece may take before it is given up (its block held)
+ASK_AFTER = 2.0  # seconds before a piece not answered is asked about (`writing`), and between
+REFUSED = 4096  # tokens of each node kept as refused (asked about, not being written)
 
 
 class Pushes:
@@ -47,6 +58,7 @@ class Pushes:
 
     agent: Any
     mover: Mover
+    node: str
 
     def agent_fields(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -62,6 +74,8 @@ class Pushes:
         self._tokens = time.time_ns()  # (a restarted broker's are new to its lenders)
         self._held: list[tuple[list[Read], Callable[[], None]]] = []  # (pieces, release)
         self._serving: list[tuple[str, int, Read]] = []  # (node, its token, the WRITE)
+        # node -> the tokens it asked about that were not being written: never written now
+        self._refused: dict[str, dict[int, None]] = {}
         self.bytes_pushed = 0  # written to peers that asked (their pieces)
 
     @property
@@ -71,16 +85,16 @@ class Pushes:
 
     # -- the reader's side ---------------------------------------------------------------------
 
-    def push(self, node: str, remote: int, local: int, size: int) -> Read:
+    def push(self, node: str, remote: int, local: int, size: int) -> Read | None:
         """Ask `node` to write `size` bytes at `remote` in its memory into `local` in this
-        broker's. OSError if the request could not go (its link is not up)."""
+        broker's; None if the request could not go (its link is not up: asked again later)."""
         self._tokens += 1
         read = Read(node, local, remote, size, op="WRITE", token=self._tokens)
         message = {"op": "write", "token": read.token, "from": remote, "to": local, "size": size,
                    **self.agent_fields()}  # fmt: skip
         if self.send is None or not self.send(node, message):
-            raise OSError(f"could not ask node {node!r} to write {size} bytes: no link up")
-        read.asked_at = time.monotonic()
+            return None
+        read.asked_at = read.queried_at = time.monotonic()
         self._pushed[read.token] = read
         return read
 
@@ -109,7 +123,9 @@ class Pushes:
                     read.error = f"node {node!r} did not take the write of {read.size} bytes"
 
     def restarted(self, node: str) -> None:
-        """`node` is a new process: what its old one was asked to write is not coming."""
+        """`node` is a new process: what its old one was asked to write is not coming (and
+        what it asked about, it no longer asks)."""
+        self._refused.pop(node, None)
         for read in [r for r in self._pushed.values() if r.node == node]:
             del self._pushed[read.token]
             if read.late:
@@ -124,13 +140,17 @@ class Pushes:
             if read.node == node and not read.late:
                 read.error, read.late = why, True
 
-    def overdue(self, reads: Iterable[Read], now: float) -> None:
-        """Give up the pieces of `reads` under way for longer than PUSH_WAIT (`abandon`)."""
-        for read in reads:
-            if read.token and not read.late and read.token in self._pushed:
-                if now - read.asked_at > PUSH_WAIT:
-                    why = f"node {read.node!r} did not write {read.size} bytes in {PUSH_WAIT:.0f} s"
-                    read.error, read.late = why, True
+    def ask_about(self, now: float) -> None:
+        """Ask the lenders about their pieces not answered within ASK_AFTER (`writing`)."""
+        due: dict[str, list[int]] = {}
+        for read in self._pushed.values():
+            if now - read.queried_at > ASK_AFTER:
+                due.setdefault(read.node, []).append(read.token)
+        for node, tokens in due.items():
+            asked = {"op": "writing", "node": self.node, "tokens": tokens}
+            if self.send is not None and self.send(node, asked):
+                for token in tokens:
+                    self._pushed[token].queried_at = now
 
     def hold(self, reads: list[Read], release: Callable[[], None]) -> bool:
         """Whether a lender may still write into the block `reads` went into (pieces given
@@ -161,6 +181,10 @@ class Pushes:
         """Write a piece `node` asked for (`write`: pushes.py) on the mover's thread; `served`
         says when it is over."""
         token, size = int(m["token"]), int(m["size"])
+        if token in self._refused.get(node, ()):  # (asked about before it came: not written)
+            failed = Read(node, None, None, size, op="WRITE", error="asked about before it came")
+            self._serving.append((node, token, failed))
+            return
         if "agent" in m:  # (the block may lie in a segment new to this broker)
             self.add_peer(node, bytes(m["agent"]), m.get("agent_v"))
         try:
@@ -174,6 +198,20 @@ class Pushes:
             return
         self._serving.append((node, token, self.mover.start(node, mine, theirs, size, op="WRITE")))
 
+    def writing(self, node: str, tokens: Iterable[Any]) -> None:
+        """`node` asks about these pieces: those not being written here are answered (over,
+        not written) and never written after (`refused`)."""
+        serving = {token for n, token, _ in self._serving if n == node}
+        refused = self._refused.setdefault(node, {})
+        for token in map(int, tokens):
+            if token in serving:
+                continue  # (its `wrote` comes once it is over)
+            refused[token] = None
+            if len(refused) > REFUSED:
+                del refused[next(iter(refused))]
+            failed = Read(node, None, None, 0, op="WRITE", error="not being written there")
+            self._serving.append((node, token, failed))
+
     def served(self) -> list[tuple[str, dict[str, Any]]]:
         """The answers to the pieces written since (`wrote`), for the loop to send."""
         if not self._serving:
@@ -183,7 +221,7 @@ class Pushes:
             if not (write.finished or write.error is not None):
                 serving.append((node, token, write))
                 continue
-            answer: dict[str, Any] = {"op": "wrote", "token": token}
+            answer: dict[str, Any] = {"op": "wrote", "token": token, "node": self.node}
             if write.error is not None:
                 answer["error"] = write.error
             else:

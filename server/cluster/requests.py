@@ -41,8 +41,23 @@ class Requests:
             if not self.links.answer(node, answer):
                 self.links.send(node, answer)
 
+    def _pushes(self, node: str, op: str, m: dict[str, Any]) -> None:
+        """A lender's answer about a piece, sent on its own link (`_served`), or a reader's
+        question about its pieces (Note [pushes] in pushes.py)."""
+        try:
+            if op == "wrote":
+                self.transfers.wrote(node, m)
+            else:
+                self.transfers.writing(node, m["tokens"])
+                self._served()
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("a cluster message %r from %r could not be used: %s", op, node, exc)
+
     def _request(self, route: bytes, m: dict[str, Any]) -> None:
         op, replicas, links = m["op"], self.replicas, self.links
+        if op in ("wrote", "writing"):  # (Note [pushes]: whether or not this one has a route
+            self._pushes(str(m["node"]), op, m)  # of the node's, which forgot it meanwhile)
+            return
         lost = links.tally(route, m)
         try:
             if op == "hello":
@@ -51,8 +66,6 @@ class Requests:
                 node, address = str(m["node"]), str(m.get("address", ""))
                 self.transfers.add_peer(node, bytes(m["agent"]), m.get("agent_v"))
                 restarted = links.restarted(node, m.get("incarnation"))
-                if restarted:  # (its writes went with its old process: Note [pushes])
-                    self.transfers.restarted(node)
                 same = links.same(node, m)
                 if same is None:  # from an incarnation that a newer one replaced
                     return
@@ -126,8 +139,6 @@ class Requests:
             elif op == "write":  # a piece of a loan, pushed (Note [pushes] in pushes.py)
                 self.transfers.serve(node, m)
                 self._served()
-            elif op == "wrote":  # (its lender had forgotten this one's route: `_served`)
-                self.transfers.wrote(node, m)
             elif op == "returned":
                 replicas.lending.returned(node, int(m["pull"]), int(m.get("ask", 0)))
             elif op == "delete":

@@ -127,6 +127,7 @@ class Transfers(Pushes, Reads):
     def __init__(self, node: str, shm_dir: str, agent: Any = None) -> None:
         """`agent`: NIXL's, made here if None (a test's stand-in otherwise)."""
         super().__init__()
+        self.node = node
         self.agent = new_agent(node) if agent is None else agent
         self.mover = Mover(self.agent)
         self.fd = self.mover.fd  # readable when a read ended (the loop polls it)
@@ -219,7 +220,7 @@ class Transfers(Pushes, Reads):
             return
         replaced = node in self._peers
         self._peers[node] = metadata
-        self.mover.call(lambda: self._load(node, metadata, replaced))
+        self.mover.call(lambda: self._load(node, metadata, replaced), node if replaced else None)
 
     def _load(self, node: str, metadata: bytes, replaced: bool) -> None:
         """NIXL told of `node`'s agent `metadata` (on the mover's thread: Mover.call), in place

@@ -13,7 +13,8 @@ import pytest
 from tensorbroker.common.protocol import Request, decode
 from tensorbroker.server.cluster import announcing, lending
 from tensorbroker.server.cluster.offers import OFFER_MAX
-from tests.nodes import MiB, Node, homed, pair, run, trio
+from tensorbroker.server.cluster.pulls import PUSHES_FAILED
+from tests.nodes import MiB, Node, Taken, homed, pair, run, trio
 
 __all__ = ["pair", "trio"]  # the fixtures
 
@@ -580,3 +581,28 @@ def test_a_get_whose_reads_fail_while_their_owner_is_up_is_answered_not_pulled_a
     )
     assert run([a, b], 2, lambda: bool(answers))
     assert answers[0].get("code") == "peer_unavailable" and len(b.reads.started) == 1, answers
+
+
+def test_a_pull_whose_pushed_pieces_fail_is_read_again_a_few_times_then_answered(
+    pair: Callable[[str], Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pushed piece can fail with its owner up and well (its request or answer lost with
+    a connection, Note [pushes]): the pull reads again from the owner, PUSHES_FAILED times
+    at most, then the get is answered."""
+    a, b = pair("a"), pair("b")
+    assert run([a, b], 5, lambda: b.up("a") and b.cluster.links.fresh("a"))
+    a.put("k", 2 * OFFER_MAX)
+    assert run([a, b], 3, lambda: b.knows("k"))
+    monkeypatch.setattr(Taken, "push", True)
+
+    def done(handle: Any) -> bool:
+        raise OSError("node 'a' could not write 4096 bytes here: not being written there")
+
+    b.reads.done = done  # type: ignore[method-assign]
+    answers: list[dict[str, Any]] = []
+    b.objects._send = lambda route, payload, last=False: answers.append(decode(payload))
+    get = Request("get", 9, {"key": "k", "timeout": 3.0}, [])
+    assert b.objects.get(b.session, b"client", get) is None
+    assert run([a, b], 2, lambda: bool(answers))
+    assert answers[0].get("code") == "peer_unavailable", answers
+    assert len(b.reads.started) == 1 + PUSHES_FAILED

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import select
+import time
 from pathlib import Path
 from typing import Any
 
@@ -85,9 +86,7 @@ class Pair:
     def carry(self, reading: Reading) -> bool:
         """Carry the requests to l and its answers back until the read ended: `done`."""
         for _ in range(500):
-            asked, self.asked = self.asked, []
-            for m in asked:
-                self.l.serve("r", m)
+            self.deliver()
             for _, answer in self.l.served():
                 self.r.wrote("l", answer)
             if reading.asked == reading.size and reading.ended():
@@ -96,6 +95,20 @@ class Pair:
             select.select([self.l.fd], [], [], 0.01)
             self.l.mover.woken()
         raise AssertionError("the read never ended")
+
+    def deliver(self) -> None:
+        """Carry r's requests to l."""
+        asked, self.asked = self.asked, []
+        for m in asked:
+            if m["op"] == "write":
+                self.l.serve("r", m)
+            else:
+                self.l.writing(m["node"], m["tokens"])
+
+    def answer(self) -> None:
+        """Carry l's answers (those over now) to r."""
+        for _, answer in self.l.served():
+            self.r.wrote(answer["node"], answer)
 
     def close(self) -> None:
         self.lender_agent.finish()
@@ -144,11 +157,11 @@ def test_a_piece_given_up_keeps_its_block_until_its_lender_says_it_is_over(pair:
     released: list[bool] = []
     assert pair.r.hold(reading.reads, lambda: released.append(True))
     assert pair.r.blocks_held == 1
-    assert _woken(pair.l)
-    pair.l.mover.woken()
-    for _, answer in pair.l.served():  # the pieces that ended: not yet the first
+    answers: list[Any] = []
+    assert _wait(lambda: answers.extend(pair.l.served()) or len(answers) == 2)
+    for _, answer in answers:  # the pieces that ended: not yet the first
         pair.r.wrote("l", answer)
-    assert not released
+    assert not released and pair.r.blocks_held == 1
     pair.lender_agent.finish()  # the late piece lands, and its lender says so
 
     def answered() -> bool:
@@ -182,15 +195,49 @@ def test_pieces_a_lender_never_took_or_that_went_with_its_process_hold_nothing(
     assert released == [1] and pair.r.blocks_held == 0
 
 
-def test_a_piece_unanswered_for_push_wait_is_given_up(
+def test_a_piece_whose_request_was_lost_is_asked_about_and_never_written_after(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request lost on the way (a connection broken and back): the reader asks about its
+    piece after ASK_AFTER; its lender, not writing it, says so, and refuses it if it comes
+    after all. The read fails (the pull reads again), and nothing is held."""
+    reading = pair.read()
+    lost = pair.asked.pop(0)
+    pair.deliver()
+    pair.r.ask_about(time.monotonic())
+    assert not pair.asked  # (not yet due)
+    monkeypatch.setattr(pushes, "ASK_AFTER", 0.0)
+    pair.r.ask_about(time.monotonic())
+    (question,) = pair.asked
+    assert question["op"] == "writing" and lost["token"] in question["tokens"]
+    pair.deliver()
+    assert _wait(lambda: pair.answer() or reading.ended())
+    with pytest.raises(OSError, match="not being written there"):
+        pair.r.done(reading)
+    assert not pair.r.hold(reading.reads, lambda: None)
+    pair.dst[:CHUNK] = 0
+    pair.l.serve("r", lost)  # it comes after all: refused
+    (answer,) = [a for _, a in pair.l.served()]
+    assert "error" in answer and not pair.dst[:CHUNK].any()
+
+
+def test_a_piece_given_up_whose_answer_was_lost_is_released_once_asked_about(
     pair: Pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     reading = pair.read()
-    assert not pair.r.done(reading)
-    monkeypatch.setattr(pushes, "PUSH_WAIT", 0.0)
-    with pytest.raises(OSError, match="did not write"):
+    pair.deliver()
+    answers: list[Any] = []
+    assert _wait(lambda: answers.extend(pair.l.served()) or len(answers) == 3)  # (all lost)
+    pair.r.abandon("l", "node 'l' forgot this one")
+    with pytest.raises(OSError):
         pair.r.done(reading)
-    assert pair.r.hold(reading.reads, lambda: None)  # (its lender may write it yet)
+    released: list[int] = []
+    assert pair.r.hold(reading.reads, lambda: released.append(1))
+    monkeypatch.setattr(pushes, "ASK_AFTER", 0.0)
+    pair.r.ask_about(time.monotonic())
+    pair.deliver()
+    pair.answer()
+    assert released == [1] and pair.r.blocks_held == 0
 
 
 def test_a_read_that_ended_holds_nothing(pair: Pair) -> None:

@@ -169,6 +169,55 @@ def test_a_peer_agent_replaced_while_a_read_is_posted_does_not_block_the_loop(
     t.close()
 
 
+class Keyed(Reading):
+    """A Reading agent that notes, as each transfer is posted, which metadata of its peer it
+    knew then, and whether that peer's agent was replaced under a transfer with it."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.posted_with: list[tuple[str, bytes]] = []
+        self.under: list[str] = []
+        self.open: list[str] = []
+
+    def initialize_xfer(self, op: str, local: Any, remote: Any, node: str) -> Any:
+        self.posted_with.append((node, self.remote.get(node, b"")))
+        self.open.append(node)
+        return [node]
+
+    def remove_remote_agent(self, name: str) -> None:
+        if name in self.open:
+            self.under.append(name)  # (NIXL takes its endpoint and keys away)
+        super().remove_remote_agent(name)
+
+    def release_xfer_handle(self, handle: Any) -> None:
+        self.open.remove(handle[0])
+
+
+def test_a_peer_agent_is_replaced_only_once_no_transfer_with_it_is_under_way(
+    tmp_path: Path,
+) -> None:
+    """NIXL's remove_remote_agent takes away the peer's endpoint and keys, under the
+    transfers with it: a replace waits for them to end, and a transfer with that peer
+    handed over after it waits for it (it may lie in the peer's new segment). Transfers with
+    other peers go on meanwhile."""
+    agent = Keyed("b")
+    t = _transfers("b", tmp_path, agent)
+    t.add_peer("a", b"a:0", [7, 0])
+    t.add_peer("c", b"c:0", [7, 0])
+    first = t.read("a", 1000, 2000, 4096)
+    assert wait_until(lambda: len(agent.posted_with) == 1, 5)
+    t.add_peer("a", b"a:1", [7, 1])  # (a registered a segment)
+    after = t.read("a", 1000, 2000, 4096)
+    other = t.read("c", 1000, 2000, 4096)
+    assert wait_until(lambda: ("c", b"c:0") in agent.posted_with, 5)
+    assert agent.remote["a"] == b"a:0" and len(agent.posted_with) == 2  # (waiting)
+    agent.over.set()
+    assert wait_until(lambda: t.done(first) and t.done(other) and t.done(after), 5)
+    assert agent.posted_with == [("a", b"a:0"), ("c", b"c:0"), ("a", b"a:1")]
+    assert not agent.under
+    t.close()
+
+
 def test_a_large_read_goes_in_chunks_and_a_partial_one_as_its_relay_says(tmp_path: Path) -> None:
     """A version's bytes are read in CHUNK reads; a relay's offer of a version it is still
     pulling names its first bytes ready, the others are read as it says (`extend`), and
