@@ -372,5 +372,5 @@ class Cluster(Answers, Requests):
     def close(self) -> None:
         if self.membership is not None:  # (first: the others see this node leave now)
             self.membership.close()
+        self.transfers.close()  # (its writes under way end before a new process can link)
         self.links.close()
-        self.transfers.close()

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 # The cluster's messages and where keys live (rendezvous.py): every broker of a cluster
 # speaks the same (a hello or welcome says which; none said: 1).
-PROTOCOL = 3
+PROTOCOL = 4  # (4: lent versions pushed, Note [pushes] in pushes.py)
 
 
 def speaks(m: dict[str, Any], refused: set[str]) -> bool:

@@ -46,6 +46,7 @@ class Read:
     asked_at: float = 0.0  # when a pushed read was asked for
     queried_at: float = 0.0  # when its lender was last asked about it (pushes.py)
     late: bool = False  # given up, its lender perhaps still writing it (pushes.py)
+    inc: int | None = None  # the incarnation of its lender's broker asked to write it
 
 
 # What the loop hands the thread: a transfer, a call, a call replacing a node's agent, or None

@@ -18,8 +18,10 @@ The reader keeps its window (transfers.Reading) and asks its lender for each pie
 from where, to where, with this agent's metadata of now, as the lender must know the block's
 segment); the lender's mover WRITEs it, and its loop answers `wrote` once NIXL says the
 WRITE is over (NIXL flushes UCX's endpoint first: the bytes are in the reader's memory).
-An offer (read at once from an announcement, Note [offers] in offers.py) and device memory
-are still read: the lender of an offer does not hear of its reads.
+Each `write` names the lender's incarnation that lent the version: another process of that
+node (restarted in place, its segments mapped elsewhere) writes nothing for it. An offer
+(read at once from an announcement, Note [offers] in offers.py) and device memory are still
+read: the lender of an offer does not hear of its reads.
 
 A request or its answer can be lost (a connection broken and back, a peer that forgot the
 other's route meanwhile). So a piece not answered within ASK_AFTER is asked about again
@@ -33,8 +35,10 @@ down or forgot this node are given up at once (`abandon`: the pull reads again, 
 for a read that failed), but the block they were asked into is not reused (`hold`) until
 the lender says each is over after all (a late `wrote`, or its answer to `writing`), says
 it never took it (`unwritten`: its `hello_first`), or restarted (its writes went with its
-process). One whose lender never comes back stays held: the whole block of each pull it was
-writing (stats: `blocks_held`).
+process: a broker's NIXL writes end before its links close, Cluster.close). One whose lender
+never comes back stays held: the whole block of each pull it was writing (stats:
+`blocks_held`). A piece its lender says it is still writing is waited for, however long
+(as a READ that UCX has not failed).
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class Pushes:
     agent: Any
     mover: Mover
     node: str
+    incarnation: int
 
     def agent_fields(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -85,13 +90,16 @@ class Pushes:
 
     # -- the reader's side ---------------------------------------------------------------------
 
-    def push(self, node: str, remote: int, local: int, size: int) -> Read | None:
-        """Ask `node` to write `size` bytes at `remote` in its memory into `local` in this
-        broker's; None if the request could not go (its link is not up: asked again later)."""
+    def push(
+        self, node: str, remote: int, local: int, size: int, inc: int | None = None
+    ) -> Read | None:
+        """Ask `node` (its broker of incarnation `inc`, which lent it: no other writes it) to
+        write `size` bytes at `remote` in its memory into `local` in this broker's; None if
+        the request could not go (its link is not up: asked again later)."""
         self._tokens += 1
-        read = Read(node, local, remote, size, op="WRITE", token=self._tokens)
+        read = Read(node, local, remote, size, op="WRITE", token=self._tokens, inc=inc)
         message = {"op": "write", "token": read.token, "from": remote, "to": local, "size": size,
-                   **self.agent_fields()}  # fmt: skip
+                   "inc": inc, **self.agent_fields()}  # fmt: skip
         if self.send is None or not self.send(node, message):
             return None
         read.asked_at = read.queried_at = time.monotonic()
@@ -142,12 +150,12 @@ class Pushes:
 
     def ask_about(self, now: float) -> None:
         """Ask the lenders about their pieces not answered within ASK_AFTER (`writing`)."""
-        due: dict[str, list[int]] = {}
+        due: dict[tuple[str, int | None], list[int]] = {}
         for read in self._pushed.values():
             if now - read.queried_at > ASK_AFTER:
-                due.setdefault(read.node, []).append(read.token)
-        for node, tokens in due.items():
-            asked = {"op": "writing", "node": self.node, "tokens": tokens}
+                due.setdefault((read.node, read.inc), []).append(read.token)
+        for (node, inc), tokens in due.items():
+            asked = {"op": "writing", "node": self.node, "tokens": tokens, "inc": inc}
             if self.send is not None and self.send(node, asked):
                 for token in tokens:
                     self._pushed[token].queried_at = now
@@ -181,9 +189,13 @@ class Pushes:
         """Write a piece `node` asked for (`write`: pushes.py) on the mover's thread; `served`
         says when it is over."""
         token, size = int(m["token"]), int(m["size"])
+        why = None
         if token in self._refused.get(node, ()):  # (asked about before it came: not written)
-            failed = Read(node, None, None, size, op="WRITE", error="asked about before it came")
-            self._serving.append((node, token, failed))
+            why = "asked about before it came"
+        elif m.get("inc") not in (None, self.incarnation):  # (its address is another's)
+            why = "asked of another process of this node: it restarted"
+        if why is not None:
+            self._serving.append((node, token, Read(node, None, None, size, op="WRITE", error=why)))
             return
         if "agent" in m:  # (the block may lie in a segment new to this broker)
             self.add_peer(node, bytes(m["agent"]), m.get("agent_v"))
@@ -198,9 +210,12 @@ class Pushes:
             return
         self._serving.append((node, token, self.mover.start(node, mine, theirs, size, op="WRITE")))
 
-    def writing(self, node: str, tokens: Iterable[Any]) -> None:
+    def writing(self, node: str, tokens: Iterable[Any], inc: Any = None) -> None:
         """`node` asks about these pieces: those not being written here are answered (over,
-        not written) and never written after (`refused`)."""
+        not written) and never written after (`refused`). Not if asked of another process
+        of this node (`inc`): that one's are said over once this one's hello is heard."""
+        if inc not in (None, self.incarnation):
+            return
         serving = {token for n, token, _ in self._serving if n == node}
         refused = self._refused.setdefault(node, {})
         for token in map(int, tokens):

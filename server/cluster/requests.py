@@ -41,24 +41,25 @@ class Requests:
             if not self.links.answer(node, answer):
                 self.links.send(node, answer)
 
-    def _pushes(self, node: str, op: str, m: dict[str, Any]) -> None:
+    def _pushes(self, op: str, m: dict[str, Any]) -> None:
         """A lender's answer about a piece, sent on its own link (`_served`), or a reader's
         question about its pieces (Note [pushes] in pushes.py)."""
+        node = str(m.get("node", ""))
         try:
             if op == "wrote":
                 self.transfers.wrote(node, m)
             else:
-                self.transfers.writing(node, m["tokens"])
+                self.transfers.writing(node, m["tokens"], m.get("inc"))
                 self._served()
         except (KeyError, TypeError, ValueError) as exc:
             log.warning("a cluster message %r from %r could not be used: %s", op, node, exc)
 
     def _request(self, route: bytes, m: dict[str, Any]) -> None:
         op, replicas, links = m["op"], self.replicas, self.links
+        lost = links.tally(route, m)  # (each request its sender counted: Note [beats])
         if op in ("wrote", "writing"):  # (Note [pushes]: whether or not this one has a route
-            self._pushes(str(m["node"]), op, m)  # of the node's, which forgot it meanwhile)
+            self._pushes(op, m)  # of the node's, which forgot it meanwhile)
             return
-        lost = links.tally(route, m)
         try:
             if op == "hello":
                 if not speaks(m, links.refused):

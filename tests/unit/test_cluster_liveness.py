@@ -606,3 +606,27 @@ def test_a_pull_whose_pushed_pieces_fail_is_read_again_a_few_times_then_answered
     assert run([a, b], 2, lambda: bool(answers))
     assert answers[0].get("code") == "peer_unavailable", answers
     assert len(b.reads.started) == 1 + PUSHES_FAILED
+
+
+def test_questions_and_answers_about_pushed_pieces_count_as_requests(
+    pair: Callable[[str], Node],
+) -> None:
+    """`writing` and a `wrote` sent on the lender's own link are requests its beats count
+    (Note [beats]): the node they went to counts them too, or it took requests for lost and
+    both nodes forgot each other, over every question about a piece (a review found it)."""
+    a, b = pair("a"), pair("b")
+    assert run([a, b], 5, lambda: b.up("a") and a.up("b") and b.cluster.links.fresh("a"))
+    resync: list[bool] = []
+    reply = a.cluster.links.reply
+
+    def answering(route: bytes, m: dict[str, Any]) -> None:
+        resync.append(bool(m.get("resync")))
+        reply(route, m)
+
+    a.cluster.links.reply = answering  # type: ignore[method-assign]
+    forgot = dict(a.cluster.links.forgot)
+    assert b.cluster.links.send("a", {"op": "writing", "node": "b", "tokens": [1], "inc": None})
+    assert b.cluster.links.send("a", {"op": "wrote", "node": "b", "token": 2})
+    run([a, b], 1.5)
+    assert resync and not any(resync), "a took b's requests for lost"
+    assert a.cluster.links.forgot == forgot and a.up("b") and b.up("a")

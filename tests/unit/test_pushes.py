@@ -244,3 +244,19 @@ def test_a_read_that_ended_holds_nothing(pair: Pair) -> None:
     reading = pair.read()
     assert pair.carry(reading)
     assert not pair.r.hold(reading.reads, lambda: None)
+
+
+def test_a_piece_asked_of_a_process_that_restarted_since_is_not_written(pair: Pair) -> None:
+    """The lender restarted in place and the reader's link reached the new process: the
+    address asked for was the old one's (the new one maps its segments elsewhere). Not
+    written, and a question about the old one's pieces is not answered for it."""
+    pair.l.incarnation = 8
+    reading = Reading("l", pair.src.ctypes.data, pair.dst.ctypes.data, SIZE,
+                      ("DRAM", 0), ("DRAM", 0), push=True, inc=7)  # fmt: skip
+    pair.r.extend(reading, SIZE)
+    assert all(m["inc"] == 7 for m in pair.asked)
+    with pytest.raises(OSError, match="another process of this node"):
+        pair.carry(reading)
+    assert not pair.dst.any()
+    pair.l.writing("r", [1, 2], 7)
+    assert not pair.l.served()
