@@ -85,6 +85,9 @@ from .transfers import Transfers
 log = logging.getLogger(__name__)
 
 
+CLOSE_LINGER_MS = 200  # for the answers about pieces written, at the close (Note [pushes])
+
+
 class Cluster(Answers, Requests):
     """The links to the peers (Note [cluster]) and the messages on them (their requests:
     Requests, requests.py; their answers to this broker's: Answers, answers.py); what the
@@ -100,6 +103,7 @@ class Cluster(Answers, Requests):
         self.node, self.address, self.transfers = joining.node, joining.address, transfers
         self.links = links = Links(joining, poller)
         transfers.send = links.send  # (a loan's pieces asked for: Note [pushes] in pushes.py)
+        transfers.up = links.up
         links.restarts = transfers.restarted  # (its writes went with its old process)
         self.peers, fds = links.peers, {transfers.fd}  # (a read ended: Transfers.fd)
         poller.register(transfers.fd, zmq.POLLIN)
@@ -373,4 +377,7 @@ class Cluster(Answers, Requests):
         if self.membership is not None:  # (first: the others see this node leave now)
             self.membership.close()
         self.transfers.close()  # (its writes under way end before a new process can link)
-        self.links.close()
+        served = self.transfers.served()  # (their readers hold their blocks until told)
+        for node, answer in served:
+            self.links.answer(node, answer)
+        self.links.close(CLOSE_LINGER_MS if served else 0)

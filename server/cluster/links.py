@@ -326,11 +326,12 @@ class Links(Beats):
         self.peers.remove(peer)
         log.info("cluster: node %r left %s; unlinked", peer.node, peer.address)
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """`linger_ms`: how long the answers still queued may take to go."""
         for peer in self.peers:
             self.dealers.drop(peer)
         self.dealers.close()
-        self.router.close(0)
+        self.router.close(linger_ms)
         if self._authenticator is not None:
             self._authenticator.stop()
         self._ctx.term()

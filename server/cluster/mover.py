@@ -93,14 +93,17 @@ class Mover:
         except BlockingIOError:
             pass
 
-    def close(self) -> None:
-        """Stop the thread once the reads under way ended (NIXL may still write into their
-        blocks until then)."""
+    def close(self) -> bool:
+        """Stop the thread once the transfers under way ended (NIXL may still write into
+        their blocks, or read from them, until then): whether it did within 10 s."""
         self._new.put(None)
         self._thread.join(timeout=10.0)
-        if not self._thread.is_alive():  # (else still the thread's to write to)
-            os.close(self.fd)
-            os.close(self._wake)
+        if self._thread.is_alive():  # (still the thread's to write to)
+            log.error("cluster: NIXL transfers still under way after 10 s, at the close")
+            return False
+        os.close(self.fd)
+        os.close(self._wake)
+        return True
 
     # -- the thread ------------------------------------------------------------------------------
 

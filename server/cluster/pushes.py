@@ -35,7 +35,9 @@ down or forgot this node are given up at once (`abandon`: the pull reads again, 
 for a read that failed), but the block they were asked into is not reused (`hold`) until
 the lender says each is over after all (a late `wrote`, or its answer to `writing`), says
 it never took it (`unwritten`: its `hello_first`), or restarted (its writes went with its
-process: a broker's NIXL writes end before its links close, Cluster.close). One whose lender
+process: a broker's NIXL writes end before its links close, and it answers them then,
+Cluster.close; not so a process taken for down that a new one, at another address,
+replaced while it still wrote: its held blocks are let go at the new one's hello). One whose lender
 never comes back stays held: the whole block of each pull it was writing (stats:
 `blocks_held`). A piece its lender says it is still writing is waited for, however long
 (as a READ that UCX has not failed).
@@ -75,6 +77,7 @@ class Pushes:
         # Sends a request to a peer (Links.send: False if its link is not up); None: no
         # pushes (a read is read).
         self.send: Callable[[str, dict[str, Any]], bool] | None = None
+        self.up: Callable[[str], bool] = lambda node: True  # (Links.up: asked about if so)
         self._pushed: dict[int, Read] = {}  # token -> the piece asked for, until it ended
         self._tokens = time.time_ns()  # (a restarted broker's are new to its lenders)
         self._held: list[tuple[list[Read], Callable[[], None]]] = []  # (pieces, release)
@@ -95,7 +98,10 @@ class Pushes:
     ) -> Read | None:
         """Ask `node` (its broker of incarnation `inc`, which lent it: no other writes it) to
         write `size` bytes at `remote` in its memory into `local` in this broker's; None if
-        the request could not go (its link is not up: asked again later)."""
+        the request could not go (its link not connected: asked again later). OSError if
+        `node` is taken for down."""
+        if not self.up(node):  # (taken for down: its pieces given up, and no more asked)
+            raise OSError(f"node {node!r} is down")
         self._tokens += 1
         read = Read(node, local, remote, size, op="WRITE", token=self._tokens, inc=inc)
         message = {"op": "write", "token": read.token, "from": remote, "to": local, "size": size,
@@ -149,10 +155,11 @@ class Pushes:
                 read.error, read.late = why, True
 
     def ask_about(self, now: float) -> None:
-        """Ask the lenders about their pieces not answered within ASK_AFTER (`writing`)."""
+        """Ask the lenders about their pieces not answered within ASK_AFTER (`writing`): those
+        up (one that is down is asked once it is back)."""
         due: dict[tuple[str, int | None], list[int]] = {}
         for read in self._pushed.values():
-            if now - read.queried_at > ASK_AFTER:
+            if now - read.queried_at > ASK_AFTER and self.up(read.node):
                 due.setdefault((read.node, read.inc), []).append(read.token)
         for (node, inc), tokens in due.items():
             asked = {"op": "writing", "node": self.node, "tokens": tokens, "inc": inc}
@@ -192,7 +199,7 @@ class Pushes:
         why = None
         if token in self._refused.get(node, ()):  # (asked about before it came: not written)
             why = "asked about before it came"
-        elif m.get("inc") not in (None, self.incarnation):  # (its address is another's)
+        elif m.get("inc") != self.incarnation:  # (its address is another process's)
             why = "asked of another process of this node: it restarted"
         if why is not None:
             self._serving.append((node, token, Read(node, None, None, size, op="WRITE", error=why)))
@@ -214,7 +221,7 @@ class Pushes:
         """`node` asks about these pieces: those not being written here are answered (over,
         not written) and never written after (`refused`). Not if asked of another process
         of this node (`inc`): that one's are said over once this one's hello is heard."""
-        if inc not in (None, self.incarnation):
+        if inc != self.incarnation:
             return
         serving = {token for n, token, _ in self._serving if n == node}
         refused = self._refused.setdefault(node, {})

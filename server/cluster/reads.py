@@ -98,12 +98,13 @@ class Reads:
             return reading, size
         ready = int(offer.get("ready", size))
         reading = Reading(node, int(offer["address"]), local, size, theirs, (mine, index))
-        reading.push = (
-            lent and size >= PUSH_MIN and self.send is not None and theirs[0] == mine == "DRAM"
-        )
         version = offer.get("agent_v")
         if isinstance(version, list) and version and isinstance(version[0], int):
-            reading.inc = version[0]
+            reading.inc = version[0]  # (none: not pushed, as no process could be named)
+        reading.push = (
+            lent and size >= PUSH_MIN and self.send is not None and theirs[0] == mine == "DRAM"
+            and reading.inc is not None
+        )  # fmt: skip
         self.extend(reading, ready)
         return reading, size
 

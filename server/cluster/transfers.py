@@ -267,7 +267,8 @@ class Transfers(Pushes, Reads):
         return specs, bool(offer["bundle"]), str(offer.get("device", "cpu"))
 
     def close(self) -> None:
-        self.mover.close()
+        if not self.mover.close():  # (NIXL may still use the segments: left mapped)
+            return
         for mapping, _ in self._mapped.values():
             try:
                 mapping.close()

@@ -79,7 +79,7 @@ class Pair:
 
     def read(self) -> Reading:
         reading = Reading("l", self.src.ctypes.data, self.dst.ctypes.data, SIZE,
-                          ("DRAM", 0), ("DRAM", 0), push=True)  # fmt: skip
+                          ("DRAM", 0), ("DRAM", 0), push=True, inc=0)  # fmt: skip
         self.r.extend(reading, SIZE)
         return reading
 
@@ -103,7 +103,7 @@ class Pair:
             if m["op"] == "write":
                 self.l.serve("r", m)
             else:
-                self.l.writing(m["node"], m["tokens"])
+                self.l.writing(m["node"], m["tokens"], m["inc"])
 
     def answer(self) -> None:
         """Carry l's answers (those over now) to r."""
@@ -260,3 +260,39 @@ def test_a_piece_asked_of_a_process_that_restarted_since_is_not_written(pair: Pa
     assert not pair.dst.any()
     pair.l.writing("r", [1, 2], 7)
     assert not pair.l.served()
+
+
+def test_a_lender_that_is_down_is_asked_about_its_pieces_once_it_is_back(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pair.read()
+    pair.asked.clear()
+    pair.r.abandon("l", "node 'l' went down")
+    monkeypatch.setattr(pushes, "ASK_AFTER", 0.0)
+    up = False
+    pair.r.up = lambda node: up
+    pair.r.ask_about(time.monotonic())
+    assert not pair.asked  # (its link is down: nothing to say on it)
+    up = True
+    pair.r.ask_about(time.monotonic())
+    assert [m["op"] for m in pair.asked] == ["writing"] and len(pair.asked[0]["tokens"]) == 3
+
+
+def test_no_piece_is_asked_of_a_lender_taken_for_down(pair: Pair) -> None:
+    """A relay taken for down after its first piece was written (none under way then, so
+    none given up) says it has more (its `more` may still come): no piece is asked of it,
+    and the read fails (the pull reads again from the owner) instead of waiting for good."""
+    up = True
+    pair.r.up = lambda node: up
+    reading = Reading("l", pair.src.ctypes.data, pair.dst.ctypes.data, SIZE,
+                      ("DRAM", 0), ("DRAM", 0), push=True, inc=0)  # fmt: skip
+    pair.r.extend(reading, CHUNK)  # (a relay that has its first piece)
+    pair.deliver()
+    assert _wait(lambda: pair.answer() or reading.ready() == CHUNK)
+    assert not pair.r.done(reading)
+    up = False
+    pair.r.abandon("l", "node 'l' went down")
+    pair.r.extend(reading, SIZE)
+    assert not pair.asked
+    with pytest.raises(OSError, match="is down"):
+        pair.r.done(reading)
