@@ -31,16 +31,18 @@ error) and never writes it after (`refused`); the pull then reads again from the
 up) is asked for again as the pull is looked at.
 
 A lender taken for down may still be alive, and writing. So the pieces of a lender that went
-down or forgot this node are given up at once (`abandon`: the pull reads again, or fails, as
-for a read that failed), but the block they were asked into is not reused (`hold`) until
-the lender says each is over after all (a late `wrote`, or its answer to `writing`), says
-it never took it (`unwritten`: its `hello_first`), or restarted (its writes went with its
-process: a broker's NIXL writes end before its links close, and it answers them then,
-Cluster.close; not so a process taken for down that a new one, at another address,
-replaced while it still wrote: its held blocks are let go at the new one's hello). One whose lender
-never comes back stays held: the whole block of each pull it was writing (stats:
-`blocks_held`). A piece its lender says it is still writing is waited for, however long
-(as a READ that UCX has not failed).
+down are given up at once (`abandon`: the pull reads again, or fails, as for a read that
+failed), but the block they were asked into is not reused (`hold`) until the lender says
+each is over after all (a late `wrote`, or its answer to `writing`), says it never took it
+(`unwritten`: its `hello_first`), or restarted (its writes went with its process: a
+broker's NIXL writes end before its links close, and it answers them then, Cluster.close;
+not so a process taken for down that a new one, at another address, replaced while it still
+wrote: its held blocks are let go at the new one's hello). One whose lender never comes back
+stays held: the whole block of each pull it was writing (stats: `blocks_held`). A lender
+that forgot this node (it is up) still answers each piece it took, on its own link if it
+has no route of this node's left, and says it never took the others; the pull, suspect,
+reads again once they ended. A piece its lender says it is still writing is waited for,
+however long (as a READ that UCX has not failed).
 """
 
 from __future__ import annotations

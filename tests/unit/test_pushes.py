@@ -186,7 +186,7 @@ def test_pieces_a_lender_never_took_or_that_went_with_its_process_hold_nothing(
 ) -> None:
     reading = pair.read()
     tokens = [m["token"] for m in pair.asked]
-    pair.r.abandon("l", "node 'l' forgot this one")
+    pair.r.abandon("l", "node 'l' went down")
     released: list[int] = []
     assert pair.r.hold(reading.reads, lambda: released.append(1))
     pair.r.unwritten("l", tokens[:2])  # its hello_first: it dropped those
@@ -228,7 +228,7 @@ def test_a_piece_given_up_whose_answer_was_lost_is_released_once_asked_about(
     pair.deliver()
     answers: list[Any] = []
     assert _wait(lambda: answers.extend(pair.l.served()) or len(answers) == 3)  # (all lost)
-    pair.r.abandon("l", "node 'l' forgot this one")
+    pair.r.abandon("l", "node 'l' went down")
     with pytest.raises(OSError):
         pair.r.done(reading)
     released: list[int] = []
