@@ -22,7 +22,11 @@ from .transfers import CHUNK, Transfers
 
 PULL_WAIT = 30.0  # a lend unanswered this long is asked of the owner again (a get waits as long)
 POLL = 0.001  # seconds between looks at what waits on something else (a slot, a fresh peer)
-PUSHES_FAILED = 2  # a pull whose pushed pieces failed is read again so often, then fails
+# A pull whose reads (or pushed pieces) failed, its owner up, is read again so often, then
+# fails: a piece's request or answer lost with a connection (Note [pushes] in pushes.py), or
+# a read posted as the agent of an owner that just restarted was being loaded (a get failed
+# so once, with nixlNotFoundError, in a fresh-clone CI run of test_etcd).
+READ_AGAIN = 2
 ASK_AGAIN = 0.01  # a lend that could not go out (its link not connected) is sent again so often
 
 
@@ -304,9 +308,8 @@ class Pulls(Failing):
                 return
         except OSError as exc:
             pull.handle = None
-            pushed = pull.reading is not None and pull.reading.push
-            if pushed and pull.pushes_failed < PUSHES_FAILED:  # (a piece's request or answer
-                pull.pushes_failed += 1  # lost, say: Note [pushes] in pushes.py)
+            if pull.reads_failed < READ_AGAIN and self.links.up(pull.node):
+                pull.reads_failed += 1
                 self._read_again(pull, exc)
             elif pull.offer is not None or pull.cut or pull.source != pull.node:  # (a relay's:
                 self._read_again(pull, exc)  # its owner lends it)

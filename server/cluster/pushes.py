@@ -27,7 +27,7 @@ A request or its answer can be lost (a connection broken and back, a peer that f
 other's route meanwhile). So a piece not answered within ASK_AFTER is asked about again
 (`writing`, every ASK_AFTER): a lender that is not writing it says so (`wrote`, with an
 error) and never writes it after (`refused`); the pull then reads again from the owner
-(PUSHES_FAILED times at most, pulls.py). A piece whose request could not go (its link not
+(READ_AGAIN times at most, pulls.py). A piece whose request could not go (its link not
 up) is asked for again as the pull is looked at.
 
 A lender taken for down may still be alive, and writing. So the pieces of a lender that went

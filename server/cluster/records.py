@@ -56,7 +56,7 @@ class Pull:
     put: int = 0  # the put lease of the replica's block
     handle: Any = None
     reading: Any = None  # its last Reading (kept past `handle`: its block may be held, pushes.py)
-    pushes_failed: int = 0  # its reads whose pushed pieces failed (read again: PUSHES_FAILED)
+    reads_failed: int = 0  # its reads that failed, its owner up (read again: READ_AGAIN)
     size: int = 0
     offer: Offer | None = None  # read from the offer its announcement carried (offers.py)
     asked: bool = True  # its lend went out (else sent again once its source is `fresh`)
