@@ -377,7 +377,5 @@ class Cluster(Answers, Requests):
         if self.membership is not None:  # (first: the others see this node leave now)
             self.membership.close()
         self.transfers.close()  # (its writes under way end before a new process can link)
-        served = self.transfers.served()  # (their readers hold their blocks until told)
-        for node, answer in served:
-            self.links.answer(node, answer)
+        served = self._served()  # (their readers hold their blocks until told)
         self.links.close(CLOSE_LINGER_MS if served else 0)

@@ -43,7 +43,6 @@ class Read:
     finished: bool = False
     error: str | None = None
     token: int = 0  # a pushed read's: named in its `write` and its lender's `wrote`
-    asked_at: float = 0.0  # when a pushed read was asked for
     queried_at: float = 0.0  # when its lender was last asked about it (pushes.py)
     late: bool = False  # given up, its lender perhaps still writing it (pushes.py)
     inc: int | None = None  # the incarnation of its lender's broker asked to write it
@@ -61,9 +60,7 @@ class Mover:
     def __init__(self, agent: Any) -> None:
         self.agent = agent
         self.fd, self._wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._new: queue.SimpleQueue[
-            Read | Callable[[], None] | tuple[str, Callable[[], None]] | None
-        ] = queue.SimpleQueue()
+        self._new: queue.SimpleQueue[Item] = queue.SimpleQueue()
         # node -> what waits for its transfers under way to end (`call` with a node), in order
         self._waiting: dict[str, list[Read | Callable[[], None]]] = {}
         self._thread = threading.Thread(target=self._run, name="nixl-reads", daemon=True)
@@ -131,11 +128,7 @@ class Mover:
             except queue.Empty:
                 pass
             active = [r for r in active if not self._ended(r)]
-            self._unwait(active)
-        for items in self._waiting.values():  # (stopping: what waits is not run)
-            for item in items:
-                if isinstance(item, Read):
-                    self._end(item, "the broker stopped")
+            self._unwait(active)  # (with none under way it runs all that waits: none is left)
 
     def _unwait(self, active: list[Read]) -> None:
         """Run what waits for a node with no transfer under way now, in order: a replace of

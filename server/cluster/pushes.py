@@ -110,44 +110,41 @@ class Pushes:
                    "inc": inc, **self.agent_fields()}  # fmt: skip
         if self.send is None or not self.send(node, message):
             return None
-        read.asked_at = read.queried_at = time.monotonic()
+        read.queried_at = time.monotonic()
         self._pushed[read.token] = read
         return read
 
     def wrote(self, node: str, m: dict[str, Any]) -> None:
         """`node` says the piece `token` is over: in (no `error`), or not."""
         read = self._pushed.get(int(m["token"]))
-        if read is None or read.node != node:
-            return
-        del self._pushed[read.token]
-        if read.late:
-            self._over(read)
-        elif m.get("error") is None:
-            read.finished = True
-        else:
-            read.error = f"node {node!r} could not write {read.size} bytes here: {m['error']}"
+        if read is not None and read.node == node:
+            error = m.get("error")
+            self._ended(read, None if error is None else f"could not write it here: {error}")
 
     def unwritten(self, node: str, tokens: Iterable[Any]) -> None:
         """`node` never took these pieces (it had forgotten this broker): none is coming."""
         for token in tokens:
             read = self._pushed.get(int(token))
             if read is not None and read.node == node:
-                del self._pushed[read.token]
-                if read.late:
-                    self._over(read)
-                else:
-                    read.error = f"node {node!r} did not take the write of {read.size} bytes"
+                self._ended(read, "did not take the write")
 
     def restarted(self, node: str) -> None:
         """`node` is a new process: what its old one was asked to write is not coming (and
         what it asked about, it no longer asks)."""
         self._refused.pop(node, None)
         for read in [r for r in self._pushed.values() if r.node == node]:
-            del self._pushed[read.token]
-            if read.late:
-                self._over(read)
-            else:
-                read.error = f"node {node!r} restarted before it wrote {read.size} bytes"
+            self._ended(read, "restarted before it wrote")
+
+    def _ended(self, read: Read, error: str | None) -> None:
+        """Its lender says the piece `read` is over (in, if no `error`): a piece given up
+        releases what was held for it (`_over`); another ends."""
+        del self._pushed[read.token]
+        if read.late:
+            self._over(read)
+        elif error is None:
+            read.finished = True
+        else:
+            read.error = f"node {read.node!r} {error} ({read.size} bytes)"
 
     def abandon(self, node: str, why: str) -> None:
         """Give up the pieces asked of `node` that are still under way: they fail, and the
@@ -198,26 +195,24 @@ class Pushes:
         """Write a piece `node` asked for (`write`: pushes.py) on the mover's thread; `served`
         says when it is over."""
         token, size = int(m["token"]), int(m["size"])
-        why = None
         if token in self._refused.get(node, ()):  # (asked about before it came: not written)
-            why = "asked about before it came"
-        elif m.get("inc") != self.incarnation:  # (its address is another process's)
-            why = "asked of another process of this node: it restarted"
-        if why is not None:
-            self._serving.append((node, token, Read(node, None, None, size, op="WRITE", error=why)))
-            return
+            return self._not_written(node, token, "asked about before it came")
+        if m.get("inc") != self.incarnation:  # (its address is another process's)
+            return self._not_written(node, token, "asked of another process of this node")
+        if size <= 0:
+            return self._not_written(node, token, f"a write of {size} bytes")
         if "agent" in m:  # (the block may lie in a segment new to this broker)
             self.add_peer(node, bytes(m["agent"]), m.get("agent_v"))
         try:
-            if size <= 0:
-                raise ValueError(f"a write of {size} bytes")
             mine = self.agent.get_xfer_descs([(int(m["from"]), size, 0)], "DRAM")
             theirs = self.agent.get_xfer_descs([(int(m["to"]), size, 0)], "DRAM")
         except Exception as exc:  # (NIXL's own errors, a bad request)
-            failed = Read(node, None, None, size, op="WRITE", error=f"{exc!r}")
-            self._serving.append((node, token, failed))
-            return
+            return self._not_written(node, token, f"{exc!r}")
         self._serving.append((node, token, self.mover.start(node, mine, theirs, size, op="WRITE")))
+
+    def _not_written(self, node: str, token: int, why: str) -> None:
+        """Answer `node`'s piece `token` (at the next `served`): not written, for `why`."""
+        self._serving.append((node, token, Read(node, None, None, 0, op="WRITE", error=why)))
 
     def writing(self, node: str, tokens: Iterable[Any], inc: Any = None) -> None:
         """`node` asks about these pieces: those not being written here are answered (over,
@@ -233,8 +228,7 @@ class Pushes:
             refused[token] = None
             if len(refused) > REFUSED:
                 del refused[next(iter(refused))]
-            failed = Read(node, None, None, 0, op="WRITE", error="not being written there")
-            self._serving.append((node, token, failed))
+            self._not_written(node, token, "not being written there")
 
     def served(self) -> list[tuple[str, dict[str, Any]]]:
         """The answers to the pieces written since (`wrote`), for the loop to send."""

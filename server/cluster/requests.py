@@ -33,13 +33,15 @@ class Requests:
     def _hello(self, op: str = "hello", to: str | None = None) -> dict[str, Any]:
         raise NotImplementedError
 
-    def _served(self) -> None:
+    def _served(self) -> bool:
         """Answer the pieces written since (Note [pushes] in pushes.py): on this broker's own
         link to the reader if it has no route here (it was forgotten since it asked), as
-        the reader holds the block until it hears."""
-        for node, answer in self.transfers.served():
+        the reader holds the block until it hears. Whether there were any."""
+        served = self.transfers.served()
+        for node, answer in served:
             if not self.links.answer(node, answer):
                 self.links.send(node, answer)
+        return bool(served)
 
     def _pushes(self, op: str, m: dict[str, Any]) -> None:
         """A lender's answer about a piece, sent on its own link (`_served`), or a reader's
