@@ -8,7 +8,8 @@ Each node holds its own part of a queue: the items its producers put, bounded by
 `maxsize`. A consumer takes from its node's part first; while it waits there, its node
 says so to the other nodes with a part of the queue (`want`, the count of its consumers
 waiting; the members, Note [queue homes] in queue_homes.py), and a member with items waiting
-and no consumer of its own lends them, oldest first:
+and no consumer of its own lends them, oldest first, to the nodes that want them in
+turn:
 
     node c: a get waits ── want(q, 1) ──> node b: its oldest item leaves its part, pinned:
                                                   qitem(q, loan, layout, address)
@@ -61,6 +62,7 @@ are not waited for: they come when it is back. GPU items stay on their node.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -212,20 +214,21 @@ class QueueLinks:
             self._lend(q)
 
     def _lend(self, q: BrokerQueue) -> None:
-        """Lend the oldest items of `q` to the peers that want them (this node's own
-        consumers took theirs already: an item waits in `items` only when none waits here)."""
+        """Lend the oldest items of `q` to the peers that want them, one each in turn (this
+        node's own consumers took theirs already: an item waits in `items` only when none
+        waits here): not in the order the wants were heard, which starved the later node."""
         wants = self.wants.get(q.name)
         if not wants or q.subs is not None or q.removed:
             return
         repass = time.monotonic() - self._waited.get(q.id, 0.0) >= REPASS
-        for node, n in wants.items():
-            out = sum(1 for (to, _), (lq, _) in self.loans.items() if to == node and lq is q)
-            while out < n and self.links.up(node):
-                obj = self._lendable(q, repass)
-                if obj is None:
-                    break
-                self._lend_to(node, q, obj)
-                out += 1
+        out = Counter(to for (to, _), (lq, _) in self.loans.items() if lq is q)
+        while True:  # (one at a time, in turn: the node lent to goes to the back of `wants`)
+            node = next((to for to, n in wants.items() if out[to] < n and self.links.up(to)), "")
+            if not node or (obj := self._lendable(q, repass)) is None:
+                break
+            self._lend_to(node, q, obj)
+            out[node] += 1
+            wants[node] = wants.pop(node)
         self.queues.table.note_if_ended(q)
 
     def _lendable(self, q: BrokerQueue, repass: bool) -> StoredObject | None:

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from tensorbroker.common.protocol import Request
-from tests.nodes import Node, pair, run
+from tests.nodes import Node, pair, run, trio
 
-__all__ = ["pair"]  # the fixture
+__all__ = ["pair", "trio"]  # the fixtures
 
 
 def _lent_to_b(pair: Callable[[str], Node], items: int = 1) -> tuple[Node, Node]:
@@ -503,3 +503,20 @@ def test_two_resync_answers_make_the_lender_forget_its_reader_once(
     assert a.cluster.links.forgot.get("b", 0) == forgot + 1
     queues = a.cluster.queues  # (what a held goes back at b's welcome, not TAKEN_FOR later)
     assert run([a, b], 3.5, lambda: a.up("b") and b.up("a") and not queues._relinking)
+
+
+def test_the_nodes_that_want_items_get_them_in_turn(trio: Callable[[str], Node]) -> None:
+    """b and c both have consumers at work on queue q and want items of a's part: a's items
+    go to them in turn, not all to the node whose want a heard first (a suite run saw c's
+    consumer starve while b took all 60 of a's items)."""
+    a, b, c = trio("a"), trio("b"), trio("c")
+    nodes = [a, b, c]
+    assert run(nodes, 5, lambda: all(x.up(y) for x in nodes for y in "abc" if x.cluster.node != y))
+    a.queue("q")
+    for n in (b, c):  # (b's want heard first)
+        n.cluster.queues.asked(n.queue("q"))
+        assert run(nodes, 3, lambda n=n: n.cluster.node in a.cluster.queues.wants.get("q", {}))
+    for _ in range(4):
+        a.queue_put("q", 4096)
+    lent = [node for node, _ in sorted(a.cluster.queues.loans, key=lambda k: k[1])]
+    assert lent == ["b", "c", "b", "c"], lent
