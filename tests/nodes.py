@@ -144,11 +144,12 @@ class Node:
 
     def __init__(
         self, name: str, port: int, peers: list[int], shm: Path, prefetch: int = 0,
-        gpus: bool = False, quiet: bool = False,
+        gpus: bool = False, quiet: bool = False, etcd: tuple[str, ...] = (), last: Any = None,
     ) -> None:  # fmt: skip
         """`prefetch`: serve --prefetch (0 here: a test pulls by hand, with `get`); `gpus`:
         it serves cuda:0, 8 MiB of a simulated GPU (tests/simcuda.py); `quiet`: its idle
-        links are not beaten, as with etcd (Note [beats])."""
+        links are not beaten, as with etcd (Note [beats]); `etcd`: its endpoints (never
+        reached: its membership is not started); `last`: the incarnation its journal named."""
         shm.mkdir(exist_ok=True)
         self.arena = Arena(32 * MiB, shm_dir=str(shm), chunk_size=4 * MiB)
         self.journal = Written()
@@ -159,9 +160,9 @@ class Node:
         objects = Objects(self.registry, lot, lambda route, payload, last=False: None)
         self.poller, self.reads = zmq.Poller(), Reads()
         addresses = [f"tcp://127.0.0.1:{p}" for p in peers]
-        joining = Joining(name, f"tcp://127.0.0.1:{port}", addresses, None, prefetch)
+        joining = Joining(name, f"tcp://127.0.0.1:{port}", addresses, None, prefetch, etcd)
         self.queues = Queues(objects)
-        self.cluster = Cluster(joining, objects, self.queues, lot, self.reads, self.poller)  # type: ignore[arg-type]
+        self.cluster = Cluster(joining, objects, self.queues, lot, self.reads, self.poller, last)  # type: ignore[arg-type]
         self.cluster.links.quiet = quiet
         objects.elsewhere, self.objects = self.cluster.replicas, objects
         self.queues.elsewhere = self.cluster.queues

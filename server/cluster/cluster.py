@@ -98,10 +98,12 @@ class Cluster(Answers, Requests):
 
     def __init__(
         self, joining: Joining, objects: Objects, queues: Queues, lot: ParkingLot,
-        transfers: Transfers, poller: zmq.Poller,
+        transfers: Transfers, poller: zmq.Poller, last: Any = None,
     ) -> None:  # fmt: skip
+        """`last`: as `join`'s (followed before the etcd record names the incarnation)."""
         self.node, self.address, self.transfers = joining.node, joining.address, transfers
         self.links = links = Links(joining, poller)
+        links.follow(last)
         transfers.send = links.send  # (a loan's pieces asked for: Note [pushes] in pushes.py)
         transfers.up = links.up
         links.restarts = transfers.restarted  # (its writes went with its old process)
@@ -137,8 +139,8 @@ class Cluster(Answers, Requests):
         `last`: the incarnation of the broker whose state it took over (journaled)."""
         transfers = Transfers(joining.node, shm_dir)
         objects = queues.objects
-        cluster = cls(joining, objects, queues, queues.lot, transfers, poller)
-        objects.registry.journal.meta("incarnation", cluster.links.follow(last))
+        cluster = cls(joining, objects, queues, queues.lot, transfers, poller, last)
+        objects.registry.journal.meta("incarnation", cluster.links.incarnation)
         transfers.incarnation = cluster.links.incarnation  # (its metadata's versions)
         for segment in objects.registry.arena.segments:
             transfers.register(segment)

@@ -62,7 +62,7 @@ class Membership:
     def __init__(self, urls: tuple[str, ...], prefix: str, node: str, record: dict[str, Any]):
         self.urls, self.node, self.address = urls, node, record.get("address")
         self.prefix = f"{prefix.rstrip('/')}/members/".encode()
-        self._key, self._record = self.prefix + node.encode(), record
+        self._key, self.record = self.prefix + node.encode(), record
         self.events: deque[Member] = deque()
         self.fd, self._wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._stop = threading.Event()
@@ -136,7 +136,7 @@ class Membership:
         lease not expired yet) is waited for to go, up to TTL + 1 s; NodeTaken if it stays
         (another broker serves this --node and renews it)."""
         asked, registration = time.monotonic(), self.registration + 1
-        value = json.dumps({**self._record, "registration": registration}).encode()
+        value = json.dumps({**self.record, "registration": registration}).encode()
         lease = etcd.grant(TTL)
         deadline = time.monotonic() + TTL + 1.0
         while True:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from tensorbroker.server.cluster import announcing, lending
 from tensorbroker.server.cluster.offers import OFFER_MAX
 from tensorbroker.server.cluster.pulls import READ_AGAIN
 from tests.nodes import MiB, Node, Taken, homed, pair, run, trio
+from tests.support import free_port
 
 __all__ = ["pair", "trio"]  # the fixtures
 
@@ -238,6 +240,22 @@ def test_a_node_restarted_after_its_clock_went_back_is_heard_as_new(
     assert a.cluster.links.follow(ahead) == ahead + 1
     a.put("k2", MiB)
     assert run([a, b], 5, lambda: b.knows("k2"))
+
+
+def test_the_etcd_record_names_the_incarnation_a_restarted_broker_follows(
+    tmp_path: Path,
+) -> None:
+    """A broker restarted on its state after its clock went back registers in etcd the
+    incarnation it follows (its last, plus one), not its clock's: its peers tell a restart
+    from the record (Cluster._members), and an older one than they knew says nothing."""
+    ahead = time.time_ns() // 1000 + 3600 * 10**6 << 10  # the last one's clock, an hour ahead
+    a = Node("a", free_port(), [], tmp_path / "a", etcd=("http://127.0.0.1:9",), last=ahead)
+    try:
+        assert a.cluster.membership is not None
+        assert a.cluster.links.incarnation == ahead + 1
+        assert a.cluster.membership.record["incarnation"] == ahead + 1
+    finally:
+        a.close()
 
 
 def test_puts_close_together_are_announced_in_one_message_with_each_keys_last_version(
