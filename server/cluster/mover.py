@@ -46,6 +46,7 @@ class Read:
     queried_at: float = 0.0  # when its lender was last asked about it (pushes.py)
     late: bool = False  # given up, its lender perhaps still writing it (pushes.py)
     inc: int | None = None  # the incarnation of its lender's broker asked to write it
+    refused: bool = False  # NIXL would not start it (Transfers.unknown: the peer's agent?)
 
 
 # What the loop hands the thread: a transfer, a call, a call replacing a node's agent, or None
@@ -163,6 +164,7 @@ class Mover:
                 agent.release_xfer_handle(read.handle)
                 raise OSError("NIXL refused to post it")
         except Exception as exc:  # NIXL's own errors (nixlNotFoundError, ...)
+            read.refused = True
             what = "read of {} bytes from" if read.op == "READ" else "write of {} bytes to"
             self._end(read, f"NIXL could not start a {what.format(read.size)} {read.node!r}: "
                       f"{exc!r}")  # fmt: skip

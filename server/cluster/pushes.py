@@ -75,6 +75,9 @@ class Pushes:
     def add_peer(self, node: str, metadata: bytes, version: Any = None) -> None:
         raise NotImplementedError
 
+    def unknown(self, node: str) -> None:
+        raise NotImplementedError
+
     def __init__(self) -> None:
         # Sends a request to a peer (Links.send: False if its link is not up); None: no
         # pushes (a read is read).
@@ -242,6 +245,8 @@ class Pushes:
             answer: dict[str, Any] = {"op": "wrote", "token": token, "node": self.node}
             if write.error is not None:
                 answer["error"] = write.error
+                if write.refused:  # (its next `write` carries its agent: loaded again)
+                    self.unknown(node)
             else:
                 self.bytes_pushed += write.size
             answers.append((node, answer))

@@ -72,6 +72,9 @@ class Reads:
     def _place(self, obj: Any) -> tuple[int, str, int]:
         raise NotImplementedError
 
+    def unknown(self, node: str) -> None:
+        raise NotImplementedError
+
     def push(
         self, node: str, remote: int, local: int, size: int, inc: int | None = None
     ) -> Read | None:
@@ -190,5 +193,7 @@ class Reads:
             return False
         errors = [r.error for r in reading.reads if r.error is not None]  # (once ended: the
         if errors or reading.failed is not None:  # mover may fail the last one until then)
+            if any(r.refused for r in reading.reads):
+                self.unknown(reading.node)
             raise OSError(errors[0] if errors else reading.failed)
         return reading.asked == reading.size

@@ -68,8 +68,8 @@ class Copying:
 class Pair:
     """A reader `r` and its lender `l`, their messages carried by hand (`carry`)."""
 
-    def __init__(self, tmp: Path) -> None:
-        self.lender_agent = Copying("l")
+    def __init__(self, tmp: Path, lender: Copying | None = None) -> None:
+        self.lender_agent = lender or Copying("l")
         self.l = Transfers("l", str(tmp), self.lender_agent)
         self.r = Transfers("r", str(tmp), Copying("r"))
         self.asked: list[dict[str, Any]] = []  # requests r sent l, not carried yet
@@ -296,3 +296,42 @@ def test_no_piece_is_asked_of_a_lender_taken_for_down(pair: Pair) -> None:
     assert not pair.asked
     with pytest.raises(OSError, match="is down"):
         pair.r.done(reading)
+
+
+class Forgetful(Copying):
+    """Copying, but NIXL will not start a WRITE to a peer whose agent it does not know
+    (nixlNotFoundError); it drops one by itself when a transfer finds the connection gone."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.known: set[str] = set()
+        self.loads = 0
+
+    def add_remote_agent(self, metadata: bytes) -> bytes:
+        self.known.add(metadata.decode())
+        self.loads += 1
+        return metadata
+
+    def initialize_xfer(self, op: str, local: Any, remote: Any, node: str) -> Any:
+        if node not in self.known:
+            raise RuntimeError("nixlNotFoundError")
+        return super().initialize_xfer(op, local, remote, node)
+
+
+def test_a_lender_whose_nixl_dropped_the_readers_agent_loads_it_again(tmp_path: Path) -> None:
+    """A WRITE NIXL would not start (it dropped the reader's agent) makes the lender load the
+    reader's agent again from its next `write`, though it carries the same metadata: else
+    every piece that reader asks for is refused (test_transfers has the reader's side)."""
+    agent = Forgetful("l")
+    pair = Pair(tmp_path, agent)
+    try:
+        assert pair.carry(pair.read())
+        agent.known.discard("r")  # (NIXL's doing)
+        with pytest.raises(OSError, match="could not start a write"):
+            pair.carry(pair.read())
+        pair.dst[:] = 0
+        assert pair.carry(pair.read()), "the lender refused the pieces again"
+        np.testing.assert_array_equal(pair.dst, pair.src)
+        assert agent.loads == 2
+    finally:
+        pair.close()

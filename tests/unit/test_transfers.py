@@ -169,6 +169,40 @@ def test_a_peer_agent_replaced_while_a_read_is_posted_does_not_block_the_loop(
     t.close()
 
 
+class Forgetful(Reading):
+    """A Reading agent that will not start a transfer with a peer whose agent it does not
+    know, as NIXL's createXferReq (nixlNotFoundError). NIXL drops a peer's agent by itself
+    when a transfer finds the connection to it gone (the test does it here)."""
+
+    def initialize_xfer(self, op: str, local: Any, remote: Any, node: str) -> Any:
+        if node not in self.remote:
+            raise RuntimeError("nixlNotFoundError")
+        return object()
+
+
+def test_a_peer_agent_nixl_dropped_is_loaded_again_from_its_next_message(tmp_path: Path) -> None:
+    """NIXL dropped a's agent (a connection found gone: after a peer's restart, an old
+    endpoint's error). Transfers took the same metadata in a's next offer for known, and
+    every read of a was refused until a registered a segment (a CI run's get failed so
+    after a restart). A read refused makes the next message's metadata load again."""
+    agent = Forgetful("b")
+    t = _transfers("b", tmp_path, agent)
+    t.add_peer("a", b"a:1", [7, 1])
+    assert wait_until(lambda: "a" in agent.remote, 5)
+    agent.over.set()
+    with agent.lock:
+        del agent.remote["a"]  # (NIXL's doing)
+    refused = t.read("a", 1000, 2000, 4096)
+    assert _ended(t)
+    with pytest.raises(OSError, match="could not start a read of 4096 bytes from 'a'"):
+        t.done(refused)
+    t.add_peer("a", b"a:1", [7, 1])  # the offer of the lend read again: the same metadata
+    again = t.read("a", 1000, 2000, 4096)
+    assert wait_until(again.ended, 5), "the read was refused again"
+    assert t.done(again) and agent.calls == 2
+    t.close()
+
+
 class Keyed(Reading):
     """A Reading agent that notes, as each transfer is posted, which metadata of its peer it
     knew then, and whether that peer's agent was replaced under a transfer with it."""
