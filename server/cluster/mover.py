@@ -46,7 +46,7 @@ class Read:
     queried_at: float = 0.0  # when its lender was last asked about it (pushes.py)
     late: bool = False  # given up, its lender perhaps still writing it (pushes.py)
     inc: int | None = None  # the incarnation of its lender's broker asked to write it
-    refused: bool = False  # NIXL would not start it (Transfers.unknown: the peer's agent?)
+    nixl_error: bool = False  # NIXL failed it here (Transfers.unknown: the peer's agent?)
 
 
 # What the loop hands the thread: a transfer, a call, a call replacing a node's agent, or None
@@ -164,7 +164,6 @@ class Mover:
                 agent.release_xfer_handle(read.handle)
                 raise OSError("NIXL refused to post it")
         except Exception as exc:  # NIXL's own errors (nixlNotFoundError, ...)
-            read.refused = True
             what = "read of {} bytes from" if read.op == "READ" else "write of {} bytes to"
             self._end(read, f"NIXL could not start a {what.format(read.size)} {read.node!r}: "
                       f"{exc!r}")  # fmt: skip
@@ -187,7 +186,7 @@ class Mover:
         return True
 
     def _end(self, read: Read, error: str | None) -> None:
-        read.error, read.finished = error, error is None
+        read.error, read.finished, read.nixl_error = error, error is None, error is not None
         try:
             os.write(self._wake, b"\0")
         except BlockingIOError:  # (the loop has not read the last ones yet: it will look)

@@ -245,7 +245,7 @@ class Pushes:
             answer: dict[str, Any] = {"op": "wrote", "token": token, "node": self.node}
             if write.error is not None:
                 answer["error"] = write.error
-                if write.refused:  # (its next `write` carries its agent: loaded again)
+                if write.nixl_error:  # (its next `write` carries its agent: loaded again)
                     self.unknown(node)
             else:
                 self.bytes_pushed += write.size

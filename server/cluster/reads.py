@@ -193,7 +193,7 @@ class Reads:
             return False
         errors = [r.error for r in reading.reads if r.error is not None]  # (once ended: the
         if errors or reading.failed is not None:  # mover may fail the last one until then)
-            if any(r.refused for r in reading.reads):
+            if any(r.nixl_error for r in reading.reads):
                 self.unknown(reading.node)
             raise OSError(errors[0] if errors else reading.failed)
         return reading.asked == reading.size

@@ -223,12 +223,12 @@ class Transfers(Pushes, Reads):
         self.mover.call(lambda: self._load(node, metadata, replaced), node if replaced else None)
 
     def unknown(self, node: str) -> None:
-        """NIXL would not start a transfer with `node`: it may have dropped that peer's agent
-        (it does so itself when a transfer finds the connection gone; after the peer's
-        restart, an old endpoint's error may drop the new agent). The metadata the next
-        message of `node` carries is loaded again then, even if it is what was loaded: a CI
-        run's get failed so (nixlNotFoundError) after its peer's restart, every read of it
-        refused, as the same metadata came again and was taken for known."""
+        """NIXL failed a transfer with `node` (would not start it, or it ended in error): it
+        may have dropped that peer's agent, as it does itself when a transfer finds the
+        connection gone (NIXL_ERR_REMOTE_DISCONNECT). The metadata the next message of `node`
+        carries is loaded again then, even if it is what was loaded: else the same metadata
+        is taken for known, and every transfer with `node` is refused (nixlNotFoundError)
+        until it registers a segment; a CI run's get failed so after its peer restarted."""
         if node in self._peers:
             self._peers[node] = b""  # (loaded in place of what NIXL may still have)
 

@@ -184,7 +184,8 @@ def test_a_peer_agent_nixl_dropped_is_loaded_again_from_its_next_message(tmp_pat
     """NIXL dropped a's agent (a connection found gone: after a peer's restart, an old
     endpoint's error). Transfers took the same metadata in a's next offer for known, and
     every read of a was refused until a registered a segment (a CI run's get failed so
-    after a restart). A read refused makes the next message's metadata load again."""
+    after a restart). A read NIXL refused, or one that ended in error, makes the next
+    message's metadata load again."""
     agent = Forgetful("b")
     t = _transfers("b", tmp_path, agent)
     t.add_peer("a", b"a:1", [7, 1])
@@ -200,6 +201,13 @@ def test_a_peer_agent_nixl_dropped_is_loaded_again_from_its_next_message(tmp_pat
     again = t.read("a", 1000, 2000, 4096)
     assert wait_until(again.ended, 5), "the read was refused again"
     assert t.done(again) and agent.calls == 2
+    agent.state = "ERR"  # (a transfer that found the connection gone: NIXL drops the agent)
+    failed = t.read("a", 1000, 2000, 4096)
+    assert wait_until(failed.ended, 5)
+    with pytest.raises(OSError, match="ended in state ERR"):
+        t.done(failed)
+    t.add_peer("a", b"a:1", [7, 1])
+    assert wait_until(lambda: agent.calls == 3, 5)
     t.close()
 
 
