@@ -224,9 +224,9 @@ class Transfers(Pushes, Reads):
 
     def unknown(self, node: str) -> None:
         """NIXL failed a transfer with `node` (would not start it, or it ended in error): it
-        may have dropped that peer's agent. NIXL's source after 1.5.1 does so itself when a
+        may have dropped that peer's agent. NIXL's current source does so itself when a
         transfer finds the connection gone (NIXL_ERR_REMOTE_DISCONNECT, a network blip with
-        the peer alive, say); 1.5.1 here kept it in a scratch test. The metadata the next
+        the peer alive, say); the 1.5.1 here kept it in a scratch test. The metadata the next
         message of `node` carries is loaded again then, even if it is what was loaded: else
         it is taken for known, and every transfer with `node` is refused (nixlNotFoundError)
         until the peer registers a segment."""
