@@ -181,11 +181,10 @@ class Forgetful(Reading):
 
 
 def test_a_peer_agent_nixl_dropped_is_loaded_again_from_its_next_message(tmp_path: Path) -> None:
-    """NIXL dropped a's agent (a connection found gone: after a peer's restart, an old
-    endpoint's error). Transfers took the same metadata in a's next offer for known, and
-    every read of a was refused until a registered a segment (a CI run's get failed so
-    after a restart). A read NIXL refused, or one that ended in error, makes the next
-    message's metadata load again."""
+    """NIXL dropped a's agent (its current source does when a transfer finds the connection
+    gone). Transfers took the same metadata in a's next offer for known, and every read of
+    a was refused until a registered a segment. A read NIXL refused, or one that ended in
+    error, makes the next message's metadata load again."""
     agent = Forgetful("b")
     t = _transfers("b", tmp_path, agent)
     t.add_peer("a", b"a:1", [7, 1])
