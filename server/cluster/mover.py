@@ -186,7 +186,8 @@ class Mover:
         return True
 
     def _end(self, read: Read, error: str | None) -> None:
-        read.error, read.finished, read.nixl_error = error, error is None, error is not None
+        read.nixl_error = error is not None  # (before `error`: the loop reads it once ended)
+        read.error, read.finished = error, error is None
         try:
             os.write(self._wake, b"\0")
         except BlockingIOError:  # (the loop has not read the last ones yet: it will look)

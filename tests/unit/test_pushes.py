@@ -306,11 +306,16 @@ class Forgetful(Copying):
         super().__init__(name)
         self.known: set[str] = set()
         self.loads = 0
+        self.removed: list[str] = []
 
     def add_remote_agent(self, metadata: bytes) -> bytes:
         self.known.add(metadata.decode())
         self.loads += 1
         return metadata
+
+    def remove_remote_agent(self, name: str) -> None:
+        self.removed.append(name)
+        self.known.discard(name)
 
     def initialize_xfer(self, op: str, local: Any, remote: Any, node: str) -> Any:
         if node not in self.known:
@@ -332,6 +337,6 @@ def test_a_lender_whose_nixl_dropped_the_readers_agent_loads_it_again(tmp_path: 
         pair.dst[:] = 0
         assert pair.carry(pair.read()), "the lender refused the pieces again"
         np.testing.assert_array_equal(pair.dst, pair.src)
-        assert agent.loads == 2
+        assert agent.loads == 2 and agent.removed == ["r"]  # (replaced: NIXL's may still be)
     finally:
         pair.close()
