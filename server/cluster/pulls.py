@@ -24,8 +24,8 @@ PULL_WAIT = 30.0  # a lend unanswered this long is asked of the owner again (a g
 POLL = 0.001  # seconds between looks at what waits on something else (a slot, a fresh peer)
 # A pull whose reads (or pushed pieces) failed, its owner up, is read again so often, then
 # fails: a piece's request or answer lost with a connection (Note [pushes] in pushes.py), or
-# a read posted as the agent of an owner that just restarted was being loaded (a get failed
-# so once, with nixlNotFoundError, in a fresh-clone CI run of test_etcd).
+# a read NIXL refused (a get failed so once, with nixlNotFoundError, after its owner's
+# restart in a fresh-clone CI run of test_etcd; the cause was not found).
 READ_AGAIN = 2
 ASK_AGAIN = 0.01  # a lend that could not go out (its link not connected) is sent again so often
 
