@@ -99,7 +99,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument(
         "--etcd", metavar="URLS", help="the etcd where the brokers of a cluster find each other: "
-        "http://HOST:2379, comma-separated for several members (no --peers needed)",
+        "http://HOST:2379 (https:// for one served with TLS), comma-separated for several "
+        "members (no --peers needed)",
+    )  # fmt: skip
+    p.add_argument(
+        "--etcd-cacert", metavar="FILE", help="with --etcd https://...: the CA certificates "
+        "(PEM) that etcd's certificate is checked against (default: the system's)",
+    )  # fmt: skip
+    p.add_argument(
+        "--etcd-cert", metavar="FILE", help="with --etcd https://...: the certificate (PEM) this "
+        "broker shows an etcd served with --client-cert-auth; with --etcd-key",
+    )  # fmt: skip
+    p.add_argument(
+        "--etcd-key", metavar="FILE", help="the private key (PEM) of --etcd-cert",
     )  # fmt: skip
     p.add_argument(
         "--etcd-prefix", metavar="PATH", default="/tensorbroker", help="this cluster's keys in "
@@ -144,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
         cluster = Joining.parse(
             args.node, args.cluster, args.peers, args.insecure_tcp, args.curve_secret,
             args.curve_clients, args.prefetch, args.etcd, args.etcd_prefix,
+            (args.etcd_cacert, args.etcd_cert, args.etcd_key),
         )  # fmt: skip
         tcp = cluster is None or address.startswith("tcp://")  # the keys: clients' too?
         insecure = args.insecure_tcp and tcp

@@ -118,7 +118,9 @@ class Cluster(Answers, Requests):
         self.membership: Membership | None = None
         if joining.etcd:  # (its threads start with `start`, once the broker has bound)
             record = {"address": self.address, "incarnation": links.incarnation}
-            self.membership = Membership(joining.etcd, joining.etcd_prefix, self.node, record)
+            self.membership = Membership(
+                joining.etcd, joining.etcd_prefix, self.node, record, joining.etcd_tls
+            )
             links.lease_until = lambda: self.membership.alive_until  # type: ignore[union-attr]
             links.registration = lambda: self.membership.registration  # type: ignore[union-attr]
             poller.register(self.membership.fd, zmq.POLLIN)

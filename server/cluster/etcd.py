@@ -3,6 +3,11 @@ the addresses `serve --etcd` names) with the standard library's http.client: no 
 protobuf next to torch's and JAX's pins. On this 2-core VM the gateway took puts as fast as
 the gRPC client aetcd (1,000-1,200/s from one process, fsync on: issue 50's study).
 
+An etcd served over https is reached with TLS (`tls`): its certificate checked against
+`--etcd-cacert` (else the system's CAs), and this broker's own, `--etcd-cert` with
+`--etcd-key`, shown to an etcd that asks for one (`--client-cert-auth`), as etcdctl's
+`--cacert`, `--cert` and `--key` do.
+
 Keys and values are bytes, base64 on the wire; etcd's 64-bit integers come as strings."""
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import base64
 import http.client
 import json
 import socket
+import ssl
 from collections.abc import Iterator
 from threading import Event
 from typing import Any
@@ -24,7 +30,8 @@ KEEPALIVE = ((socket.TCP_KEEPIDLE, 5), (socket.TCP_KEEPINTVL, 2), (socket.TCP_KE
 
 
 class EtcdUnavailable(BrokerError):
-    """No etcd member answered; `refused`: each refused the connection (none listens)."""
+    """No etcd member answered; `refused`: each refused the connection (none listens, or the
+    TLS handshake failed)."""
 
     code = "unavailable"
     refused = False
@@ -35,18 +42,57 @@ class EtcdRefused(EtcdUnavailable):
 
 
 def endpoints(spec: str) -> tuple[str, ...]:
-    """`--etcd http://HOST:PORT[,http://...]`, checked; InvalidRequest saying what is wrong."""
+    """`--etcd http[s]://HOST:PORT[,...]`, checked; InvalidRequest saying what is wrong."""
     found = tuple(e.strip().rstrip("/") for e in spec.split(",") if e.strip())
     for e in found:
         url = urlsplit(e)
-        if url.scheme != "http" or not url.hostname or url.port is None or url.path:
+        if url.scheme not in ("http", "https") or not url.hostname or url.port is None or url.path:
             raise InvalidRequest(
-                f"--etcd: http://HOST:PORT[,http://HOST:PORT...], not {e!r} (an https etcd "
-                "is not supported yet: reach it through a local proxy, or on a private network)"
+                f"--etcd: http://HOST:PORT[,http://HOST:PORT...] (https:// for an etcd served "
+                f"with TLS), not {e!r}"
             )
     if not found:
         raise InvalidRequest("--etcd: at least one http://HOST:PORT")
+    if len({urlsplit(e).scheme for e in found}) > 1:
+        raise InvalidRequest(f"--etcd: all http:// or all https://, not {spec!r}")
     return found
+
+
+def tls(
+    urls: tuple[str, ...], cacert: str | None = None, cert: str | None = None,
+    key: str | None = None,
+) -> ssl.SSLContext | None:  # fmt: skip
+    """How the etcd at `urls` (`endpoints`) is reached: None over http; over https, a TLS
+    context trusting `cacert` (a PEM file; None: the system's CAs) and showing the
+    certificate `cert` with its private `key`, if given. InvalidRequest saying what is
+    wrong."""
+    given = [f"--etcd-{n}" for n, v in (("cacert", cacert), ("cert", cert), ("key", key)) if v]
+    if not urls or urlsplit(urls[0]).scheme == "http":
+        if given:
+            raise InvalidRequest(
+                f"{given[0]} is for an etcd served with TLS: give --etcd https://HOST:PORT"
+            )
+        return None
+    if (cert is None) != (key is None):
+        raise InvalidRequest("--etcd-cert and --etcd-key go together: the certificate this "
+                             "broker shows etcd, and its private key")  # fmt: skip
+    try:
+        context = ssl.create_default_context(cafile=cacert)
+    except (OSError, ssl.SSLError) as exc:
+        raise InvalidRequest(f"--etcd-cacert {cacert}: {_why(exc)}") from None
+    if cert is not None:
+        try:
+            context.load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as exc:
+            raise InvalidRequest(f"--etcd-cert {cert} with --etcd-key {key}: {_why(exc)}") from None
+    return context
+
+
+def _why(exc: OSError | ssl.SSLError) -> str:
+    """What is wrong with a PEM file, as the user can act on it."""
+    if isinstance(exc, ssl.SSLError):
+        return f"not a PEM certificate and key that go together ({exc.reason or exc})"
+    return exc.strerror or str(exc)
 
 
 def _b64(data: bytes) -> str:
@@ -65,22 +111,31 @@ class Etcd:
     `failed`: the endpoints passed over in the last call. Not shared between threads: each
     thread makes its own."""
 
-    def __init__(self, urls: tuple[str, ...], timeout: float = TIMEOUT, first: int = 0) -> None:
-        """`first`: the endpoint tried first (another client's `first`, say)."""
-        self.urls, self.timeout = urls, timeout
+    def __init__(
+        self, urls: tuple[str, ...], timeout: float = TIMEOUT, first: int = 0,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:  # fmt: skip
+        """`first`: the endpoint tried first (another client's `first`, say); `tls`: over
+        https, how (`tls()`)."""
+        self.urls, self.timeout, self.tls = urls, timeout, tls
         self.failed: set[str] = set()
         self.first = first  # the endpoint that answered last
 
+    def _connection(self, url: str, timeout: float) -> http.client.HTTPConnection:
+        parts = urlsplit(url)
+        if self.tls is None:
+            return http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout)
+        return http.client.HTTPSConnection(
+            parts.hostname or "", parts.port, timeout=timeout, context=self.tls
+        )
+
     def call(self, path: str, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         """POST `body` to /v3/`path`: the JSON answer of the first endpoint that gives one."""
-        errors, self.failed, refused = [], set(), 0
+        errors, self.failed, refused, handshakes = [], set(), 0, 0
         n = len(self.urls)
         for turn in range(n):
             url = self.urls[(self.first + turn) % n]
-            parts = urlsplit(url)
-            conn = http.client.HTTPConnection(
-                parts.hostname or "", parts.port, timeout=timeout or self.timeout
-            )
+            conn = self._connection(url, timeout or self.timeout)
             try:
                 conn.request("POST", f"/v3/{path}", json.dumps(body))
                 reply = conn.getresponse()
@@ -88,7 +143,8 @@ class Etcd:
             except (OSError, http.client.HTTPException, ValueError) as exc:
                 errors.append(f"{url}: {exc}")
                 self.failed.add(url)
-                refused += isinstance(exc, ConnectionRefusedError)
+                handshakes += isinstance(exc, ssl.SSLError)  # (as a refusal: not waited out)
+                refused += isinstance(exc, (ConnectionRefusedError, ssl.SSLError))
                 continue
             finally:
                 conn.close()
@@ -100,9 +156,12 @@ class Etcd:
                 raise EtcdRefused(f"etcd at {url} refused {path}: {data.get('message', data)}")
             self.first = (self.first + turn) % n
             return dict(data)
+        what = "start etcd there, or give this broker's --etcd the addresses of a running one"
+        if handshakes:
+            what = ("check --etcd-cacert (the CA that signed etcd's certificate), and --etcd-cert "
+                    "with --etcd-key if etcd asks for a client certificate")  # fmt: skip
         unavailable = EtcdUnavailable(
-            f"no etcd answers at {', '.join(self.urls)} ({'; '.join(errors)}): start etcd "
-            "there, or give this broker's --etcd the addresses of a running one"
+            f"no etcd answers at {', '.join(self.urls)} ({'; '.join(errors)}): {what}"
         )
         unavailable.refused = refused == n
         raise unavailable
@@ -163,8 +222,7 @@ class Etcd:
         revision) for a delete, until the stream ends (OSError: the endpoint went away, or
         TCP's keepalive found it dead). The stream's socket goes into `opened`, and another
         thread shuts it to end the watch; once `stop` is set, the watch ends."""
-        parts = urlsplit(url)
-        conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=TIMEOUT)
+        conn = self._connection(url, TIMEOUT)
         try:
             create = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}
             conn.request("POST", "/v3/watch", json.dumps({"create_request": {

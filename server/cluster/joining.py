@@ -9,12 +9,13 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
+import ssl
 from typing import Any, NamedTuple
 
 from ...common.config import format_size, parse_size
 from ...common.curve import ServerKeys, server_keys
 from ...common.errors import InvalidRequest
-from .etcd import endpoints
+from .etcd import endpoints, tls
 from .offers import OFFER_MAX
 
 log = logging.getLogger(__name__)
@@ -44,8 +45,8 @@ def speaks(m: dict[str, Any], refused: set[str]) -> bool:
 class Joining(NamedTuple):
     """What `serve --node --cluster --etcd --peers` says: this node's name, the address its
     peers reach it at, the etcd endpoints and prefix where the brokers find each other (or
-    the peers' addresses), and the CURVE keys the brokers share (None: --insecure-tcp, on
-    loopback only)."""
+    the peers' addresses) with the TLS that etcd is reached with (None: over http), and the
+    CURVE keys the brokers share (None: --insecure-tcp, on loopback only)."""
 
     node: str
     address: str
@@ -54,19 +55,24 @@ class Joining(NamedTuple):
     prefetch: int = 0  # versions of at most this many bytes are read as announced
     etcd: tuple[str, ...] = ()
     etcd_prefix: str = "/tensorbroker"
+    etcd_tls: ssl.SSLContext | None = None
 
     @classmethod
     def parse(
         cls, node: str | None, address: str | None, peers: str, insecure: bool,
         secret: str | None = None, clients: str | None = None, prefetch: str | None = None,
         etcd: str | None = None, etcd_prefix: str = "/tensorbroker",
+        etcd_files: tuple[str | None, str | None, str | None] = (None, None, None),
     ) -> Joining | None:  # fmt: skip
-        """The options as given (None: no cluster); InvalidRequest saying what is wrong."""
+        """The options as given (None: no cluster); InvalidRequest saying what is wrong.
+        `etcd_files`: --etcd-cacert, --etcd-cert and --etcd-key (etcd.tls)."""
         if node is None and address is None and not peers and not etcd:
+            tls((), *etcd_files)  # (given without --etcd: said, not ignored)
             return None
         if not node or not address:
             raise InvalidRequest("a cluster needs both --node NAME and --cluster tcp://HOST:PORT")
         found_etcd = endpoints(etcd) if etcd else ()
+        etcd_tls = tls(found_etcd, *etcd_files)
         if not etcd_prefix.startswith("/") or not etcd_prefix.strip("/") or " " in etcd_prefix:
             raise InvalidRequest(
                 f"--etcd-prefix: a path such as /tensorbroker, not {etcd_prefix!r}"
@@ -87,7 +93,8 @@ class Joining(NamedTuple):
                     f"--peers {wide[0]}: without keys a cluster stays on loopback; serve every "
                     "broker with the same --curve-secret (`tensorbroker keys`)"
                 )
-        return cls(node, address, found, keys, _prefetch(prefetch), found_etcd, etcd_prefix)
+        prefetched = _prefetch(prefetch)
+        return cls(node, address, found, keys, prefetched, found_etcd, etcd_prefix, etcd_tls)
 
 
 def _prefetch(text: str | None) -> int:

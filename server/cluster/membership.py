@@ -29,13 +29,14 @@ import json
 import logging
 import os
 import socket
+import ssl
 import threading
 import time
 from collections import deque
 from typing import Any, NamedTuple
 
 from ...common.errors import InvalidRequest
-from .etcd import Etcd, EtcdUnavailable
+from .etcd import TIMEOUT, Etcd, EtcdUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +60,12 @@ class Member(NamedTuple):
 class Membership:
     """This broker's entry in etcd, and the others' as they change (Note [membership])."""
 
-    def __init__(self, urls: tuple[str, ...], prefix: str, node: str, record: dict[str, Any]):
-        self.urls, self.node, self.address = urls, node, record.get("address")
+    def __init__(
+        self, urls: tuple[str, ...], prefix: str, node: str, record: dict[str, Any],
+        tls: ssl.SSLContext | None = None,
+    ) -> None:  # fmt: skip
+        """`tls`: how etcd is reached over https (etcd.tls)."""
+        self.urls, self.tls, self.node, self.address = urls, tls, node, record.get("address")
         self.prefix = f"{prefix.rstrip('/')}/members/".encode()
         self._key, self.record = self.prefix + node.encode(), record
         self.events: deque[Member] = deque()
@@ -74,10 +79,14 @@ class Membership:
         self._present: set[str] = set()  # the other nodes in etcd (the watch's thread's)
         self._threads: list[threading.Thread] = []
 
+    def _etcd(self, timeout: float = TIMEOUT, first: int = 0) -> Etcd:
+        """A client of this cluster's etcd (one per thread: Etcd)."""
+        return Etcd(self.urls, timeout, first, self.tls)
+
     def start(self) -> None:
         """Put this broker's entry (EtcdUnavailable if no etcd answers: the broker does not
         start), then keep it and watch the others' on threads of their own."""
-        etcd = Etcd(self.urls)
+        etcd = self._etcd()
         deadline, said = time.monotonic() + START_WAIT, False
         while True:  # (an etcd that answers slowly, or has no leader yet, is waited for)
             try:
@@ -119,7 +128,7 @@ class Membership:
         self._end_streams()
         if self._lease:
             try:
-                Etcd(self.urls).revoke(self._lease)
+                self._etcd().revoke(self._lease)
             except EtcdUnavailable as exc:  # (it expires by itself)
                 log.warning("could not leave the cluster's etcd at once: %s", exc)
         for thread in self._threads:
@@ -165,7 +174,7 @@ class Membership:
         the next is tried); one that expired (etcd out of reach that long: the others took
         this broker for down) is granted again, and the entry put. A watch on a member that
         does not answer is ended: it goes on on another."""
-        etcd, unreachable = Etcd(self.urls, timeout=TTL / 3, first=first), False
+        etcd, unreachable = self._etcd(timeout=TTL / 3, first=first), False
         while not self._stop.wait(TTL / 3):
             try:
                 asked = time.monotonic()
@@ -202,7 +211,7 @@ class Membership:
         while not self._stop.is_set():
             url = self._watching = self.urls[turn % len(self.urls)]
             try:
-                for key, value, seen in Etcd(self.urls).watch(
+                for key, value, seen in self._etcd().watch(
                     url, self.prefix, revision, self._streams, self._stop
                 ):
                     self._seen(key, value)
@@ -218,7 +227,7 @@ class Membership:
             if self._stop.wait(0.2):
                 return
             try:  # (the changes missed meanwhile: those still there, and those gone)
-                revision, members = Etcd(self.urls).range(self.prefix)
+                revision, members = self._etcd().range(self.prefix)
             except EtcdUnavailable:
                 continue
             gone = self._present - {k[len(self.prefix) :].decode() for k in members}
