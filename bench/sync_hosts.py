@@ -1,0 +1,244 @@
+"""Weight sync across machines, against gloo's broadcast: bench/cluster_sync.py's comparison
+for the outside check of issue 50, where each node is a machine of its own.
+
+Each machine serves a broker of one cluster (`tensorbroker serve --node ... --cluster ...
+--etcd ...`, the cluster guide) and runs one rank of this script next to it, rank 0 on the
+trainer's machine:
+
+    python bench/sync_hosts.py --rank 0 --world 4 --master 10.0.0.1:29500   # the trainer
+    python bench/sync_hosts.py --rank 1 --world 4 --master 10.0.0.1:29500   # a reader (2, 3)
+
+The ranks also form one gloo group at --master (torch.distributed), which carries the gloo
+side and the readers' acknowledgements: every time is read on rank 0's clock, so the
+machines' clocks need not agree. For each of --versions versions of a bf16 state_dict of
+--mib MiB in --tensors tensors, first with tensorbroker, then with gloo:
+
+    tensorbroker  rank 0 puts the state_dict as one bundle on its broker; each reader, in
+                  `watch` on its own broker, has it, checks one value, and acknowledges
+    gloo          rank 0 copies the state_dict into one flat bucket and broadcasts it (the
+                  fastest way gloo offers); each reader acknowledges once it has it
+
+blocked: rank 0's put, or its copy and broadcast. End to end: from rank 0 holding the new
+state_dict until the last acknowledgement (a 4-byte gloo message after the transfer).
+Rank 0 prints the table and writes it to --out. Set GLOO_SOCKET_IFNAME, and the brokers'
+UCX_NET_DEVICES and UCX_TLS, as the machines need.
+
+`--local` runs it all on this host: an etcd, a broker per rank (UCX_TLS=tcp) and the ranks,
+to try the script (the figures are bench/cluster_sync.py's to give). Usage:
+python bench/sync_hosts.py (--rank R --world N --master HOST:PORT [--address ADDR] | --local N)
+    [--mib 512] [--tensors 194] [--versions 9] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from harness.report import emit  # noqa: E402
+
+import tensorbroker as tb  # noqa: E402
+
+
+def state_dict(mib: int, tensors: int, step: int) -> dict[str, Any]:
+    """Version `step`: every value is `step` (bench/cluster_sync.py's)."""
+    import torch
+
+    numel = mib * 2**20 // 2 // tensors
+    return {f"t{i}": torch.full((numel,), step, dtype=torch.bfloat16) for i in range(tensors)}
+
+
+def acknowledged(world: int, step: int) -> None:
+    """Rank 0: wait for every reader's acknowledgement of version `step`."""
+    import torch
+    import torch.distributed as dist
+
+    for reader in range(1, world):
+        seen = torch.zeros(1, dtype=torch.int32)
+        dist.recv(seen, src=reader)
+        if int(seen) != step:
+            raise RuntimeError(f"rank {reader} acknowledged version {int(seen)}, not {step}")
+
+
+def acknowledge(step: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.send(torch.tensor([step], dtype=torch.int32), dst=0)
+
+
+def with_tensorbroker(args: argparse.Namespace) -> tuple[list[float], list[float]]:
+    """Rank 0: blocked and end-to-end seconds per version; a reader: ([], [])."""
+    import torch
+    import torch.distributed as dist
+
+    blocked: list[float] = []
+    ends: list[float] = []
+    with tb.connect(args.address) as c:
+        if args.rank == 0:
+            for step in range(1, args.versions + 1):
+                sd = state_dict(args.mib, args.tensors, step)
+                dist.barrier()  # (the readers are in their watch)
+                began = time.perf_counter()
+                c.put("sync_hosts", sd)
+                blocked.append(time.perf_counter() - began)
+                acknowledged(args.world, step)
+                ends.append(time.perf_counter() - began)
+                del sd
+            c.delete("sync_hosts")
+        else:
+            versions = c.watch("sync_hosts", timeout=600)
+            for step in range(1, args.versions + 1):
+                dist.barrier()
+                while True:
+                    item = next(versions)
+                    seen = int(float(torch.from_dlpack(item["t0"])[-1]))
+                    del item
+                    if seen == step:
+                        break
+                acknowledge(step)
+    return blocked, ends
+
+
+def with_gloo(args: argparse.Namespace) -> tuple[list[float], list[float]]:
+    """As with_tensorbroker, for gloo's broadcast of one flat bucket."""
+    import torch
+    import torch.distributed as dist
+
+    flat = torch.empty(args.mib * 2**20 // 2, dtype=torch.bfloat16)
+    blocked: list[float] = []
+    ends: list[float] = []
+    for step in range(1, args.versions + 1):
+        sd = state_dict(args.mib, args.tensors, step) if args.rank == 0 else {}
+        dist.barrier()
+        began = time.perf_counter()
+        if args.rank == 0:
+            views = [t.view(-1) for t in sd.values()]
+            torch.cat(views, out=flat[: sum(v.numel() for v in views)])
+        dist.broadcast(flat, src=0)
+        if args.rank == 0:
+            blocked.append(time.perf_counter() - began)
+            acknowledged(args.world, step)
+            ends.append(time.perf_counter() - began)
+        else:
+            if float(flat[0]) != step:
+                raise RuntimeError(f"rank {args.rank} has {float(flat[0])}, not version {step}")
+            acknowledge(step)
+        del sd
+    return blocked, ends
+
+
+def table(args: argparse.Namespace, ours: tuple[list[float], list[float]],
+          gloo: tuple[list[float], list[float]]) -> list[str]:  # fmt: skip
+    med = statistics.median
+    ms = lambda xs: ", ".join(f"{x * 1e3:.0f}" for x in xs)  # noqa: E731
+
+    def row(what: str, i: int, pick: Any) -> str:
+        a, b = pick(ours[i]), pick(gloo[i])
+        return f"| {what} | {a * 1e3:.0f} ms | {b * 1e3:.0f} ms | {a / b:.2f} |"
+
+    first, rest = (lambda xs: xs[0]), (lambda xs: med(xs[1:]) if len(xs) > 1 else xs[0])
+    return [
+        f"# Weight sync to {args.world - 1} other nodes ({time.strftime('%Y-%m-%d %H:%M')}, "
+        "bench/sync_hosts.py)", "",
+        f"A {args.mib} MiB bf16 state_dict of {args.tensors} tensors, {args.versions} versions, "
+        f"from rank 0 ({os.uname().nodename}) to {args.world - 1} readers, "
+        + ("all on this one host (--local: a try of the script, not of machines)"
+           if args.one_host else "each on a machine of its own")
+        + "; times on rank 0's clock, to the last reader's acknowledgement.", "",
+        "| | tensorbroker | gloo broadcast (flat bucket) | ratio |", "|---|---|---|---|",
+        row("trainer blocked, first version", 0, first),
+        row("trainer blocked, the others (median)", 0, rest),
+        row("end to end, last reader, first version", 1, first),
+        row("end to end, last reader, the others (median)", 1, rest),
+        "", f"Each version: tensorbroker blocked {ms(ours[0])} ms, end to end {ms(ours[1])} ms; "
+        f"gloo blocked {ms(gloo[0])} ms, end to end {ms(gloo[1])} ms.", "",
+    ]  # fmt: skip
+
+
+def rank(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://{args.master}", rank=args.rank, world_size=args.world
+    )
+    try:
+        ours = with_tensorbroker(args)
+        gloo = with_gloo(args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    if args.rank == 0:
+        emit(args.out, table(args, ours, gloo))
+    return 0
+
+
+def local(args: argparse.Namespace) -> int:
+    """--local N: an etcd, N brokers and N ranks on this host."""
+    os.environ.setdefault("UCX_TLS", "tcp")
+    from scaling import cluster
+
+    from tests.support import free_port
+
+    nodes = [f"h{i}" for i in range(args.local)]
+    memory = f"{4 * args.mib}MiB"  # (the next version while one is read)
+    with tempfile.TemporaryDirectory(prefix="tb-hosts-") as folder:
+        with cluster(nodes, folder, memory) as brokers:
+            master = f"127.0.0.1:{free_port()}"
+            sizes = ["--mib", str(args.mib), "--tensors", str(args.tensors), "--versions",
+                     str(args.versions), "--out", args.out]  # fmt: skip
+            ranks = [
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--rank",
+                        str(r),
+                        "--world",
+                        str(len(nodes)),
+                        "--master",
+                        master,
+                        "--address",
+                        b.address,
+                        "--one-host",
+                        *sizes,
+                    ]
+                )  # fmt: skip
+                for r, b in enumerate(brokers)
+            ]
+            codes = [p.wait(timeout=1200) for p in ranks]
+    return max(codes)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rank", type=int)
+    parser.add_argument("--world", type=int)
+    parser.add_argument("--master", metavar="HOST:PORT", help="rank 0's address for gloo")
+    parser.add_argument("--address", help="this machine's broker (default: as clients find it)")
+    parser.add_argument("--local", type=int, metavar="N", help="N ranks and brokers on this host")
+    parser.add_argument("--one-host", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mib", type=int, default=512)
+    parser.add_argument("--tensors", type=int, default=194)
+    parser.add_argument("--versions", type=int, default=9)
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "cluster_sync_hosts.md"))
+    args = parser.parse_args()
+    if args.local is not None:
+        return local(args)
+    if args.rank is None or args.world is None or args.master is None:
+        parser.error("--rank, --world and --master (or --local N)")
+    if args.world < 2 or not 0 <= args.rank < args.world:
+        parser.error(f"--rank {args.rank} of --world {args.world}: 0 <= rank < world, world >= 2")
+    return rank(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
