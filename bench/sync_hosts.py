@@ -23,8 +23,8 @@ state_dict until the last acknowledgement (a 4-byte gloo message after the trans
 Rank 0 prints the table and writes it to --out. Set GLOO_SOCKET_IFNAME, and the brokers'
 UCX_NET_DEVICES and UCX_TLS, as the machines need.
 
-`--local` runs it all on this host: an etcd, a broker per rank (UCX_TLS=tcp) and the ranks,
-to try the script (the figures are bench/cluster_sync.py's to give). Usage:
+`--local N` runs it all on this host (bench/hosts.py), to try the script: the figures there
+are bench/cluster_sync.py's to give. Usage:
 python bench/sync_hosts.py (--rank R --world N --master HOST:PORT [--address ADDR] | --local N)
     [--mib 512] [--tensors 194] [--versions 9] [--out FILE]
 """
@@ -34,15 +34,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+import hosts  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from harness.report import emit  # noqa: E402
 
 import tensorbroker as tb  # noqa: E402
@@ -50,17 +51,12 @@ import tensorbroker as tb  # noqa: E402
 
 def state_dict(mib: int, tensors: int, step: int) -> dict[str, Any]:
     """Version `step`: every value is `step` (bench/cluster_sync.py's)."""
-    import torch
-
     numel = mib * 2**20 // 2 // tensors
     return {f"t{i}": torch.full((numel,), step, dtype=torch.bfloat16) for i in range(tensors)}
 
 
 def acknowledged(world: int, step: int) -> None:
     """Rank 0: wait for every reader's acknowledgement of version `step`."""
-    import torch
-    import torch.distributed as dist
-
     for reader in range(1, world):
         seen = torch.zeros(1, dtype=torch.int32)
         dist.recv(seen, src=reader)
@@ -69,17 +65,11 @@ def acknowledged(world: int, step: int) -> None:
 
 
 def acknowledge(step: int) -> None:
-    import torch
-    import torch.distributed as dist
-
     dist.send(torch.tensor([step], dtype=torch.int32), dst=0)
 
 
 def with_tensorbroker(args: argparse.Namespace) -> tuple[list[float], list[float]]:
     """Rank 0: blocked and end-to-end seconds per version; a reader: ([], [])."""
-    import torch
-    import torch.distributed as dist
-
     blocked: list[float] = []
     ends: list[float] = []
     with tb.connect(args.address) as c:
@@ -110,9 +100,6 @@ def with_tensorbroker(args: argparse.Namespace) -> tuple[list[float], list[float
 
 def with_gloo(args: argparse.Namespace) -> tuple[list[float], list[float]]:
     """As with_tensorbroker, for gloo's broadcast of one flat bucket."""
-    import torch
-    import torch.distributed as dist
-
     flat = torch.empty(args.mib * 2**20 // 2, dtype=torch.bfloat16)
     blocked: list[float] = []
     ends: list[float] = []
@@ -150,9 +137,7 @@ def table(args: argparse.Namespace, ours: tuple[list[float], list[float]],
         f"# Weight sync to {args.world - 1} other nodes ({time.strftime('%Y-%m-%d %H:%M')}, "
         "bench/sync_hosts.py)", "",
         f"A {args.mib} MiB bf16 state_dict of {args.tensors} tensors, {args.versions} versions, "
-        f"from rank 0 ({os.uname().nodename}) to {args.world - 1} readers, "
-        + ("all on this one host (--local: a try of the script, not of machines)"
-           if args.one_host else "each on a machine of its own")
+        f"from rank 0 to {args.world - 1} readers, the ranks {hosts.where(args)}"
         + "; times on rank 0's clock, to the last reader's acknowledgement.", "",
         "| | tensorbroker | gloo broadcast (flat bucket) | ratio |", "|---|---|---|---|",
         row("trainer blocked, first version", 0, first),
@@ -164,80 +149,24 @@ def table(args: argparse.Namespace, ours: tuple[list[float], list[float]],
     ]  # fmt: skip
 
 
-def rank(args: argparse.Namespace) -> int:
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://{args.master}", rank=args.rank, world_size=args.world
-    )
-    try:
-        ours = with_tensorbroker(args)
-        gloo = with_gloo(args)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    if args.rank == 0:
-        emit(args.out, table(args, ours, gloo))
-    return 0
-
-
-def local(args: argparse.Namespace) -> int:
-    """--local N: an etcd, N brokers and N ranks on this host."""
-    os.environ.setdefault("UCX_TLS", "tcp")
-    from scaling import cluster
-
-    from tests.support import free_port
-
-    nodes = [f"h{i}" for i in range(args.local)]
-    memory = f"{4 * args.mib}MiB"  # (the next version while one is read)
-    with tempfile.TemporaryDirectory(prefix="tb-hosts-") as folder:
-        with cluster(nodes, folder, memory) as brokers:
-            master = f"127.0.0.1:{free_port()}"
-            sizes = ["--mib", str(args.mib), "--tensors", str(args.tensors), "--versions",
-                     str(args.versions), "--out", args.out]  # fmt: skip
-            ranks = [
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        __file__,
-                        "--rank",
-                        str(r),
-                        "--world",
-                        str(len(nodes)),
-                        "--master",
-                        master,
-                        "--address",
-                        b.address,
-                        "--one-host",
-                        *sizes,
-                    ]
-                )  # fmt: skip
-                for r, b in enumerate(brokers)
-            ]
-            codes = [p.wait(timeout=1200) for p in ranks]
-    return max(codes)
-
-
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rank", type=int)
-    parser.add_argument("--world", type=int)
-    parser.add_argument("--master", metavar="HOST:PORT", help="rank 0's address for gloo")
-    parser.add_argument("--address", help="this machine's broker (default: as clients find it)")
-    parser.add_argument("--local", type=int, metavar="N", help="N ranks and brokers on this host")
-    parser.add_argument("--one-host", action="store_true", help=argparse.SUPPRESS)
+    parser = hosts.parser(__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=int, default=512)
     parser.add_argument("--tensors", type=int, default=194)
     parser.add_argument("--versions", type=int, default=9)
     parser.add_argument("--out", default=os.path.join(HERE, "results", "cluster_sync_hosts.md"))
-    args = parser.parse_args()
+    args = hosts.checked(parser, parser.parse_args())
     if args.local is not None:
-        return local(args)
-    if args.rank is None or args.world is None or args.master is None:
-        parser.error("--rank, --world and --master (or --local N)")
-    if args.world < 2 or not 0 <= args.rank < args.world:
-        parser.error(f"--rank {args.rank} of --world {args.world}: 0 <= rank < world, world >= 2")
-    return rank(args)
+        more = ["--mib", str(args.mib), "--tensors", str(args.tensors), "--versions",
+                str(args.versions), "--out", args.out]  # fmt: skip
+        memory = f"{4 * args.mib}MiB"  # (a version read while the next is put)
+        return hosts.local(__file__, args, memory, more)
+    with hosts.group(args):
+        ours = with_tensorbroker(args)
+        gloo = with_gloo(args)
+    if args.rank == 0:
+        emit(args.out, table(args, ours, gloo))
+    return 0
 
 
 if __name__ == "__main__":

@@ -378,6 +378,7 @@ class Broker(Dispatching):
             "address": self.address,
             "state_dir": self.state.path,
             "uptime_s": time.monotonic() - self._started,
+            "cpu_s": time.process_time(),  # (all its threads': bench/scaling_hosts.py)
             "devices": self.registry.grants.device_stats(),
             "cuda": self.devices.unavailable if self.devices.runtime is None else "",
             **({} if self.cluster is None else {"cluster": self.cluster.stats()}),

@@ -75,6 +75,26 @@ def test_stat_json(broker: tb.BrokerProcess, client: tb.Client) -> None:
     assert stats["pid"] == broker.pid
 
 
+def test_stats_say_the_cpu_time_the_broker_used_all_its_threads(
+    broker: tb.BrokerProcess, client: tb.Client
+) -> None:
+    """What the kernel counts for the broker's process (bench/scaling_hosts.py reads it on
+    each machine), to its clock tick."""
+
+    def kernel() -> float:
+        with open(f"/proc/{broker.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    for i in range(200):
+        client.put(f"cpu-{i % 4}", np.ones(1000))
+    before = kernel()
+    said = client.stats()["cpu_s"]
+    after = kernel()
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    assert before - tick <= said <= after + tick and said > 0
+
+
 def test_ls_shows_each_object_with_its_version_size_dtype_shape_device_and_leases(
     broker: tb.BrokerProcess, client: tb.Client
 ) -> None:
