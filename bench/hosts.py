@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -40,6 +41,9 @@ def checked(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Na
     if args.local is not None:
         if args.local < 2:
             p.error(f"--local {args.local}: at least 2")
+        if any(v is not None for v in (args.rank, args.world, args.master, args.address)):
+            p.error("--local N starts its own ranks and brokers: no --rank, --world, --master "
+                    "or --address with it")  # fmt: skip
         return args
     if args.rank is None or args.world is None or args.master is None:
         p.error("--rank, --world and --master (or --local N)")
@@ -88,23 +92,21 @@ def local(script: str, args: argparse.Namespace, memory: str, more: Sequence[str
         cluster(nodes, folder, memory) as brokers,
     ):
         master = f"127.0.0.1:{free_port()}"
+        common = ["--world", str(len(nodes)), "--master", master, "--one-host", *more]
         ranks = [
             subprocess.Popen(
-                [
-                    sys.executable,
-                    script,
-                    "--rank",
-                    str(r),
-                    "--world",
-                    str(len(nodes)),
-                    "--master",
-                    master,
-                    "--address",
-                    b.address,
-                    "--one-host",
-                    *more,
-                ]
-            )  # fmt: skip
+                [sys.executable, script, "--rank", str(r), "--address", b.address, *common]
+            )
             for r, b in enumerate(brokers)
         ]
-        return max(p.wait(timeout=3600) for p in ranks)
+        try:  # (a rank that failed leaves the others waiting in gloo: they are stopped)
+            while any(p.poll() is None for p in ranks):
+                if any(p.poll() not in (None, 0) for p in ranks):
+                    break
+                time.sleep(0.2)
+        finally:
+            for p in ranks:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        return max(abs(p.returncode) for p in ranks)

@@ -14,8 +14,9 @@ Each rank reads its own broker's CPU (`stats()["cpu_s"]`, all its threads) aroun
     idle        --idle seconds of nothing: CPU per broker (a lone broker idles at 0.00%)
     put cost    --puts 4 KiB puts on rank 0's broker, one after another, to keys no other
                 node reads or watches: their latency (against a broker of no cluster that
-                rank 0 starts, the same puts), and the CPU the *other* brokers spent per
-                put above their idle CPU; new versions of 20 keys, then puts of new keys
+                rank 0 starts: bench/scaling.py's lone_put), and the CPU the *other* brokers
+                spent per put above their idle CPU; new versions of 20 keys, then puts of
+                new keys (all deleted at the end)
 
 Issue 50's targets: the others' CPU per put at most 200 us, and at 16 nodes at most 1.25x
 at 4; idle CPU per broker at most 0.5%; a put at most 2x a lone broker's. Rank 0 writes the
@@ -40,6 +41,7 @@ import hosts  # noqa: E402
 import numpy as np  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from harness.report import emit  # noqa: E402
+from scaling import lone_put  # noqa: E402
 
 import tensorbroker as tb  # noqa: E402
 
@@ -75,14 +77,6 @@ def timed(c: tb.Client, key: Callable[[int], str], n: int, took: list[float]) ->
     return puts
 
 
-def lone_put(n: int) -> float:
-    """The median put of a broker in no cluster, started here."""
-    took: list[float] = []
-    with tb.start_broker(memory="48MiB") as b, tb.connect(b.address) as c:
-        timed(c, lambda i: f"lone-{i % KEYS}", n, took)()
-    return statistics.median(took)
-
-
 def measure(args: argparse.Namespace) -> list[list[float]]:
     """Each rank's [idle CPU share, CPU on the puts of new versions, on those of new keys,
     median put (rank 0's; 0 elsewhere)], by rank."""
@@ -95,14 +89,17 @@ def measure(args: argparse.Namespace) -> list[list[float]]:
         idle = (cpu(c) - before) / args.idle
         if args.rank == 0:
             timed(c, lambda i: f"scale-{i}", KEYS, [])()
+        time.sleep(SETTLE)  # (their claims heard)
         versions = spent(
             c, idle, args.rank, timed(c, lambda i: f"scale-{i % KEYS}", args.puts, took)
         )
         run = os.urandom(4).hex()  # (keys new to the cluster, whatever ran before)
         new = spent(c, idle, args.rank, timed(c, lambda i: f"new-{run}-{i}", args.puts, []))
-        if args.rank == 0:
-            for i in range(KEYS):
-                c.delete(f"scale-{i}")
+        if args.rank == 0:  # (the keys put go: a real cluster keeps no trace of the run)
+            for key in [f"scale-{i}" for i in range(KEYS)]:
+                c.delete(key)
+            for i in range(args.puts):
+                c.delete(f"new-{run}-{i}")
     return hosts.gathered([idle, versions, new, statistics.median(took) if took else 0.0])
 
 
@@ -139,7 +136,7 @@ def main() -> int:
     with hosts.group(args):
         by_rank = measure(args)
     if args.rank == 0:
-        emit(args.out, table(args, by_rank, lone_put(args.puts)))
+        emit(args.out, table(args, by_rank, lone_put(args.puts) / 1e6))
     return 0
 
 

@@ -32,6 +32,7 @@ python bench/sync_hosts.py (--rank R --world N --master HOST:PORT [--address ADD
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -74,6 +75,8 @@ def with_tensorbroker(args: argparse.Namespace) -> tuple[list[float], list[float
     ends: list[float] = []
     with tb.connect(args.address) as c:
         if args.rank == 0:
+            with contextlib.suppress(tb.NotFound):  # (one an aborted run left)
+                c.delete("sync_hosts")
             for step in range(1, args.versions + 1):
                 sd = state_dict(args.mib, args.tensors, step)
                 dist.barrier()  # (the readers are in their watch)
@@ -89,8 +92,8 @@ def with_tensorbroker(args: argparse.Namespace) -> tuple[list[float], list[float
             for step in range(1, args.versions + 1):
                 dist.barrier()
                 while True:
-                    item = next(versions)
-                    seen = int(float(torch.from_dlpack(item["t0"])[-1]))
+                    item = next(versions)  # (None: a delete)
+                    seen = -1 if item is None else int(float(torch.from_dlpack(item["t0"])[-1]))
                     del item
                     if seen == step:
                         break

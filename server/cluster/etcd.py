@@ -79,20 +79,44 @@ def tls(
     try:
         context = ssl.create_default_context(cafile=cacert)
     except (OSError, ssl.SSLError) as exc:
-        raise InvalidRequest(f"--etcd-cacert {cacert}: {_why(exc)}") from None
+        why = _why(exc, "not a file of PEM CA certificates")
+        raise InvalidRequest(f"--etcd-cacert {cacert}: {why}") from None
     if cert is not None:
         try:
             context.load_cert_chain(cert, key)
         except (OSError, ssl.SSLError) as exc:
-            raise InvalidRequest(f"--etcd-cert {cert} with --etcd-key {key}: {_why(exc)}") from None
+            why = _why(exc, "not a PEM certificate and key that go together")
+            raise InvalidRequest(f"--etcd-cert {cert} with --etcd-key {key}: {why}") from None
     return context
 
 
-def _why(exc: OSError | ssl.SSLError) -> str:
-    """What is wrong with a PEM file, as the user can act on it."""
+def _why(exc: OSError | ssl.SSLError, unreadable: str) -> str:
+    """What is wrong with a PEM file, as the user can act on it (`unreadable`: what it is
+    not, if it could be read)."""
     if isinstance(exc, ssl.SSLError):
-        return f"not a PEM certificate and key that go together ({exc.reason or exc})"
+        return f"{unreadable} ({exc.reason or exc})"
     return exc.strerror or str(exc)
+
+
+def _refused_handshake(exc: BaseException) -> bool:
+    """Whether `exc` is a TLS handshake that failed for good: a certificate not trusted, or
+    an alert from the server (a certificate it asked for and was not shown), not a
+    connection cut short (an etcd restarting)."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return True
+    return isinstance(exc, ssl.SSLError) and "ALERT" in str(exc.reason or "")
+
+
+def connection(
+    url: str, timeout: float, context: ssl.SSLContext | None
+) -> http.client.HTTPConnection:
+    """A connection to the etcd endpoint `url`: over TLS with `context` (`tls`), else plain."""
+    parts = urlsplit(url)
+    if context is None:
+        return http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout)
+    return http.client.HTTPSConnection(
+        parts.hostname or "", parts.port, timeout=timeout, context=context
+    )
 
 
 def _b64(data: bytes) -> str:
@@ -121,21 +145,13 @@ class Etcd:
         self.failed: set[str] = set()
         self.first = first  # the endpoint that answered last
 
-    def _connection(self, url: str, timeout: float) -> http.client.HTTPConnection:
-        parts = urlsplit(url)
-        if self.tls is None:
-            return http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout)
-        return http.client.HTTPSConnection(
-            parts.hostname or "", parts.port, timeout=timeout, context=self.tls
-        )
-
     def call(self, path: str, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         """POST `body` to /v3/`path`: the JSON answer of the first endpoint that gives one."""
         errors, self.failed, refused, handshakes = [], set(), 0, 0
         n = len(self.urls)
         for turn in range(n):
             url = self.urls[(self.first + turn) % n]
-            conn = self._connection(url, timeout or self.timeout)
+            conn = connection(url, timeout or self.timeout, self.tls)
             try:
                 conn.request("POST", f"/v3/{path}", json.dumps(body))
                 reply = conn.getresponse()
@@ -143,8 +159,9 @@ class Etcd:
             except (OSError, http.client.HTTPException, ValueError) as exc:
                 errors.append(f"{url}: {exc}")
                 self.failed.add(url)
-                handshakes += isinstance(exc, ssl.SSLError)  # (as a refusal: not waited out)
-                refused += isinstance(exc, (ConnectionRefusedError, ssl.SSLError))
+                handshake = _refused_handshake(exc)  # (as a refusal: not waited out at start)
+                handshakes += handshake
+                refused += handshake or isinstance(exc, ConnectionRefusedError)
                 continue
             finally:
                 conn.close()
@@ -158,8 +175,9 @@ class Etcd:
             return dict(data)
         what = "start etcd there, or give this broker's --etcd the addresses of a running one"
         if handshakes:
-            what = ("check --etcd-cacert (the CA that signed etcd's certificate), and --etcd-cert "
-                    "with --etcd-key if etcd asks for a client certificate")  # fmt: skip
+            what = ("check --etcd-cacert (the CA that signed etcd's certificate, which must "
+                    "name the host in --etcd), and --etcd-cert with --etcd-key if etcd asks for "
+                    "a client certificate")  # fmt: skip
         unavailable = EtcdUnavailable(
             f"no etcd answers at {', '.join(self.urls)} ({'; '.join(errors)}): {what}"
         )
@@ -222,7 +240,7 @@ class Etcd:
         revision) for a delete, until the stream ends (OSError: the endpoint went away, or
         TCP's keepalive found it dead). The stream's socket goes into `opened`, and another
         thread shuts it to end the watch; once `stop` is set, the watch ends."""
-        conn = self._connection(url, TIMEOUT)
+        conn = connection(url, TIMEOUT, self.tls)
         try:
             create = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}
             conn.request("POST", "/v3/watch", json.dumps({"create_request": {

