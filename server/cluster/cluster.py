@@ -380,6 +380,7 @@ class Cluster(Answers, Requests):
     def close(self) -> None:
         if self.membership is not None:  # (first: the others see this node leave now)
             self.membership.close()
-        self.transfers.close()  # (its writes under way end before a new process can link)
+        ended = self.transfers.close()  # (its writes under way end before a new process links)
         served = self._served()  # (their readers hold their blocks until told)
-        self.links.close(CLOSE_LINGER_MS if served else 0)
+        told = ended and self._stopped()  # (and none is written after)
+        self.links.close(CLOSE_LINGER_MS if served or told else 0)

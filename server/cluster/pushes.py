@@ -34,11 +34,12 @@ A lender taken for down may still be alive, and writing. So the pieces of a lend
 down are given up at once (`abandon`: the pull reads again, or fails, as for a read that
 failed), but the block they were asked into is not reused (`hold`) until the lender says
 each is over after all (a late `wrote`, or its answer to `writing`), says it never took it
-(`unwritten`: its `hello_first`), or restarted (its writes went with its process: a
-broker's NIXL writes end before its links close, and it answers them then, Cluster.close;
-not so a process taken for down that a new one, at another address, replaced while it still
-wrote: its held blocks are let go at the new one's hello). One whose lender never comes back
-stays held: the whole block of each pull it was writing (stats: `blocks_held`). A lender
+(`unwritten`: its `hello_first`), stopped, or restarted (its writes went with its process:
+a broker's NIXL writes end before its links close, and it answers them then and says to
+the nodes up that it stopped, Cluster.close; not so a process taken for down that a new
+one, at another address, replaced while it still wrote: its held blocks are let go at the
+new one's hello). One whose lender never comes back and did not stop (killed, its machine
+gone) stays held: the whole block of each pull it was writing (stats: `blocks_held`). A lender
 that forgot this node (it is up) still answers each piece it took, on its own link if it
 has no route of this node's left, and says it never took the others; the pull, suspect,
 reads again once they ended. A piece its lender says it is still writing is waited for,
@@ -137,6 +138,13 @@ class Pushes:
         self._refused.pop(node, None)
         for read in [r for r in self._pushed.values() if r.node == node]:
             self._ended(read, "restarted before it wrote")
+
+    def stopped(self, node: str, inc: Any) -> None:
+        """`node`'s broker of incarnation `inc` stopped: its writes ended before it said so
+        (Cluster.close), and none comes after; what it was asked to write is over."""
+        for read in [r for r in self._pushed.values() if r.node == node]:
+            if read.inc is None or inc is None or read.inc == inc:
+                self._ended(read, "stopped before it wrote")
 
     def _ended(self, read: Read, error: str | None) -> None:
         """Its lender says the piece `read` is over (in, if no `error`): a piece given up

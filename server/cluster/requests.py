@@ -22,6 +22,7 @@ class Requests:
     """Cluster's handling of its peers' requests (`_request`); what it uses of Cluster is
     named here."""
 
+    node: str
     links: Links
     replicas: Replicas
     queues: QueueLinks
@@ -43,12 +44,22 @@ class Requests:
                 self.links.send(node, answer)
         return bool(served)
 
+    def _stopped(self) -> bool:
+        """Tell the nodes up that this broker stopped (its writes have ended): those that
+        asked it for pieces hold no block for them (Note [pushes] in pushes.py). Whether
+        any was told."""
+        said = {"op": "stopped", "node": self.node, "inc": self.links.incarnation}
+        up = {p.node for p in self.links.peers if p.node is not None and p.up}
+        return sum(self.links.send(node, said) for node in sorted(up)) > 0
+
     def _pushes(self, op: str, m: dict[str, Any]) -> None:
-        """A lender's answer about a piece, sent on its own link (`_served`), or a reader's
-        question about its pieces (Note [pushes] in pushes.py)."""
+        """A lender's answer about a piece, sent on its own link (`_served`), its stop
+        (`_stopped`), or a reader's question about its pieces (Note [pushes] in pushes.py)."""
         node = str(m.get("node", ""))
         try:
-            if op == "wrote":
+            if op == "stopped":
+                self.transfers.stopped(node, m.get("inc"))
+            elif op == "wrote":
                 self.transfers.wrote(node, m)
             else:
                 self.transfers.writing(node, m["tokens"], m.get("inc"))
@@ -59,8 +70,8 @@ class Requests:
     def _request(self, route: bytes, m: dict[str, Any]) -> None:
         op, replicas, links = m["op"], self.replicas, self.links
         lost = links.tally(route, m)  # (each request its sender counted: Note [beats])
-        if op in ("wrote", "writing"):  # (Note [pushes]: whether or not this one has a route
-            self._pushes(op, m)  # of the node's, which forgot it meanwhile)
+        if op in ("wrote", "writing", "stopped"):  # (Note [pushes]: with or without a route
+            self._pushes(op, m)  # of the node's, which may have forgotten it meanwhile)
             return
         try:
             if op == "hello":

@@ -277,12 +277,15 @@ class Transfers(Pushes, Reads):
         specs = [(str(n), str(d), tuple(s)) for n, d, s in offer["specs"]]
         return specs, bool(offer["bundle"]), str(offer.get("device", "cpu"))
 
-    def close(self) -> None:
-        if not self.mover.close():  # (NIXL may still use the segments: left mapped)
-            return
+    def close(self) -> bool:
+        """Whether the transfers under way ended (else NIXL may still use the segments:
+        they are left mapped)."""
+        if not self.mover.close():
+            return False
         for mapping, _ in self._mapped.values():
             try:
                 mapping.close()
             except BufferError:  # the address handed to NIXL still points into it
                 pass
         self._mapped.clear()
+        return True

@@ -530,6 +530,36 @@ def test_a_block_a_stalled_lender_may_still_write_into_is_not_reused_until_it_sa
             pytest.fail("the lender was never stopped with pieces under way (3 tries)")
 
 
+def test_a_lender_that_stops_mid_push_leaves_its_reader_no_block_held(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lender stopped (not killed) while it pushes a version: its writes end before it
+    says it stopped, so its reader lets the block go at once (it held it until the lender
+    came back: a node taken out of a cluster left 192 MiB out of use on its reader, in 5
+    of 5 tries), and its get waits out its timeout for the owner, as for any node down."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    size = 192 * 2**20
+    with (
+        clusters.cluster(("a", "b"), memory="512MiB") as brokers,
+        clusters.connected(brokers) as cs,
+    ):
+        a, b = cs["a"], cs["b"]
+        x = np.random.default_rng(0).integers(0, 255, size, np.uint8)
+        a.put("w", x)
+        assert wait_until(lambda: b.exists("w"), 5)
+        pushed = a.stats()["cluster"]["bytes_pushed"]
+        getting, out = in_thread(lambda: b.get("w", timeout=5))
+        assert wait_until(
+            lambda: a.stats()["cluster"]["bytes_pushed"] > pushed, 10, interval=0.0005
+        )
+        brokers["a"].stop()
+        getting.join(30)
+        assert out and isinstance(out[0], tb.Timeout), out
+        assert "lives on node 'a', which is down" in str(out[0])
+        assert wait_until(lambda: b.stats()["cluster"]["blocks_held"] == 0, 5)
+        assert b.stats()["used_bytes"] == 0
+
+
 def test_the_cluster_figures_are_served_as_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.integration.test_metrics import scrape, value
 

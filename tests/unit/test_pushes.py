@@ -195,6 +195,23 @@ def test_pieces_a_lender_never_took_or_that_went_with_its_process_hold_nothing(
     assert released == [1] and pair.r.blocks_held == 0
 
 
+def test_a_lender_that_says_it_stopped_holds_no_block_for_its_pieces(pair: Pair) -> None:
+    """The lender stopped (Cluster.close: its writes ended first): every piece asked of that
+    process is over, those given up included. One another process of the node says it
+    stopped (an older one's word, late) ends nothing of this one's."""
+    pair.l.incarnation = 8
+    reading = Reading("l", pair.src.ctypes.data, pair.dst.ctypes.data, SIZE,
+                      ("DRAM", 0), ("DRAM", 0), push=True, inc=8)  # fmt: skip
+    pair.r.extend(reading, SIZE)
+    pair.r.abandon("l", "node 'l' went down")
+    released: list[int] = []
+    assert pair.r.hold(reading.reads, lambda: released.append(1))
+    pair.r.stopped("l", 7)
+    assert not released and pair.r.blocks_held == 1
+    pair.r.stopped("l", 8)
+    assert released == [1] and pair.r.blocks_held == 0
+
+
 def test_a_piece_whose_request_was_lost_is_asked_about_and_never_written_after(
     pair: Pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
