@@ -9,6 +9,7 @@ import logging
 from typing import Any
 
 from ...common.errors import BrokerError
+from .dealers import Peer
 from .joining import speaks
 from .links import Links
 from .queue_links import QueueLinks
@@ -29,6 +30,9 @@ class Requests:
     transfers: Transfers
 
     def _forget_node(self, node: str, mutual: bool = False) -> None:
+        raise NotImplementedError
+
+    def _down(self, peer: Peer, relink: bool = False) -> None:
         raise NotImplementedError
 
     def _hello(self, op: str = "hello", to: str | None = None) -> dict[str, Any]:
@@ -58,6 +62,11 @@ class Requests:
         node = str(m.get("node", ""))
         try:
             if op == "stopped":
+                # From its process (not an older one's late word): down now, as after a leave
+                # from etcd, so that what it was asked is given up, then over.
+                if not self.links.older(node, m.get("inc")):
+                    for peer in [p for p in self.links.peers if p.node == node and p.up]:
+                        self._down(peer)
                 self.transfers.stopped(node, m.get("inc"))
             elif op == "wrote":
                 self.transfers.wrote(node, m)
