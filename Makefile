@@ -46,7 +46,9 @@ cluster-demo: $(STAMP)
 # restart, a peer's silence or a deadline, and the other workers fill that time (943 tests,
 # 2026-12-02: 105.7, 106.8 and 109.8 s with five; 102-124 s with four, from 113.7 to 123.9 s
 # in fresh clones; 1007 tests, later that day: 162 and 199 s with five, 205 s with eight;
-# 1071 tests, 2026-12-03: 190-191 s with five, 191 s with seven, the CPUs 94% busy).
+# 1071 tests, 2026-12-03: 190-191 s with five, 191 s with seven, the CPUs 94% busy; the
+# 943 tests of 482e90d, run again that day: 158.7 s, against 105-110 s on 2026-12-02:
+# the host, not the tests, is a third of it. 1091 tests in a fresh clone: 217 s).
 WORKERS ?= 5
 PARALLEL := -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 
