@@ -45,15 +45,10 @@ sys.path.insert(0, os.path.dirname(HERE))
 import hosts  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from cluster_sync import state_dict  # noqa: E402
 from harness.report import emit  # noqa: E402
 
 import tensorbroker as tb  # noqa: E402
-
-
-def state_dict(mib: int, tensors: int, step: int) -> dict[str, Any]:
-    """Version `step`: every value is `step` (bench/cluster_sync.py's)."""
-    numel = mib * 2**20 // 2 // tensors
-    return {f"t{i}": torch.full((numel,), step, dtype=torch.bfloat16) for i in range(tensors)}
 
 
 def acknowledged(world: int, step: int) -> None:

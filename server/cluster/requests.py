@@ -52,9 +52,9 @@ class Requests:
         """Tell the nodes up that this broker stopped (its writes have ended): those that
         asked it for pieces hold no block for them (Note [pushes] in pushes.py). Whether
         any was told."""
-        said = {"op": "stopped", "node": self.node, "inc": self.links.incarnation}
-        up = {p.node for p in self.links.peers if p.node is not None and p.up}
-        return sum(self.links.send(node, said) for node in sorted(up)) > 0
+        links = self.links
+        said = {"op": "stopped", "node": self.node, "inc": links.incarnation}
+        return sum(links.send(node, said) for node in links.nodes() if links.up(node)) > 0
 
     def _pushes(self, op: str, m: dict[str, Any]) -> None:
         """A lender's answer about a piece, sent on its own link (`_served`), its stop
